@@ -1,0 +1,5 @@
+import sys
+
+from nsa_eval.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""The `nsa-eval` command line: one subcommand per module under nsa_eval/commands/.
+
+Every handler validates its input before it computes. A `UsageError` (bad file, key, name or
+value) is printed as one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from nsa_eval.errors import UsageError
+
+# subcommand -> module under nsa_eval.commands defining register(subparsers)
+COMMANDS = {
+    "validate": "validate",
+    "run": "run",
+    "report": "report",
+    "lm-eval": "lm_eval",
+    "data": "data",
+    "bench": "bench",
+    "train": "train",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nsa-eval",
+        description="Evaluate Native Sparse Attention beside full attention and sparse baselines.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMANDS.values():
+        try:
+            module = importlib.import_module(f"nsa_eval.commands.{module_name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"nsa_eval.commands.{module_name}":
+                raise
+            continue  # subcommand not built yet
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # `nsa-eval lm-eval ...` passes lm-eval's own flags through untouched.
+    if argv[:1] == ["lm-eval"]:
+        from nsa_eval.commands.lm_eval import run_passthrough
+
+        return _guarded(run_passthrough, argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    return _guarded(args.handler, args)
+
+
+def _guarded(handler, arg) -> int:
+    try:
+        return int(handler(arg) or 0)
+    except UsageError as err:
+        print(f"nsa-eval: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""nsa_eval.kernels (being built)."""
