@@ -1,0 +1,458 @@
+"""A decoder-only language model whose attention is Native Sparse Attention, read top to bottom.
+
+References:
+- NSA: Yuan et al., "Native Sparse Attention: Hardware-Aligned and Natively Trainable Sparse
+  Attention", arXiv 2502.11089 (Sec. 3.3 for the three branches and the gate, Sec. 4.1 for sizes).
+- DeepSeekMoE (arXiv 2401.06066) for the optional mixture of experts, as in the paper's 27B model.
+- fla-org/flash-linear-attention `fla/models/nsa` for the layout `convert_fla.py` loads.
+- karpathy/nanoGPT `model.py` for the shape of this file.
+
+Parts, in order of use: RMSNorm, rotary position embedding, block compression, the NSA attention
+layer, the SwiGLU MLP and the mixture of experts, the decoder block, then the Hugging Face classes.
+
+Shapes: B batch, T new tokens, S cached tokens, Hq query heads, Hkv key/value heads, G = Hq / Hkv,
+Dk query/key head size, Dv value head size, C hidden size, Tc compressed blocks.
+
+Where RoPE sits relative to compression (the paper does not say):
+- `compression="mean"` pools keys that are already rotated, as fla does, so fla checkpoints match;
+- `compression="mlp"` compresses keys before RoPE (the intra-block position embedding tells the MLP
+  where each token sits in its block) and then rotates compressed key i at its block's first token
+  position `i * stride`, as XunhaoLai/native-sparse-attention-triton does. Values are never rotated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from nsa_eval.kernels import nsa_attention, nsa_decode
+from nsa_eval.models.cache_nsa import NSACache
+from nsa_eval.models.configuration_nsa import NSAConfig
+
+try:  # transformers >= 5 initialises through functions that respect already-loaded weights
+    from transformers import initialization as init
+except ImportError:  # pragma: no cover
+    init = nn.init
+
+# transformers 5.24 renamed the output field past_key_values -> cache; write whichever exists.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+# --- rotary position embedding (GPT-NeoX "rotate half" layout, as Llama and fla use) ---
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin `[T, dim]` for integer `positions` `[T]`; computed on the fly, so no buffers to load."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[B, T, H, D]` by cos/sin `[T, D]`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+# --- compression: l raw tokens, d apart, -> one compressed key or value (paper Eq. 7) ---
+
+
+class BlockCompressor(nn.Module):
+    """phi of the paper: each block of `block_len` tokens (blocks start `stride` apart) -> one vector.
+
+    "mlp": add a learned intra-block position embedding `[l, D]`, flatten the block to `l * D` and
+    apply Linear-SiLU-Linear back to D. "mean": a parameter-free mean (fla's mean pooling).
+    """
+
+    def __init__(self, config: NSAConfig, dim: int):
+        super().__init__()
+        self.mode, self.block_len, self.stride = config.compression, config.block_len, config.stride
+        if self.mode == "mlp":
+            self.pos_emb = nn.Parameter(torch.zeros(config.block_len, dim))
+            self.fc1 = nn.Linear(config.block_len * dim, config.compress_hidden_size, bias=False)
+            self.fc2 = nn.Linear(config.compress_hidden_size, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[B, L, H, D]` -> `[B, Tc, H, D]`, Tc = 0 if L < l else (L - l) // d + 1."""
+        B, L, H, D = x.shape
+        if L < self.block_len:
+            return x.new_zeros(B, 0, H, D)
+        blocks = x.unfold(1, self.block_len, self.stride)  # [B, Tc, H, D, l]
+        if self.mode == "mean":
+            return blocks.mean(dim=-1)  # [B, Tc, H, D]
+        blocks = blocks.transpose(-1, -2) + self.pos_emb  # [B, Tc, H, l, D]
+        return self.fc2(F.silu(self.fc1(blocks.flatten(-2))))  # [B, Tc, H, D]
+
+
+# --- the NSA attention layer ---
+
+
+class NSAAttention(nn.Module):
+    """GQA attention replaced by NSA: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa (paper Eq. 5).
+
+    Projections: `q_proj`; `k_proj`/`v_proj` feed selection (and everything when `shared_kv`);
+    with separate branches also `k_cmp_proj`/`v_cmp_proj` (compression input) and
+    `k_swa_proj`/`v_swa_proj` (window). `g_proj` gives three sigmoid gates per query head, laid out
+    `(head, branch)` with branches (cmp, slc, swa) as fla's g_proj.
+    """
+
+    def __init__(self, config: NSAConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        C, Hq, Hkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        Dk, Dv, bias = config.head_dim, config.v_head_dim, config.attention_bias
+        self.Hq, self.Hkv, self.Dk, self.Dv = Hq, Hkv, Dk, Dv
+        self.q_proj = nn.Linear(C, Hq * Dk, bias=bias)
+        self.k_proj = nn.Linear(C, Hkv * Dk, bias=bias)
+        self.v_proj = nn.Linear(C, Hkv * Dv, bias=bias)
+        if not config.shared_kv:
+            self.k_cmp_proj = nn.Linear(C, Hkv * Dk, bias=bias)
+            self.v_cmp_proj = nn.Linear(C, Hkv * Dv, bias=bias)
+            if config.window > 0:
+                self.k_swa_proj = nn.Linear(C, Hkv * Dk, bias=bias)
+                self.v_swa_proj = nn.Linear(C, Hkv * Dv, bias=bias)
+        if config.gate_hidden_size:
+            self.g_proj = nn.Sequential(
+                nn.Linear(C, config.gate_hidden_size, bias=False),
+                nn.SiLU(),
+                nn.Linear(config.gate_hidden_size, 3 * Hq, bias=False),
+            )
+        else:
+            self.g_proj = nn.Linear(C, 3 * Hq, bias=False)
+        self.compress_k = BlockCompressor(config, Dk)
+        self.compress_v = BlockCompressor(config, Dv)
+        self.o_proj = nn.Linear(Hq * Dv, C, bias=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.Dk, self.config.rope_theta, dtype)
+
+    def compress(self, k_in: torch.Tensor, v_in: torch.Tensor, first_block: int):
+        """Inputs `[B, L, Hkv, D]` from block `first_block` on -> k_cmp, v_cmp `[B, Tc, Hkv, D]`."""
+        k_cmp, v_cmp = self.compress_k(k_in), self.compress_v(v_in)
+        if self.config.compression == "mlp":  # rotate compressed key i at its first token, i * stride
+            block_ids = torch.arange(first_block, first_block + k_cmp.shape[1], device=k_cmp.device)
+            cos, sin = self.rope(block_ids * self.config.stride, k_cmp.dtype)
+            k_cmp = apply_rope(k_cmp, cos, sin)
+        return k_cmp, v_cmp
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Hidden states `[B, T, C]` at `positions` `[T]` -> every per-branch tensor the kernels need."""
+        B, T, _ = x.shape
+        Hq, Hkv, Dk, Dv = self.Hq, self.Hkv, self.Dk, self.Dv
+        cos, sin = self.rope(positions, x.dtype)
+        q = apply_rope(self.q_proj(x).view(B, T, Hq, Dk), cos, sin)  # [B, T, Hq, Dk]
+        k_raw = self.k_proj(x).view(B, T, Hkv, Dk)  # [B, T, Hkv, Dk], before RoPE
+        v = self.v_proj(x).view(B, T, Hkv, Dv)  # [B, T, Hkv, Dv]
+        k = apply_rope(k_raw, cos, sin)
+        if self.config.shared_kv:
+            k_cmp_in, v_cmp_in, k_swa, v_swa = k_raw, v, None, None
+        else:
+            k_cmp_in = self.k_cmp_proj(x).view(B, T, Hkv, Dk)
+            v_cmp_in = self.v_cmp_proj(x).view(B, T, Hkv, Dv)
+            k_swa = v_swa = None
+            if self.config.window > 0:
+                k_swa = apply_rope(self.k_swa_proj(x).view(B, T, Hkv, Dk), cos, sin)
+                v_swa = self.v_swa_proj(x).view(B, T, Hkv, Dv)
+        if self.config.compression == "mean":  # fla pools rotated keys
+            k_cmp_in = apply_rope(k_cmp_in, cos, sin)
+        gates = torch.sigmoid(self.g_proj(x).float()).view(B, T, Hq, 3).to(q.dtype)  # [B, T, Hq, 3]
+        g_cmp, g_slc, g_swa = gates.unbind(-1)  # [B, T, Hq] each
+        if self.config.window == 0:
+            g_swa = torch.zeros_like(g_swa)  # no window branch: its output is multiplied by 0
+        return dict(q=q, k=k, v=v, k_cmp_in=k_cmp_in, v_cmp_in=v_cmp_in, k_swa=k_swa, v_swa=v_swa,
+                    g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa)
+
+    def kernel_kwargs(self) -> dict:
+        kwargs = self.config.nsa_kwargs()
+        kwargs["window"] = max(kwargs["window"], 1)  # window 0 runs a 1-token window gated by 0
+        return kwargs
+
+    def prefill(self, p: dict, cache: NSACache | None) -> torch.Tensor:
+        """All T queries at once from position 0 (training, scoring, the prompt): `[B, T, Hq, Dv]`."""
+        if cache is not None:
+            layer = cache.update(self.layer_idx, p["k"], p["v"], p["k_cmp_in"], p["v_cmp_in"], self.compress,
+                                 k_swa=p["k_swa"], v_swa=p["v_swa"])
+            k_cmp, v_cmp = self._compressed(layer, p)
+        else:
+            k_cmp, v_cmp = self.compress(p["k_cmp_in"], p["v_cmp_in"], 0)  # [B, Tc, Hkv, D]
+        return nsa_attention(p["q"], p["k"], p["v"], k_cmp, v_cmp, p["g_cmp"], p["g_slc"], p["g_swa"],
+                             k_swa=p["k_swa"], v_swa=p["v_swa"], **self.kernel_kwargs())
+
+    def decode(self, p: dict, cache: NSACache) -> torch.Tensor:
+        """T new queries after S cached tokens, one at a time through nsa_decode: `[B, T, Hq, Dv]`."""
+        outputs = []
+        for t in range(p["q"].shape[1]):
+            step = {name: None if x is None else x[:, t : t + 1] for name, x in p.items()}
+            layer = cache.update(self.layer_idx, step["k"], step["v"], step["k_cmp_in"], step["v_cmp_in"],
+                                 self.compress, k_swa=step["k_swa"], v_swa=step["v_swa"])
+            k_cmp, v_cmp = self._compressed(layer, step)
+            outputs.append(nsa_decode(step["q"], layer.k, layer.v, k_cmp, v_cmp, step["g_cmp"], step["g_slc"],
+                                      step["g_swa"], k_swa=layer.k_swa, v_swa=layer.v_swa,
+                                      **self.kernel_kwargs()))  # [B, 1, Hq, Dv]
+        return torch.cat(outputs, dim=1)  # [B, T, Hq, Dv]
+
+    def _compressed(self, layer, p: dict):
+        if layer.k_cmp is not None:
+            return layer.k_cmp, layer.v_cmp
+        B, _, Hkv, Dk = p["k"].shape
+        return p["k"].new_zeros(B, 0, Hkv, Dk), p["v"].new_zeros(B, 0, Hkv, self.Dv)  # no block complete yet
+
+    def forward(self, x: torch.Tensor, cache: NSACache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        positions = torch.arange(past, past + T, device=x.device)
+        p = self.project(x, positions)
+        o = self.prefill(p, cache) if past == 0 else self.decode(p, cache)  # [B, T, Hq, Dv]
+        return self.o_proj(o.reshape(B, T, self.Hq * self.Dv))  # [B, T, C]
+
+
+# --- feed-forward: SwiGLU, and DeepSeekMoE (routed + shared experts) ---
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE: top-k of `num_experts` routed experts (softmax router) plus always-on shared experts.
+
+    The shared experts are one SwiGLU `num_shared_experts` times as wide (the same function as a sum
+    of separate experts). `aux_loss` holds the load-balancing loss of the last call.
+    """
+
+    def __init__(self, config: NSAConfig):
+        super().__init__()
+        C, E, width = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.router = nn.Linear(C, E, bias=False)
+        self.experts = nn.ModuleList([SwiGLU(C, width) for _ in range(E)])
+        shared = config.num_shared_experts
+        self.shared_experts = SwiGLU(C, width * shared) if shared else None
+        self.aux_loss = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)  # [N, C]
+        probs = self.router(flat).float().softmax(dim=-1)  # [N, E]
+        top_p, top_i = probs.topk(self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (top_i == e).nonzero(as_tuple=True)  # tokens routed to expert e
+            if rows.numel():
+                out.index_add_(0, rows, expert(flat[rows]) * top_p[rows, slot, None].to(flat.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        # Switch-style balance loss: E * sum_e (fraction of tokens to e) * (mean router prob of e)
+        load = F.one_hot(top_i, len(self.experts)).float().sum(dim=(0, 1)) / top_i.numel()  # [E]
+        self.aux_loss = len(self.experts) * (load * probs.mean(dim=0)).sum()
+        return out.view(B, T, C)
+
+
+class NSABlock(nn.Module):
+    def __init__(self, config: NSAConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = NSAAttention(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        use_moe = config.num_experts > 0 and layer_idx >= config.first_dense_layers
+        self.mlp = MoE(config) if use_moe else SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cache: NSACache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# --- activated tokens per query, for comparing NSA with the baselines' budgets ---
+
+
+def activated_tokens(positions: torch.Tensor, config: NSAConfig) -> dict[str, torch.Tensor]:
+    """Tokens each query at `positions` `[N]` (0-based) attends to, per branch, as `[N]` int64 tensors.
+
+    compressed: blocks complete by the query, 0 if t + 1 < l else (t + 1 - l) // d + 1;
+    selected: the raw tokens of min(n, blocks so far) selection blocks, the query's own block
+    (always selected when num_local >= 1) counting only its first t mod l' + 1 tokens;
+    window: min(w, t + 1). `total` is their sum, the paper's Table 4 count (tokens in both the
+    window and a selected block count twice, as they are loaded twice).
+    """
+    t = positions.long()
+    l, d, ls = config.block_len, config.stride, config.select_size
+    seen = t + 1
+    compressed = torch.where(seen < l, torch.zeros_like(t), torch.div(seen - l, d, rounding_mode="floor") + 1)
+    blocks = torch.clamp(torch.div(t, ls, rounding_mode="floor") + 1, max=config.num_selected)
+    if config.num_local >= 1:
+        selected = (blocks - 1) * ls + torch.remainder(t, ls) + 1
+    else:
+        selected = torch.minimum(blocks * ls, torch.div(t, ls, rounding_mode="floor") * ls)
+    window = torch.clamp(seen, max=config.window) if config.window > 0 else torch.zeros_like(t)
+    return dict(compressed=compressed, selected=selected, window=window, total=compressed + selected + window)
+
+
+# --- the Hugging Face classes ---
+
+
+class NSAPreTrainedModel(PreTrainedModel):
+    config_class = NSAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["NSABlock"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, BlockCompressor) and module.mode == "mlp":
+            init.normal_(module.pos_emb, mean=0.0, std=self.config.initializer_range)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate() must not build a DynamicCache: the model builds its NSACache
+
+
+class NSAModel(NSAPreTrainedModel):
+    def __init__(self, config: NSAConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([NSABlock(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.reset_activation_stats()
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def reset_activation_stats(self) -> None:
+        self._stats = {"queries": 0, "total": 0, "compressed": 0, "selected": 0, "window": 0, "max": 0}
+
+    def activation_stats(self) -> dict:
+        """Activated tokens per query over every forward since the last reset (all layers alike)."""
+        n = self._stats["queries"]
+        mean = {k: (self._stats[k] / n if n else 0.0) for k in ("total", "compressed", "selected", "window")}
+        return {"queries": n, "mean": mean["total"], "max": self._stats["max"],
+                "mean_per_branch": {k: mean[k] for k in ("compressed", "selected", "window")}}
+
+    def _record(self, batch: int, positions: torch.Tensor) -> None:
+        counts = activated_tokens(positions.cpu(), self.config)
+        self._stats["queries"] += batch * positions.numel()
+        for name in ("total", "compressed", "selected", "window"):
+            self._stats[name] += batch * int(counts[name].sum())
+        self._stats["max"] = max(self._stats["max"], int(counts["total"].max()))
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: NSACache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, C]")
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise ValueError(
+                "NSAModel does not take padded batches (attention_mask has zeros): NSA blocks are fixed "
+                "token positions, so run rows of different lengths separately"
+            )
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, C]
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if cache is not None and not isinstance(cache, NSACache):
+            if cache.get_seq_length() > 0:
+                raise ValueError(f"NSAModel needs an NSACache, got a filled {type(cache).__name__}")
+            cache = None  # an empty cache of another kind (e.g. generate's DynamicCache): replace it
+        if cache is None and use_cache:
+            cache = NSACache(self.config.num_hidden_layers, self.config.block_len, self.config.stride)
+        past = cache.get_seq_length() if cache is not None else 0
+        B, T = x.shape[:2]
+        self._record(B, torch.arange(past, past + T))
+        for layer in self.layers:
+            x = layer(x, cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{CACHE_FIELD: cache})
+
+
+class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: NSAConfig):
+        super().__init__(config)
+        self.model = NSAModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def activation_stats(self) -> dict:
+        return self.model.activation_stats()
+
+    def reset_activation_stats(self) -> None:
+        self.model.reset_activation_stats()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,  # ignored: positions follow the cache length
+        cache: NSACache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        past_key_values: NSACache | None = None,  # the name transformers < 5.24 uses
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """input_ids `[B, T]` -> logits `[B, T, V]` (the last `logits_to_keep` positions if > 0)."""
+        cache = cache if cache is not None else past_key_values
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache)
+        hidden = out.last_hidden_state  # [B, T, C]
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)  # [B, T, V]
+        loss = None
+        if labels is not None:
+            shifted = logits[:, :-1].flatten(0, 1).float()  # [B * (T - 1), V]
+            loss = F.cross_entropy(shifted, labels[:, 1:].flatten(), ignore_index=-100)
+            aux = [m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+            if aux and self.config.router_aux_loss_coef:
+                loss = loss + self.config.router_aux_loss_coef * torch.stack(aux).mean()
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: getattr(out, CACHE_FIELD)})
+
+
+AutoModel.register(NSAConfig, NSAModel, exist_ok=True)
+AutoModelForCausalLM.register(NSAConfig, NSAForCausalLM, exist_ok=True)
