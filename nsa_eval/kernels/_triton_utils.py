@@ -1,0 +1,386 @@
+"""Triton code shared by the NSA kernels: a banded FlashAttention-2 (forward, dq, dk/dv) used by the
+compression and sliding-window branches, the row statistic `delta = rowsum(o * do)`, and the top-k
+that turns selection-block importances into block indices.
+
+Key index `i` of the banded attention stands for the token `i * key_stride + key_offset` (its last
+token); query `t` sees it when that token is `<= t` and, with a window `w`, `> t - w`:
+- compression: `key_stride = d`, `key_offset = l - 1` (block `i` covers tokens `[i*d, i*d + l)`);
+- sliding window: `key_stride = 1`, `key_offset = 0`, window `w`.
+
+Under TRITON_INTERPRET=1 every `tl.dot` runs on float32 operands (`UPCAST`): the interpreter
+multiplies bf16 bit patterns as integers (triton-lang/triton#11584).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pow2(n: int, minimum: int = 16) -> int:
+    return max(minimum, triton.next_power_of_2(int(n)))
+
+
+def default_scale(scale: float | None, dk: int) -> float:
+    return 1.0 / math.sqrt(dk) if scale is None else float(scale)
+
+
+def contiguous(*tensors):
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# delta = rowsum(o * do) - dlse, the softmax-backward row term
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _delta_kernel(O, DO, DLSE, DELTA, N, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr,
+                  HAS_DLSE: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
+    cols = tl.arange(0, BDV)
+    mask = (rows < N)[:, None] & (cols < DV)[None, :]
+    o = tl.load(O + rows[:, None] * DV + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + rows[:, None] * DV + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)  # [BR]
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + rows, mask=rows < N, other=0.0)
+    tl.store(DELTA + rows, delta, mask=rows < N)
+
+
+def row_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None = None) -> torch.Tensor:
+    """`rowsum(o * do) - dlse` in float32. o, do: [B, T, H, Dv] contiguous -> [B, T, H]."""
+    B, T, H, DV = o.shape
+    delta = torch.empty(B, T, H, device=o.device, dtype=torch.float32)
+    n = B * T * H
+    if n == 0:
+        return delta
+    BR = 16
+    dlse_arg = dlse.contiguous().float() if dlse is not None else delta
+    _delta_kernel[(triton.cdiv(n, BR),)](o, do, dlse_arg, delta, n, DV=DV, BDV=pow2(DV), BR=BR,
+                                         HAS_DLSE=dlse is not None)
+    return delta
+
+
+# ---------------------------------------------------------------------------------------------
+# banded FlashAttention-2
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _band_fwd_kernel(
+    Q, K, V, O, LSE,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+    T, TK, HQ, G, scale_log2, key_stride, key_offset, window,
+    HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+    BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // HQ).to(tl.int64)
+    i_h = i_bh % HQ
+    i_hk = i_h // G
+    t0 = i_m * BM
+    o_t = t0 + tl.arange(0, BM)  # [BM] query positions
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    m_t = o_t < T
+    q = tl.load(Q + i_b * sq_b + i_h * sq_h + o_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
+                mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BM, BDK]
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + i_b * sk_b + i_hk * sk_h
+    v_base = V + i_b * sv_b + i_hk * sv_h
+
+    t_last = tl.minimum(t0 + BM - 1, T - 1)
+    hi = tl.minimum(tl.maximum(t_last - key_offset, 0) // key_stride + 1, TK)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(t0 - window + 1, 0) // BN * BN
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BDV], tl.float32)
+    for start in range(lo, hi, BN):
+        o_k = start + tl.arange(0, BN)  # [BN] key indices
+        m_k = o_k < TK
+        k = tl.load(k_base + o_k[None, :].to(tl.int64) * sk_t + o_dk[:, None],
+                    mask=m_k[None, :] & (o_dk < DK)[:, None], other=0.0)  # [BDK, BN]
+        v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
+                    mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k) * scale_log2  # [BM, BN]
+        k_pos = o_k * key_stride + key_offset
+        valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
+        if HAS_WINDOW:
+            valid = valid & (k_pos[None, :] > o_t[:, None] - window)
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(O + i_b * so_b + i_h * so_h + o_t[:, None].to(tl.int64) * so_t + o_dv[None, :],
+             o.to(O.dtype.element_ty), mask=m_t[:, None] & (o_dv < DV)[None, :])
+    tl.store(LSE + (i_b * T + o_t) * HQ + i_h, lse, mask=m_t)
+
+
+@triton.jit
+def _band_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    T, TK, HQ, G, scale, scale_log2, key_stride, key_offset, window,
+    HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+    BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # DO and DQ are contiguous [B, T, HQ, DV] / [B, T, HQ, DK]
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // HQ).to(tl.int64)
+    i_h = i_bh % HQ
+    i_hk = i_h // G
+    t0 = i_m * BM
+    o_t = t0 + tl.arange(0, BM)
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    m_t = o_t < T
+    row = (i_b * T + o_t.to(tl.int64)) * HQ + i_h  # [BM] flat (b, t, h)
+    q = tl.load(Q + i_b * sq_b + i_h * sq_h + o_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
+                mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BM, BDK]
+    do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_t[:, None] & (o_dv < DV)[None, :],
+                 other=0.0)  # [BM, BDV]
+    lse = tl.load(LSE + row, mask=m_t, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+    delta = tl.load(DELTA + row, mask=m_t, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    k_base = K + i_b * sk_b + i_hk * sk_h
+    v_base = V + i_b * sv_b + i_hk * sv_h
+    t_last = tl.minimum(t0 + BM - 1, T - 1)
+    hi = tl.minimum(tl.maximum(t_last - key_offset, 0) // key_stride + 1, TK)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(t0 - window + 1, 0) // BN * BN
+    dq = tl.zeros([BM, BDK], tl.float32)
+    for start in range(lo, hi, BN):
+        o_k = start + tl.arange(0, BN)
+        m_k = o_k < TK
+        k = tl.load(k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
+                    mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BN, BDK]
+        v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
+                    mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BM, BN]
+        k_pos = o_k * key_stride + key_offset
+        valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
+        if HAS_WINDOW:
+            valid = valid & (k_pos[None, :] > o_t[:, None] - window)
+        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))  # [BM, BN]
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=m_t[:, None] & (o_dk < DK)[None, :])
+
+
+@triton.jit
+def _band_bwd_dkv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    T, TK, HQ, G, SPLIT, scale, scale_log2, key_stride, key_offset, window,
+    HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+    BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # One program per (key tile, kv head, head split); it loops over G // SPLIT query heads.
+    # DK_OUT / DV_OUT are contiguous [B, TK, HKV * SPLIT, D].
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    HKV = HQ // G
+    NH = HKV * SPLIT
+    i_b = (i_bh // NH).to(tl.int64)
+    i_hs = i_bh % NH  # (kv head, split) index
+    i_hk = i_hs // SPLIT
+    heads = G // SPLIT
+    h_first = i_hk * G + (i_hs % SPLIT) * heads
+    k0 = i_n * BN
+    o_k = k0 + tl.arange(0, BN)
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    m_k = o_k < TK
+    k = tl.load(K + i_b * sk_b + i_hk * sk_h + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
+                mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BN, BDK]
+    v = tl.load(V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
+                mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    k_pos = o_k * key_stride + key_offset
+    lo = tl.minimum(k0 * key_stride + key_offset, T) // BM * BM
+    hi = T
+    if HAS_WINDOW:
+        hi = tl.minimum((k0 + BN - 1) * key_stride + key_offset + window, T)
+    dk = tl.zeros([BN, BDK], tl.float32)
+    dv = tl.zeros([BN, BDV], tl.float32)
+    for j in range(0, heads):
+        i_h = h_first + j
+        for start in range(lo, hi, BM):
+            o_t = start + tl.arange(0, BM)
+            m_t = o_t < T
+            row = (i_b * T + o_t.to(tl.int64)) * HQ + i_h
+            q = tl.load(Q + i_b * sq_b + i_h * sq_h + o_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
+                        mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BM, BDK]
+            do = tl.load(DO + row[:, None] * DV + o_dv[None, :],
+                         mask=m_t[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BM, BDV]
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(LSE + row, mask=m_t, other=0.0)
+            lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+            delta = tl.load(DELTA + row, mask=m_t, other=0.0)
+            s_t = tl.dot(k, tl.trans(q)) * scale_log2  # [BN, BM]
+            valid = (k_pos[:, None] <= o_t[None, :]) & m_t[None, :] & m_k[:, None]
+            if HAS_WINDOW:
+                valid = valid & (k_pos[:, None] > o_t[None, :] - window)
+            p_t = tl.where(valid, tl.exp2(s_t - lse[None, :]), 0.0)  # [BN, BM]
+            dv += tl.dot(p_t.to(do.dtype), do)
+            dp_t = tl.dot(v, tl.trans(do))  # [BN, BM]
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q)
+    out_row = (i_b * TK + o_k.to(tl.int64)) * NH + i_hs  # [BN]
+    tl.store(DK_OUT + out_row[:, None] * DK + o_dk[None, :], (dk * scale).to(DK_OUT.dtype.element_ty),
+             mask=m_k[:, None] & (o_dk < DK)[None, :])
+    tl.store(DV_OUT + out_row[:, None] * DV + o_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
+             mask=m_k[:, None] & (o_dv < DV)[None, :])
+
+
+def _strides(x):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None, BM=64, BN=64):
+    """Banded attention forward. q [B,T,Hq,Dk], k [B,Tk,Hkv,Dk], v [B,Tk,Hkv,Dv] (last dim
+    contiguous) -> o [B,T,Hq,Dv] (q.dtype), lse [B,T,Hq] float32 (natural log, -inf if empty)."""
+    B, T, HQ, DK = q.shape
+    TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
+    o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    if interpreting():
+        BM, BN = 16, 16
+    grid = (triton.cdiv(T, BM), B * HQ)
+    _band_fwd_kernel[grid](
+        q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0,
+        HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), BM=BM, BN=BN,
+        UPCAST=interpreting(), num_warps=4, num_stages=2,
+    )
+    return o, lse
+
+
+def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offset, window=None,
+                  split_heads=False, BM=64, BN=64):
+    """Gradients of `band_forward`: (dq, dk, dv). `split_heads` runs one dk/dv program per query
+    head and sums the group afterwards (many keys seen by long query ranges: compression)."""
+    B, T, HQ, DK = q.shape
+    TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
+    G = HQ // HKV
+    do = do.contiguous()
+    delta = row_delta(o.contiguous(), do, dlse)
+    if interpreting():
+        BM, BN = 16, 16
+    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
+    common = dict(HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), BM=BM, BN=BN,
+                  UPCAST=interpreting())
+    _band_bwd_dq_kernel[(triton.cdiv(T, BM), B * HQ)](
+        q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
+        T, TK, HQ, G, scale, scale * LOG2E, key_stride, key_offset, window or 0,
+        num_warps=4, num_stages=2, **common,
+    )
+    split = G if split_heads else 1
+    buf_dtype = torch.float32 if split > 1 else k.dtype
+    dk = torch.empty(B, TK, HKV * split, DK, device=q.device, dtype=buf_dtype)
+    dv = torch.empty(B, TK, HKV * split, DV, device=q.device, dtype=buf_dtype)
+    _band_bwd_dkv_kernel[(triton.cdiv(TK, BN), B * HKV * split)](
+        q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
+        T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0,
+        num_warps=4, num_stages=2, **common,
+    )
+    if split > 1:
+        dk = dk.view(B, TK, HKV, split, DK).sum(3).to(k.dtype)  # [B, TK, HKV, DK]
+        dv = dv.view(B, TK, HKV, split, DV).sum(3).to(v.dtype)  # [B, TK, HKV, DV]
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# top-k of selection-block importances
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _topk_blocks_kernel(
+    IMP, POS, OUT, N_ROWS, NS, T, HKV, select_size, num_selected, num_init, num_local,
+    HAS_POS: tl.constexpr, BR: tl.constexpr, BNS: tl.constexpr, NSEL: tl.constexpr,
+):
+    # IMP [N_ROWS, NS] float32 (rows ordered (b, t, h_kv)); OUT [N_ROWS, num_selected] int32.
+    # Picks forced blocks, then the largest importances (ties: lower block index), writes the
+    # chosen indices ascending, -1 after them.
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
+    m_r = rows < N_ROWS
+    if HAS_POS:
+        t = tl.load(POS + rows // HKV, mask=m_r, other=0)
+    else:
+        t = ((rows // HKV) % T).to(tl.int32)
+    o_j = tl.arange(0, BNS)  # [BNS]
+    cur = t // select_size  # block holding t
+    imp = tl.load(IMP + rows[:, None] * NS + o_j[None, :], mask=m_r[:, None] & (o_j < NS)[None, :],
+                  other=0.0)  # [BR, BNS]
+    forced = (o_j[None, :] < num_init) | (o_j[None, :] > (cur - num_local)[:, None])
+    imp = tl.where(forced, float("inf"), imp)
+    imp = tl.where(o_j[None, :] > cur[:, None], float("-inf"), imp)
+    chosen = tl.zeros([BR, BNS], tl.int32)
+    for _ in range(num_selected):
+        best = tl.max(imp, 1)  # [BR]
+        is_best = imp == best[:, None]
+        first = tl.min(tl.where(is_best, o_j[None, :], BNS), 1)  # lowest index among ties
+        take = (o_j[None, :] == first[:, None]) & (best > float("-inf"))[:, None]
+        chosen = tl.where(take, 1, chosen)
+        imp = tl.where(o_j[None, :] == first[:, None], float("-inf"), imp)
+    rank = tl.cumsum(chosen, 1) - 1  # [BR, BNS] output slot of each chosen block
+    count = tl.sum(chosen, 1)  # [BR]
+    o_s = tl.arange(0, NSEL)
+    tl.store(OUT + rows[:, None] * num_selected + o_s[None, :], tl.full([BR, NSEL], -1, tl.int32),
+             mask=m_r[:, None] & (o_s >= count[:, None]) & (o_s < num_selected)[None, :])
+    tl.store(OUT + rows[:, None] * num_selected + rank, o_j[None, :] + tl.zeros([BR, BNS], tl.int32),
+             mask=m_r[:, None] & (chosen > 0))
+
+
+def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, num_local, positions=None):
+    """imp [N_ROWS, NS] float32 (rows (b, t, h_kv)) -> int32 [N_ROWS, num_selected], ascending, -1
+    padded. `positions` (int32 [N_ROWS // num_kv_heads]) overrides t = row's sequence position."""
+    n_rows, ns = imp.shape
+    out = torch.empty(n_rows, num_selected, device=imp.device, dtype=torch.int32)
+    if n_rows == 0:
+        return out
+    BNS = pow2(ns)
+    BR = max(1, min(16, 4096 // BNS))
+    _topk_blocks_kernel[(triton.cdiv(n_rows, BR),)](
+        imp, positions if positions is not None else imp, out, n_rows, ns, T, num_kv_heads, select_size,
+        num_selected, num_init, num_local, HAS_POS=positions is not None, BR=BR, BNS=BNS,
+        NSEL=pow2(num_selected, 1), num_warps=4,
+    )
+    return out

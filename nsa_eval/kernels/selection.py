@@ -1,0 +1,353 @@
+"""Triton block selection and selected-block attention (NSA Eq. 8-12 and the group-centric kernel).
+
+`select_blocks`: one program per (tile of query positions, KV head) loads all G query heads of the
+group for `BT` positions (`M = BT * G'` rows, `G'` = G rounded up to a power of two, so `tl.dot`
+gets `M >= 16` for any G), streams the compressed keys in chunks aligned with selection blocks,
+turns scores into probabilities with the compression branch's lse, and maps them onto selection
+blocks with the geometric overlap weights (`|block_i ∩ block_j| / d`, see reference.py) as a small
+matmul. Weight that spills past the chunk's last selection block is carried into the next chunk.
+The importances (summed over the group) go to a float32 buffer `[B*T*Hkv, Ns]`; a second kernel
+keeps the forced blocks and the largest importances (ties to the lower index) and writes them
+ascending, `-1` padded. Needs `select_size % stride == 0` with a power-of-two ratio (true for the
+paper's 32/16/64 and for fla's 64/64/64).
+
+`selected_attention`: the same (positions x group) tiling. The program walks the union of the
+block lists of its `BT` positions once each (a block chosen by several positions, or repeated in
+one list, is read once) with a per-row mask saying which rows selected it and a token-level causal
+mask. Backward: dq in the same walk; dk/dv by float32 atomic adds per selected block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_eval.kernels._triton_utils import (
+    LOG2E,
+    band_forward,
+    contiguous,
+    default_scale,
+    interpreting,
+    pow2,
+    row_delta,
+    topk_blocks,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# importance of selection blocks
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _importance_kernel(
+    Q, KC, LSE, IMP,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
+    T, TC, HQ, G, NS, scale_log2, block_len, stride, select_size,
+    DK: tl.constexpr, BDK: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BNS: tl.constexpr,
+    RATIO: tl.constexpr, UPCAST: tl.constexpr,
+):
+    BC: tl.constexpr = BNS * RATIO  # compressed blocks per chunk of BNS selection blocks
+    M: tl.constexpr = BT * GP
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    HKV = HQ // G
+    i_b = (i_bh // HKV).to(tl.int64)
+    i_hk = i_bh % HKV
+    t0 = i_t * BT
+    o_r = tl.arange(0, M)
+    r_t = t0 + o_r // GP  # [M] position of each row
+    r_g = o_r % GP
+    m_r = (r_t < T) & (r_g < G)
+    o_dk = tl.arange(0, BDK)
+    q = tl.load(Q + i_b * sq_b + (i_hk * G + r_g)[:, None] * sq_h + r_t[:, None].to(tl.int64) * sq_t
+                + o_dk[None, :], mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)  # [M, BDK]
+    if UPCAST:
+        q = q.to(tl.float32)
+    lse = tl.load(LSE + (i_b * T + r_t) * HQ + i_hk * G + r_g, mask=m_r, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634  # [M]
+    k_base = KC + i_b * sk_b + i_hk * sk_h
+
+    # overlap weights of a chunk: compressed block ii (tokens [ii*d, ii*d+l) from the chunk start)
+    # with selection block jj of this chunk (main) or of the next chunk (spill), divided by d
+    o_c = tl.arange(0, BC)
+    o_j = tl.arange(0, BNS)
+    c_lo = o_c[:, None] * stride
+    c_hi = c_lo + block_len
+    s_lo = o_j[None, :] * select_size
+    w_main = tl.maximum(tl.minimum(c_hi, s_lo + select_size) - tl.maximum(c_lo, s_lo), 0)
+    s_lo2 = s_lo + BNS * select_size
+    w_spill = tl.maximum(tl.minimum(c_hi, s_lo2 + select_size) - tl.maximum(c_lo, s_lo2), 0)
+    w_main = w_main.to(tl.float32) / stride  # [BC, BNS]
+    w_spill = w_spill.to(tl.float32) / stride  # [BC, BNS]
+
+    t_last = tl.minimum(t0 + BT - 1, T - 1)
+    ns_hi = t_last // select_size + 1
+    carry = tl.zeros([BT, BNS], tl.float32)
+    r_rows = (i_b * T + t0 + tl.arange(0, BT)) * HKV + i_hk  # [BT] rows of IMP
+    m_rows = (t0 + tl.arange(0, BT)) < T
+    for j0 in range(0, ns_hi, BNS):
+        o_k = j0 * RATIO + o_c  # [BC] compressed block indices
+        m_k = o_k < TC
+        k = tl.load(k_base + o_k[None, :].to(tl.int64) * sk_t + o_dk[:, None],
+                    mask=m_k[None, :] & (o_dk < DK)[:, None], other=0.0)  # [BDK, BC]
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k) * scale_log2  # [M, BC]
+        visible = ((o_k * stride + block_len - 1)[None, :] <= r_t[:, None]) & m_k[None, :] & m_r[:, None]
+        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
+        main = tl.dot(p, w_main, input_precision="ieee")  # [M, BNS]
+        spill = tl.dot(p, w_spill, input_precision="ieee")  # [M, BNS]
+        main = tl.sum(tl.reshape(main, [BT, GP, BNS]), 1)  # [BT, BNS] summed over the group
+        imp = main + carry
+        carry = tl.sum(tl.reshape(spill, [BT, GP, BNS]), 1)
+        cols = j0 + o_j
+        tl.store(IMP + r_rows[:, None] * NS + cols[None, :], imp, mask=m_rows[:, None] & (cols < NS)[None, :])
+
+
+def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
+    """Importance of every selection block for every (query, KV head), summed over the group.
+
+    q [B,T,Hq,Dk], k_cmp [B,Tc,Hkv,Dk], lse [B,T,Hq] (compression branch) -> float32
+    [B*T*Hkv, Ns]; entries of blocks after a row's own block are left unwritten.
+    """
+    B, T, HQ, DK = q.shape
+    TC, HKV = k_cmp.shape[1], k_cmp.shape[2]
+    G = HQ // HKV
+    ns = triton.cdiv(T, select_size)
+    if select_size % stride or (select_size // stride) & (select_size // stride - 1):
+        raise ValueError(
+            f"the Triton select_blocks needs select_size a power-of-two multiple of stride, got "
+            f"select_size={select_size}, stride={stride}"
+        )
+    if block_len - stride > 16 * select_size:
+        raise ValueError(f"block_len - stride must be <= 16 * select_size, got {block_len}, {stride}")
+    ratio = select_size // stride
+    imp = torch.empty(B * T * HKV, ns, device=q.device, dtype=torch.float32)
+    GP = pow2(G, 1)
+    BT = max(1, 16 // GP)
+    BNS = 16 if ratio <= 8 else pow2(max(1, 128 // ratio), 1)
+    BNS = max(BNS, 16)
+    _importance_kernel[(triton.cdiv(T, BT), B * HKV)](
+        q, k_cmp, lse, imp, q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1),
+        k_cmp.stride(2), T, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
+        DK=DK, BDK=pow2(DK), GP=GP, BT=BT, BNS=BNS, RATIO=ratio, UPCAST=interpreting(), num_warps=4,
+    )
+    return imp
+
+
+@torch.no_grad()
+def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_selected=16, num_init=1,
+                  num_local=2, scale=None, lse=None):
+    """Choose the selection blocks of every query (see reference.py for the exact rule).
+
+    Args:
+        q: queries `[B, T, Hq, Dk]`; k_cmp: compressed keys `[B, Tc, Hkv, Dk]`.
+        lse: optional `[B, T, Hq]` float32 lse of the compression branch (recomputed if None).
+
+    Returns:
+        int32 `[B, T, Hkv, num_selected]`, ascending, `-1` padded at the end.
+    """
+    B, T, HQ, DK = q.shape
+    HKV = k_cmp.shape[2]
+    scale = default_scale(scale, DK)
+    q, k_cmp = contiguous(q, k_cmp)
+    if lse is None:
+        _, lse = band_forward(q, k_cmp, k_cmp[..., :1], scale=scale, key_stride=stride,
+                              key_offset=block_len - 1)
+    imp = block_importance(q, k_cmp, lse.contiguous(), block_len=block_len, stride=stride,
+                           select_size=select_size, scale=scale)
+    idx = topk_blocks(imp, T=T, num_kv_heads=HKV, select_size=select_size, num_selected=num_selected,
+                      num_init=num_init, num_local=num_local)
+    return idx.view(B, T, HKV, num_selected)
+
+
+# ---------------------------------------------------------------------------------------------
+# selected attention
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _selected_kernel(
+    Q, K, V, BI, O, LSE, DO, DELTA, DQ, DK32, DV32,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    T, HQ, G, NSEL, scale, scale_log2,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
+    BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Forward (BACKWARD=False): O, LSE. Backward: DQ, and DK32/DV32 float32 accumulated by atomics.
+    # O, DO, DQ contiguous [B, T, HQ, D]; BI contiguous [B, T, HKV, NSEL]; DK32/DV32 [B, T, HKV, D].
+    M: tl.constexpr = BT * GP
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    HKV = HQ // G
+    i_b = (i_bh // HKV).to(tl.int64)
+    i_hk = i_bh % HKV
+    t0 = i_t * BT
+    o_r = tl.arange(0, M)
+    r_t = t0 + o_r // GP  # [M] position of each row
+    r_h = i_hk * G + o_r % GP
+    m_r = (r_t < T) & (o_r % GP < G)
+    row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    q = tl.load(Q + i_b * sq_b + r_h[:, None] * sq_h + r_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
+                mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)  # [M, BDK]
+    if UPCAST:
+        q = q.to(tl.float32)
+    # block lists of the BT positions: [BT, NP]
+    o_p = tl.arange(0, BT)
+    o_s = tl.arange(0, NP)
+    bi_base = BI + ((i_b * T + t0) * HKV + i_hk) * NSEL
+    idx = tl.load(bi_base + o_p[:, None] * (HKV * NSEL) + o_s[None, :],
+                  mask=((t0 + o_p) < T)[:, None] & (o_s < NSEL)[None, :], other=-1)
+    flat = o_p[:, None] * NP + o_s[None, :]  # [BT, NP] order in which the lists are walked
+    k_base = K + i_b * sk_b + i_hk * sk_h
+    v_base = V + i_b * sv_b + i_hk * sv_h
+    o_n = tl.arange(0, BS)
+
+    if BACKWARD:
+        do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :],
+                     other=0.0)  # [M, BDV]
+        if UPCAST:
+            do = do.to(tl.float32)
+        lse = tl.load(LSE + row, mask=m_r, other=0.0)
+        lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+        delta = tl.load(DELTA + row, mask=m_r, other=0.0)
+        dq = tl.zeros([M, BDK], tl.float32)
+    else:
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, BDV], tl.float32)
+
+    for p in range(0, BT):
+        t_p = t0 + p
+        for slot in range(0, NSEL):
+            blk = tl.load(BI + ((i_b * T + t_p) * HKV + i_hk) * NSEL + slot, mask=t_p < T, other=-1)
+            is_blk = idx == blk  # [BT, NP]
+            seen = tl.sum((is_blk & (flat < p * NP + slot)).to(tl.int32), 0)
+            seen = tl.sum(seen, 0)  # walked before: skip
+            if (blk >= 0) & (seen == 0):
+                pos_has = tl.sum(is_blk.to(tl.int32), 1) > 0  # [BT] positions that chose blk
+                row_has = tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])  # [M]
+                o_k = blk * BS + o_n  # [BS] token positions
+                valid = row_has[:, None] & (o_k[None, :] <= r_t[:, None]) & m_r[:, None]  # [M, BS]
+                m_k = o_k < T
+                k = tl.load(k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
+                            mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BS, BDK]
+                v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
+                            mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BS, BDV]
+                if UPCAST:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
+                if BACKWARD:
+                    pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)  # [M, BS]
+                    dp = tl.dot(do, tl.trans(v))  # [M, BS]
+                    ds = pr * (dp - delta[:, None])
+                    dq += tl.dot(ds.to(k.dtype), k)
+                    dk_blk = tl.dot(tl.trans(ds.to(q.dtype)), q) * scale  # [BS, BDK]
+                    dv_blk = tl.dot(tl.trans(pr.to(do.dtype)), do)  # [BS, BDV]
+                    kv_row = (i_b * T + o_k.to(tl.int64)) * HKV + i_hk  # [BS]
+                    tl.atomic_add(DK32 + kv_row[:, None] * DK + o_dk[None, :], dk_blk,
+                                  mask=m_k[:, None] & (o_dk < DK)[None, :], sem="relaxed")
+                    tl.atomic_add(DV32 + kv_row[:, None] * DV + o_dv[None, :], dv_blk,
+                                  mask=m_k[:, None] & (o_dv < DV)[None, :], sem="relaxed")
+                else:
+                    s = tl.where(valid, s, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_safe)
+                    pr = tl.exp2(s - m_safe[:, None])
+                    l_i = l_i * alpha + tl.sum(pr, 1)
+                    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+                    m_i = m_new
+
+    if BACKWARD:
+        tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
+                 mask=m_r[:, None] & (o_dk < DK)[None, :])
+    else:
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse_out = tl.where(empty, float("-inf"),
+                           (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        tl.store(O + row[:, None] * DV + o_dv[None, :], o.to(O.dtype.element_ty),
+                 mask=m_r[:, None] & (o_dv < DV)[None, :])
+        tl.store(LSE + row, lse_out, mask=m_r)
+
+
+def _tiling(G: int):
+    GP = pow2(G, 1)
+    return GP, max(1, 16 // GP)
+
+
+def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, dk32, dv32, *, select_size, scale, backward):
+    B, T, HQ, DK = q.shape
+    HKV, DV = k.shape[2], v.shape[3]
+    G = HQ // HKV
+    GP, BT = _tiling(G)
+    nsel = bi.shape[-1]
+    dummy = o if o is not None else dq
+    _selected_kernel[(triton.cdiv(T, BT), B * HKV)](
+        q, k, v, bi, dummy, lse, do if do is not None else dummy, delta if delta is not None else lse,
+        dq if dq is not None else dummy, dk32 if dk32 is not None else lse, dv32 if dv32 is not None else lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
+        DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
+        BACKWARD=backward, UPCAST=interpreting(), num_warps=4, num_stages=2,
+    )
+
+
+def selected_forward(q, k, v, bi, *, select_size, scale):
+    """o [B,T,Hq,Dv], lse [B,T,Hq] of the selection branch (inputs contiguous, bi int32)."""
+    B, T, HQ, _ = q.shape
+    o = torch.empty(B, T, HQ, v.shape[3], device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    _launch_selected(q, k, v, bi, o, lse, None, None, None, None, None, select_size=select_size,
+                     scale=scale, backward=False)
+    return o, lse
+
+
+def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale):
+    do = do.contiguous()
+    delta = row_delta(o, do)
+    dq = torch.empty_like(q)
+    dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+    dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    _launch_selected(q, k, v, bi, None, lse, do, delta, dq, dk32, dv32, select_size=select_size,
+                     scale=scale, backward=True)
+    return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+
+
+class SelectedAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, block_indices, select_size, scale):
+        q, k, v = contiguous(q, k, v)
+        bi = block_indices.to(torch.int32).contiguous()
+        o, lse = selected_forward(q, k, v, bi, select_size=select_size, scale=scale)
+        ctx.save_for_backward(q, k, v, bi, o, lse)
+        ctx.params = (select_size, scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, bi, o, lse = ctx.saved_tensors
+        select_size, scale = ctx.params
+        dq, dk, dv = selected_backward(q, k, v, bi, o, lse, do, select_size=select_size, scale=scale)
+        return dq, dk, dv, None, None, None
+
+
+def selected_attention(q, k, v, block_indices, *, select_size=64, scale=None):
+    """Attention over the tokens of the selected blocks, token-level causal.
+
+    Args:
+        q: queries `[B, T, Hq, Dk]`; k, v: `[B, T, Hkv, Dk]`, `[B, T, Hkv, Dv]`.
+        block_indices: integer `[B, T, Hkv, n]`; negative entries are padding, repeats count once.
+        select_size: selection block length (a power of two >= 16 for this kernel).
+
+    Returns:
+        o `[B, T, Hq, Dv]`.
+    """
+    if select_size < 16 or select_size & (select_size - 1):
+        raise ValueError(
+            f"the Triton selected_attention needs select_size a power of two >= 16, got {select_size}"
+        )
+    scale = default_scale(scale, q.shape[-1])
+    return SelectedAttentionFunction.apply(q, k, v, block_indices, select_size, scale)
