@@ -1,0 +1,360 @@
+"""Training data: an offline text corpus mixed with synthetic long-context retrieval (NIAH) samples.
+
+Corpus: the `.py` sources (code + docstrings) that ship with the running Python's standard library
+and, optionally, with installed packages (numpy by default). Files are taken in sorted order of
+their relative names; a file is held out when sha1(name) % 100 < 2, so the held-out split does not
+depend on which files exist. The exact text therefore differs slightly between Python versions;
+`manifest.json` records the sources, versions, file count and a sha256 over the token ids, and the
+bundled checkpoints were trained on a corpus built once (Python 3.11.7, numpy 2.4.6) and carried to
+the GPU machine.
+
+Retrieval samples follow the NIAH format of `nsa_eval.tasks.niah` (needle "One of the special magic
+numbers for {key} is: {value}.", question, answer prefix, 7-digit value). Only the answer tokens
+carry loss (weighted up by `answer_weight`), the prompt carries none. Training seeds start at
+`TRAIN_SEED_OFFSET`, far from the small seeds the evaluation uses.
+
+A step's batch is a pure function of (seed, step): `np.random.default_rng([seed, step])`. Two runs
+with the same seed (the NSA and the full-attention model) therefore see identical tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import random
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+TRAIN_SEED_OFFSET = 1_000_000_000  # NIAH seeds used for training; evaluation uses small seeds
+HELDOUT_SEED_OFFSET = 2_000_000_000  # seeds of the held-out retrieval probe during training
+HELDOUT_PERCENT = 2
+SKIPPED_DIRS = {"site-packages", "idlelib", "turtledemo", "ensurepip", "__pycache__", "tkinter"}
+
+# ---------------------------------------------------------------------------------------------
+# corpus
+
+
+def corpus_files(sources: tuple[str, ...] = ("stdlib", "numpy")) -> list[tuple[str, Path]]:
+    """[(name, path)] of the corpus files, sorted by name; name = "<source>/<relative path>"."""
+    files = []
+    for source in sources:
+        root = _source_root(source)
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root)
+            if SKIPPED_DIRS.intersection(rel.parts):
+                continue
+            files.append((f"{source}/{rel.as_posix()}", path))
+    return sorted(files)
+
+
+def _source_root(source: str) -> Path:
+    if source == "stdlib":
+        return Path(sysconfig.get_paths()["stdlib"])
+    spec = importlib.util.find_spec(source)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"corpus source {source!r} is not an installed package")
+    return Path(spec.origin).parent
+
+
+def is_heldout(name: str) -> bool:
+    return int(hashlib.sha1(name.encode()).hexdigest(), 16) % 100 < HELDOUT_PERCENT
+
+
+def read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+@dataclass
+class Corpus:
+    """Token ids of the corpus, files joined by EOS. train/heldout: uint16 [N]."""
+
+    train: np.ndarray
+    heldout: np.ndarray
+    tokenizer: object
+    manifest: dict = field(default_factory=dict)
+
+
+def build_corpus(
+    out_dir: str | Path,
+    *,
+    sources: tuple[str, ...] = ("stdlib", "numpy"),
+    vocab_size: int = 8192,
+    max_files: int | None = None,
+    tokenizer_bytes: int = 12_000_000,
+) -> Corpus:
+    """Train the tokenizer and tokenize the corpus into `out_dir` (tokenizer/, tokens.npz, manifest.json).
+
+    `max_files` keeps the first files only (the CPU tests). The tokenizer is trained on every
+    training file in order until `tokenizer_bytes` characters.
+    """
+    from tqdm import tqdm
+
+    from nsa_eval.train.tokenizer import train_bpe
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = corpus_files(sources)
+    if max_files is not None:
+        files = _spread(files, max_files)
+    texts = {name: read_text(path) for name, path in files}
+    train_names = [n for n, _ in files if not is_heldout(n)]
+    heldout_names = [n for n, _ in files if is_heldout(n)]
+    if not heldout_names:  # tiny corpora: hold out the last file
+        heldout_names, train_names = train_names[-1:], train_names[:-1]
+
+    tokenizer = train_bpe(_budgeted((texts[n] for n in train_names), tokenizer_bytes), vocab_size)
+    tokenizer.save_pretrained(str(out_dir / "tokenizer"))
+    eos = tokenizer.eos_token_id
+    split_ids = {}
+    for split, names in (("train", train_names), ("heldout", heldout_names)):
+        ids: list[int] = []
+        batch = 256
+        for i in tqdm(range(0, len(names), batch), desc=f"tokenize {split}", disable=len(names) < 50):
+            for enc in tokenizer([texts[n] for n in names[i : i + batch]])["input_ids"]:
+                ids.extend(enc)
+                ids.append(eos)
+        split_ids[split] = np.asarray(ids, dtype=np.uint16)  # [N]
+    np.savez_compressed(out_dir / "tokens.npz", **split_ids)  # ~3x smaller: carried to the GPU
+    manifest = {
+        "sources": list(sources),
+        "versions": {"python": sys.version.split()[0], **_versions(sources)},
+        "files": {"train": len(train_names), "heldout": len(heldout_names)},
+        "tokens": {k: int(v.size) for k, v in split_ids.items()},
+        "vocab_size": len(tokenizer),
+        "sha256": {k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in split_ids.items()},
+        "heldout_files": heldout_names,
+    }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return Corpus(split_ids["train"], split_ids["heldout"], tokenizer, manifest)
+
+
+def load_corpus(data_dir: str | Path) -> Corpus:
+    from nsa_eval.train.tokenizer import load_tokenizer
+
+    data_dir = Path(data_dir)
+    tokens = np.load(data_dir / "tokens.npz")
+    return Corpus(
+        train=tokens["train"],
+        heldout=tokens["heldout"],
+        tokenizer=load_tokenizer(data_dir / "tokenizer"),
+        manifest=json.loads((data_dir / "manifest.json").read_text()),
+    )
+
+
+def corpus_exists(data_dir: str | Path) -> bool:
+    d = Path(data_dir)
+    return all((d / f).exists() for f in ("tokens.npz", "manifest.json", "tokenizer"))
+
+
+def _spread(files: list, n: int) -> list:
+    """n files spread evenly over the sorted list (deterministic)."""
+    step = max(1, len(files) // n)
+    return files[::step][:n]
+
+
+def _budgeted(texts, max_chars: int):
+    used = 0
+    for text in texts:
+        if used >= max_chars:
+            return
+        used += len(text)
+        yield text
+
+
+def _versions(sources) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for s in sources:
+        if s != "stdlib":
+            try:
+                out[s] = version(s)
+            except PackageNotFoundError:
+                out[s] = "unknown"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# retrieval samples (NIAH format)
+
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
+_FALLBACK_HAYSTACK = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+_FALLBACK_WORDS = (
+    "amber bright calm daring eager fancy gentle hollow icy jolly keen lucky mellow noble odd "
+    "proud quiet rapid silent tidy upbeat vivid witty young zesty ancient brave clever dusty "
+    "apple bridge castle dragon engine forest garden harbor island jungle kettle ladder meadow "
+    "needle orchard planet quarry river saddle temple valley window yacht zephyr lantern comet"
+).split()
+
+
+def make_retrieval_doc(tokenizer, context_length: int, depth_percent: float, seed: int) -> dict:
+    """One NIAH document: {"prompt": str, "answer": str, ...}.
+
+    Uses `nsa_eval.tasks.niah.make_niah_doc` (the evaluation's own generator) when it exists, so
+    training and evaluation share one format; otherwise a local generator with the same template.
+    """
+    try:
+        from nsa_eval.tasks.niah import make_niah_doc
+    except ImportError:
+        return _fallback_niah_doc(tokenizer, context_length, depth_percent, seed)
+    return make_niah_doc(tokenizer, context_length, depth_percent, seed)
+
+
+def _fallback_niah_doc(tokenizer, context_length: int, depth_percent: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    key = f"{rng.choice(_FALLBACK_WORDS)}-{rng.choice(_FALLBACK_WORDS)}"
+    value = str(rng.randint(1_000_000, 9_999_999))
+    needle = NEEDLE.format(key=key, value=value)
+    tail = f"\n{QUESTION.format(key=key)} {ANSWER_PREFIX.format(key=key)}"
+    budget = context_length - len(tokenizer(needle + " " + tail)["input_ids"])
+    unit = len(tokenizer(_FALLBACK_HAYSTACK)["input_ids"])
+    n_units = max(1, budget // unit)
+    sentences = [s.strip() + "." for s in (_FALLBACK_HAYSTACK * n_units).split(".") if s.strip()]
+    at = round(len(sentences) * depth_percent / 100)
+    haystack = " ".join(sentences[:at] + [needle] + sentences[at:])
+    return {"prompt": haystack + tail, "answer": value, "context_length": context_length,
+            "depth_percent": depth_percent, "key": key}
+
+
+def retrieval_segment(tokenizer, context_length: int, depth_percent: float, seed: int, answer_weight: float):
+    """Token ids and loss weights of one retrieval sample, prompt then " <value>." then EOS.
+
+    Returns (ids int64 [L], weights float32 [L]); weights[i] applies to predicting ids[i].
+    """
+    doc = make_retrieval_doc(tokenizer, context_length, depth_percent, seed)
+    prompt = tokenizer(doc["prompt"])["input_ids"]
+    answer = tokenizer(" " + str(doc["answer"]) + ".")["input_ids"] + [tokenizer.eos_token_id]
+    ids = np.asarray(prompt + answer, dtype=np.int64)  # [L]
+    weights = np.zeros(len(ids), dtype=np.float32)
+    weights[len(prompt) :] = answer_weight
+    return ids, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+
+
+@dataclass
+class MixConfig:
+    """How a batch is composed. Context lengths are NIAH `context_length`s, in tokens."""
+
+    retrieval_fraction: float = 0.5  # share of rows that hold retrieval samples
+    retrieval_lengths: tuple[int, ...] = (128, 256, 512, 1024, 1536, 2000)
+    answer_weight: float = 20.0
+
+
+def make_batch(corpus: Corpus, seed: int, step: int, batch_size: int, seq_len: int, mix: MixConfig):
+    """The batch of `step`: (ids int64 [B, T+1], weights float32 [B, T+1]); a pure function of its args.
+
+    Text rows are random windows of the training split (weight 1). Retrieval rows pack NIAH samples
+    of random lengths and depths from the start of the row (answers weighted, prompts 0), and fill
+    the tail with text.
+    """
+    rng = np.random.default_rng([seed, step])
+    ids = np.empty((batch_size, seq_len + 1), dtype=np.int64)  # [B, T+1]
+    weights = np.ones((batch_size, seq_len + 1), dtype=np.float32)  # [B, T+1]
+    n_retrieval = int(round(batch_size * mix.retrieval_fraction))
+    for row in range(batch_size):
+        if row < n_retrieval:
+            ids[row], weights[row] = _retrieval_row(corpus, rng, seq_len + 1, mix, seed, step, row)
+        else:
+            ids[row] = _text_window(corpus.train, rng, seq_len + 1)
+    return ids, weights
+
+
+def _text_window(tokens: np.ndarray, rng, length: int) -> np.ndarray:
+    start = int(rng.integers(0, tokens.size - length))
+    return tokens[start : start + length].astype(np.int64)  # [length]
+
+
+def _retrieval_row(corpus, rng, length: int, mix: MixConfig, seed: int, step: int, row: int):
+    ids = np.empty(length, dtype=np.int64)  # [T+1]
+    weights = np.ones(length, dtype=np.float32)  # [T+1]
+    filled, k = 0, 0
+    margin = 24  # answer + EOS + tokenization slack beyond context_length
+    while True:
+        fitting = [c for c in mix.retrieval_lengths if c + margin <= length - filled]
+        if not fitting:
+            break
+        context = int(rng.choice(fitting))
+        depth = float(rng.uniform(0, 100))
+        niah_seed = TRAIN_SEED_OFFSET + ((seed * 1_000_003 + step) * 64 + row) * 64 + k
+        seg_ids, seg_w = retrieval_segment(corpus.tokenizer, context, depth, niah_seed, mix.answer_weight)
+        seg_ids, seg_w = seg_ids[: length - filled], seg_w[: length - filled]
+        ids[filled : filled + seg_ids.size] = seg_ids
+        weights[filled : filled + seg_ids.size] = seg_w
+        filled += seg_ids.size
+        k += 1
+    if filled < length:
+        ids[filled:] = _text_window(corpus.train, rng, length - filled)
+    return ids, weights
+
+
+def heldout_text_batches(corpus: Corpus, seq_len: int, n_rows: int, batch_size: int):
+    """Fixed held-out text: the first n_rows non-overlapping windows; list of int64 [b, T+1]."""
+    n_rows = min(n_rows, (corpus.heldout.size - 1) // (seq_len + 1))
+    rows = corpus.heldout[: n_rows * (seq_len + 1)].astype(np.int64).reshape(n_rows, seq_len + 1)
+    return [rows[i : i + batch_size] for i in range(0, n_rows, batch_size)]
+
+
+def heldout_retrieval_samples(corpus: Corpus, lengths: tuple[int, ...], n_per_length: int):
+    """Fixed held-out NIAH samples (seeds disjoint from training): list of (ids [L], weights [L])."""
+    out = []
+    for i, context in enumerate(lengths):
+        for j in range(n_per_length):
+            depth = 100.0 * j / max(1, n_per_length - 1)
+            seed = HELDOUT_SEED_OFFSET + i * 1000 + j
+            out.append(retrieval_segment(corpus.tokenizer, context, depth, seed, 1.0))
+    return out
+
+
+class BatchStream:
+    """`make_batch` for steps 0, 1, 2, ... computed ahead by `workers` forked processes (0: inline).
+
+    Create it before CUDA is initialised (the workers are forked and never touch the GPU).
+    """
+
+    def __init__(self, corpus: Corpus, seed: int, batch_size: int, seq_len: int, mix: MixConfig,
+                 workers: int = 0, ahead: int = 8):
+        global _WORKER_CORPUS
+        self.args = (seed, batch_size, seq_len, mix)
+        self.corpus, self.ahead, self.pending = corpus, ahead, {}
+        self.pool = None
+        if workers > 0:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            _WORKER_CORPUS = corpus
+            self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"))
+
+    def get(self, step: int):
+        """(ids int64 [B, T+1], weights float32 [B, T+1]) of `step`."""
+        seed, batch_size, seq_len, mix = self.args
+        if self.pool is None:
+            return make_batch(self.corpus, seed, step, batch_size, seq_len, mix)
+        for s in range(step, step + self.ahead):
+            if s not in self.pending:
+                self.pending[s] = self.pool.submit(_worker_batch, seed, s, batch_size, seq_len, mix)
+        return self.pending.pop(step).result()
+
+    def close(self):
+        if self.pool is not None:
+            for fut in self.pending.values():
+                fut.cancel()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+_WORKER_CORPUS: Corpus | None = None
+
+
+def _worker_batch(seed, step, batch_size, seq_len, mix):
+    return make_batch(_WORKER_CORPUS, seed, step, batch_size, seq_len, mix)

@@ -1,0 +1,430 @@
+"""The training recipe of the bundled `nsa-tiny` and `full-tiny` checkpoints.
+
+Two models with the same dimensions, data, token count and optimiser: one whose attention is NSA
+(`nsa_eval.models.NSAForCausalLM`, prefill/training through `nsa_eval.kernels.nsa_attention`, the
+Triton kernels on CUDA), one with full attention (a transformers `LlamaForCausalLM`, so the
+training-free baselines of `nsa_eval.methods` apply to it). The paper's experiment (NSA vs full
+attention pretrained on the same tokens) in miniature.
+
+Loop: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear warm-up then cosine decay to 10%,
+bf16 autocast on CUDA, gradient clipping at 1.0, batches a pure function of (seed, step)
+(`data.make_batch`). Logs go to `log.jsonl`/`log.csv` (training) and `evals.jsonl` (held-out text
+loss and a teacher-forced NIAH probe); the checkpoint (bf16 safetensors + config + tokenizer +
+training.json) to `<out>/checkpoint`.
+
+A run is sized either by `steps` or by `minutes`: then the first steps are timed and the step count
+is fixed from the measured speed before warm-up ends. A second run can copy the first's step
+count (`--match`), which is how both models get identical token counts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from nsa_eval.train.data import (
+    BatchStream,
+    Corpus,
+    MixConfig,
+    heldout_retrieval_samples,
+    heldout_text_batches,
+)
+
+# ---------------------------------------------------------------------------------------------
+# configurations
+
+
+@dataclass
+class ModelSpec:
+    """Dimensions shared by both models, and the NSA branch hyperparameters (ignored by `full`)."""
+
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 768
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    # NSA (paper: l=32, d=16, l'=64, n=16, w=512). At a 2,048-token training length, n=16 blocks of
+    # 64 would cover the whole context, so selection and window are scaled down (docs/training.md).
+    block_len: int = 32  # l
+    stride: int = 16  # d
+    select_size: int = 64  # l'
+    num_selected: int = 8  # n, including 1 initial + 2 local blocks
+    window: int = 256  # w
+
+
+@dataclass
+class TrainConfig:
+    attention: str = "nsa"  # "nsa" | "full"
+    seed: int = 0
+    seq_len: int = 2048
+    batch_size: int = 16
+    steps: int | None = None  # fixed step count, or
+    minutes: float | None = None  # wall-clock budget: steps derived from the measured speed
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    num_evals: int = 12  # held-out evaluations spread over the run (plus one at step 0)
+    heldout_rows: int = 32
+    probe_lengths: tuple[int, ...] = (256, 1024, 2000)
+    probe_per_length: int = 8
+    log_every: int = 10
+    calibration_steps: int = 8
+    mix: MixConfig = field(default_factory=MixConfig)
+    model: ModelSpec = field(default_factory=ModelSpec)
+
+
+def tiny_config(attention: str = "nsa", **overrides) -> TrainConfig:
+    """A CPU configuration for tests: a 2-layer, 64-wide model on 256-token rows."""
+    model = ModelSpec(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+        max_position_embeddings=1024, num_selected=3, window=64,
+    )
+    cfg = TrainConfig(
+        attention=attention, seq_len=256, batch_size=4, steps=4, lr=3e-3, warmup_steps=2, num_evals=1,
+        heldout_rows=4, probe_lengths=(128,), probe_per_length=2, log_every=1, calibration_steps=2,
+        mix=MixConfig(retrieval_lengths=(64, 128), answer_weight=5.0), model=model,
+    )
+    return replace(cfg, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+
+def build_model(attention: str, spec: ModelSpec, tokenizer):
+    """A freshly initialised NSAForCausalLM ("nsa") or LlamaForCausalLM ("full") of `spec`'s size."""
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if attention == "full":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
+        return LlamaForCausalLM(LlamaConfig(rope_parameters=rope, **common))
+    if attention == "nsa":
+        from nsa_eval.models.configuration_nsa import NSAConfig
+        from nsa_eval.models.modeling_nsa import NSAForCausalLM
+
+        config = NSAConfig(
+            rope_theta=spec.rope_theta,
+            compression="mlp",  # the paper's layout: MLP compression, separate keys/values per branch
+            shared_kv=False,
+            block_len=spec.block_len,
+            stride=spec.stride,
+            select_size=spec.select_size,
+            num_selected=spec.num_selected,
+            num_init=1,
+            num_local=2,
+            window=spec.window,
+            **common,
+        )
+        return NSAForCausalLM(config)
+    raise ValueError(f"attention must be 'nsa' or 'full', got {attention!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr, then cosine to cfg.lr * min_lr_ratio at `total`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def weighted_loss(logits, targets, weights):
+    """sum(w * CE) / sum(w) over positions. logits [B, T, V], targets int64 [B, T], weights [B, T]."""
+    import torch.nn.functional as F
+
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # [B*T]
+    ce = ce.view_as(targets)  # [B, T]
+    return (ce * weights).sum() / weights.sum().clamp_min(1e-6), ce
+
+
+def train(cfg: TrainConfig, corpus: Corpus, out_dir: str | Path, *, device: str | None = None,
+          workers: int = 0, echo=print) -> dict:
+    """Train one model, write logs and `<out_dir>/checkpoint`; returns the run summary dict.
+
+    `workers` > 0 builds batches ahead in that many forked processes (the GPU run).
+    """
+    stream = BatchStream(corpus, cfg.seed, cfg.batch_size, cfg.seq_len, cfg.mix, workers=workers)
+    try:
+        return _train(cfg, corpus, out_dir, stream, device, echo)
+    finally:
+        stream.close()
+
+
+def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo) -> dict:
+    import torch
+
+    if cfg.steps is None and cfg.minutes is None:
+        raise ValueError("give steps or minutes")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    tokenizer = corpus.tokenizer
+    model = build_model(cfg.attention, cfg.model, tokenizer).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    echo(f"[{cfg.attention}] {n_params / 1e6:.2f}M parameters on {device}")
+    optimizer = _optimizer(model, cfg, device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
+
+    heldout_text = heldout_text_batches(corpus, cfg.seq_len, cfg.heldout_rows, cfg.batch_size)
+    probe = heldout_retrieval_samples(corpus, cfg.probe_lengths, cfg.probe_per_length)
+    logger = _Logger(out_dir)
+    total = cfg.steps if cfg.steps is not None else 10**9
+    eval_every = max(1, total // cfg.num_evals) if cfg.steps is not None else None
+    start = time.perf_counter()
+    evals = [_evaluate(model, heldout_text, probe, autocast, device, 0, 0)]
+    eval_seconds = time.perf_counter() - start
+    logger.eval(evals[-1], time.perf_counter() - start)
+    echo(f"[{cfg.attention}] step 0 {_fmt(evals[-1])}")
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    step_times: list[float] = []
+    step = 0
+    while step < total:
+        t_step = time.perf_counter()
+        ids, weights = stream.get(step)
+        ids = torch.from_numpy(ids).to(device, non_blocking=True)  # [B, T+1]
+        weights = torch.from_numpy(weights).to(device, non_blocking=True)  # [B, T+1]
+        lr = lr_at(step, total, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with autocast:
+            logits = model(input_ids=ids[:, :-1], use_cache=False).logits  # [B, T, V]
+        loss, ce = weighted_loss(logits, ids[:, 1:], weights[:, 1:])
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        if cfg.steps is None and step <= cfg.calibration_steps + 2:
+            _sync(device)
+            step_times.append(time.perf_counter() - t_step)
+            if step == cfg.calibration_steps + 2:  # first 2 steps compile kernels: not timed
+                total, eval_every = _steps_for_budget(cfg, step, step_times[2:], eval_seconds,
+                                                      time.perf_counter() - start)
+                echo(f"[{cfg.attention}] {np.mean(step_times[2:]):.3f} s/step -> {total} steps")
+        if step % cfg.log_every == 0 or step == total:
+            row = _train_row(step, tokens_per_step, lr, loss, grad_norm, ce, weights[:, 1:], ids[:, 1:],
+                             logits, cfg.mix.answer_weight, time.perf_counter() - start)
+            logger.train(row)
+            if step % (cfg.log_every * 10) == 0:
+                echo(f"[{cfg.attention}] step {step}/{total} loss {row['loss']:.3f} "
+                     f"text {row['text_loss']:.3f} lr {lr:.2e} {row['elapsed_s']:.0f}s")
+        if eval_every and (step % eval_every == 0 or step == total):
+            tokens = step * tokens_per_step
+            evals.append(_evaluate(model, heldout_text, probe, autocast, device, step, tokens))
+            logger.eval(evals[-1], time.perf_counter() - start)
+            echo(f"[{cfg.attention}] step {step} {_fmt(evals[-1])}")
+
+    seconds = time.perf_counter() - start
+    summary = {
+        "attention": cfg.attention,
+        "steps": step,
+        "tokens": step * tokens_per_step,
+        "parameters": n_params,
+        "seconds": round(seconds, 1),
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "final_eval": evals[-1],
+        "config": _jsonable(asdict(replace(cfg, steps=step))),
+        "corpus": {k: corpus.manifest.get(k) for k in ("sources", "versions", "tokens", "sha256")},
+        "versions": _lib_versions(),
+    }
+    save_checkpoint(model, tokenizer, out_dir / "checkpoint", summary)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    logger.close()
+    return summary
+
+
+def _optimizer(model, cfg: TrainConfig, device: str):
+    import torch
+
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                             fused=device.startswith("cuda"))
+
+
+def _steps_for_budget(cfg, done, times, eval_seconds, elapsed) -> tuple[int, int]:
+    """Total steps that fit cfg.minutes at the measured speed, leaving room for the evaluations."""
+    per_step = float(np.mean(times))
+    remaining = cfg.minutes * 60 - elapsed - eval_seconds * cfg.num_evals
+    total = max(done + 1, done + int(remaining / per_step))
+    return total, max(1, total // cfg.num_evals)
+
+
+def _sync(device: str):
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _train_row(step, tokens_per_step, lr, loss, grad_norm, ce, weights, targets, logits, answer_weight,
+               elapsed) -> dict:
+    import torch
+
+    with torch.no_grad():
+        text = weights == 1.0  # [B, T]
+        answer = weights == answer_weight  # [B, T]
+        correct = logits.argmax(-1) == targets  # [B, T]
+        row = {
+            "step": step,
+            "tokens": step * tokens_per_step,
+            "loss": float(loss),
+            "text_loss": float(ce[text].mean()) if text.any() else float("nan"),
+            "answer_loss": float(ce[answer].mean()) if answer.any() else float("nan"),
+            "answer_token_acc": float(correct[answer].float().mean()) if answer.any() else float("nan"),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "elapsed_s": round(elapsed, 2),
+        }
+    return row
+
+
+def _evaluate(model, heldout_text, probe, autocast, device, step, tokens) -> dict:
+    """Held-out text loss (mean CE per token) and teacher-forced NIAH probe exact match."""
+    import torch
+
+    model.eval()
+    total_ce, total_n = 0.0, 0
+    with torch.no_grad(), autocast:
+        for rows in heldout_text:
+            ids = torch.from_numpy(rows).to(device)  # [b, T+1]
+            logits = model(input_ids=ids[:, :-1], use_cache=False).logits  # [b, T, V]
+            ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(),
+                                                   reduction="sum")
+            total_ce += float(ce)
+            total_n += ids[:, 1:].numel()
+        hits = []
+        for seg_ids, seg_w in probe:
+            ids = torch.from_numpy(seg_ids).to(device)[None]  # [1, L]
+            logits = model(input_ids=ids[:, :-1], use_cache=False).logits[0]  # [L-1, V]
+            answer = torch.from_numpy(seg_w[1:] > 0).to(device)  # [L-1]
+            hits.append(bool((logits.argmax(-1) == ids[0, 1:])[answer].all()))
+    model.train()
+    return {"step": step, "tokens": tokens, "heldout_loss": total_ce / max(1, total_n),
+            "probe_exact_match": float(np.mean(hits)) if hits else float("nan")}
+
+
+def _fmt(ev: dict) -> str:
+    return f"held-out loss {ev['heldout_loss']:.3f}, NIAH probe {ev['probe_exact_match']:.2f}"
+
+
+class _Logger:
+    def __init__(self, out_dir: Path):
+        self.jsonl = open(out_dir / "log.jsonl", "w")  # noqa: SIM115 - closed in close()
+        self.evals = open(out_dir / "evals.jsonl", "w")  # noqa: SIM115
+        self.csv_path = out_dir / "log.csv"
+        self.rows: list[dict] = []
+
+    def train(self, row: dict):
+        self.rows.append(row)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+
+    def eval(self, ev: dict, elapsed: float):
+        self.evals.write(json.dumps({**ev, "elapsed_s": round(elapsed, 2)}) + "\n")
+        self.evals.flush()
+
+    def close(self):
+        self.jsonl.close()
+        self.evals.close()
+        if self.rows:
+            with open(self.csv_path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(self.rows[0]))
+                writer.writeheader()
+                writer.writerows(self.rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def save_checkpoint(model, tokenizer, path: str | Path, summary: dict | None = None):
+    """bf16 safetensors + config.json + tokenizer files (+ training.json) in `path`."""
+    import copy
+
+    import torch
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    export = copy.deepcopy(model).to("cpu", torch.bfloat16)
+    export.config.use_cache = True
+    export.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    if summary is not None:
+        (path / "training.json").write_text(json.dumps(summary, indent=1))
+
+
+def load_checkpoint(path: str | Path, dtype=None):
+    """(model, tokenizer) of a checkpoint written by `save_checkpoint` (either attention)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nsa_eval.train.tokenizer import load_tokenizer
+
+    config = AutoConfig.from_pretrained(str(path))
+    if config.model_type == "llama":
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    else:
+        from nsa_eval.models.modeling_nsa import NSAForCausalLM
+
+        model = NSAForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model, load_tokenizer(path)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def _lib_versions() -> dict:
+    import sys
+
+    import torch
+    import transformers
+
+    out = {"python": sys.version.split()[0], "torch": torch.__version__,
+           "transformers": transformers.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
