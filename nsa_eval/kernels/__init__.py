@@ -1,1 +1,215 @@
-"""nsa_eval.kernels (being built)."""
+"""Native Sparse Attention: the public API. Validates inputs, then dispatches on ``impl``.
+
+Every function takes ``impl="auto" | "reference" | "triton"``: ``auto`` runs the Triton kernels on
+CUDA tensors and the PyTorch reference (``nsa_eval.kernels.reference``) otherwise; ``triton`` on CPU
+tensors is allowed only under Triton's interpreter (``TRITON_INTERPRET=1``). Inputs are checked
+before any compute: a bad rank, shape, dtype, device or parameter raises ``ValueError`` naming the
+argument and the expected shape. The semantics (compression visibility, geometric-overlap block
+importance, forced blocks, tie-break) are documented in ``reference.py``.
+
+Shapes use the flash-attn layout; ``Hq = G * Hkv``; ``Dk`` (q/k) may differ from ``Dv``.
+
+- ``compressed_attention(q[B,T,Hq,Dk], k_cmp[B,Tc,Hkv,Dk], v_cmp[B,Tc,Hkv,Dv])``
+  ``-> (o[B,T,Hq,Dv], lse[B,T,Hq] float32)``
+- ``select_blocks(q, k_cmp) -> int32[B,T,Hkv,num_selected]`` ascending, ``-1`` padded
+- ``selected_attention(q, k[B,T,Hkv,Dk], v[B,T,Hkv,Dv], block_indices[B,T,Hkv,n]) -> o[B,T,Hq,Dv]``
+- ``sliding_window_attention(q, k, v) -> o[B,T,Hq,Dv]``
+- ``nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa[B,T,Hq]) -> o[B,T,Hq,Dv]``
+- ``nsa_decode(q[B,1,Hq,Dk], k[B,S,Hkv,Dk], v, k_cmp[B,Sc,Hkv,Dk], v_cmp, gates[B,1,Hq],``
+  ``cache_seqlens[B]) -> o[B,1,Hq,Dv]``
+
+The Triton versions live in ``compression.py`` (``compressed_attention``), ``selection.py``
+(``select_blocks``, ``selected_attention``), ``window.py`` (``sliding_window_attention``) and
+``decode.py`` (``nsa_decode``), each with the reference's signature minus ``impl``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from nsa_eval.kernels import _validate, reference
+
+__all__ = [
+    "compressed_attention",
+    "nsa_attention",
+    "nsa_decode",
+    "select_blocks",
+    "selected_attention",
+    "sliding_window_attention",
+]
+
+# public name -> module of its Triton version
+_TRITON_MODULES = {
+    "compressed_attention": "nsa_eval.kernels.compression",
+    "select_blocks": "nsa_eval.kernels.selection",
+    "selected_attention": "nsa_eval.kernels.selection",
+    "sliding_window_attention": "nsa_eval.kernels.window",
+    "nsa_decode": "nsa_eval.kernels.decode",
+}
+
+
+def _triton(name: str):
+    """The Triton version of ``name``, imported lazily; NotImplementedError if it does not exist yet."""
+    module_name = _TRITON_MODULES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise  # a real missing dependency inside the module: show it
+        raise NotImplementedError(f"impl='triton': {module_name} does not exist yet") from e
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise NotImplementedError(f"impl='triton': {module_name}.{name} does not exist yet")
+    return fn
+
+
+def _implementation(name: str, impl: str, q: torch.Tensor):
+    if _validate.check_impl(impl, q) == "triton":
+        return _triton(name)
+    return getattr(reference, name)
+
+
+def compressed_attention(q, k_cmp, v_cmp, *, block_len=32, stride=16, scale=None, impl="auto"):
+    """Attention over compressed keys/values.
+
+    Args:
+        q: ``[B, T, Hq, Dk]``; k_cmp: ``[B, Tc, Hkv, Dk]``; v_cmp: ``[B, Tc, Hkv, Dv]``. Compressed block
+            ``i`` covers tokens ``[i*stride, i*stride + block_len)``; query ``t`` sees it when
+            ``i*stride + block_len - 1 <= t``.
+        block_len, stride: compression geometry (paper: 32, 16; fla checkpoints: 64, 64).
+        scale: default ``1 / sqrt(Dk)``. impl: ``auto``, ``reference`` or ``triton``.
+
+    Returns:
+        o ``[B, T, Hq, Dv]`` (zero where no block is visible), lse ``[B, T, Hq]`` float32 (``-inf`` there).
+    """
+    _validate.check_compressed_attention(q, k_cmp, v_cmp, block_len, stride, scale)
+    fn = _implementation("compressed_attention", impl, q)
+    return fn(q, k_cmp, v_cmp, block_len=block_len, stride=stride, scale=scale)
+
+
+def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_selected=16, num_init=1,
+                  num_local=2, scale=None, impl="auto"):
+    """Top blocks per query and KV head, from the compression scores (no gradient).
+
+    Args:
+        q: ``[B, T, Hq, Dk]``; k_cmp: ``[B, Tc, Hkv, Dk]``.
+        block_len, stride, select_size, num_selected, num_init, num_local: see ``reference``.
+        scale: default ``1 / sqrt(Dk)``. impl: ``auto``, ``reference`` or ``triton``.
+
+    Returns:
+        int32 ``[B, T, Hkv, num_selected]``, ascending, ``-1`` padded at the end.
+    """
+    _validate.check_select_blocks(q, k_cmp, block_len, stride, select_size, num_selected, num_init,
+                                  num_local, scale)
+    fn = _implementation("select_blocks", impl, q)
+    return fn(q, k_cmp, block_len=block_len, stride=stride, select_size=select_size,
+              num_selected=num_selected, num_init=num_init, num_local=num_local, scale=scale)
+
+
+def selected_attention(q, k, v, block_indices, *, select_size=64, scale=None, impl="auto"):
+    """Attention over the tokens of the selected blocks, causal inside the block holding ``t``.
+
+    Args:
+        q: ``[B, T, Hq, Dk]``; k: ``[B, T, Hkv, Dk]``; v: ``[B, T, Hkv, Dv]``.
+        block_indices: int32/int64 ``[B, T, Hkv, n]``, ``-1`` for padding.
+        select_size: block length. scale: default ``1 / sqrt(Dk)``. impl: as above.
+
+    Returns:
+        o ``[B, T, Hq, Dv]``.
+    """
+    _validate.check_selected_attention(q, k, v, block_indices, select_size, scale)
+    fn = _implementation("selected_attention", impl, q)
+    return fn(q, k, v, block_indices, select_size=select_size, scale=scale)
+
+
+def sliding_window_attention(q, k, v, *, window=512, scale=None, impl="auto"):
+    """Causal attention over keys ``t - window + 1 .. t``.
+
+    Args:
+        q: ``[B, T, Hq, Dk]``; k: ``[B, T, Hkv, Dk]``; v: ``[B, T, Hkv, Dv]``.
+        window: keys per query, itself included. scale: default ``1 / sqrt(Dk)``. impl: as above.
+
+    Returns:
+        o ``[B, T, Hq, Dv]``.
+    """
+    _validate.check_sliding_window_attention(q, k, v, window, scale)
+    fn = _implementation("sliding_window_attention", impl, q)
+    return fn(q, k, v, window=window, scale=scale)
+
+
+def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_swa=None, block_len=32,
+                  stride=16, select_size=64, num_selected=16, num_init=1, num_local=2, window=512,
+                  scale=None, return_block_indices=False, impl="auto"):
+    """NSA for prefill and training: ``g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa``.
+
+    Args:
+        q: ``[B, T, Hq, Dk]``.
+        k, v: selection-branch keys/values ``[B, T, Hkv, Dk]``, ``[B, T, Hkv, Dv]``.
+        k_cmp, v_cmp: compressed keys/values ``[B, Tc, Hkv, Dk]``, ``[B, Tc, Hkv, Dv]``.
+        g_cmp, g_slc, g_swa: gates ``[B, T, Hq]`` (same dtype as q).
+        k_swa, v_swa: window-branch keys/values (default ``k``, ``v``), shaped like ``k``, ``v``.
+        block_len, stride, select_size, num_selected, num_init, num_local, window: NSA parameters
+            (paper defaults). scale: default ``1 / sqrt(Dk)``.
+        return_block_indices: also return the int32 ``[B, T, Hkv, num_selected]`` selected blocks.
+        impl: ``auto``, ``reference`` or ``triton`` (composes the Triton branches).
+
+    Returns:
+        o ``[B, T, Hq, Dv]`` (and the block indices if asked).
+    """
+    _validate.check_nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, block_len,
+                                  stride, select_size, num_selected, num_init, num_local, window, scale)
+    params = dict(block_len=block_len, stride=stride, select_size=select_size, num_selected=num_selected,
+                  num_init=num_init, num_local=num_local, window=window, scale=scale)
+    if _validate.check_impl(impl, q) == "reference":
+        return reference.nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa=k_swa, v_swa=v_swa,
+                                       return_block_indices=return_block_indices, **params)
+    return _triton_nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa,
+                                 return_block_indices, **params)
+
+
+def _triton_nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa,
+                          return_block_indices, *, block_len, stride, select_size, num_selected,
+                          num_init, num_local, window, scale):
+    """Compose the three Triton branches with the gates (same result as ``reference.nsa_attention``)."""
+    k_swa = k if k_swa is None else k_swa
+    v_swa = v if v_swa is None else v_swa
+    o_cmp, _ = _triton("compressed_attention")(q, k_cmp, v_cmp, block_len=block_len, stride=stride,
+                                               scale=scale)
+    block_indices = _triton("select_blocks")(q, k_cmp, block_len=block_len, stride=stride,
+                                             select_size=select_size, num_selected=num_selected,
+                                             num_init=num_init, num_local=num_local, scale=scale)
+    o_slc = _triton("selected_attention")(q, k, v, block_indices, select_size=select_size, scale=scale)
+    o_swa = _triton("sliding_window_attention")(q, k_swa, v_swa, window=window, scale=scale)
+    o = g_cmp[..., None] * o_cmp + g_slc[..., None] * o_slc + g_swa[..., None] * o_swa  # [B, T, Hq, Dv]
+    return (o, block_indices) if return_block_indices else o
+
+
+def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None, k_swa=None, v_swa=None,
+               block_len=32, stride=16, select_size=64, num_selected=16, num_init=1, num_local=2, window=512,
+               scale=None, impl="auto"):
+    """NSA for one new query per sequence against a cache of raw and compressed keys/values.
+
+    Args:
+        q: ``[B, 1, Hq, Dk]``.
+        k, v: cached selection-branch keys/values ``[B, S, Hkv, Dk]``, ``[B, S, Hkv, Dv]``, the new
+            token included.
+        k_cmp, v_cmp: cached compressed keys/values ``[B, Sc, Hkv, Dk]``, ``[B, Sc, Hkv, Dv]``.
+        g_cmp, g_slc, g_swa: gates ``[B, 1, Hq]``.
+        cache_seqlens: int32 ``[B]`` valid tokens per sequence including the new one (default ``S``);
+            the query sits at position ``cache_seqlens - 1``; cache entries beyond it are ignored.
+        k_swa, v_swa: window keys/values (default ``k``, ``v``), shaped like ``k``, ``v``.
+        block_len, stride, select_size, num_selected, num_init, num_local, window, scale: as in
+            ``nsa_attention``. impl: ``auto``, ``reference`` or ``triton``.
+
+    Returns:
+        o ``[B, 1, Hq, Dv]``, equal to row ``cache_seqlens - 1`` of ``nsa_attention`` on the cache.
+    """
+    _validate.check_nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, cache_seqlens, k_swa, v_swa,
+                               block_len, stride, select_size, num_selected, num_init, num_local, window,
+                               scale)
+    fn = _implementation("nsa_decode", impl, q)
+    return fn(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, cache_seqlens=cache_seqlens, k_swa=k_swa,
+              v_swa=v_swa, block_len=block_len, stride=stride, select_size=select_size,
+              num_selected=num_selected, num_init=num_init, num_local=num_local, window=window, scale=scale)
