@@ -1,0 +1,51 @@
+"""`nsa-eval run SUITE.yaml`: evaluate a suite's cells resumably, then write its report."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run", help="run a suite (resumable) and write its report",
+        description="Validate the suite, evaluate every model x task cell not already done (each "
+        "model loads once; each cell's files are written the moment it finishes), then write the "
+        "report. Re-running the same command resumes.",
+    )
+    parser.add_argument("suite", help="a suite YAML file, e.g. configs/quickstart.yaml")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="at most N documents per task (a different limit is a different cell)")
+    parser.add_argument("--only", default=None,
+                        help="run only cells whose 'MODEL/TASK' name matches this glob or substring")
+    parser.add_argument("--device", default=None, help="override every model's device (cpu, cuda, cuda:1)")
+    parser.add_argument("--output", default=None, help="run directory (default: the suite's `output`)")
+    parser.add_argument("--report-dir", default=None, help="report directory (default: the suite's `report`)")
+    parser.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    parser.set_defaults(handler=handle)
+
+
+def handle(args) -> int:
+    from nsa_eval.errors import UsageError
+    from nsa_eval.suite import check_suite, load_suite
+
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError(f"--limit: expected a positive integer, got {args.limit}")
+    suite = load_suite(args.suite)
+    check_suite(suite)
+    suite.cells(limit=args.limit, only=args.only)  # an --only that matches nothing fails here
+
+    from nsa_eval.runner import run_suite
+
+    summary = run_suite(suite, args.output, limit=args.limit, only=args.only, device=args.device)
+    print(f"{summary.run_dir}: {summary.computed} cells computed, {summary.skipped} already done")
+    if args.no_report or not _is_main_process():
+        return 0
+    from nsa_eval.report import write_report
+
+    out = write_report(summary.run_dir, args.report_dir or suite.report)
+    print(f"report: {out / 'report.md'} and {out / 'report.html'}")
+    return 0
+
+
+def _is_main_process() -> bool:
+    import os
+
+    return int(os.environ.get("RANK", "0")) == 0

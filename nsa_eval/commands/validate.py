@@ -1,0 +1,28 @@
+"""`nsa-eval validate SUITE.yaml`: check a suite (keys, types, names, data) without running it."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "validate", help="check a suite file without running it",
+        description="Check every key, type, method, checkpoint, task and offline data file of a suite. "
+        "Exit code 2 with one message naming the file and key on the first problem.",
+    )
+    parser.add_argument("suite", help="a suite YAML file, e.g. configs/quickstart.yaml")
+    parser.add_argument("--limit", type=int, default=None, help="documents per task (as for run)")
+    parser.add_argument("--only", default=None, help="glob over 'MODEL/TASK' cell names (as for run)")
+    parser.set_defaults(handler=handle)
+
+
+def handle(args) -> int:
+    from nsa_eval.suite import check_suite, load_suite
+
+    suite = load_suite(args.suite)
+    check_suite(suite)
+    cells = suite.cells(limit=args.limit, only=args.only)
+    print(f"{args.suite}: suite {suite.name!r} is valid: {len(suite.models)} models x "
+          f"{len(suite.tasks)} tasks = {len(cells)} cells")
+    for cell in cells:
+        print(f"  {cell.key[:16]}  {cell.label}")
+    return 0

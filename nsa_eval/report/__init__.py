@@ -1,0 +1,448 @@
+"""Comparison reports rebuilt from a run directory's saved cells alone.
+
+`write_report(run_dir, out_dir)` writes into out_dir (default: the suite's `report`, e.g.
+reports/quickstart/):
+
+    report.md, report.html    tables laid out like the paper's (tasks as rows, methods as columns,
+                              averages), paired-bootstrap 95% intervals for differences, NIAH
+                              heatmaps, score-vs-budget plots, activated tokens per query, the
+                              protocol and the environment; the HTML inlines its figures
+    scores.csv, differences.csv, niah.csv, activated_tokens.csv, report.json: every number shown
+    figures/*.png
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from nsa_eval.report.bootstrap import paired_bootstrap
+from nsa_eval.report.document import Document
+from nsa_eval.report.figures import budget_plot, length_label, niah_heatmap, slug
+from nsa_eval.report.load import CellData, RunData, load_run
+from nsa_eval.report.scores import Score, cell_scores, doc_values
+
+__all__ = ["write_report", "load_run", "paired_bootstrap"]
+
+SCALE_NOTE = ("Scores are lm-eval's own metrics on a 0-1 scale (higher is better); averages are "
+              "unweighted means over a table's rows, as in the NSA paper.")
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *, bootstrap: int = 2000) -> Path:
+    """Build the report of a run directory; returns the report directory."""
+    run = load_run(run_dir)
+    out = Path(out_dir or run.manifest.get("report") or f"reports/{run.name}")
+    figures = out / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    for stale in figures.glob("*.png"):  # figures of cells no longer in the suite
+        stale.unlink()
+    report = ReportBuilder(run, out, bootstrap)
+    doc = report.build()
+    (out / "report.md").write_text(doc.markdown(out))
+    (out / "report.html").write_text(doc.html())
+    report.write_data()
+    return out
+
+
+class ReportBuilder:
+    def __init__(self, run: RunData, out: Path, bootstrap: int):
+        self.run, self.out, self.iters = run, out, bootstrap
+        self.models = run.models()
+        self.tasks = run.tasks()
+        self.scores: list[Score] = [s for c in run.cells for s in cell_scores(c)]
+        self.reference = self._reference_model()
+        self.differences: list[dict] = []
+        self.niah_rows: list[dict] = []
+        self.activation_rows: list[dict] = []
+        self.table_rows: list[dict] = []
+
+    # ------------------------------------------------------------ the document
+
+    def build(self) -> Document:
+        run = self.run
+        doc = Document(f"nsa-eval report: {run.name}")
+        if run.manifest.get("description"):
+            doc.para(run.manifest["description"])
+        env = run.manifest.get("environment", {})
+        doc.para(f"Suite `{run.manifest.get('suite_path')}` (hash `{run.manifest.get('suite_hash')}`), "
+                 f"{len(run.cells)} of {len(run.cells) + len(run.missing)} cells finished; "
+                 f"device {env.get('device')}; git `{env.get('git')}`. {SCALE_NOTE}")
+        if run.missing:
+            doc.para("**Not finished** (re-run the same command to resume): "
+                     + ", ".join(f"`{m}`" for m in run.missing))
+        if not self.scores:
+            doc.para("No finished cell has a score yet.")
+            return doc
+        self._summary(doc)
+        for task in self.tasks:
+            self._task_section(doc, task)
+        self._niah_section(doc)
+        self._budget_section(doc)
+        self._activation_section(doc)
+        self._protocol_section(doc)
+        self._environment_section(doc)
+        doc.heading("Files")
+        doc.para("Every number above is in `scores.csv`, `differences.csv`, `niah.csv`, "
+                 "`activated_tokens.csv` and `report.json` beside this report; figures are in `figures/`. "
+                 f"Rebuild with `nsa-eval report {run.run_dir}`.")
+        return doc
+
+    def _summary(self, doc: Document) -> None:
+        doc.heading("Summary")
+        rows = []
+        for task in self.tasks:
+            rows.append([task] + [_fmt(self._average(model, task)) for model in self.models])
+        if len(self.tasks) > 1:
+            rows.append(["**Average**"] + [_fmt(_mean([self._average(m, t) for t in self.tasks]))
+                                           for m in self.models])
+        doc.table(["task"] + self.models, rows,
+                  "Each task's score (its table's average where it has several subtasks); "
+                  "methods as columns.")
+
+    def _task_section(self, doc: Document, task: str) -> None:
+        subtasks = self._subtasks(task)
+        metrics = sorted({s.metric for s in self.scores if s.task == task})
+        doc.heading(f"{task}")
+        rows = []
+        for sub in subtasks:
+            row = [sub]
+            for model in self.models:
+                score = self._score(model, task, sub)
+                row.append(_fmt(score.value if score else None))
+                if score:
+                    self.table_rows.append({"task": task, "subtask": sub, "model": model,
+                                            "metric": score.metric, "value": score.value,
+                                            "stderr": score.stderr, "n": score.n})
+            rows.append(row)
+        if len(subtasks) > 1:
+            rows.append(["**Average**"] + [_fmt(self._average(m, task)) for m in self.models])
+        n = sorted({s.n for s in self.scores if s.task == task and s.n is not None})
+        doc.table(["task"] + self.models, rows,
+                  f"Metric {', '.join(f'`{m}`' for m in metrics)}; documents per subtask: "
+                  f"{', '.join(map(str, n)) or '?'}.")
+        self._difference_table(doc, task, subtasks)
+
+    def _difference_table(self, doc: Document, task: str, subtasks: list[str]) -> None:
+        if self.reference is None or len(self.models) < 2:
+            return
+        others = [m for m in self.models if m != self.reference]
+        for i, a in enumerate(self.models):  # every pair goes to differences.csv
+            for b in self.models[i + 1:]:
+                self._pair(task, subtasks, a, b)
+        rows = []
+        for sub in subtasks + (["average"] if len(subtasks) > 1 else []):
+            row = ["**Average**" if sub == "average" else sub]
+            for model in others:
+                d = self._find_difference(task, sub, self.reference, model)
+                row.append("n/a" if d is None else _interval(d))
+            rows.append(row)
+        doc.table(["task"] + [f"{m} - {self.reference}" for m in others], rows,
+                  f"Difference to `{self.reference}` with a paired bootstrap 95% interval over the same "
+                  f"documents ({self.iters} resamples); an interval that contains 0 is not a "
+                  "measurable difference.")
+
+    def _pair(self, task: str, subtasks: list[str], a: str, b: str) -> None:
+        cell_a, cell_b = self.run.cell(a, task), self.run.cell(b, task)
+        if cell_a is None or cell_b is None:
+            return
+        aligned = []
+        for sub in subtasks:
+            score = self._score(a, task, sub)
+            if score is None or self._score(b, task, sub) is None:
+                continue
+            va, vb = doc_values(cell_a, sub, score.metric), doc_values(cell_b, sub, score.metric)
+            common = sorted(set(va) & set(vb))
+            if not common:
+                continue
+            arr_a, arr_b = np.array([va[i] for i in common]), np.array([vb[i] for i in common])
+            aligned.append((sub, arr_a, arr_b))
+            self._add_difference(task, sub, a, b, [arr_a], [arr_b], score.metric)
+        if len(subtasks) > 1 and len(aligned) == len(subtasks):
+            self._add_difference(task, "average", a, b, [x[1] for x in aligned], [x[2] for x in aligned],
+                                 "average")
+
+    def _add_difference(self, task, sub, a, b, arr_a, arr_b, metric) -> None:
+        diff, low, high = paired_bootstrap(arr_a, arr_b, iters=self.iters, seed=0)
+        self.differences.append({"task": task, "subtask": sub, "a": a, "b": b, "metric": metric,
+                                 "difference": diff, "low": low, "high": high,
+                                 "n": int(sum(len(x) for x in arr_a)), "iters": self.iters})
+
+    def _find_difference(self, task, sub, a, b) -> dict | None:
+        """The difference b - a, flipping a stored a - b if the pair was computed the other way."""
+        for d in self.differences:
+            if (d["task"], d["subtask"]) != (task, sub):
+                continue
+            if (d["a"], d["b"]) == (a, b):
+                return d
+            if (d["a"], d["b"]) == (b, a):
+                return d | {"difference": -d["difference"], "low": -d["high"], "high": -d["low"]}
+        return None
+
+    # ------------------------------------------------------------ NIAH
+
+    def _niah_section(self, doc: Document) -> None:
+        for task in self.tasks:
+            grids = {}
+            for model in self.models:
+                cell = self.run.cell(model, task)
+                if cell is None:
+                    continue
+                grid = self._niah_grid(cell)
+                if grid:
+                    grids[model] = grid
+            if not grids:
+                continue
+            lengths = sorted({k[0] for g in grids.values() for k in g})
+            depths = sorted({k[1] for g in grids.values() for k in g})
+            doc.heading(f"Needle in a haystack: {task}")
+            doc.para("Mean score per context length (columns) and needle depth (rows), one figure per "
+                     "method, all on the same 0-1 colour scale.")
+            paths = []
+            for model, grid in grids.items():
+                array = np.full((len(depths), len(lengths)), np.nan)
+                for (length, depth), (total, count) in grid.items():
+                    array[depths.index(depth), lengths.index(length)] = total / count
+                    self.niah_rows.append({"task": task, "model": model, "context_length": length,
+                                           "depth_percent": depth, "score": total / count, "n": count})
+                path = self.out / "figures" / f"niah_{slug(task)}_{slug(model)}.png"
+                niah_heatmap(array, lengths, depths, f"{model}: {task}", path)
+                paths.append((path, f"NIAH {model}"))
+            doc.images(paths)
+            rows = []
+            for model, grid in grids.items():
+                row = [model]
+                for length in lengths:
+                    values = [t / c for (n, _), (t, c) in grid.items() if n == length]
+                    row.append(_fmt(_mean(values)))
+                rows.append(row)
+            doc.table(["method"] + [length_label(n) for n in lengths], rows,
+                      "Mean over depths per context length.")
+
+    def _niah_grid(self, cell: CellData) -> dict:
+        """(context_length, depth_percent) -> (sum of scores, count), from samples alone."""
+        grid: dict = defaultdict(lambda: [0.0, 0])
+        for sub in cell.leaf_tasks():
+            score = self._score(cell.model, cell.task, sub)
+            if score is None:
+                continue
+            name, filt = score.metric.split(",", 1)
+            for row in cell.samples:
+                d = row.get("doc", {})
+                if row.get("task") != sub or row.get("filter", "none") != filt:
+                    continue
+                if not isinstance(d, dict) or "context_length" not in d or "depth_percent" not in d:
+                    return {}
+                value = row.get(name)
+                if isinstance(value, (int, float)):
+                    cell_ = grid[(int(d["context_length"]), float(d["depth_percent"]))]
+                    cell_[0] += float(value)
+                    cell_[1] += 1
+        return {k: tuple(v) for k, v in grid.items()}
+
+    # ------------------------------------------------------------ budgets
+
+    def _budget_section(self, doc: Document) -> None:
+        specs = {m: self.run.model_spec(m) for m in self.models}
+        groups = defaultdict(list)  # (pretrained, attention) -> [(budget, model)]
+        for model, spec in specs.items():
+            if spec.get("budget") is not None and spec["attention"] not in ("full", "nsa"):
+                groups[(spec["pretrained"], spec["attention"])].append((spec["budget"], model))
+        if not any(len(v) > 1 for v in groups.values()):
+            return
+        doc.heading("Score vs budget")
+        doc.para("Each sparse method at several budgets (activated tokens per query); full attention "
+                 "and NSA, which have no budget, as dashed lines.")
+        paths = []
+        for task in self.tasks:
+            curves = {}
+            for (pretrained, attention), members in groups.items():
+                points = [(b, self._average(m, task)) for b, m in members]
+                points = [(b, s) for b, s in points if s is not None]
+                if len(points) > 1:
+                    one_checkpoint = len({p for p, _ in groups}) == 1
+                    name = attention if one_checkpoint else f"{Path(pretrained).name}:{attention}"
+                    curves[name] = points
+            if not curves:
+                continue
+            refs = {m: self._average(m, task) for m, s in specs.items() if s["attention"] in ("full", "nsa")}
+            refs = {m: v for m, v in refs.items() if v is not None}
+            path = self.out / "figures" / f"budget_{slug(task)}.png"
+            budget_plot(curves, refs, task, "score", path)
+            paths.append((path, f"score vs budget: {task}"))
+        doc.images(paths)
+
+    # ------------------------------------------------------------ activated tokens
+
+    def _activation_section(self, doc: Document) -> None:
+        for cell in self.run.cells:
+            stats = (cell.results.get("nsa_eval") or {}).get("activated_tokens")
+            for length, mean, mx, queries in _activation_entries(stats):
+                self.activation_rows.append({"model": cell.model, "task": cell.task, "context_length": length,
+                                             "mean": mean, "max": mx, "queries": queries})
+        if not self.activation_rows:
+            return
+        lengths = sorted({r["context_length"] for r in self.activation_rows}, key=_length_key)
+        doc.heading("Activated tokens per query")
+        doc.para("Keys and values each query attended to (mean / max over queries, layers and heads), "
+                 "as measured by the adapter during the run, per context length.")
+        rows = []
+        for model in self.models:
+            row = [model]
+            for length in lengths:
+                hits = [r for r in self.activation_rows
+                        if r["model"] == model and r["context_length"] == length]
+                if not hits:
+                    row.append("")
+                    continue
+                weights = [r["queries"] or 1 for r in hits]
+                mean = float(np.average([r["mean"] for r in hits], weights=weights))
+                row.append(f"{mean:,.0f} / {max(r['max'] for r in hits):,.0f}")
+            rows.append(row)
+        header = [length_label(n) if isinstance(n, int) else str(n) for n in lengths]
+        doc.table(["method"] + header, rows, "mean / max activated tokens per query")
+
+    # ------------------------------------------------------------ protocol and environment
+
+    def _protocol_section(self, doc: Document) -> None:
+        doc.heading("Protocol")
+        rows = []
+        for model in self.models:
+            s = self.run.model_spec(model)
+            sparse = s["attention"] not in ("full", "nsa")
+            rows.append([model, s["pretrained"], s["attention"],
+                         str(s["budget"]) if sparse else "-", str(s["sink"]) if sparse else "-",
+                         str(s["local"]) if sparse else "-",
+                         ("prefill + decode" if s.get("sparse_prefill", True) else "decode only") if sparse
+                         else ("native" if s["attention"] == "nsa" else "dense"),
+                         s["dtype"], s["truncation"], str(s.get("max_length") or "model's"), s["backend"]])
+        doc.table(["method", "checkpoint", "attention", "budget", "sink", "local", "sparsity", "dtype",
+                   "truncation", "max length", "backend"], rows, "Models")
+        rows = []
+        for task in self.tasks:
+            spec = self.run.task_spec(task)
+            cells = [c for c in self.run.cells if c.task == task]
+            results = cells[0].results if cells else {}
+            shots = sorted({str(v) for v in results.get("n-shot", {}).values()})
+            gen = _generation_kwargs(results)
+            n = results.get("n-samples", {})
+            docs = sorted({str(v.get("effective")) for v in n.values()})
+            limit = cells[0].config.get("limit") if cells else None
+            rows.append([task, f"`{spec['task']}`", ", ".join(shots) or "0", gen,
+                         "yes" if spec.get("apply_chat_template") else "no",
+                         f"{', '.join(docs)}" + (f" (limit {limit})" if limit else ""),
+                         json.dumps(spec["metadata"], sort_keys=True) if spec.get("metadata") else ""])
+        doc.table(["task", "lm-eval task", "shots", "sampling", "chat template", "documents", "metadata"],
+                  rows, "Tasks")
+
+    def _environment_section(self, doc: Document) -> None:
+        env = self.run.manifest.get("environment", {})
+        doc.heading("Environment")
+        manifest = self.run.manifest
+        items = [f"suite `{manifest.get('suite_path')}`, hash `{manifest.get('suite_hash')}`",
+                 f"git commit `{env.get('git')}`", f"device {env.get('device')}, {env.get('cpu_count')} CPUs",
+                 f"python {env.get('python')} on {env.get('platform')}", f"run started {env.get('date')}"]
+        packages = env.get("packages", {})
+        items.append("packages: " + ", ".join(f"{k} {v}" for k, v in packages.items() if v))
+        wall = [(c.label, (c.results.get("nsa_eval") or {}).get("wall_seconds")) for c in self.run.cells]
+        total = sum(w for _, w in wall if w)
+        items.append(f"evaluation time over finished cells: {total:,.0f} s")
+        doc.bullets(items)
+
+    # ------------------------------------------------------------ data files
+
+    def write_data(self) -> None:
+        _write_csv(self.out / "scores.csv", self.table_rows)
+        _write_csv(self.out / "differences.csv", self.differences)
+        _write_csv(self.out / "niah.csv", self.niah_rows)
+        _write_csv(self.out / "activated_tokens.csv", self.activation_rows)
+        data = {"suite": self.run.name, "suite_hash": self.run.manifest.get("suite_hash"),
+                "reference": self.reference, "models": self.models, "tasks": self.tasks,
+                "averages": {t: {m: self._average(m, t) for m in self.models} for t in self.tasks},
+                "scores": self.table_rows, "differences": self.differences, "niah": self.niah_rows,
+                "activated_tokens": self.activation_rows, "missing_cells": self.run.missing,
+                "environment": self.run.manifest.get("environment")}
+        (self.out / "report.json").write_text(json.dumps(data, indent=1, default=str))
+
+    # ------------------------------------------------------------ helpers
+
+    def _reference_model(self) -> str | None:
+        for model in self.models:
+            if self.run.model_spec(model)["attention"] == "full":
+                return model
+        return self.models[0] if self.models else None
+
+    def _subtasks(self, task: str) -> list[str]:
+        seen = []
+        for s in self.scores:
+            if s.task == task and s.subtask not in seen:
+                seen.append(s.subtask)
+        return seen
+
+    def _score(self, model: str, task: str, subtask: str) -> Score | None:
+        return next((s for s in self.scores if (s.model, s.task, s.subtask) == (model, task, subtask)), None)
+
+    def _average(self, model: str, task: str) -> float | None:
+        values = [self._score(model, task, sub) for sub in self._subtasks(task)]
+        if not values or any(v is None for v in values):
+            return None
+        return float(np.mean([v.value for v in values]))
+
+
+def _activation_entries(stats) -> list[tuple]:
+    """Normalise the adapter's statistics into (context_length, mean, max, queries) tuples.
+
+    Accepts {"by_length": {length: {"mean", "max", "queries"}}}, {length: {...}} or one
+    {"mean", "max"} for the whole cell (context_length "all").
+    """
+    if not isinstance(stats, dict) or not stats:
+        return []
+    if "by_length" in stats:
+        stats = stats["by_length"]
+    if "mean" in stats and "max" in stats:
+        return [("all", float(stats["mean"]), float(stats["max"]), stats.get("queries"))]
+    out = []
+    for length, entry in stats.items():
+        if isinstance(entry, dict) and "mean" in entry and "max" in entry:
+            key = int(length) if str(length).isdigit() else str(length)
+            out.append((key, float(entry["mean"]), float(entry["max"]), entry.get("queries")))
+    return out
+
+
+def _length_key(length) -> tuple:
+    return (0, length, "") if isinstance(length, int) else (1, 0, str(length))
+
+
+def _generation_kwargs(results: dict) -> str:
+    configs = results.get("configs", {})
+    kwargs = next((c.get("generation_kwargs") for c in configs.values() if c.get("generation_kwargs")), None)
+    if not kwargs:
+        return "loglikelihood" if configs else ""
+    shown = {k: kwargs[k] for k in ("do_sample", "temperature", "top_p", "max_gen_toks") if k in kwargs}
+    if not shown.get("do_sample"):
+        shown = {"greedy": True} | {k: v for k, v in shown.items() if k == "max_gen_toks"}
+    return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def _interval(d: dict) -> str:
+    return f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    fields = list(dict.fromkeys(k for row in rows for k in row)) or ["empty"]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)

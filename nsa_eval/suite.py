@@ -1,0 +1,569 @@
+"""YAML suites -> typed cells.
+
+A suite names its models (a checkpoint, an attention method and its parameters; a model entry may
+sweep methods and budgets), its tasks (any lm-eval task or group, with settings), and where results
+go. `load_suite(path)` parses and checks every key, type and value; `check_suite(suite)` then checks
+every name (method, checkpoint, task, offline data) before any model loads. Each error is a
+`UsageError` naming the file and the key, e.g. ``configs/x.yaml: models[1].budget: ...``.
+
+The cell matrix is models x tasks. A cell's identity is everything that changes its numbers (model,
+method and parameters, dtype, task settings, limit, seeds, versions); its hash names its folder in
+the run directory. Placement (device, batch size) is recorded but not hashed, so a run moved to
+another GPU resumes where it stopped.
+
+    name: quickstart
+    output: runs/quickstart
+    defaults: {pretrained: smollm2-135m, dtype: float32, sink: 64, local: 256}
+    models:
+      - {attention: full}
+      - {attention: [sink_window, topk], budget: [640, 1024]}
+    tasks:
+      - task: nsa_niah
+        metadata: {lengths: [1024, 2048], depths: [0, 50, 100]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import importlib.util
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nsa_eval.errors import UsageError
+from nsa_eval.registry import unknown_name_message
+
+# Attention methods the lm-eval adapter accepts when nsa_eval.methods / models are not importable.
+FALLBACK_ATTENTION = ("full", "h2o", "nsa", "quest", "sink_window", "topk")
+# Methods that take no budget: full attention, and NSA whose sparsity is its own architecture.
+UNBUDGETED = ("full", "nsa")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRUNCATIONS = ("middle", "left")
+BACKENDS = ("hf", "vllm")
+PAPER_BUDGET, PAPER_SINK, PAPER_LOCAL = 2560, 128, 512
+
+# key -> (accepted types, description) for every model key; `attention` and `budget` may be lists.
+MODEL_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "label": ((str,), "a string"),
+    "pretrained": ((str,), "a checkpoint path or short name"),
+    "attention": ((str, list), "a method name or a list of them"),
+    "budget": ((int, list), "an integer or a list of integers"),
+    "sink": ((int,), "an integer"),
+    "local": ((int,), "an integer"),
+    "sparse_prefill": ((bool,), "true or false"),
+    "dense_layers": ((int,), "an integer"),
+    "params": ((dict,), "a mapping of extra method parameters"),
+    "dtype": ((str,), f"one of {', '.join(DTYPES)}"),
+    "device": ((str,), "a device such as cpu, cuda or cuda:1"),
+    "max_length": ((int,), "an integer"),
+    "batch_size": ((int, str), "an integer or 'auto'"),
+    "truncation": ((str,), f"one of {', '.join(TRUNCATIONS)}"),
+    "backend": ((str,), f"one of {', '.join(BACKENDS)}"),
+    "vllm": ((dict,), "a mapping of vllm engine arguments"),
+}
+TASK_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "task": ((str,), "an lm-eval task or group name"),
+    "label": ((str,), "a string"),
+    "num_fewshot": ((int,), "an integer"),
+    "limit": ((int,), "an integer"),
+    "metadata": ((dict,), "a mapping (lm-eval task metadata)"),
+    "gen_kwargs": ((dict,), "a mapping of generation settings"),
+    "apply_chat_template": ((bool,), "true or false"),
+    "fewshot_as_multiturn": ((bool,), "true or false"),
+    "system_instruction": ((str,), "a string"),
+    "metric": ((str,), "a metric name such as exact_match or f1"),
+    "models": ((list,), "a list of model labels or glob patterns"),
+    "confirm_run_unsafe_code": ((bool,), "true or false"),
+}
+SUITE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "name": ((str,), "a string"),
+    "description": ((str,), "a string"),
+    "output": ((str,), "a directory for the run's cells"),
+    "report": ((str,), "a directory for the report"),
+    "seed": ((int,), "an integer"),
+    "bootstrap_iters": ((int,), "an integer"),
+    "include_path": ((str, list), "a directory of lm-eval task YAMLs, or a list of them"),
+    "defaults": ((dict,), "a mapping of model keys"),
+    "models": ((list,), "a list of model entries"),
+    "tasks": ((list,), "a list of task entries"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model variant: a checkpoint under one attention method at one budget."""
+
+    label: str
+    pretrained: str
+    attention: str
+    budget: int | None = None
+    sink: int | None = None
+    local: int | None = None
+    sparse_prefill: bool = True
+    dense_layers: int = 0
+    params: dict = field(default_factory=dict)
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_length: int | None = None
+    batch_size: int | str = 1
+    truncation: str = "middle"
+    backend: str = "hf"
+    vllm: dict = field(default_factory=dict)
+
+    @property
+    def checkpoint_key(self) -> tuple:
+        """Variants sharing this key share one set of loaded weights."""
+        return (self.pretrained, self.dtype, self.device, self.backend)
+
+    def identity(self) -> dict:
+        """What changes this model's numbers (hashed into every cell); placement is left out."""
+        ident = {"pretrained": self.pretrained, "attention": self.attention, "dtype": self.dtype,
+                 "max_length": self.max_length, "truncation": self.truncation, "backend": self.backend}
+        if self.attention not in UNBUDGETED:
+            ident |= {"budget": self.budget, "sink": self.sink, "local": self.local,
+                      "sparse_prefill": self.sparse_prefill, "dense_layers": self.dense_layers,
+                      "params": self.params}
+        return ident
+
+    def model_args(self) -> dict:
+        """model_args for the lm-eval `nsa-eval` adapter."""
+        args = {"pretrained": self.pretrained, "attention": self.attention, "dtype": self.dtype,
+                "batch_size": self.batch_size, "truncation": self.truncation, "device": self.device}
+        if self.max_length is not None:
+            args["max_length"] = self.max_length
+        if self.attention not in UNBUDGETED:
+            args |= {"budget": self.budget, "sink": self.sink, "local": self.local,
+                     "sparse_prefill": self.sparse_prefill}
+            if self.dense_layers:
+                args["dense_layers"] = self.dense_layers
+            args |= self.params
+        return args
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task entry: an lm-eval task or group with its settings."""
+
+    label: str
+    task: str
+    num_fewshot: int | None = None
+    limit: int | None = None
+    metadata: dict = field(default_factory=dict)
+    gen_kwargs: dict = field(default_factory=dict)
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False
+    system_instruction: str | None = None
+    metric: str | None = None
+    models: tuple[str, ...] = ()
+    confirm_run_unsafe_code: bool = False
+
+    def identity(self) -> dict:
+        ident = dataclasses.asdict(self)
+        for placement_only in ("label", "models", "limit"):
+            ident.pop(placement_only)
+        return ident
+
+    def applies_to(self, model_label: str) -> bool:
+        return not self.models or any(fnmatch.fnmatchcase(model_label, p) for p in self.models)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (model variant, task) pair: one lm-eval evaluation, one folder of results."""
+
+    model: ModelSpec
+    task: TaskSpec
+    limit: int | None
+    seed: int
+    bootstrap_iters: int
+    include_path: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.model.label}/{self.task.label}"
+
+    def identity(self) -> dict:
+        return {"model": self.model.identity(), "task": self.task.identity(), "limit": self.limit,
+                "seed": self.seed, "versions": versions_that_change_numbers()}
+
+    @property
+    def key(self) -> str:
+        return stable_hash(self.identity())
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    path: str
+    models: tuple[ModelSpec, ...]
+    tasks: tuple[TaskSpec, ...]
+    output: str
+    report: str
+    description: str = ""
+    seed: int = 1234
+    bootstrap_iters: int = 1000
+    include_path: tuple[str, ...] = ()  # extra lm-eval task directories, resolved to absolute paths
+    source: str = ""
+
+    @property
+    def hash(self) -> str:
+        return stable_hash({"source": self.source})[:16]
+
+    def cells(self, limit: int | None = None, only: str | None = None) -> list[Cell]:
+        """The model x task matrix, model-major (so each model loads once), filtered by `only`.
+
+        `limit` overrides every task's limit; `only` is a glob (or substring) over 'model/task'.
+        """
+        cells = [Cell(model, task, limit if limit is not None else task.limit, self.seed,
+                      self.bootstrap_iters, self.include_path)
+                 for model in self.models for task in self.tasks if task.applies_to(model.label)]
+        if only:
+            pattern = only if any(c in only for c in "*?[") else f"*{only}*"
+            cells = [c for c in cells if fnmatch.fnmatchcase(c.label, pattern)]
+            if not cells:
+                raise UsageError(f"--only {only!r} matches no cell of {self.path}; cells are named "
+                                 "'MODEL/TASK', e.g. " + self.models[0].label + "/" + self.tasks[0].label)
+        return cells
+
+
+def stable_hash(obj: Any) -> str:
+    """sha256 of sorted-key JSON: the same inputs give the same folder on every machine."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def versions_that_change_numbers() -> dict:
+    """Package versions hashed into every cell, so an upgrade recomputes instead of mixing."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("nsa-eval", "lm-eval"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read and parse a suite file; every structural error is a UsageError naming file and key."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such suite file")
+    source = path.read_text()
+    try:
+        raw = yaml.safe_load(source)
+    except yaml.YAMLError as err:
+        raise UsageError(f"{path}: not valid YAML: {err}") from None
+    return parse_suite(raw, str(path), source)
+
+
+def parse_suite(raw: Any, where: str, source: str = "") -> Suite:
+    if not isinstance(raw, dict):
+        raise UsageError(f"{where}: expected a mapping with keys name, models, tasks")
+    _check_keys(raw, SUITE_KEYS, where, "")
+    for required in ("name", "models", "tasks"):
+        if required not in raw:
+            raise UsageError(f"{where}: missing key {required!r}")
+    name = _get(raw, "name", SUITE_KEYS, where, "")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise UsageError(f"{where}: name: {name!r} must be letters, digits, '.', '_' or '-'")
+    defaults = _get(raw, "defaults", SUITE_KEYS, where, "", {})
+    _check_keys(defaults, MODEL_KEYS, where, "defaults.")
+    models = _parse_models(raw["models"], defaults, where)
+    tasks = _parse_tasks(raw["tasks"], where, {m.label for m in models})
+    return Suite(
+        name=name, path=where, models=tuple(models), tasks=tuple(tasks),
+        output=_get(raw, "output", SUITE_KEYS, where, "", f"runs/{name}"),
+        report=_get(raw, "report", SUITE_KEYS, where, "", f"reports/{name}"),
+        description=_get(raw, "description", SUITE_KEYS, where, "", ""),
+        seed=_get(raw, "seed", SUITE_KEYS, where, "", 1234),
+        bootstrap_iters=_nonnegative(_get(raw, "bootstrap_iters", SUITE_KEYS, where, "", 1000),
+                                     where, "bootstrap_iters"),
+        include_path=_include_paths(raw, where),
+        source=source or json.dumps(raw, sort_keys=True),
+    )
+
+
+def _include_paths(raw: dict, where: str) -> tuple[str, ...]:
+    """include_path entries, relative to the suite file; each must be an existing directory."""
+    value = _get(raw, "include_path", SUITE_KEYS, where, "", [])
+    paths = []
+    for entry in _as_list(value, str, where, "include_path", "directories") if value else []:
+        path = Path(entry).expanduser()
+        if not path.is_absolute():
+            path = Path(where).resolve().parent / path
+        if not path.is_dir():
+            raise UsageError(f"{where}: include_path: {entry!r} is not a directory ({path})")
+        paths.append(str(path))
+    return tuple(paths)
+
+
+def _parse_models(entries: Any, defaults: dict, where: str) -> list[ModelSpec]:
+    if not isinstance(entries, list) or not entries:
+        raise UsageError(f"{where}: models: expected a non-empty list of model entries")
+    pretrained_names = set()
+    expanded: list[tuple[str, dict, int]] = []  # (key prefix, merged entry, expansion count)
+    for i, entry in enumerate(entries):
+        key = f"models[{i}]."
+        if not isinstance(entry, dict):
+            raise UsageError(f"{where}: models[{i}]: expected a mapping, got {entry!r}")
+        _check_keys(entry, MODEL_KEYS, where, key)
+        merged = defaults | entry
+        for required in ("pretrained", "attention"):
+            if required not in merged:
+                raise UsageError(f"{where}: {key}{required}: missing (set it here or in defaults)")
+        pretrained_names.add(merged["pretrained"])
+        expanded.append((key, merged, i))
+    models = []
+    for key, merged, _ in expanded:
+        models.extend(_expand_model(merged, where, key, multi_checkpoint=len(pretrained_names) > 1))
+    seen: dict[str, str] = {}
+    for model in models:
+        if model.label in seen:
+            raise UsageError(f"{where}: models: two entries are both labelled {model.label!r}; "
+                             "give one a distinct `label`")
+        seen[model.label] = model.label
+    return models
+
+
+def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool) -> list[ModelSpec]:
+    """One entry -> one ModelSpec per (attention, budget); unbudgeted methods ignore budgets."""
+    get = lambda name, default=None: _get(entry, name, MODEL_KEYS, where, key, default)  # noqa: E731
+    attentions = _as_list(get("attention"), str, where, key + "attention", "method names")
+    budgets = _as_list(get("budget", PAPER_BUDGET), int, where, key + "budget", "integers")
+    dtype = _choice(get("dtype", "auto"), DTYPES, where, key + "dtype")
+    truncation = _choice(get("truncation", "middle"), TRUNCATIONS, where, key + "truncation")
+    backend = _choice(get("backend", "hf"), BACKENDS, where, key + "backend")
+    batch_size = get("batch_size", 1)
+    if isinstance(batch_size, str) and not re.fullmatch(r"auto(:\d+)?", batch_size):
+        raise UsageError(f"{where}: {key}batch_size: expected an integer or 'auto', got {batch_size!r}")
+    sink = _nonnegative(get("sink", PAPER_SINK), where, key + "sink")
+    local = _nonnegative(get("local", PAPER_LOCAL), where, key + "local")
+    max_length = get("max_length")
+    if max_length is not None:
+        _positive(max_length, where, key + "max_length")
+    if backend == "vllm" and attentions != ["full"]:
+        raise UsageError(f"{where}: {key}backend: vllm runs full attention only (stock vLLM kernels); "
+                         f"got attention {attentions}; use backend: hf for sparse methods")
+    pretrained = get("pretrained")
+    variants = [(a, b) for a in attentions for b in ([None] if a in UNBUDGETED else budgets)]
+    specs = []
+    for attention, budget in variants:
+        if budget is not None:
+            _positive(budget, where, key + "budget")
+            if budget < sink + local:
+                raise UsageError(f"{where}: {key}budget: {budget} is below sink + local = "
+                                 f"{sink} + {local} = {sink + local}; raise the budget or lower "
+                                 "sink/local")
+        label = _label(get("label"), pretrained, attention, budget, len(attentions) > 1,
+                       len(budgets) > 1, multi_checkpoint)
+        specs.append(ModelSpec(
+            label=label, pretrained=pretrained, attention=attention, budget=budget, sink=sink,
+            local=local, sparse_prefill=get("sparse_prefill", True),
+            dense_layers=_nonnegative(get("dense_layers", 0), where, key + "dense_layers"),
+            params=get("params", {}), dtype=dtype, device=get("device", "cpu"), max_length=max_length,
+            batch_size=batch_size, truncation=truncation, backend=backend, vllm=get("vllm", {}),
+        ))
+    return specs
+
+
+def _label(given, pretrained, attention, budget, many_methods, many_budgets, multi_checkpoint) -> str:
+    if given:
+        parts = [given] + ([attention] if many_methods else [])
+        return ":".join(parts) + (f"@{budget}" if budget is not None and many_budgets else "")
+    stem = Path(pretrained).name if multi_checkpoint else ""
+    method = attention if budget is None else f"{attention}@{budget}"
+    return f"{stem}:{method}" if stem else method
+
+
+def _parse_tasks(entries: Any, where: str, model_labels: set[str]) -> list[TaskSpec]:
+    if not isinstance(entries, list) or not entries:
+        raise UsageError(f"{where}: tasks: expected a non-empty list of task entries")
+    tasks = []
+    for i, entry in enumerate(entries):
+        key = f"tasks[{i}]."
+        if isinstance(entry, str):
+            entry = {"task": entry}
+        if not isinstance(entry, dict):
+            raise UsageError(f"{where}: tasks[{i}]: expected a task name or a mapping, got {entry!r}")
+        _check_keys(entry, TASK_KEYS, where, key)
+        if "task" not in entry:
+            raise UsageError(f"{where}: {key}task: missing (an lm-eval task or group name)")
+        get = lambda name, default=None, e=entry, k=key: _get(e, name, TASK_KEYS, where, k, default)  # noqa: E731
+        patterns = get("models", [])
+        patterns = tuple(_as_list(patterns, str, where, key + "models", "model labels") if patterns else ())
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(label, pattern) for label in model_labels):
+                raise UsageError(f"{where}: {key}models: {pattern!r} matches no model label; labels are "
+                                 + ", ".join(sorted(model_labels)))
+        limit = get("limit")
+        tasks.append(TaskSpec(
+            label=get("label", entry["task"]), task=get("task"), num_fewshot=get("num_fewshot"),
+            limit=None if limit is None else _positive(limit, where, key + "limit"),
+            metadata=get("metadata", {}), gen_kwargs=get("gen_kwargs", {}),
+            apply_chat_template=get("apply_chat_template", False),
+            fewshot_as_multiturn=get("fewshot_as_multiturn", False),
+            system_instruction=get("system_instruction"), metric=get("metric"), models=patterns,
+            confirm_run_unsafe_code=get("confirm_run_unsafe_code", False),
+        ))
+        if tasks[-1].num_fewshot is not None:
+            _nonnegative(tasks[-1].num_fewshot, where, key + "num_fewshot")
+    labels = [t.label for t in tasks]
+    if len(set(labels)) != len(labels):
+        dup = next(x for x in labels if labels.count(x) > 1)
+        raise UsageError(f"{where}: tasks: two entries are both labelled {dup!r}; give one a `label`")
+    return tasks
+
+
+def _check_keys(entry: dict, schema: dict, where: str, key: str) -> None:
+    for name in entry:
+        if name not in schema:
+            raise UsageError(f"{where}: {key}{name}: "
+                             + unknown_name_message("key", str(name), list(schema)))
+
+
+def _get(entry: dict, name: str, schema: dict, where: str, key: str, default: Any = None) -> Any:
+    if name not in entry or entry[name] is None:
+        return default
+    value = entry[name]
+    types, expected = schema[name]
+    # YAML booleans are ints in Python; an int key must not accept true/false.
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise UsageError(f"{where}: {key}{name}: expected {expected}, got {value!r}")
+    return value
+
+
+def _as_list(value: Any, kind: type, where: str, key: str, what: str) -> list:
+    values = value if isinstance(value, list) else [value]
+    if not values or any(not isinstance(v, kind) or isinstance(v, bool) for v in values):
+        raise UsageError(f"{where}: {key}: expected {what}, got {value!r}")
+    return values
+
+
+def _choice(value: str, choices: tuple[str, ...], where: str, key: str) -> str:
+    if value not in choices:
+        raise UsageError(f"{where}: {key}: " + unknown_name_message("value", value, list(choices)))
+    return value
+
+
+def _positive(value: int, where: str, key: str) -> int:
+    if value <= 0:
+        raise UsageError(f"{where}: {key}: expected a positive integer, got {value}")
+    return value
+
+
+def _nonnegative(value: int, where: str, key: str) -> int:
+    if value < 0:
+        raise UsageError(f"{where}: {key}: expected a non-negative integer, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------- name checks (before any model loads)
+
+
+def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = True) -> None:
+    """Check every method, checkpoint, backend and task name; raise UsageError on the first bad one.
+
+    Cheap checks run first; the task index (a few seconds: lm-eval scans its YAML files) runs last.
+    """
+    valid_methods = attention_names()
+    for i, model in enumerate(suite.models):
+        key = f"{suite.path}: models (entry {model.label!r})"
+        if model.attention not in valid_methods:
+            raise UsageError(f"{key}.attention: "
+                             + unknown_name_message("attention method", model.attention, valid_methods))
+        _check_method_params(model, key)
+        _check_checkpoint(model.pretrained, f"{key}.pretrained")
+        if model.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise UsageError(f"{key}.backend: vllm is not installed here (pip install 'lm-eval[vllm]' "
+                             "on a CUDA machine), so this entry cannot run; use backend: hf")
+        del i
+    if check_tasks:
+        known = set(task_manager(suite.include_path).all_tasks)
+        for i, task in enumerate(suite.tasks):
+            if task.task not in known:
+                raise UsageError(f"{suite.path}: tasks[{i}].task: " + unknown_name_message(
+                    "task", task.task, _close_names(task.task, known)))
+    if check_data:
+        _check_task_data(suite)
+
+
+def attention_names() -> list[str]:
+    try:
+        from nsa_eval.methods import METHODS
+    except ImportError:
+        return sorted(FALLBACK_ATTENTION)
+    return sorted(set(METHODS.names()) | {"nsa"})
+
+
+def _check_method_params(model: ModelSpec, key: str) -> None:
+    """Let the methods layer reject parameters it does not know (e.g. a typo inside `params`)."""
+    if model.attention in UNBUDGETED:
+        return
+    try:
+        from nsa_eval.methods import validate_params
+    except ImportError:
+        return
+    try:
+        validate_params(model.attention, budget=model.budget, sink=model.sink, local=model.local,
+                        **model.params)
+    except UsageError as err:
+        raise UsageError(f"{key}: {err}") from None
+    except TypeError as err:
+        raise UsageError(f"{key}.params: {err}") from None
+
+
+def _check_checkpoint(pretrained: str, key: str) -> None:
+    try:
+        from nsa_eval.models import KNOWN_CHECKPOINTS
+    except ImportError:
+        KNOWN_CHECKPOINTS = {}
+    if pretrained in KNOWN_CHECKPOINTS:
+        return
+    if Path(pretrained).expanduser().exists():
+        return
+    known = ", ".join(sorted(KNOWN_CHECKPOINTS)) or "none"
+    raise UsageError(f"{key}: checkpoint {pretrained!r} is neither a path that exists nor a known "
+                     f"short name ({known})")
+
+
+def _close_names(name: str, known: set[str]) -> list[str]:
+    """Up to a few suggestions instead of listing all ~15,000 lm-eval task names."""
+    import difflib
+
+    return difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.5) or ["(see `lm-eval ls tasks`)"]
+
+
+def _check_task_data(suite: Suite) -> None:
+    try:
+        from nsa_eval.tasks import check_task_data
+    except ImportError:
+        return
+    check_task_data([task.task for task in suite.tasks])
+
+
+_TASK_MANAGERS: dict[tuple[str, ...], Any] = {}
+
+
+def task_manager(include_path: tuple[str, ...] = ()):
+    """An indexed lm-eval TaskManager with the project's tasks (+ include_path), one per process:
+    indexing lm-eval's ~15,000 task names takes seconds."""
+    if include_path not in _TASK_MANAGERS:
+        from lm_eval.tasks import TaskManager
+
+        try:
+            from nsa_eval.tasks import TASKS_DIR
+        except ImportError:
+            TASKS_DIR = None
+        paths = ([str(TASKS_DIR)] if TASKS_DIR else []) + list(include_path)
+        _TASK_MANAGERS[include_path] = TaskManager(include_path=paths or None)
+    return _TASK_MANAGERS[include_path]
