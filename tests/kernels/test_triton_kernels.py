@@ -1,0 +1,178 @@
+"""Every Triton NSA kernel against the PyTorch reference, on the CPU through Triton's interpreter
+(tests/kernels/conftest.py sets TRITON_INTERPRET=1). Outputs and gradients are compared by relative
+RMS error; block indices as sets, with ties judged by the reference's importance scores."""
+
+import pytest
+import torch
+
+from nsa_eval.kernels import reference as ref
+from nsa_eval.kernels.compression import compressed_attention
+from nsa_eval.kernels.decode import nsa_decode
+from nsa_eval.kernels.selection import select_blocks, selected_attention
+from nsa_eval.kernels.window import sliding_window_attention
+
+TOL = 1e-4  # fp32 everywhere under the interpreter
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make(B, T, hq, hkv, dk, dv, *, block_len=32, stride=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tc = max(0, (T - block_len) // stride + 1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+
+    return dict(q=rnd(B, T, hq, dk), k=rnd(B, T, hkv, dk), v=rnd(B, T, hkv, dv),
+                k_cmp=rnd(B, tc, hkv, dk), v_cmp=rnd(B, tc, hkv, dv))
+
+
+def grads(out, inputs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in out)
+    return torch.autograd.grad(loss, inputs)
+
+
+SHAPES = [  # (B, T, Hq, Hkv, Dk, Dv): G = 1, 3, 4, 16; Dk != Dv
+    (1, 80, 2, 2, 32, 16),
+    (1, 72, 3, 1, 16, 32),
+    (2, 64, 8, 2, 32, 16),
+    (1, 80, 16, 1, 16, 16),
+]
+IDS = [f"B{b}-T{t}-Hq{hq}-Hkv{hkv}-Dk{dk}-Dv{dv}" for b, t, hq, hkv, dk, dv in SHAPES]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_compressed_attention(shape):
+    x = make(*shape)
+    ins = (x["q"], x["k_cmp"], x["v_cmp"])
+    o, lse = compressed_attention(*ins)
+    o_ref, lse_ref = ref.compressed_attention(*ins)
+    assert rel_err(o, o_ref) < TOL
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))  # queries before the first block
+    assert torch.isinf(lse[:, :31]).all() and (o[:, :31] == 0).all()
+    finite = torch.isfinite(lse_ref)
+    assert rel_err(lse[finite], lse_ref[finite]) < TOL
+    # gradients through o and lse
+    safe = lambda o, lse: (o, torch.where(finite, lse, 0.0))  # noqa: E731
+    for a, b in zip(grads(safe(o, lse), ins), grads(safe(o_ref, lse_ref), ins), strict=True):
+        assert rel_err(a, b) < TOL
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=IDS[1:3])
+def test_sliding_window_attention(shape):
+    x = make(*shape)
+    ins = (x["q"], x["k"], x["v"])
+    o = sliding_window_attention(*ins, window=24)
+    o_ref = ref.sliding_window_attention(*ins, window=24)
+    assert rel_err(o, o_ref) < TOL
+    for a, b in zip(grads([o], ins), grads([o_ref], ins), strict=True):
+        assert rel_err(a, b) < TOL
+
+
+def assert_same_selection(idx, idx_ref, q, k_cmp, params):
+    """Equal as sets, except where the reference ranks two blocks with (near-)equal importance."""
+    assert idx.shape == idx_ref.shape and idx.dtype == torch.int32
+    sorted_ok = torch.where(idx < 0, 1 << 30, idx)
+    ascending = (sorted_ok[..., 1:] > sorted_ok[..., :-1]) | (idx[..., 1:] < 0)
+    assert ascending.all() and (sorted_ok[..., 1:] >= sorted_ok[..., :-1]).all()  # -1 only at the end
+    if torch.equal(idx, idx_ref):
+        return
+    # recompute the reference importances for the rows that differ and compare the chosen scores
+    B, T, _, _ = q.shape
+    p_cmp = ref._compressed_chunk(q.float(), torch.arange(T).expand(B, -1), k_cmp.float(),
+                                  k_cmp.float()[..., :1], params["block_len"], params["stride"],
+                                  q.shape[-1] ** -0.5)[2]
+    ns = -(-T // params["select_size"])
+    w = ref._overlap_weights(k_cmp.shape[1], ns, params["block_len"], params["stride"],
+                             params["select_size"], "cpu")
+    imp = p_cmp.sum(3) @ w  # [B, T, Hkv, Ns]
+    for b, t, h in (idx != idx_ref).any(-1).nonzero().tolist():
+        a = set(idx[b, t, h].tolist()) - {-1}
+        r = set(idx_ref[b, t, h].tolist()) - {-1}
+        assert len(a) == len(r)
+        sa = sorted(imp[b, t, h, list(a - r)].tolist())
+        sr = sorted(imp[b, t, h, list(r - a)].tolist())
+        assert sa == pytest.approx(sr, rel=1e-4, abs=1e-6), (b, t, h)
+
+
+@pytest.mark.parametrize(
+    "shape,params",
+    [
+        (SHAPES[0], dict(block_len=32, stride=16, select_size=16, num_selected=4)),
+        (SHAPES[1], dict(block_len=32, stride=16, select_size=32, num_selected=2, num_local=1)),
+        (SHAPES[2], dict(block_len=16, stride=16, select_size=16, num_selected=3)),  # fla layout
+        (SHAPES[3], dict(block_len=32, stride=16, select_size=16, num_selected=4, num_init=2)),
+    ],
+    ids=IDS,
+)
+def test_select_blocks(shape, params):
+    x = make(*shape, block_len=params["block_len"], stride=params["stride"])
+    q, k_cmp = x["q"].detach(), x["k_cmp"].detach()
+    idx = select_blocks(q, k_cmp, **params)
+    idx_ref = ref.select_blocks(q, k_cmp, **params)
+    full = dict(block_len=32, stride=16, select_size=64) | params
+    assert_same_selection(idx, idx_ref, q, k_cmp, full)
+    # reusing the compression lse gives the same blocks
+    _, lse = compressed_attention(q, k_cmp, x["v_cmp"].detach(), block_len=params["block_len"],
+                                  stride=params["stride"])
+    assert torch.equal(select_blocks(q, k_cmp, lse=lse, **params), idx)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_selected_attention(shape):
+    x = make(*shape)
+    q, k, v = x["q"], x["k"], x["v"]
+    B, T, _, hkv, _, _ = (*shape[:2], *shape[2:])
+    # random block lists with padding and a repeated entry; blocks after t must be masked
+    g = torch.Generator().manual_seed(3)
+    ns = -(-T // 16)
+    idx = torch.randint(-1, ns, (B, T, hkv, 5), generator=g, dtype=torch.int32)
+    idx[..., 4] = idx[..., 3]
+    o = selected_attention(q, k, v, idx, select_size=16)
+    o_ref = ref.selected_attention(q, k, v, idx, select_size=16)
+    assert rel_err(o, o_ref) < TOL
+    for a, b in zip(grads([o], (q, k, v)), grads([o_ref], (q, k, v)), strict=True):
+        assert rel_err(a, b) < TOL
+
+
+def test_bf16_inputs_upcast_under_interpreter():
+    x = make(1, 64, 4, 1, 32, 32, dtype=torch.bfloat16)
+    ins = (x["q"], x["k"], x["v"])
+    o = sliding_window_attention(*ins, window=20)
+    assert o.dtype == torch.bfloat16
+    assert rel_err(o, ref.sliding_window_attention(*ins, window=20)) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], SHAPES[3]], ids=[IDS[1], IDS[2], IDS[3]])
+def test_decode_matches_reference(shape):
+    B, S, hq, hkv, dk, dv = shape
+    x = make(*shape)
+    kv = {n: x[n].detach() for n in ("k", "v", "k_cmp", "v_cmp")}
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, 1, hq, dk, generator=g)
+    gates = [torch.rand(B, 1, hq, generator=g) for _ in range(3)]
+    params = dict(select_size=16, num_selected=3, window=24)
+    for lengths in ([S] * B, [S - 17 - 5 * b for b in range(B)], [20] * B):
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        o, idx = nsa_decode(q, kv["k"], kv["v"], kv["k_cmp"], kv["v_cmp"], *gates, cache_seqlens=seqlens,
+                            return_block_indices=True, **params)
+        o_ref, idx_ref = ref.nsa_decode(q, kv["k"], kv["v"], kv["k_cmp"], kv["v_cmp"], *gates,
+                                        cache_seqlens=seqlens, return_block_indices=True, **params)
+        assert torch.equal(idx, idx_ref)
+        assert rel_err(o, o_ref) < TOL
+
+
+def test_decode_separate_window_cache():
+    B, S, hq, hkv, dk, dv = 1, 64, 4, 1, 16, 16
+    x = make(B, S, hq, hkv, dk, dv, seed=7)
+    y = make(B, S, hq, hkv, dk, dv, seed=8)
+    q = torch.randn(B, 1, hq, dk)
+    gates = [torch.rand(B, 1, hq) for _ in range(3)]
+    args = [x[n].detach() for n in ("k", "v", "k_cmp", "v_cmp")]
+    kw = dict(k_swa=y["k"].detach(), v_swa=y["v"].detach(), select_size=16, num_selected=2, window=16)
+    o = nsa_decode(q, *args, *gates, **kw)
+    assert rel_err(o, ref.nsa_decode(q, *args, *gates, **kw)) < TOL
