@@ -1,1 +1,107 @@
-"""nsa_eval.tasks (being built)."""
+"""The project's lm-eval tasks: NIAH grid, LongBench (10 subsets), general benchmarks, AIME 2024.
+
+- `TASKS_DIR`: the lm-eval include_path holding the project's YAMLs (niah/, longbench/, general/,
+  aime/); `task_manager(metadata)` is a TaskManager that knows them and lm-eval's own tasks.
+- `PROJECT_TASKS`: name -> one-line protocol, for `nsa-eval data list` and the docs.
+- `check_task_data(names)`: one UsageError before any model loads when data is missing offline.
+
+Importing this package does not import lm_eval; the functions do, when called.
+docs/tasks.md describes every family's protocol, metadata keys and data layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from nsa_eval.tasks.data import check_task_data, data_dir, fetch
+
+TASKS_DIR = Path(__file__).resolve().parent
+
+# name -> protocol summary; every name is an lm-eval task or group under TASKS_DIR.
+PROJECT_TASKS: dict[str, str] = {
+    "nsa_niah": "needle in a haystack: context lengths x depths grid, exact match of a 7-digit value",
+    "nsa_longbench": "LongBench v1, the paper's 10 subsets, official prompts/metrics, 0-1 scale",
+    **{
+        f"nsa_longbench_{s}": f"LongBench {s}"
+        for s in (
+            "multifieldqa_en",
+            "multifieldqa_zh",
+            "qasper",
+            "hotpotqa",
+            "2wikimqa",
+            "gov_report",
+            "dureader",
+            "passage_retrieval_en",
+            "passage_retrieval_zh",
+            "lcc",
+        )
+    },
+    "nsa_mmlu": "MMLU 5-shot, loglikelihood multiple choice (acc)",
+    "nsa_bbh": "BBH 3-shot chain of thought, exact match of 'the answer is ...'",
+    "nsa_bbh_direct": "BBH 3-shot answer only (no chain of thought), exact match",
+    "nsa_gsm8k": "GSM8K 8-shot chain of thought (exact match)",
+    "nsa_drop": "DROP 1-shot, generative (f1, em)",
+    "nsa_mbpp": "MBPP 3-shot, pass@1; executes model code: needs confirm_run_unsafe_code",
+    "nsa_aime24_8k": "AIME 2024, 16 samples at T=0.7 top-p 0.95, 8,192 new tokens; avg@k, pass@k",
+    "nsa_aime24_16k": "AIME 2024, 16 samples at T=0.7 top-p 0.95, 16,384 new tokens; avg@k, pass@k",
+}
+
+# tasks whose metric runs model-written code
+UNSAFE_CODE_TASKS = frozenset({"nsa_mbpp"})
+
+
+@lru_cache(maxsize=1)
+def _base_task_manager():
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS_DIR))
+
+
+def _with_metadata(metadata: dict[str, Any] | None):
+    from lm_eval.tasks._factory import TaskFactory
+
+    manager = copy.copy(_base_task_manager())  # shares the (slow to build) index
+    manager.metadata = metadata or None
+    manager._factory = TaskFactory(meta=metadata or None)
+    return manager
+
+
+@lru_cache(maxsize=16)
+def _task_manager_for(metadata_json: str):
+    return _with_metadata(json.loads(metadata_json))
+
+
+def task_manager(metadata: dict[str, Any] | None = None):
+    """An lm-eval TaskManager with lm-eval's tasks and the project's (include_path=TASKS_DIR).
+
+    `metadata` reaches every task's config (and NIAH's data builder), as `--metadata` does on
+    lm-eval's command line: e.g. `{"tokenizer": "smollm2-135m", "niah_lengths": [1024, 2048]}`.
+    Pass it here: `simple_evaluate` ignores its own `metadata=` when given a task manager.
+    Building the index takes ~10 s once per process; managers are cached per metadata (a
+    metadata value that is not JSON, e.g. a tokenizer object, gets a fresh, uncached manager).
+    """
+    try:
+        key = json.dumps(metadata or {}, sort_keys=True)
+    except TypeError:
+        return _with_metadata(metadata)
+    return _task_manager_for(key)
+
+
+def requires_unsafe_code(task_names) -> list[str]:
+    """The requested tasks whose scoring executes model-generated code (MBPP)."""
+    return [name for name in task_names if name in UNSAFE_CODE_TASKS]
+
+
+__all__ = [
+    "PROJECT_TASKS",
+    "TASKS_DIR",
+    "check_task_data",
+    "data_dir",
+    "fetch",
+    "requires_unsafe_code",
+    "task_manager",
+]

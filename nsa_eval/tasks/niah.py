@@ -1,0 +1,446 @@
+"""Needle in a haystack: a grid of context lengths x needle depths, sized with the model's tokenizer.
+
+One prompt (RULER niah_single style, template configurable):
+
+    {instruction}\\n{haystack before} {needle} {haystack after}\\n{question} {answer prefix}
+
+- Prompt length: the number of tokens of the whole prompt string above (instruction, haystack,
+  needle, question and answer prefix) as `tokenizer(prompt, add_special_tokens=False)` counts them,
+  i.e. without BOS and without any chat template. Every prompt has exactly `context_length` tokens.
+- Needle depth: let `fixed` be the token count of the prompt built with an empty haystack and
+  `H = context_length - fixed` the haystack's token budget. The needle's first token sits at token
+  index `start + round(depth_percent / 100 * H)`, where `start` is its index with an empty haystack
+  (right after the instruction). So depth 0 puts the needle first, depth 100 last, before the question.
+- Haystack: "builtin" (varied English sentences from a seeded grammar, no download, no digits) or a
+  folder of .txt files (read in name order, repeated when short, e.g. Paul Graham's essays).
+  The haystack is cut at character positions, found by search against real token counts, so the
+  length and the depth are exact for any tokenizer whose counts move by one token per character
+  appended (all BPE and SentencePiece tokenizers tried); `make_niah_doc` raises if it cannot be exact.
+- Needle: "One of the special magic numbers for {key} is: {value}." with a seeded 7-digit value and a
+  seeded key word. Score: 1 when the value appears in the answer as a whole number, else 0.
+
+In lm-eval (`nsa_niah`), lm-eval joins `input` and `gen_prefix` with one space, which gives exactly
+`prompt`; with a chat template the template's tokens come on top of `context_length`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from nsa_eval.errors import UsageError
+
+# The paper's Figure 5 grid: 1K, 8K, 15K, ..., 64K (step 7K) x depths 0, 11.11, ..., 100 %.
+PAPER_LENGTHS = [1024 + 7168 * i for i in range(10)]
+PAPER_DEPTHS = [round(100 * i / 9, 2) for i in range(10)]
+
+
+@dataclass(frozen=True)
+class NiahTemplate:
+    """The four strings of a NIAH prompt; `{key}` and `{value}` are filled per doc."""
+
+    instruction: str = (
+        "Some special magic numbers are hidden within the following text. "
+        "Make sure to memorize it. I will quiz you about the numbers afterwards."
+    )
+    needle: str = "One of the special magic numbers for {key} is: {value}."
+    question: str = "What is the special magic number for {key} mentioned in the provided text?"
+    answer_prefix: str = "The special magic number for {key} mentioned in the provided text is"
+
+
+DEFAULT_TEMPLATE = NiahTemplate()
+
+# ------------------------------------------------------------------ the built-in haystack grammar
+
+_KEYS = (
+    "amber anchor apricot badger ballad banner barley beacon bramble breeze bucket cactus canyon "
+    "cedar chisel cinder clover cobalt comet copper cricket crystal dagger delta dolphin ember "
+    "falcon fennel fjord flint garnet gecko glacier granite harbor hazel heron hickory iris ivory "
+    "jasper juniper kestrel lagoon lantern lemur lilac lotus magnet maple marble meadow mango "
+    "nectar nickel nutmeg oasis obsidian olive orchid otter pebble pepper pigeon plume quartz "
+    "quill raven reef saffron sage sapphire sparrow spruce tangerine thistle thunder topaz tulip "
+    "velvet violet walnut willow zephyr"
+).split()
+
+_GRAMMAR = {
+    "subject": (
+        "the old farmer|a quiet engineer|the travelling musician|my neighbour|the river guide|"
+        "a young painter|the village baker|the ship's captain|an honest clerk|the night watchman|"
+        "a curious student|the mountain shepherd|our teacher|the city gardener|a tired courier|"
+        "the lighthouse keeper|a careful tailor|the market trader|an elderly poet|the forest ranger"
+    ),
+    "verb": (
+        "carried|painted|repaired|described|discovered|borrowed|admired|measured|collected|"
+        "followed|remembered|noticed|cleaned|polished|planted|studied|ignored|sketched|traded|folded"
+    ),
+    "object": (
+        "a wooden chair|the broken lantern|an empty basket|the blue notebook|a bundle of letters|"
+        "the heavy anchor|a jar of honey|the silver kettle|an old map|the woollen scarf|"
+        "a stack of firewood|the painted door|a box of apples|the narrow bridge|a copper bell|"
+        "the garden fence|a loaf of bread|the torn sail|a pair of boots|the stone wall"
+    ),
+    "place": (
+        "near the harbour|behind the mill|across the valley|beside the old well|under the bridge|"
+        "in the crowded square|along the river|at the edge of the forest|inside the library|"
+        "on the hill|past the orchard|by the railway station|in the quiet courtyard|"
+        "over the frozen lake|around the market"
+    ),
+    "time": (
+        "early in the morning|after the long rain|before the festival|late one evening|"
+        "during the harvest|in the spring|at dawn|when the snow melted|on a windy afternoon|"
+        "every summer|after supper|before the storm"
+    ),
+    "adjective": (
+        "calm|bright|patient|cheerful|stubborn|gentle|restless|clever|humble|careful|noisy|"
+        "generous|thoughtful|weary|proud"
+    ),
+    "feeling": (
+        "it seemed like the right thing to do|nobody else had the time|the weather was kind|"
+        "the town needed it|it reminded everyone of home|the old ways still mattered|"
+        "a friend had asked for help|the work brought some peace|it was simply a habit by then"
+    ),
+}
+_WORDS = {k: v.split("|") for k, v in _GRAMMAR.items()}
+_PATTERNS = (
+    "{Subject} {verb} {object} {place}.",
+    "{Time}, {subject} {verb} {object}.",
+    "{Subject} was {adjective}, so {subject} {verb} {object} {time}.",
+    "Because {feeling}, {subject} {verb} {object}.",
+    "{Subject} {verb} {object} {place}, and {subject} {verb} {object} {time}.",
+    "Nobody knew why {subject} {verb} {object}, but {feeling}.",
+    "{Place}, {subject} {verb} {object} while {subject} looked {adjective}.",
+    "It was {adjective} work, yet {subject} {verb} {object} {place}.",
+)
+
+
+def _fill(pattern: str, rng: random.Random) -> str:
+    def word(match: re.Match) -> str:
+        name = match.group(1)
+        text = rng.choice(_WORDS[name.lower()])
+        return text[0].upper() + text[1:] if name[0].isupper() else text
+
+    return re.sub(r"\{(\w+)\}", word, pattern)
+
+
+def builtin_haystack(num_chars: int, rng: random.Random) -> str:
+    """Varied English filler of at least num_chars characters (paragraphs of 4-8 sentences)."""
+    paragraphs, size = [], 0
+    while size < num_chars:
+        sentences = [_fill(rng.choice(_PATTERNS), rng) for _ in range(rng.randint(4, 8))]
+        paragraphs.append(" ".join(sentences))
+        size += len(paragraphs[-1]) + 2
+    return "\n\n".join(paragraphs)
+
+
+@lru_cache(maxsize=4)
+def _folder_text(folder: str) -> str:
+    files = sorted(Path(folder).glob("*.txt"))
+    if not files:
+        raise UsageError(f"NIAH haystack folder {folder} has no .txt files (or use niah_haystack: builtin)")
+    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace").strip() for f in files)
+
+
+def haystack_text(haystack: str, num_chars: int, rng: random.Random) -> str:
+    """At least num_chars of haystack: the builtin grammar, or a .txt folder repeated as needed."""
+    if haystack == "builtin":
+        return builtin_haystack(num_chars, rng)
+    if not os.path.isdir(haystack):
+        raise UsageError(f"NIAH haystack must be 'builtin' or a folder of .txt files; got {haystack!r}")
+    text = _folder_text(str(Path(haystack).resolve()))
+    return "\n\n".join([text] * (num_chars // max(len(text), 1) + 1))
+
+
+# ------------------------------------------------------------------ exact sizing
+
+
+class _Prompt:
+    """Builds the prompt for given haystack cuts and measures it with the tokenizer."""
+
+    def __init__(self, tokenizer, template: NiahTemplate, key: str, value: str, hay: str):
+        self.tokenizer = tokenizer
+        self.head = template.instruction + "\n"
+        self.needle = template.needle.format(key=key, value=value)
+        self.tail = "\n" + template.question.format(key=key) + " " + template.answer_prefix.format(key=key)
+        self.hay = hay
+
+    def text(self, cut: int, extra: int) -> tuple[str, int]:
+        """(prompt, needle's character offset) with hay[:cut] before the needle, hay[cut:cut+extra] after."""
+        before, after = self.hay[:cut], self.hay[cut : cut + extra]
+        head = self.head + before + (" " if before else "")
+        return head + self.needle + (" " if after else "") + after + self.tail, len(head)
+
+    def needle_index(self, cut: int, split: int = 0) -> int:
+        """Token index of the needle's first token (text after the needle cannot move it).
+
+        With `split` (a haystack index just before a space, <= cut), the tokens of the text before
+        it are counted once and cached: exact for tokenizers that never merge across a space, which
+        make_niah_doc checks on the final prompt.
+        """
+        if split <= 0 or split > cut:
+            prompt, needle_char = self.text(cut, 0)
+            return needle_token_index(self.tokenizer, prompt[: needle_char + len(self.needle)], needle_char)
+        rest = self.hay[split:cut] + (" " if cut else "")
+        return self._count(self.head + self.hay[:split]) + needle_token_index(
+            self.tokenizer, rest + self.needle, len(rest)
+        )
+
+    def length(self, cut: int, extra: int, anchor: int | None = None) -> int:
+        """Prompt length in tokens.
+
+        With `anchor` (characters relative to the start of the after-haystack; may be negative), the
+        text before the last space ahead of that point is counted once and cached, as in needle_index.
+        """
+        prompt, _ = self.text(cut, extra)
+        after_start = len(prompt) - len(self.tail) - extra
+        at = prompt.rfind(" ", 0, after_start + anchor) if anchor is not None and anchor <= extra else -1
+        if at <= 0:
+            return count_tokens(self.tokenizer, prompt)
+        return self._count(prompt[:at]) + count_tokens(self.tokenizer, prompt[at:])
+
+    def _count(self, text: str) -> int:
+        cache = self.__dict__.setdefault("_cache", {})
+        if text not in cache:
+            cache.clear()
+            cache[text] = count_tokens(self.tokenizer, text)
+        return cache[text]
+
+
+def _space_before(text: str, index: int, lo: int = 0) -> int:
+    """The largest i in (lo, index] with text[i] a space (0 when there is none): a cut that a
+    whitespace-splitting tokenizer treats as a token boundary."""
+    i = text.rfind(" ", lo + 1, max(index, lo + 1) + 1)
+    return max(i, 0)
+
+
+def count_tokens(tokenizer, text: str) -> int:
+    """Tokens of text as the prompt-length definition counts them (no special tokens)."""
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def needle_token_index(tokenizer, text: str, char: int) -> int:
+    """Index of the token holding character `char` of text (a fast tokenizer's offsets if it has them)."""
+    if getattr(tokenizer, "is_fast", False):
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        for i, (_, end) in enumerate(offsets):
+            if end > char:
+                return i
+        return len(offsets)
+    return count_tokens(tokenizer, text[:char].rstrip(" "))
+
+
+def _search(f, target: int, guess: int, lo_bound: int, hi_bound: int) -> int | None:
+    """An x in [lo_bound, hi_bound] with f(x) == target, for f non-decreasing up to small wobbles.
+
+    Starts from a bracket of +-64 around `guess` and widens it until it holds the target, so a
+    good guess costs ~10 calls of f.
+    """
+    step = 64
+    lo, hi = max(lo_bound, guess - step), min(hi_bound, guess + step)
+    while lo > lo_bound and f(lo) > target:
+        step *= 4
+        lo = max(lo_bound, lo - step)
+    while hi < hi_bound and f(hi) < target:
+        step *= 4
+        hi = min(hi_bound, hi + step)
+    if f(lo) > target:
+        return None
+    while lo < hi:  # smallest x with f(x) >= target
+        mid = (lo + hi) // 2
+        if f(mid) >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    for x in sorted(range(max(lo - 12, lo_bound), min(lo + 13, hi_bound + 1)), key=lambda x: abs(x - lo)):
+        if f(x) == target:
+            return x
+    return None
+
+
+def _char_offsets(tokenizer, text: str) -> list[int]:
+    """Start character of each token of text (approximate cuts for the exact search to refine)."""
+    if getattr(tokenizer, "is_fast", False):
+        return [
+            start
+            for start, _ in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)[
+                "offset_mapping"
+            ]
+        ]
+    per_token = len(text) / max(count_tokens(tokenizer, text), 1)
+    return [int(i * per_token) for i in range(int(len(text) / per_token))]
+
+
+def _size(prompt: _Prompt, offsets: list[int], target: int, guess: int, context_length: int, fast: bool):
+    """(cut, extra): haystack characters before and after the needle, or None."""
+    hay = prompt.hay
+    split = _space_before(hay, guess - 2048) if fast else 0
+    cut = _search(lambda c: prompt.needle_index(c, split), target, guess, 0, len(hay))
+    if cut is None:
+        return None
+    missing = context_length - prompt.length(cut, 0)
+    first = next((i for i, o in enumerate(offsets) if o >= cut), len(offsets) - 1)
+    guess = offsets[min(first + missing, len(offsets) - 1)] - cut
+    anchor = guess - 2048 if fast else None
+    extra = _search(lambda e: prompt.length(cut, e, anchor), context_length, guess, 0, len(hay) - cut)
+    return None if extra is None else (cut, extra)
+
+
+def make_niah_doc(
+    tokenizer,
+    context_length: int,
+    depth_percent: float,
+    seed: int,
+    haystack: str = "builtin",
+    template: NiahTemplate = DEFAULT_TEMPLATE,
+) -> dict[str, Any]:
+    """One NIAH prompt of exactly `context_length` tokens with the needle at `depth_percent`.
+
+    Args:
+        tokenizer: the model's tokenizer (a transformers tokenizer; fast ones are quicker).
+        context_length: prompt length in tokens (module docstring: what is counted).
+        depth_percent: 0-100, the needle's position within the haystack's token budget.
+        seed: picks the key, the 7-digit value and (builtin haystack) the filler text.
+        haystack: "builtin" or a folder of .txt files.
+        template: the instruction/needle/question/answer-prefix strings.
+
+    Returns:
+        dict with `prompt` (= `input` + " " + `gen_prefix`), `input`, `gen_prefix`, `answer` (the
+        value, a string), `key`, `context_length`, `depth_percent`, `needle_position` (token index of
+        the needle's first token), `haystack_tokens` (H), `seed`.
+    """
+    if not 0 <= depth_percent <= 100:
+        raise UsageError(f"NIAH depth_percent must be in [0, 100]; got {depth_percent}")
+    rng = random.Random(f"nsa-niah:{seed}:{context_length}:{depth_percent}")
+    key = rng.choice(_KEYS)
+    value = str(rng.randint(1_000_000, 9_999_999))
+    sample = haystack_text(haystack, 4096, random.Random(0))[:4096]
+    chars_per_token = len(sample) / max(count_tokens(tokenizer, sample), 1)
+    hay = haystack_text(haystack, int(1.25 * chars_per_token * context_length) + 2048, rng)
+    prompt = _Prompt(tokenizer, template, key, value, hay)
+
+    fixed, start = prompt.length(0, 0), prompt.needle_index(0)
+    budget = context_length - fixed
+    if budget < 0:
+        raise UsageError(
+            f"NIAH context_length {context_length} is shorter than the template ({fixed} tokens)"
+        )
+    target = start + round(depth_percent / 100 * budget)
+    offsets = _char_offsets(tokenizer, hay)
+    while len(offsets) <= budget + 1:  # a short folder haystack: repeat it
+        hay = hay + "\n\n" + hay
+        prompt.hay, offsets = hay, _char_offsets(tokenizer, hay)
+
+    guess = offsets[target - start] if target > start else 0
+    sized = None
+    for fast in (True, False):  # the cached-prefix counts first; full counts if they were not exact
+        sized = _size(prompt, offsets, target, guess, context_length, fast)
+        if sized is not None:
+            text, needle_char = prompt.text(*sized)
+            position = needle_token_index(tokenizer, text, needle_char)
+            if (count_tokens(tokenizer, text), position) == (context_length, target):
+                break
+            sized = None
+    if sized is None:
+        raise RuntimeError(
+            f"could not size a NIAH prompt to exactly {context_length} tokens with the needle at token "
+            f"{target} (depth {depth_percent}%) with this tokenizer"
+        )
+    gen_prefix = template.answer_prefix.format(key=key)
+    return {
+        "prompt": text,
+        "input": text[: -len(gen_prefix) - 1],
+        "gen_prefix": gen_prefix,
+        "answer": value,
+        "key": key,
+        "context_length": context_length,
+        "depth_percent": float(depth_percent),
+        "needle_position": position,
+        "haystack_tokens": budget,
+        "seed": seed,
+    }
+
+
+# ------------------------------------------------------------------ lm-eval glue
+
+
+def load_tokenizer(name_or_tokenizer):
+    """A tokenizer object as given, a project short name (e.g. smollm2-135m), a local dir or hub name."""
+    if not isinstance(name_or_tokenizer, str):
+        return name_or_tokenizer
+    name = name_or_tokenizer
+    from transformers import AutoTokenizer
+
+    if name == "smollm2-135m":
+        from nsa_eval.models.smollm2 import smollm2_path
+
+        return AutoTokenizer.from_pretrained(smollm2_path())
+    if os.path.exists(name) or "/" in name:
+        return AutoTokenizer.from_pretrained(name)
+    from nsa_eval.models import load_pretrained  # other bundled short names (nsa-tiny, full-tiny)
+
+    return load_pretrained(name)[1]
+
+
+def _as_list(value, cast) -> list:
+    if isinstance(value, str):
+        value = [v for v in re.split(r"[,\s]+", value.strip("[]")) if v]
+    return [cast(v) for v in (value if isinstance(value, list | tuple) else [value])]
+
+
+def grid_docs(
+    tokenizer,
+    lengths=PAPER_LENGTHS,
+    depths=PAPER_DEPTHS,
+    *,
+    seed: int = 0,
+    samples_per_cell: int = 1,
+    haystack: str = "builtin",
+    template: NiahTemplate = DEFAULT_TEMPLATE,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Every (length, depth, sample) doc, lengths outermost. Seeds: seed * 1000 + sample."""
+    from tqdm.auto import tqdm
+
+    cells = [(n, d, s) for n in lengths for d in depths for s in range(samples_per_cell)]
+    docs = []
+    for n, d, s in tqdm(cells, desc="building NIAH prompts", disable=not progress):
+        doc = make_niah_doc(tokenizer, n, d, seed * 1000 + s, haystack, template)
+        doc.pop("prompt")  # `input` + `gen_prefix` hold it; halves the size of logged samples
+        docs.append({**doc, "sample": s})
+    return docs
+
+
+def niah_dataset(**metadata):
+    """lm-eval `custom_dataset`: the grid from task metadata (docs/tasks.md lists the keys)."""
+    import datasets
+
+    name = metadata.get("tokenizer") or metadata.get("pretrained")
+    if not name:
+        raise UsageError(
+            "nsa_niah builds its prompts with the model's tokenizer: pass metadata "
+            '{"tokenizer": "<name or dir>"} (or pretrained=... in model_args)'
+        )
+    template = metadata.get("niah_template") or {}
+    docs = grid_docs(
+        load_tokenizer(name),
+        _as_list(metadata.get("niah_lengths", PAPER_LENGTHS), int),
+        _as_list(metadata.get("niah_depths", PAPER_DEPTHS), float),
+        seed=int(metadata.get("niah_seed", 0)),
+        samples_per_cell=int(metadata.get("niah_samples_per_cell", 1)),
+        haystack=str(metadata.get("niah_haystack", "builtin")),
+        template=NiahTemplate(**{**asdict(DEFAULT_TEMPLATE), **template}),
+    )
+    return {"test": datasets.Dataset.from_list(docs)}
+
+
+def needle_found(answer: str, value: str) -> bool:
+    """True when `value` appears in `answer` as a whole number (not inside a longer digit run)."""
+    return re.search(rf"(?<!\d){re.escape(str(value))}(?!\d)", answer) is not None
+
+
+def process_results(doc: dict, results: list[str]) -> dict[str, float]:
+    return {"score": float(needle_found(results[0], doc["answer"]))}
