@@ -104,6 +104,7 @@ def evaluate_cell(lm, cell: Cell, run_dir: Path) -> Path | None:
     samples = results.pop("samples", {})
     results["nsa_eval"] = {
         "cell": cell.key, "label": cell.label, "model": cell.model.label, "task": task.label,
+        "part": cell.part, "split": task.split,
         "activated_tokens": _activation_stats(lm), "wall_seconds": round(time.time() - started, 3),
     }
     folder = cell_dir(run_dir, cell)
@@ -112,7 +113,7 @@ def evaluate_cell(lm, cell: Cell, run_dir: Path) -> Path | None:
              for name, rows in samples.items() for sample in rows)
     write_atomic(folder / "samples.jsonl", "".join(lines))
     write_atomic(folder / "results.json", json.dumps(results, indent=1, default=_jsonable))
-    config = {"key": cell.key, "label": cell.label, "identity": cell.identity(),
+    config = {"key": cell.key, "label": cell.label, "part": cell.part, "identity": cell.identity(),
               "model": dataclasses.asdict(cell.model), "task": dataclasses.asdict(task),
               "limit": cell.limit, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_atomic(folder / "config.json", json.dumps(config, indent=1, default=_jsonable))
@@ -136,8 +137,8 @@ def write_manifest(run_dir: Path, suite: Suite, cells: list[Cell], device: str |
     manifest = {
         "suite": suite.name, "suite_path": suite.path, "suite_hash": suite.hash,
         "description": suite.description, "report": suite.report, "seed": suite.seed,
-        "cells": [{"key": c.key[:16], "label": c.label, "model": c.model.label, "task": c.task.label}
-                  for c in cells],
+        "cells": [{"key": c.key[:16], "label": c.label, "model": c.model.label, "task": c.task.label,
+                   "part": c.part} for c in cells],
         "models": [dataclasses.asdict(m) for m in suite.models],
         "tasks": [dataclasses.asdict(t) for t in suite.tasks],
         "environment": environment(device or (suite.models[0].device if suite.models else "cpu")),
@@ -259,7 +260,7 @@ def _task_manager_for(cell: Cell):
     metadata = {"pretrained": cell.model.pretrained}
     if cell.model.max_length is not None:
         metadata["max_length"] = cell.model.max_length
-    metadata |= cell.task.metadata
+    metadata |= cell.metadata()
     manager = copy.copy(task_manager(cell.include_path))  # shares the (slow to build) index
     manager.metadata = metadata
     manager._factory = TaskFactory(meta=metadata)

@@ -78,6 +78,7 @@ TASK_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "metric": ((str,), "a metric name such as exact_match or f1"),
     "models": ((list,), "a list of model labels or glob patterns"),
     "confirm_run_unsafe_code": ((bool,), "true or false"),
+    "split": ((str,), "a metadata key holding a list (one cell per element, e.g. niah_lengths)"),
 }
 SUITE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "name": ((str,), "a string"),
@@ -160,6 +161,11 @@ class TaskSpec:
     metric: str | None = None
     models: tuple[str, ...] = ()
     confirm_run_unsafe_code: bool = False
+    split: str | None = None  # metadata key whose list is split into one cell per element
+
+    def parts(self) -> list:
+        """The values of the split key, one cell each; [None] when the task is not split."""
+        return list(self.metadata[self.split]) if self.split else [None]
 
     def identity(self) -> dict:
         ident = dataclasses.asdict(self)
@@ -181,13 +187,22 @@ class Cell:
     seed: int
     bootstrap_iters: int
     include_path: tuple[str, ...] = ()
+    part: Any = None  # this cell's element of the task's split list (e.g. one NIAH length)
 
     @property
     def label(self) -> str:
-        return f"{self.model.label}/{self.task.label}"
+        part = "" if self.part is None else f"@{self.part}"
+        return f"{self.model.label}/{self.task.label}{part}"
+
+    def metadata(self) -> dict:
+        """The task's metadata for this cell: the split key narrowed to this cell's element."""
+        if self.part is None:
+            return dict(self.task.metadata)
+        return self.task.metadata | {self.task.split: [self.part]}
 
     def identity(self) -> dict:
-        return {"model": self.model.identity(), "task": self.task.identity(), "limit": self.limit,
+        task = self.task.identity() | {"metadata": self.metadata(), "split": None}
+        return {"model": self.model.identity(), "task": task, "limit": self.limit,
                 "seed": self.seed, "versions": versions_that_change_numbers()}
 
     @property
@@ -219,8 +234,9 @@ class Suite:
         `limit` overrides every task's limit; `only` is a glob (or substring) over 'model/task'.
         """
         cells = [Cell(model, task, limit if limit is not None else task.limit, self.seed,
-                      self.bootstrap_iters, self.include_path)
-                 for model in self.models for task in self.tasks if task.applies_to(model.label)]
+                      self.bootstrap_iters, self.include_path, part)
+                 for model in self.models for task in self.tasks if task.applies_to(model.label)
+                 for part in task.parts()]
         if only:
             pattern = only if any(c in only for c in "*?[") else f"*{only}*"
             cells = [c for c in cells if fnmatch.fnmatchcase(c.label, pattern)]
@@ -413,8 +429,14 @@ def _parse_tasks(entries: Any, where: str, model_labels: set[str]) -> list[TaskS
             apply_chat_template=get("apply_chat_template", False),
             fewshot_as_multiturn=get("fewshot_as_multiturn", False),
             system_instruction=get("system_instruction"), metric=get("metric"), models=patterns,
-            confirm_run_unsafe_code=get("confirm_run_unsafe_code", False),
+            confirm_run_unsafe_code=get("confirm_run_unsafe_code", False), split=get("split"),
         ))
+        split = tasks[-1].split
+        if split is not None:
+            values = tasks[-1].metadata.get(split)
+            if not isinstance(values, list) or not values:
+                raise UsageError(f"{where}: {key}split: {split!r} must name a metadata key holding a "
+                                 f"non-empty list; metadata.{split} is {values!r}")
         if tasks[-1].num_fewshot is not None:
             _nonnegative(tasks[-1].num_fewshot, where, key + "num_fewshot")
     labels = [t.label for t in tasks]
@@ -473,20 +495,21 @@ def _nonnegative(value: int, where: str, key: str) -> int:
 def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = True) -> None:
     """Check every method, checkpoint, backend and task name; raise UsageError on the first bad one.
 
-    Cheap checks run first; the task index (a few seconds: lm-eval scans its YAML files) runs last.
+    Nothing loads: checkpoints are checked through their config.json, methods by building their
+    parameter objects. Cheap checks run first; the task index (seconds: lm-eval scans its YAML
+    files) runs last.
     """
     valid_methods = attention_names()
-    for i, model in enumerate(suite.models):
+    for model in suite.models:
         key = f"{suite.path}: models (entry {model.label!r})"
         if model.attention not in valid_methods:
             raise UsageError(f"{key}.attention: "
                              + unknown_name_message("attention method", model.attention, valid_methods))
+        _check_checkpoint(model, key)
         _check_method_params(model, key)
-        _check_checkpoint(model.pretrained, f"{key}.pretrained")
         if model.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise UsageError(f"{key}.backend: vllm is not installed here (pip install 'lm-eval[vllm]' "
                              "on a CUDA machine), so this entry cannot run; use backend: hf")
-        del i
     if check_tasks:
         known = set(task_manager(suite.include_path).all_tasks)
         for i, task in enumerate(suite.tasks):
@@ -499,41 +522,53 @@ def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = Tr
 
 def attention_names() -> list[str]:
     try:
-        from nsa_eval.methods import METHODS
+        from nsa_eval.models.loading import attention_names as adapter_names
     except ImportError:
         return sorted(FALLBACK_ATTENTION)
-    return sorted(set(METHODS.names()) | {"nsa"})
+    return adapter_names()
 
 
 def _check_method_params(model: ModelSpec, key: str) -> None:
-    """Let the methods layer reject parameters it does not know (e.g. a typo inside `params`)."""
+    """Build the method's parameter object as apply_attention will, so a typo in `params` or an
+    impossible budget fails now rather than after the weights load."""
     if model.attention in UNBUDGETED:
         return
+    import dataclasses as dc
+
+    from nsa_eval.methods import METHODS
+    from nsa_eval.methods.base import BudgetConfig
+
+    method_cls = METHODS.get(model.attention)
+    valid = sorted(f.name for f in dc.fields(method_cls))
+    unknown = sorted(set(model.params) - set(valid))
+    if unknown:
+        raise UsageError(f"{key}.params: unknown parameter(s) {', '.join(map(repr, unknown))} for "
+                         f"{model.attention!r}; expected some of: {', '.join(valid)}")
     try:
-        from nsa_eval.methods import validate_params
-    except ImportError:
-        return
-    try:
-        validate_params(model.attention, budget=model.budget, sink=model.sink, local=model.local,
-                        **model.params)
+        method_cls(**model.params).check(BudgetConfig(model.budget, model.sink, model.local,
+                                                      model.sparse_prefill, model.dense_layers))
     except UsageError as err:
         raise UsageError(f"{key}: {err}") from None
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise UsageError(f"{key}.params: {err}") from None
 
 
-def _check_checkpoint(pretrained: str, key: str) -> None:
+def _check_checkpoint(model: ModelSpec, key: str) -> None:
+    """The checkpoint exists and fits the attention method (read from config.json; no weights)."""
+    from nsa_eval.models import loading
+
     try:
-        from nsa_eval.models import KNOWN_CHECKPOINTS
-    except ImportError:
-        KNOWN_CHECKPOINTS = {}
-    if pretrained in KNOWN_CHECKPOINTS:
-        return
-    if Path(pretrained).expanduser().exists():
-        return
-    known = ", ".join(sorted(KNOWN_CHECKPOINTS)) or "none"
-    raise UsageError(f"{key}: checkpoint {pretrained!r} is neither a path that exists nor a known "
-                     f"short name ({known})")
+        if model.pretrained == "smollm2-135m":  # resolving it would convert the GGUF file (~40 s)
+            from nsa_eval.models.smollm2 import gguf_path
+
+            gguf_path()
+            resolved = loading.Resolved(path=model.pretrained, kind="hf", model_type="llama")
+        else:
+            resolved = loading.inspect_checkpoint(model.pretrained)
+        loading.check_attention(resolved, model.attention, model.budget or 0, model.sink or 0,
+                                model.local or 0)
+    except UsageError as err:
+        raise UsageError(f"{key}.pretrained: {err}") from None
 
 
 def _close_names(name: str, known: set[str]) -> list[str]:
@@ -548,7 +583,7 @@ def _check_task_data(suite: Suite) -> None:
         from nsa_eval.tasks import check_task_data
     except ImportError:
         return
-    check_task_data([task.task for task in suite.tasks])
+    check_task_data([task.task for task in suite.tasks], manager=task_manager(suite.include_path))
 
 
 _TASK_MANAGERS: dict[tuple[str, ...], Any] = {}

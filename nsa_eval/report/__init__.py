@@ -24,7 +24,7 @@ from nsa_eval.report.bootstrap import paired_bootstrap
 from nsa_eval.report.document import Document
 from nsa_eval.report.figures import budget_plot, length_label, niah_heatmap, slug
 from nsa_eval.report.load import CellData, RunData, load_run
-from nsa_eval.report.scores import Score, cell_scores, doc_values
+from nsa_eval.report.scores import Score, doc_values, group_scores
 
 __all__ = ["write_report", "load_run", "paired_bootstrap"]
 
@@ -53,7 +53,8 @@ class ReportBuilder:
         self.run, self.out, self.iters = run, out, bootstrap
         self.models = run.models()
         self.tasks = run.tasks()
-        self.scores: list[Score] = [s for c in run.cells for s in cell_scores(c)]
+        self.scores: list[Score] = [s for m in self.models for t in self.tasks
+                                    for s in group_scores(run.cells_of(m, t))]
         self.reference = self._reference_model()
         self.differences: list[dict] = []
         self.niah_rows: list[dict] = []
@@ -146,8 +147,8 @@ class ReportBuilder:
                   "measurable difference.")
 
     def _pair(self, task: str, subtasks: list[str], a: str, b: str) -> None:
-        cell_a, cell_b = self.run.cell(a, task), self.run.cell(b, task)
-        if cell_a is None or cell_b is None:
+        cell_a, cell_b = self.run.cells_of(a, task), self.run.cells_of(b, task)
+        if not cell_a or not cell_b:
             return
         aligned = []
         for sub in subtasks:
@@ -188,10 +189,7 @@ class ReportBuilder:
         for task in self.tasks:
             grids = {}
             for model in self.models:
-                cell = self.run.cell(model, task)
-                if cell is None:
-                    continue
-                grid = self._niah_grid(cell)
+                grid = self._niah_grid(self.run.cells_of(model, task))
                 if grid:
                     grids[model] = grid
             if not grids:
@@ -222,10 +220,10 @@ class ReportBuilder:
             doc.table(["method"] + [length_label(n) for n in lengths], rows,
                       "Mean over depths per context length.")
 
-    def _niah_grid(self, cell: CellData) -> dict:
+    def _niah_grid(self, cells: list[CellData]) -> dict:
         """(context_length, depth_percent) -> (sum of scores, count), from samples alone."""
         grid: dict = defaultdict(lambda: [0.0, 0])
-        for sub in cell.leaf_tasks():
+        for cell, sub in [(c, sub) for c in cells for sub in c.leaf_tasks()]:
             score = self._score(cell.model, cell.task, sub)
             if score is None:
                 continue
@@ -278,31 +276,35 @@ class ReportBuilder:
     # ------------------------------------------------------------ activated tokens
 
     def _activation_section(self, doc: Document) -> None:
+        columns = []  # (task, part) in suite order
         for cell in self.run.cells:
             stats = (cell.results.get("nsa_eval") or {}).get("activated_tokens")
-            for length, mean, mx, queries in _activation_entries(stats):
-                self.activation_rows.append({"model": cell.model, "task": cell.task, "context_length": length,
-                                             "mean": mean, "max": mx, "queries": queries})
+            if not isinstance(stats, dict) or "mean" not in stats or "max" not in stats:
+                continue
+            decode = (stats.get("phases") or {}).get("decode") or {}
+            self.activation_rows.append({
+                "model": cell.model, "task": cell.task, "part": cell.part, "mean": float(stats["mean"]),
+                "max": float(stats["max"]), "queries": stats.get("queries"),
+                "decode_mean": decode.get("mean"), "decode_max": decode.get("max"),
+                "budget": stats.get("budget") if stats.get("method") not in (None, "full") else None})
+            if (cell.task, cell.part) not in columns:
+                columns.append((cell.task, cell.part))
         if not self.activation_rows:
             return
-        lengths = sorted({r["context_length"] for r in self.activation_rows}, key=_length_key)
+        columns.sort(key=lambda c: (self.tasks.index(c[0]), _part_key(c[1])))
         doc.heading("Activated tokens per query")
-        doc.para("Keys and values each query attended to (mean / max over queries, layers and heads), "
-                 "as measured by the adapter during the run, per context length.")
+        doc.para("Keys each query attended to, counted by the model during the run over all layers, "
+                 "query heads and queries (prefill and decode), as mean / max. Sparse baselines count "
+                 "sink and local keys; NSA counts its compressed, selected and window tokens.")
         rows = []
         for model in self.models:
             row = [model]
-            for length in lengths:
-                hits = [r for r in self.activation_rows
-                        if r["model"] == model and r["context_length"] == length]
-                if not hits:
-                    row.append("")
-                    continue
-                weights = [r["queries"] or 1 for r in hits]
-                mean = float(np.average([r["mean"] for r in hits], weights=weights))
-                row.append(f"{mean:,.0f} / {max(r['max'] for r in hits):,.0f}")
+            for task, part in columns:
+                hit = [r for r in self.activation_rows
+                       if (r["model"], r["task"], r["part"]) == (model, task, part)]
+                row.append(f"{hit[0]['mean']:,.0f} / {hit[0]['max']:,.0f}" if hit else "")
             rows.append(row)
-        header = [length_label(n) if isinstance(n, int) else str(n) for n in lengths]
+        header = [task if part is None else f"{task} {_part_label(part)}" for task, part in columns]
         doc.table(["method"] + header, rows, "mean / max activated tokens per query")
 
     # ------------------------------------------------------------ protocol and environment
@@ -392,28 +394,12 @@ class ReportBuilder:
         return float(np.mean([v.value for v in values]))
 
 
-def _activation_entries(stats) -> list[tuple]:
-    """Normalise the adapter's statistics into (context_length, mean, max, queries) tuples.
-
-    Accepts {"by_length": {length: {"mean", "max", "queries"}}}, {length: {...}} or one
-    {"mean", "max"} for the whole cell (context_length "all").
-    """
-    if not isinstance(stats, dict) or not stats:
-        return []
-    if "by_length" in stats:
-        stats = stats["by_length"]
-    if "mean" in stats and "max" in stats:
-        return [("all", float(stats["mean"]), float(stats["max"]), stats.get("queries"))]
-    out = []
-    for length, entry in stats.items():
-        if isinstance(entry, dict) and "mean" in entry and "max" in entry:
-            key = int(length) if str(length).isdigit() else str(length)
-            out.append((key, float(entry["mean"]), float(entry["max"]), entry.get("queries")))
-    return out
+def _part_key(part) -> tuple:
+    return (0, part, "") if isinstance(part, (int, float)) else (1, 0, str(part))
 
 
-def _length_key(length) -> tuple:
-    return (0, length, "") if isinstance(length, int) else (1, 0, str(length))
+def _part_label(part) -> str:
+    return length_label(part) if isinstance(part, int) else str(part)
 
 
 def _generation_kwargs(results: dict) -> str:

@@ -31,6 +31,11 @@ class CellData:
         return self.config["task"]["label"]
 
     @property
+    def part(self):
+        """The element of the task's split list this cell ran (None when the task is not split)."""
+        return self.config.get("part")
+
+    @property
     def model_spec(self) -> dict:
         return self.config["model"]
 
@@ -69,8 +74,9 @@ class RunData:
         done = {c.task for c in self.cells}
         return [t["label"] for t in self.manifest["tasks"] if t["label"] in done]
 
-    def cell(self, model: str, task: str) -> CellData | None:
-        return next((c for c in self.cells if c.model == model and c.task == task), None)
+    def cells_of(self, model: str, task: str) -> list[CellData]:
+        """The finished cells of one (model, task): one, or one per element of a split task."""
+        return [c for c in self.cells if c.model == model and c.task == task]
 
     def model_spec(self, model: str) -> dict:
         return next(m for m in self.manifest["models"] if m["label"] == model)

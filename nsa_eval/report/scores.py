@@ -34,29 +34,45 @@ def main_metric(cell: CellData, subtask: str) -> str | None:
     return keys[0] if keys else None
 
 
-def cell_scores(cell: CellData) -> list[Score]:
+def group_scores(cells: list[CellData]) -> list[Score]:
+    """Scores of one (model, task): the parts of a split task pooled, weighted by their documents
+    (exact for lm-eval's mean-aggregated metrics; the stderr of a pooled mean likewise)."""
+    if not cells:
+        return []
+    first = cells[0]
     scores = []
-    n_samples = cell.results.get("n-samples", {})
-    for subtask in cell.leaf_tasks():
-        metric = main_metric(cell, subtask)
+    for subtask in first.leaf_tasks():
+        metric = main_metric(first, subtask)
         if metric is None:
             continue
-        row = cell.results["results"][subtask]
         name, filt = metric.split(",", 1)
-        stderr = row.get(f"{name}_stderr,{filt}")
-        n = n_samples.get(subtask, {}).get("effective")
-        scores.append(Score(cell.model, cell.task, subtask, metric, float(row[metric]),
-                            float(stderr) if _is_number(stderr) else None, n))
+        values, errors, counts = [], [], []
+        for cell in cells:
+            row = cell.results["results"].get(subtask, {})
+            if not _is_number(row.get(metric)):
+                break
+            values.append(float(row[metric]))
+            stderr = row.get(f"{name}_stderr,{filt}")
+            errors.append(float(stderr) if _is_number(stderr) else None)
+            counts.append(cell.results.get("n-samples", {}).get(subtask, {}).get("effective") or 1)
+        else:
+            total = sum(counts)
+            value = sum(v * n for v, n in zip(values, counts, strict=True)) / total
+            stderr = (None if None in errors else
+                      float(np.sqrt(sum((e * n) ** 2 for e, n in zip(errors, counts, strict=True)))) / total)
+            scores.append(Score(first.model, first.task, subtask, metric, value, stderr, total))
     return scores
 
 
-def doc_values(cell: CellData, subtask: str, metric: str) -> dict[int, float]:
-    """doc_id -> the metric's per-document value (only numeric ones; corpus metrics have none)."""
+def doc_values(cells: list[CellData], subtask: str, metric: str) -> dict[tuple, float]:
+    """(part, doc_id) -> the metric's per-document value (numeric ones only; corpus metrics have
+    none). The part keeps documents of different cells of a split task apart."""
     name, filt = metric.split(",", 1)
     out = {}
-    for row in cell.samples:
-        if row.get("task") == subtask and row.get("filter", "none") == filt and _is_value(row.get(name)):
-            out[row["doc_id"]] = float(row[name])
+    for cell in cells:
+        for row in cell.samples:
+            if row.get("task") == subtask and row.get("filter", "none") == filt and _is_value(row.get(name)):
+                out[(str(cell.part), row["doc_id"])] = float(row[name])
     return out
 
 
