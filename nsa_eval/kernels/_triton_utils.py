@@ -275,7 +275,7 @@ def _strides(x):
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None, BM=64, BN=64):
+def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None, BM=128, BN=64):
     """Banded attention forward. q [B,T,Hq,Dk], k [B,Tk,Hkv,Dk], v [B,Tk,Hkv,Dv] (last dim
     contiguous) -> o [B,T,Hq,Dv] (q.dtype), lse [B,T,Hq] float32 (natural log, -inf if empty)."""
     B, T, HQ, DK = q.shape
@@ -289,7 +289,7 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None, BM=64, 
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0,
         HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), BM=BM, BN=BN,
-        UPCAST=interpreting(), num_warps=4, num_stages=2,
+        UPCAST=interpreting(), num_warps=8 if BM >= 128 else 4, num_stages=2,
     )
     return o, lse
 

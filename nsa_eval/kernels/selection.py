@@ -124,7 +124,7 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     ratio = select_size // stride
     imp = torch.empty(B * T * HKV, ns, device=q.device, dtype=torch.float32)
     GP = pow2(G, 1)
-    BT = max(1, 16 // GP)
+    BT = max(1, (16 if interpreting() else 64) // GP)
     BNS = 16 if ratio <= 8 else pow2(max(1, 128 // ratio), 1)
     BNS = max(BNS, 16)
     _importance_kernel[(triton.cdiv(T, BT), B * HKV)](

@@ -2,6 +2,8 @@
 (tests/kernels/conftest.py sets TRITON_INTERPRET=1). Outputs and gradients are compared by relative
 RMS error; block indices as sets, with ties judged by the reference's importance scores."""
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,9 @@ from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.decode import nsa_decode
 from nsa_eval.kernels.selection import select_blocks, selected_attention
 from nsa_eval.kernels.window import sliding_window_attention
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                                reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
 
 TOL = 1e-4  # fp32 everywhere under the interpreter
 

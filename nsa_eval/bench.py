@@ -1,0 +1,323 @@
+"""Kernel benchmark: NSA (Triton, all three branches with gates) against torch SDPA full attention.
+
+Forward, forward+backward and decode times per length, measured in one process with
+`triton.testing.do_bench` (median, CUDA events) so every ratio compares numbers from the same run:
+- prefill at B=1, 64 query heads, 4 KV heads, d=128, bf16, paper config (l=32, d=16, l'=64, n=16,
+  w=512), beside SDPA with the cuDNN and the flash backends;
+- flash-linear-attention's `parallel_nsa` where it imports (its own config: mean-pooled 64-token
+  compression, no window branch: it needs flash-attn for that);
+- a G=4 row (16 query heads, 4 KV heads) in time per query head against G=16;
+- decode at batch 16 over a cache of T tokens against SDPA decode over the full cache (GQA, no
+  KV expansion), both replayed from CUDA graphs.
+
+The NSA prefill composes the Triton ops like `nsa_eval.kernels.nsa_attention(impl="triton")`, with
+the compression lse reused by the block selection.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PAPER = dict(block_len=32, stride=16, select_size=64, num_selected=16, num_init=1, num_local=2, window=512)
+
+
+@dataclass
+class Row:
+    case: str  # fwd | fwd+bwd | decode
+    impl: str
+    T: int
+    heads: str  # "Hq/Hkv"
+    batch: int
+    ms: float | None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def nsa_prefill(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, **params):
+    """NSA prefill through the Triton ops: [B,T,Hq,Dk] ... -> [B,T,Hq,Dv]."""
+    from nsa_eval.kernels.compression import compressed_attention
+    from nsa_eval.kernels.selection import select_blocks, selected_attention
+    from nsa_eval.kernels.window import sliding_window_attention
+
+    p = {**PAPER, **params}
+    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, block_len=p["block_len"], stride=p["stride"])
+    idx = select_blocks(q, k_cmp, block_len=p["block_len"], stride=p["stride"], select_size=p["select_size"],
+                        num_selected=p["num_selected"], num_init=p["num_init"], num_local=p["num_local"],
+                        lse=lse.detach())
+    o_slc = selected_attention(q, k, v, idx, select_size=p["select_size"])
+    o_swa = sliding_window_attention(q, k, v, window=p["window"])
+    return g_cmp[..., None] * o_cmp + g_slc[..., None] * o_slc + g_swa[..., None] * o_swa
+
+
+def _inputs(B, T, hq, hkv, d, *, grad, device="cuda", dtype=None):
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    tc = (T - PAPER["block_len"]) // PAPER["stride"] + 1
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
+
+    return dict(q=rnd(B, T, hq, d), k=rnd(B, T, hkv, d), v=rnd(B, T, hkv, d), k_cmp=rnd(B, tc, hkv, d),
+                v_cmp=rnd(B, tc, hkv, d),
+                **{g: torch.rand(B, T, hq, device=device, dtype=dtype).requires_grad_(grad)
+                   for g in ("g_cmp", "g_slc", "g_swa")})
+
+
+def _time(fn, warmup=25, rep=100):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def _time_graph(fn, rep=100):
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def _fwd_bwd(fn, inputs):
+    import torch
+
+    leaves = [x for x in inputs.values() if x.requires_grad]
+    out = fn()
+    do = torch.randn_like(out)
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        fn().backward(do)
+
+    return step
+
+
+def bench_nsa_prefill(T, hq, hkv, d=128):
+    import torch
+
+    x = _inputs(1, T, hq, hkv, d, grad=True)
+    fwd = lambda: nsa_prefill(**x)  # noqa: E731
+    with torch.no_grad():
+        t_fwd = _time(fwd)
+    t_fb = _time(_fwd_bwd(fwd, x))
+    return t_fwd, t_fb
+
+
+def bench_sdpa_prefill(T, hq, hkv, d, backend):
+    """Full causal attention through SDPA with one backend; KV expanded to Hq heads outside timing."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    q = torch.randn(1, hq, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, hq, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, hq, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = dict(q=q, k=k, v=v)
+
+    def fwd():
+        with sdpa_kernel(be):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with torch.no_grad():
+        t_fwd = _time(fwd)
+    t_fb = _time(_fwd_bwd(fwd, x))
+    return t_fwd, t_fb
+
+
+def bench_fla_prefill(T, hq, hkv, d):
+    """fla's parallel_nsa (mean-pooled 64-token compression, 16 blocks of 64, no window branch)."""
+    import torch
+    from fla.ops.nsa import parallel_nsa
+
+    x = _inputs(1, T, hq, hkv, d, grad=True)
+    x.pop("k_cmp")
+    x.pop("v_cmp")
+    fwd = lambda: parallel_nsa(x["q"], x["k"], x["v"], x["g_cmp"], x["g_slc"], x["g_swa"],  # noqa: E731
+                               block_counts=16, block_size=64, window_size=0)
+    with torch.no_grad():
+        t_fwd = _time(fwd)
+    t_fb = _time(_fwd_bwd(fwd, x))
+    return t_fwd, t_fb
+
+
+def bench_decode(T, batch, hq, hkv, d):
+    """NSA decode (CUDA graph) vs SDPA decode over the full cache (flash and cuDNN, CUDA graph)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from nsa_eval.kernels.decode import nsa_decode
+
+    dev, bf = "cuda", torch.bfloat16
+    tc = (T - PAPER["block_len"]) // PAPER["stride"] + 1
+    q = torch.randn(batch, 1, hq, d, device=dev, dtype=bf)
+    k = torch.randn(batch, T, hkv, d, device=dev, dtype=bf)
+    v = torch.randn(batch, T, hkv, d, device=dev, dtype=bf)
+    k_cmp = torch.randn(batch, tc, hkv, d, device=dev, dtype=bf)
+    v_cmp = torch.randn(batch, tc, hkv, d, device=dev, dtype=bf)
+    gates = [torch.rand(batch, 1, hq, device=dev, dtype=bf) for _ in range(3)]
+    seqlens = torch.full((batch,), T, device=dev, dtype=torch.int32)
+    nsa = lambda: nsa_decode(q, k, v, k_cmp, v_cmp, *gates, cache_seqlens=seqlens)  # noqa: E731
+    out = {"nsa": _time_graph(nsa), "nsa_nograph": _time(nsa)}
+    qt = q.transpose(1, 2)  # [B, Hq, 1, d]
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, d] views
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def sdpa(be=be):
+            with sdpa_kernel(be):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        try:
+            sdpa()
+            out[name] = _time_graph(sdpa)
+        except Exception as err:  # a backend may not take GQA or this layout
+            out[name] = None
+            out[name + "_error"] = str(err).splitlines()[0][:120]
+    return out
+
+
+def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_heads=4, dim=128,
+                         decode_batch=16, g4_heads=(16, 4), log=print) -> list[Row]:
+    """Measure everything; returns one Row per (case, impl, T)."""
+    import torch
+
+    rows: list[Row] = []
+    hs = f"{heads}/{kv_heads}"
+    try:
+        import fla.ops.nsa  # noqa: F401
+
+        has_fla = True
+    except Exception as err:  # not installed, or its import fails
+        has_fla = False
+        log(f"fla parallel_nsa not importable: {err}")
+
+    def add(case, impl, T, heads_str, batch, ms, note=""):
+        rows.append(Row(case, impl, T, heads_str, batch, None if ms is None else round(ms, 4), note))
+        log(f"{case:8s} {impl:22s} T={T:6d} {heads_str:6s} B={batch:<3d} "
+            f"{'n/a' if ms is None else f'{ms:9.3f} ms'} {note}")
+
+    for T in lengths:
+        t_fwd, t_fb = bench_nsa_prefill(T, heads, kv_heads, dim)
+        add("fwd", "nsa-triton", T, hs, 1, t_fwd)
+        add("fwd+bwd", "nsa-triton", T, hs, 1, t_fb)
+        for backend in ("cudnn", "flash"):
+            try:
+                f, fb = bench_sdpa_prefill(T, heads, kv_heads, dim, backend)
+            except Exception as err:
+                f = fb = None
+                log(f"sdpa {backend} failed at T={T}: {str(err).splitlines()[0][:160]}")
+            add("fwd", f"sdpa-{backend}", T, hs, 1, f)
+            add("fwd+bwd", f"sdpa-{backend}", T, hs, 1, fb)
+        if has_fla:
+            try:
+                f, fb = bench_fla_prefill(T, heads, kv_heads, dim)
+            except Exception as err:
+                f = fb = None
+                log(f"fla failed at T={T}: {str(err).splitlines()[0][:160]}")
+            add("fwd", "fla-parallel_nsa", T, hs, 1, f, "no window branch, mean-pool l=d=64")
+            add("fwd+bwd", "fla-parallel_nsa", T, hs, 1, fb, "no window branch, mean-pool l=d=64")
+        g4 = f"{g4_heads[0]}/{g4_heads[1]}"
+        f, fb = bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim)
+        add("fwd", "nsa-triton", T, g4, 1, f)
+        add("fwd+bwd", "nsa-triton", T, g4, 1, fb)
+        dec = bench_decode(T, decode_batch, heads, kv_heads, dim)
+        add("decode", "nsa-triton", T, hs, decode_batch, dec["nsa"], "CUDA graph")
+        add("decode", "nsa-triton-nograph", T, hs, decode_batch, dec["nsa_nograph"], "plain launches")
+        for name in ("flash", "cudnn"):
+            note = dec.get(name + "_error", "CUDA graph")
+            add("decode", f"sdpa-{name}", T, hs, decode_batch, dec[name], note)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _get(rows, case, impl, T, heads=None):
+    for r in rows:
+        if r.case == case and r.impl == impl and r.T == T and (heads is None or r.heads == heads):
+            return r.ms
+    return None
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or a == 0 else b / a
+
+
+def _fmt(x, digits=2):
+    if x is None:
+        return "n/a"
+    return f"{x:.{digits}f}" if abs(x) >= 0.1 or x == 0 else f"{x:.3f}"
+
+
+def markdown_report(rows, *, heads=64, kv_heads=4, g4_heads=(16, 4), command="") -> str:
+    hs = f"{heads}/{kv_heads}"
+    g4 = f"{g4_heads[0]}/{g4_heads[1]}"
+    lengths = sorted({r.T for r in rows})
+    lines = ["# NSA kernel benchmark", ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    lines += [
+        f"B=1, {heads} query heads, {kv_heads} KV heads, d=128, bf16, paper config (l=32, d=16, l'=64, n=16, "
+        "w=512), all three branches and gates; median ms from `triton.testing.do_bench`. "
+        "Speed-up = SDPA time / NSA time (higher is better).",
+        "",
+        "| T | NSA fwd | cuDNN fwd | flash fwd | vs cuDNN | vs flash | NSA fwd+bwd | cuDNN fwd+bwd | "
+        "flash fwd+bwd | vs cuDNN | vs flash |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for T in lengths:
+        f = [_get(rows, "fwd", i, T, hs) for i in ("nsa-triton", "sdpa-cudnn", "sdpa-flash")]
+        b = [_get(rows, "fwd+bwd", i, T, hs) for i in ("nsa-triton", "sdpa-cudnn", "sdpa-flash")]
+        lines.append(f"| {T} | " + " | ".join(_fmt(x) for x in f) + f" | {_fmt(_ratio(f[0], f[1]))}x | "
+                     f"{_fmt(_ratio(f[0], f[2]))}x | " + " | ".join(_fmt(x) for x in b)
+                     + f" | {_fmt(_ratio(b[0], b[1]))}x | {_fmt(_ratio(b[0], b[2]))}x |")
+    if any(r.impl == "fla-parallel_nsa" for r in rows):
+        lines += ["", "flash-linear-attention 0.6.0 `parallel_nsa` (same heads; its own config: mean-pooled "
+                  "64-token compression, no window branch):", "",
+                  "| T | fla fwd | fla fwd+bwd | NSA-triton fwd speed-up vs fla | fwd+bwd speed-up |",
+                  "|---|---|---|---|---|"]
+        for T in lengths:
+            ff, fb = _get(rows, "fwd", "fla-parallel_nsa", T), _get(rows, "fwd+bwd", "fla-parallel_nsa", T)
+            nf, nb = _get(rows, "fwd", "nsa-triton", T, hs), _get(rows, "fwd+bwd", "nsa-triton", T, hs)
+            lines.append(f"| {T} | {_fmt(ff)} | {_fmt(fb)} | {_fmt(_ratio(nf, ff))}x | "
+                         f"{_fmt(_ratio(nb, fb))}x |")
+    lines += ["", f"GQA group size: G=4 ({g4} heads) against G=16 ({hs}), time per query head "
+              "(ratio > 1: G=4 slower per head).", "",
+              "| T | G=4 fwd | G=16 fwd | per-head ratio fwd | G=4 fwd+bwd | G=16 fwd+bwd | "
+              "per-head ratio fwd+bwd |",
+              "|---|---|---|---|---|---|---|"]
+    for T in lengths:
+        a, b = _get(rows, "fwd", "nsa-triton", T, g4), _get(rows, "fwd", "nsa-triton", T, hs)
+        c, d = _get(rows, "fwd+bwd", "nsa-triton", T, g4), _get(rows, "fwd+bwd", "nsa-triton", T, hs)
+        per = lambda x, n: None if x is None else x / n  # noqa: E731
+        ra = _ratio(per(b, heads), per(a, g4_heads[0]))
+        rc = _ratio(per(d, heads), per(c, g4_heads[0]))
+        lines.append(f"| {T} | {_fmt(a)} | {_fmt(b)} | {_fmt(ra)} | {_fmt(c)} | {_fmt(d)} | {_fmt(rc)} |")
+    batch = next((r.batch for r in rows if r.case == "decode"), 16)
+    lines += ["", f"Decode, batch {batch}, one new token against a cache of T tokens ({hs} heads), "
+              "CUDA graphs; SDPA reads the full cache (GQA, no expansion).", "",
+              "| T | NSA decode | NSA (plain launches) | SDPA flash | SDPA cuDNN | speed-up vs flash | "
+              "speed-up vs cuDNN |", "|---|---|---|---|---|---|---|"]
+    for T in lengths:
+        n, p = _get(rows, "decode", "nsa-triton", T), _get(rows, "decode", "nsa-triton-nograph", T)
+        fl, cu = _get(rows, "decode", "sdpa-flash", T), _get(rows, "decode", "sdpa-cudnn", T)
+        lines.append(f"| {T} | {_fmt(n, 3)} | {_fmt(p, 3)} | {_fmt(fl, 3)} | {_fmt(cu, 3)} | "
+                     f"{_fmt(_ratio(n, fl))}x | {_fmt(_ratio(n, cu))}x |")
+    notes = sorted({f"{r.impl}: {r.note}" for r in rows if r.note and "error" in r.note.lower()})
+    if notes:
+        lines += ["", "Notes:"] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(rows, out_dir, *, command="", **kw) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, md_path = out / "kernels.csv", out / "kernels.md"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["case", "impl", "T", "heads", "batch", "ms", "note"])
+        writer.writeheader()
+        for r in rows:
+            d = asdict(r)
+            d.pop("extra")
+            writer.writerow(d)
+    md_path.write_text(markdown_report(rows, command=command, **kw))
+    return csv_path, md_path
+
