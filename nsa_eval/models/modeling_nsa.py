@@ -263,9 +263,9 @@ class MoE(nn.Module):
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
-            rows, slot = (top_i == e).nonzero(as_tuple=True)  # tokens routed to expert e
+            rows, slot = (top_i == e).nonzero(as_tuple=True)  # tokens routed to expert e, each once
             if rows.numel():
-                out.index_add_(0, rows, expert(flat[rows]) * top_p[rows, slot, None].to(flat.dtype))
+                out[rows] += expert(flat[rows]) * top_p[rows, slot, None].to(flat.dtype)  # [n, C]
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         # Switch-style balance loss: E * sum_e (fraction of tokens to e) * (mean router prob of e)

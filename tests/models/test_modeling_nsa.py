@@ -1,0 +1,175 @@
+"""NSAForCausalLM: save/reload, prefill == step-by-step decode, generate, stats, config checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa_eval.models.cache_nsa import NSACache, num_compressed
+from nsa_eval.models.modeling_nsa import CACHE_FIELD, NSAForCausalLM, activated_tokens
+from tests.models.conftest import tiny_nsa_config
+
+LAYOUTS = {
+    "paper": {},  # MLP compression, separate K/V per branch, window 8
+    "fla": dict(compression="mean", shared_kv=True, block_len=4, stride=4, select_size=4, num_selected=4),
+    "no_window_gate_mlp": dict(window=0, gate_hidden_size=16),
+    "moe": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=16,
+                first_dense_layers=1),
+    "mqa_dk_ne_dv": dict(num_key_value_heads=1, head_dim=12, v_head_dim=6),
+}
+
+
+def build(layout: str, seed: int = 0) -> NSAForCausalLM:
+    torch.manual_seed(seed)
+    return NSAForCausalLM(tiny_nsa_config(**LAYOUTS[layout])).eval()
+
+
+def step_by_step_logits(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Prefill `prompt_len` tokens, then decode the rest one token at a time through the cache."""
+    out = model(ids[:, :prompt_len], use_cache=True)
+    cache, logits = getattr(out, CACHE_FIELD), [out.logits]
+    assert isinstance(cache, NSACache)
+    for t in range(prompt_len, ids.shape[1]):
+        out = model(ids[:, t : t + 1], cache=cache)
+        logits.append(out.logits)
+    return torch.cat(logits, dim=1)  # [B, T, V]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_prefill_equals_step_by_step_decode(layout):
+    model = build(layout)
+    ids = torch.randint(0, 97, (2, 37))  # 37: crosses several compression and selection blocks
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits  # [B, T, V]
+        for prompt_len in (3, 13):
+            inc = step_by_step_logits(model, ids, prompt_len)
+            torch.testing.assert_close(inc, full, atol=2e-5, rtol=1e-4)
+
+
+def test_cache_holds_what_prefill_computes():
+    model = build("paper")
+    ids = torch.randint(0, 97, (1, 30))
+    with torch.no_grad():
+        whole = getattr(model(ids, use_cache=True), CACHE_FIELD)
+        stepped = getattr(model(ids[:, :5], use_cache=True), CACHE_FIELD)
+        for t in range(5, 30):
+            model(ids[:, t : t + 1], cache=stepped)
+    for a, b in zip(whole.layers, stepped.layers, strict=True):
+        assert a.k_cmp.shape[1] == num_compressed(30, 8, 4) == 6
+        torch.testing.assert_close(a.k_cmp, b.k_cmp, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.v_cmp, b.v_cmp, atol=1e-5, rtol=1e-4)
+        assert a.k_tail.shape[1] == 30 - 6 * 4  # only raw tokens of incomplete blocks stay
+
+
+def test_save_reload_identical_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build("moe")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is NSAForCausalLM and reloaded.config.model_type == "nsa_eval"
+    ids = torch.randint(0, 97, (2, 21))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)
+
+
+def test_greedy_generate_matches_argmax_loop():
+    model = build("paper")
+    ids = torch.randint(0, 97, (1, 11))
+    with torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=9, do_sample=False)
+        seq = ids
+        for _ in range(9):
+            nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    assert generated.shape == (1, 20)
+    assert torch.equal(generated, seq)
+
+
+def test_training_step_reaches_every_branch():
+    model = build("paper").train()
+    ids = torch.randint(0, 97, (2, 24))
+    loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    attn = model.model.layers[0].attn
+    for name in ("q_proj", "k_proj", "k_cmp_proj", "v_cmp_proj", "k_swa_proj", "g_proj", "o_proj"):
+        grad = getattr(attn, name).weight.grad
+        assert grad is not None and grad.abs().sum() > 0, name
+    assert attn.compress_k.pos_emb.grad.abs().sum() > 0 and attn.compress_k.fc1.weight.grad.abs().sum() > 0
+
+
+def test_moe_aux_loss_and_routing():
+    model = build("moe")
+    model.config.router_aux_loss_coef = 0.01
+    ids = torch.randint(0, 97, (2, 16))
+    out = model(ids, labels=ids, use_cache=False)
+    moe = model.model.layers[1].mlp
+    assert type(model.model.layers[0].mlp).__name__ == "SwiGLU"  # first_dense_layers=1
+    assert moe.aux_loss is not None and moe.aux_loss > 0
+    plain = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert out.loss > plain  # the balance loss is added
+
+
+def test_padded_batch_is_refused():
+    model = build("paper")
+    ids = torch.randint(0, 97, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match="padded"):
+        model(ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (dict(num_attention_heads=4, num_key_value_heads=3), "multiple of"),
+        (dict(compression="max"), "compression"),
+        (dict(block_len=8, stride=3), "divide"),
+        (dict(num_selected=2, num_init=1, num_local=2), "num_init"),
+        (dict(window=-1), "window"),
+    ],
+)
+def test_config_rejects_inconsistent_fields(override, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_nsa_config(**override)
+
+
+def test_activated_tokens_match_the_kernel_selection():
+    """The statistic counts exactly the tokens the kernel's selection and window branches use."""
+    from nsa_eval.kernels import select_blocks
+
+    config = tiny_nsa_config()
+    T, l, d, ls = 70, config.block_len, config.stride, config.select_size
+    q = torch.randn(1, T, 4, 8)
+    k_cmp = torch.randn(1, num_compressed(T, l, d), 2, 8)
+    blocks = select_blocks(q, k_cmp, block_len=l, stride=d, select_size=ls, num_selected=config.num_selected,
+                           num_init=config.num_init, num_local=config.num_local, impl="reference")
+    t = torch.arange(T)
+    counts = activated_tokens(t, config)
+    starts = blocks[0, :, 0].long() * ls  # [T, n] (KV head 0)
+    valid = blocks[0, :, 0] >= 0
+    tokens = torch.clamp(t[:, None] - starts + 1, min=0, max=ls) * valid  # causal tokens per selected block
+    assert torch.equal(counts["selected"], tokens.sum(-1))
+    assert torch.equal(counts["compressed"], torch.tensor([num_compressed(i + 1, l, d) for i in range(T)]))
+    assert torch.equal(counts["window"], torch.clamp(t + 1, max=config.window))
+
+
+def test_activation_stats_paper_budget_at_32k():
+    """The paper's matched budget: NSA's mean over a 32k sequence is about 2,560 tokens per query."""
+    config = tiny_nsa_config(block_len=32, stride=16, select_size=64, num_selected=16, window=512)
+    counts = activated_tokens(torch.arange(32768), config)
+    assert 2500 < counts["total"].float().mean() < 2600
+    assert counts["total"][-1] == 2047 + 1024 + 512  # Table 4 at 32k: 3584 token loads (rounded)
+
+
+def test_model_records_activation_stats():
+    model = build("paper")
+    model.reset_activation_stats()
+    with torch.no_grad():
+        model(torch.randint(0, 97, (2, 10)), use_cache=False)
+    stats = model.activation_stats()
+    expected = activated_tokens(torch.arange(10), model.config)["total"].float().mean()
+    assert stats["queries"] == 2 * 10 * 4 * 2  # batch * tokens * heads * layers
+    assert stats["mean"] == pytest.approx(float(expected))
+    assert stats["phases"]["prefill"]["queries"] == stats["queries"] and stats["method"] == "nsa"
