@@ -8,8 +8,9 @@ depend on which files exist. The exact text therefore differs slightly between P
 bundled checkpoints were trained on a corpus built once (Python 3.11.7, numpy 2.4.6) and carried to
 the GPU machine.
 
-Retrieval samples follow the NIAH format of `nsa_eval.tasks.niah` (needle "One of the special magic
-numbers for {key} is: {value}.", question, answer prefix, 7-digit value). Only the answer tokens
+Retrieval samples follow the NIAH format of `nsa_eval.tasks.niah` (instruction, builtin haystack,
+needle "One of the special magic numbers for {key} is: {value}.", question, answer prefix, 7-digit
+value; `make_retrieval_doc` says how sizing differs). Only the answer tokens
 carry loss (weighted up by `answer_weight`), the prompt carries none. Training seeds start at
 `TRAIN_SEED_OFFSET`, far from the small seeds the evaluation uses.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import random
 import sys
@@ -107,7 +109,9 @@ def build_corpus(
     if not heldout_names:  # tiny corpora: hold out the last file
         heldout_names, train_names = train_names[-1:], train_names[:-1]
 
-    tokenizer = train_bpe(_budgeted((texts[n] for n in train_names), tokenizer_bytes), vocab_size)
+    english = tokenizer_training_texts(min(2_000_000, tokenizer_bytes // 6))
+    code = _budgeted((texts[n] for n in train_names), tokenizer_bytes)
+    tokenizer = train_bpe(itertools.chain(english, code), vocab_size)
     tokenizer.save_pretrained(str(out_dir / "tokenizer"))
     eos = tokenizer.eos_token_id
     split_ids = {}
@@ -182,47 +186,66 @@ def _versions(sources) -> dict:
 # ---------------------------------------------------------------------------------------------
 # retrieval samples (NIAH format)
 
-NEEDLE = "One of the special magic numbers for {key} is: {value}."
-QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
-ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
-_FALLBACK_HAYSTACK = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-)
-_FALLBACK_WORDS = (
-    "amber bright calm daring eager fancy gentle hollow icy jolly keen lucky mellow noble odd "
-    "proud quiet rapid silent tidy upbeat vivid witty young zesty ancient brave clever dusty "
-    "apple bridge castle dragon engine forest garden harbor island jungle kettle ladder meadow "
-    "needle orchard planet quarry river saddle temple valley window yacht zephyr lantern comet"
-).split()
-
-
 def make_retrieval_doc(tokenizer, context_length: int, depth_percent: float, seed: int) -> dict:
-    """One NIAH document: {"prompt": str, "answer": str, ...}.
+    """One training NIAH document in the evaluation's format: {"prompt", "answer", "key", ...}.
 
-    Uses `nsa_eval.tasks.niah.make_niah_doc` (the evaluation's own generator) when it exists, so
-    training and evaluation share one format; otherwise a local generator with the same template.
+    The template, key words and builtin haystack grammar are `nsa_eval.tasks.niah`'s. Its
+    `make_niah_doc` sizes a prompt to exactly `context_length` tokens by searching over haystack
+    cuts (tens of tokenizations, ~0.1-0.5 s per doc); here the haystack is tokenized once and cut
+    at token boundaries, so the prompt is within a few tokens of `context_length` at a fraction of
+    the cost (the haystack is a random window of one long text generated and tokenized once per
+    process). That matters: a training batch holds ~25 such documents.
     """
-    try:
-        from nsa_eval.tasks.niah import make_niah_doc
-    except ImportError:
-        return _fallback_niah_doc(tokenizer, context_length, depth_percent, seed)
-    return make_niah_doc(tokenizer, context_length, depth_percent, seed)
+    from nsa_eval.tasks import niah
 
-
-def _fallback_niah_doc(tokenizer, context_length: int, depth_percent: float, seed: int) -> dict:
-    rng = random.Random(seed)
-    key = f"{rng.choice(_FALLBACK_WORDS)}-{rng.choice(_FALLBACK_WORDS)}"
+    template = niah.DEFAULT_TEMPLATE
+    rng = random.Random(f"nsa-train-niah:{seed}")
+    key = rng.choice(niah._KEYS)
     value = str(rng.randint(1_000_000, 9_999_999))
-    needle = NEEDLE.format(key=key, value=value)
-    tail = f"\n{QUESTION.format(key=key)} {ANSWER_PREFIX.format(key=key)}"
-    budget = context_length - len(tokenizer(needle + " " + tail)["input_ids"])
-    unit = len(tokenizer(_FALLBACK_HAYSTACK)["input_ids"])
-    n_units = max(1, budget // unit)
-    sentences = [s.strip() + "." for s in (_FALLBACK_HAYSTACK * n_units).split(".") if s.strip()]
-    at = round(len(sentences) * depth_percent / 100)
-    haystack = " ".join(sentences[:at] + [needle] + sentences[at:])
-    return {"prompt": haystack + tail, "answer": value, "context_length": context_length,
-            "depth_percent": depth_percent, "key": key}
+    head = template.instruction + "\n"
+    needle = template.needle.format(key=key, value=value)
+    tail = "\n" + template.question.format(key=key) + " " + template.answer_prefix.format(key=key)
+    fixed = len(tokenizer(head + needle + tail)["input_ids"])
+    hay, offsets = _haystack_pool(tokenizer, context_length)
+    budget = min(max(0, context_length - fixed), len(offsets) // 2)  # haystack tokens
+    first = rng.randrange(1, len(offsets) - budget - 1)  # a random window of the pool
+    n_before = round(depth_percent / 100 * budget)
+    cut, last = first + n_before, first + budget  # token indices: [first, cut) before, [cut, last) after
+    before = hay[offsets[first][0] : offsets[cut - 1][1]].strip() if n_before else ""
+    after = hay[offsets[cut][0] : offsets[last - 1][1]].strip() if budget > n_before else ""
+    prompt = head + (before + " " if before else "") + needle + (" " + after if after else "") + tail
+    return {"prompt": prompt, "answer": value, "key": key, "context_length": context_length,
+            "depth_percent": depth_percent, "seed": seed}
+
+
+_POOL: dict[int, tuple[str, list]] = {}
+
+
+def _haystack_pool(tokenizer, context_length: int):
+    """(builtin haystack text, its token offsets) of ~400 * context_length characters (>= 50k).
+
+    Generated once per tokenizer and process, and again only if a longer context needs more.
+    """
+    from nsa_eval.tasks import niah
+
+    n_chars = max(50_000, 400 * context_length)
+    if id(tokenizer) not in _POOL or len(_POOL[id(tokenizer)][0]) < n_chars:
+        hay = niah.builtin_haystack(n_chars, random.Random("nsa-train-haystack"))
+        _POOL[id(tokenizer)] = hay, tokenizer(hay, return_offsets_mapping=True)["offset_mapping"]
+    return _POOL[id(tokenizer)]
+
+
+def tokenizer_training_texts(n_chars: int = 2_000_000) -> list[str]:
+    """English the tokenizer should know besides the corpus: NIAH template + builtin haystack text.
+
+    Without it a code-trained BPE splits English words into fragments, and token counts jump by
+    more than one per character, which `make_niah_doc`'s exact sizing cannot handle.
+    """
+    from nsa_eval.tasks import niah
+
+    t = niah.DEFAULT_TEMPLATE
+    template = " ".join([t.instruction, t.needle, t.question, t.answer_prefix]).replace("{key}", "x")
+    return [template] * 200 + [niah.builtin_haystack(n_chars, random.Random("nsa-train-tokenizer"))]
 
 
 def retrieval_segment(tokenizer, context_length: int, depth_percent: float, seed: int, answer_weight: float):
@@ -334,6 +357,7 @@ class BatchStream:
             from concurrent.futures import ProcessPoolExecutor
 
             _WORKER_CORPUS = corpus
+            _haystack_pool(corpus.tokenizer, max(mix.retrieval_lengths))  # inherited by the workers
             self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"))
 
     def get(self, step: int):

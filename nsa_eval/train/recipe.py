@@ -92,7 +92,7 @@ def tiny_config(attention: str = "nsa", **overrides) -> TrainConfig:
         max_position_embeddings=1024, num_selected=3, window=64,
     )
     cfg = TrainConfig(
-        attention=attention, seq_len=256, batch_size=4, steps=4, lr=3e-3, warmup_steps=2, num_evals=1,
+        attention=attention, seq_len=256, batch_size=2, steps=4, lr=3e-3, warmup_steps=2, num_evals=1,
         heldout_rows=4, probe_lengths=(128,), probe_per_length=2, log_every=1, calibration_steps=2,
         mix=MixConfig(retrieval_lengths=(64, 128), answer_weight=5.0), model=model,
     )

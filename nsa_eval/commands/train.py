@@ -1,0 +1,132 @@
+"""`nsa-eval train`: train one model of the nsa-tiny / full-tiny pair (docs/training.md).
+
+    nsa-eval train --attention nsa --out runs/train/nsa --seed 0 --minutes 4
+    nsa-eval train --attention full --out runs/train/full --seed 0 --match runs/train/nsa
+    nsa-eval train --attention both --out runs/train --seed 0 --minutes 4   # the two above
+    nsa-eval train --attention nsa --out /tmp/t --tiny          # a few CPU steps
+
+`--match RUN` copies the step count, batch and sequence length of an earlier run, so both models
+see identical tokens. `--attention both` trains NSA into <out>/nsa (sized by --minutes or --steps),
+then full attention into <out>/full matched to it, and plots both into <out>/loss_curves.png.
+The corpus and tokenizer are built into `--data` on first use (a few minutes) and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nsa_eval.errors import UsageError
+
+DEFAULT_DATA = ".cache/nsa-train"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train the NSA or the full-attention model of the bundled pair",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--attention", required=True, choices=["nsa", "full", "both"])
+    p.add_argument("--out", required=True, help="run directory (logs, summary.json, checkpoint/)")
+    p.add_argument("--seed", type=int, default=0)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--minutes", type=float, help="wall-clock budget; steps fixed from the measured speed")
+    size.add_argument("--steps", type=int, help="number of optimiser steps")
+    size.add_argument("--match", help="run directory whose steps, batch size and sequence length to copy")
+    p.add_argument("--data", default=None, help=f"corpus + tokenizer directory (default {DEFAULT_DATA}, "
+                                                 "or <out>/../data-tiny with --tiny)")
+    p.add_argument("--tiny", action="store_true", help="the small CPU configuration of the tests")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--workers", type=int, default=None, help="batch-building processes (default: CPUs - 2)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    p.set_defaults(handler=run_train)
+
+
+def run_train(args) -> int:
+    cfg, data_dir = _validated_config(args)
+    import os
+
+    from nsa_eval.train.data import build_corpus, corpus_exists, load_corpus
+    from nsa_eval.train.recipe import train
+
+    if corpus_exists(data_dir):
+        corpus = load_corpus(data_dir)
+    else:
+        print(f"building the corpus and tokenizer in {data_dir}")
+        corpus = (build_corpus(data_dir, vocab_size=512, max_files=8) if args.tiny
+                  else build_corpus(data_dir))
+    workers = args.workers if args.workers is not None else max(0, min(12, (os.cpu_count() or 1) - 2))
+    workers = 0 if args.tiny else workers
+    if args.attention != "both":
+        _report(train(cfg, corpus, args.out, device=args.device, workers=workers), args.out)
+        return 0
+    from dataclasses import replace
+
+    from nsa_eval.train.plots import plot_runs
+
+    out = Path(args.out)
+    first = train(replace(cfg, attention="nsa"), corpus, out / "nsa", device=args.device, workers=workers)
+    _report(first, out / "nsa")
+    matched = replace(cfg, attention="full", steps=first["steps"], minutes=None)
+    _report(train(matched, corpus, out / "full", device=args.device, workers=workers), out / "full")
+    plot_runs([out / "nsa", out / "full"], out / "loss_curves.png")
+    return 0
+
+
+def _report(summary: dict, out) -> None:
+    ev = summary["final_eval"]
+    print(f"done: {summary['attention']} {summary['steps']} steps, {summary['tokens']:,} tokens in "
+          f"{summary['seconds']} s; held-out loss {ev['heldout_loss']:.4f}, NIAH probe "
+          f"{ev['probe_exact_match']:.2f}; checkpoint {Path(out) / 'checkpoint'}", flush=True)
+
+
+def _validated_config(args):
+    """TrainConfig and data directory from the flags; UsageError before any work starts."""
+    from dataclasses import replace
+
+    from nsa_eval.train.recipe import TrainConfig, tiny_config
+
+    out = Path(args.out)
+    if args.attention == "both" and args.match is not None:
+        raise UsageError("--attention both sizes the full run itself: drop --match")
+    done = [out / "summary.json"] if args.attention != "both" else [out / "nsa" / "summary.json"]
+    if any(p.exists() for p in done) and not args.overwrite:
+        raise UsageError(f"--out {out} already holds a finished run (pass --overwrite to replace it)")
+    attention = "nsa" if args.attention == "both" else args.attention
+    cfg = tiny_config(attention) if args.tiny else TrainConfig(attention=attention)
+    cfg = replace(cfg, seed=args.seed)
+    if args.minutes is not None:
+        if args.minutes <= 0:
+            raise UsageError(f"--minutes must be > 0, got {args.minutes}")
+        cfg = replace(cfg, minutes=args.minutes, steps=None)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise UsageError(f"--steps must be >= 1, got {args.steps}")
+        cfg = replace(cfg, steps=args.steps, minutes=None)
+    for flag, field in (("batch_size", "batch_size"), ("seq_len", "seq_len"), ("lr", "lr")):
+        value = getattr(args, flag)
+        if value is not None:
+            if value <= 0:
+                raise UsageError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+            cfg = replace(cfg, **{field: value})
+    if args.match is not None:
+        cfg = _matched(cfg, Path(args.match))
+    if cfg.steps is None and cfg.minutes is None:
+        raise UsageError("give one of --minutes, --steps or --match (or --tiny)")
+    default_data = out.parent / "data-tiny" if args.tiny else Path(DEFAULT_DATA)
+    return cfg, Path(args.data) if args.data else default_data
+
+
+def _matched(cfg, run_dir: Path):
+    from dataclasses import replace
+
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise UsageError(f"--match {run_dir}: no summary.json (is it a finished training run?)")
+    theirs = json.loads(summary_path.read_text())["config"]
+    if theirs["seed"] != cfg.seed:
+        raise UsageError(f"--match {run_dir} used --seed {theirs['seed']}, not {cfg.seed}: "
+                         "the data would differ")
+    return replace(cfg, steps=theirs["steps"], minutes=None, batch_size=theirs["batch_size"],
+                   seq_len=theirs["seq_len"], lr=theirs["lr"])

@@ -1,0 +1,61 @@
+"""The training data: determinism, the NIAH samples' loss weights, the held-out split."""
+
+import numpy as np
+
+from nsa_eval.train.data import (
+    MixConfig,
+    corpus_files,
+    is_heldout,
+    load_corpus,
+    make_batch,
+    retrieval_segment,
+)
+
+MIX = MixConfig(retrieval_lengths=(64, 128), answer_weight=7.0)
+
+
+def test_same_seed_same_batch_and_steps_differ(tiny_corpus):
+    a_ids, a_w = make_batch(tiny_corpus, 3, 5, 4, 256, MIX)
+    b_ids, b_w = make_batch(tiny_corpus, 3, 5, 4, 256, MIX)
+    assert a_ids.shape == (4, 257) and a_w.shape == (4, 257)
+    np.testing.assert_array_equal(a_ids, b_ids)
+    np.testing.assert_array_equal(a_w, b_w)
+    assert not np.array_equal(a_ids, make_batch(tiny_corpus, 3, 6, 4, 256, MIX)[0])
+    assert not np.array_equal(a_ids, make_batch(tiny_corpus, 4, 5, 4, 256, MIX)[0])
+
+
+def test_batch_mixes_text_and_weighted_answers(tiny_corpus):
+    ids, w = make_batch(tiny_corpus, 0, 0, 4, 256, MIX)
+    assert ids.min() >= 0 and ids.max() < len(tiny_corpus.tokenizer)
+    assert (w[:2] == 7.0).any(axis=1).all()  # the retrieval rows carry weighted answers
+    assert (w[2:] == 1.0).all()  # the text rows are plain language modelling
+
+
+def test_retrieval_segment_weights_only_the_answer(tiny_corpus):
+    tok = tiny_corpus.tokenizer
+    ids, w = retrieval_segment(tok, 128, 50.0, seed=11, answer_weight=3.0)
+    answer = tok.decode(ids[w > 0])
+    prompt = tok.decode(ids[w == 0])
+    assert answer.strip().rstrip(".").replace(tok.eos_token, "").strip(" .").isdigit()
+    value = answer.strip().split(".")[0]
+    assert len(value) == 7 and value in prompt  # the needle holds the answer
+    assert "special magic number" in prompt
+    assert abs(len(ids) - 128) < 40
+
+
+def test_heldout_split_is_by_name_and_disjoint(tiny_corpus, tmp_path):
+    names = [n for n, _ in corpus_files(("stdlib",))]
+    held = [n for n in names if is_heldout(n)]
+    assert 0 < len(held) < 0.1 * len(names)
+    assert is_heldout(held[0]) and held == [n for n in names if is_heldout(n)]
+    assert tiny_corpus.heldout.size > 0 and tiny_corpus.train.size > 0
+
+
+def test_corpus_round_trip(tiny_corpus, tmp_path):
+    from nsa_eval.train.data import build_corpus
+
+    again = build_corpus(tmp_path, vocab_size=384, max_files=4, tokenizer_bytes=400_000)
+    np.testing.assert_array_equal(again.train, tiny_corpus.train)  # deterministic build
+    loaded = load_corpus(tmp_path)
+    np.testing.assert_array_equal(loaded.heldout, again.heldout)
+    assert loaded.tokenizer("x = 1234")["input_ids"] == again.tokenizer("x = 1234")["input_ids"]

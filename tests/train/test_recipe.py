@@ -1,0 +1,89 @@
+"""The training loop on the CPU with the tiny configuration, for both attentions."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from nsa_eval.train.data import make_batch
+from nsa_eval.train.recipe import (
+    build_model,
+    load_checkpoint,
+    lr_at,
+    save_checkpoint,
+    tiny_config,
+    train,
+    weighted_loss,
+)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "full"])
+def test_loss_decreases_on_a_fixed_batch(tiny_corpus, attention):
+    cfg = tiny_config(attention)
+    torch.manual_seed(0)
+    model = build_model(attention, cfg.model, tiny_corpus.tokenizer)
+    ids, w = (torch.from_numpy(x) for x in make_batch(tiny_corpus, 0, 0, 2, 128, cfg.mix))  # [2, 129]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(6):
+        loss, _ = weighted_loss(model(input_ids=ids[:, :-1], use_cache=False).logits, ids[:, 1:], w[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.parametrize("attention", ["nsa", "full"])
+def test_checkpoint_reloads_with_identical_logits(tiny_corpus, tmp_path, attention):
+    cfg = tiny_config(attention)
+    torch.manual_seed(1)
+    model = build_model(attention, cfg.model, tiny_corpus.tokenizer)
+    save_checkpoint(model, tiny_corpus.tokenizer, tmp_path)
+    assert load_checkpoint(tmp_path)[0].dtype == torch.bfloat16  # stored in bf16
+    loaded, tokenizer = load_checkpoint(tmp_path, dtype=torch.float32)
+    with torch.no_grad():  # the checkpoint holds the weights rounded to bf16, nothing else changes
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    ids = torch.tensor([tokenizer("def f(x):\n    return x + 1\n" * 8)["input_ids"][:200]])  # [1, 200]
+    with torch.no_grad():
+        ref = model.eval()(input_ids=ids, use_cache=False).logits
+        got = loaded.eval()(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert tokenizer.eos_token == tiny_corpus.tokenizer.eos_token
+
+
+def test_train_writes_logs_checkpoint_and_is_seeded(tiny_corpus, tmp_path):
+    cfg = tiny_config("full", steps=3)
+    first = train(cfg, tiny_corpus, tmp_path / "a")
+    second = train(cfg, tiny_corpus, tmp_path / "b")
+    assert first["steps"] == 3 and first["tokens"] == 3 * cfg.batch_size * cfg.seq_len
+    for name in ("log.jsonl", "log.csv", "evals.jsonl", "summary.json", "checkpoint/config.json",
+                 "checkpoint/model.safetensors", "checkpoint/tokenizer.json", "checkpoint/training.json"):
+        assert (tmp_path / "a" / name).exists(), name
+    rows = [json.loads(line) for line in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    rows_b = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in rows_b]  # same seed, same run
+    assert first["final_eval"]["heldout_loss"] == second["final_eval"]["heldout_loss"]
+
+
+def test_nsa_trains_a_few_steps(tiny_corpus, tmp_path):
+    summary = train(tiny_config("nsa", steps=2), tiny_corpus, tmp_path)
+    model, _ = load_checkpoint(tmp_path / "checkpoint")
+    assert type(model).__name__ == "NSAForCausalLM" and summary["steps"] == 2
+    assert model.config.num_selected == 3 and model.config.window == 64
+    assert torch.isfinite(torch.tensor(summary["final_eval"]["heldout_loss"]))
+
+
+def test_minutes_budget_fixes_the_step_count(tiny_corpus, tmp_path):
+    cfg = replace(tiny_config("full"), steps=None, minutes=0.05, calibration_steps=2)
+    summary = train(cfg, tiny_corpus, tmp_path)
+    assert summary["steps"] >= 5 and summary["config"]["steps"] == summary["steps"]
+
+
+def test_lr_schedule_warms_up_then_decays():
+    cfg = replace(tiny_config("full"), warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, 100, cfg) == pytest.approx(0.1) and lr_at(9, 100, cfg) == pytest.approx(1.0)
+    assert lr_at(55, 100, cfg) < lr_at(20, 100, cfg) and lr_at(100, 100, cfg) == pytest.approx(0.1)
