@@ -1,0 +1,111 @@
+"""LongBench: every metric on hand-computed examples, prompts, middle truncation."""
+
+from __future__ import annotations
+
+import pytest
+
+from nsa_eval.tasks import longbench as lb
+
+
+@pytest.mark.parametrize(
+    "prediction, reference, expected",
+    [
+        # normalized: "cat sat on mat" vs "cat on mat": overlap 3, P=3/4, R=1 -> F1 = 6/7
+        ("The cat sat on the mat", "a cat on a mat", 6 / 7),
+        ("Paris.", "paris", 1.0),
+        ("London", "Paris", 0.0),
+        ("", "Paris", 0.0),
+    ],
+)
+def test_qa_f1(prediction, reference, expected):
+    assert lb.qa_f1(prediction, reference) == pytest.approx(expected)
+
+
+def test_qa_f1_zh():
+    # jieba: 猫 / ， / 狗 ; punctuation dropped -> [猫, 狗] vs [猫]: P=1/2, R=1 -> 2/3
+    assert lb.qa_f1_zh("猫，狗", "猫") == pytest.approx(2 / 3)
+    assert lb.qa_f1_zh("北京。", "北京") == pytest.approx(1.0)
+    assert lb.qa_f1_zh("猫", "狗") == 0.0
+
+
+def test_rouge_l():
+    # LCS("the cat sat", "the cat was here") = "the cat": P=2/3, R=2/4 -> F = 2PR/(P+R) = 4/7
+    assert lb.rouge_l("the cat sat", "the cat was here") == pytest.approx(4 / 7, abs=1e-6)
+    assert lb.rouge_l("a b c", "a b c") == pytest.approx(1.0, abs=1e-6)
+    assert lb.rouge_l("", "anything") == 0.0  # unscorable -> 0, as the official scorer
+
+
+def test_rouge_l_zh():
+    # jieba words "猫 ， 狗" vs "猫": LCS 1, P=1/3, R=1 -> F = 1/2
+    assert lb.rouge_l_zh("猫，狗", "猫") == pytest.approx(0.5, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "prediction, expected",
+    [("Paragraph 12", 1.0), ("Paragraph 3 or Paragraph 12", 0.5), ("Paragraph 1", 0.0), ("no idea", 0.0)],
+)
+def test_retrieval(prediction, expected):
+    assert lb.retrieval(prediction, "Paragraph 12") == expected
+
+
+@pytest.mark.parametrize("prediction, expected", [("段落5", 1.0), ("段落5和段落7", 0.5), ("段落6", 0.0)])
+def test_retrieval_zh(prediction, expected):
+    assert lb.retrieval_zh(prediction, "段落5") == expected
+
+
+def test_code_sim():
+    # the first line without `, # or // is compared: identical -> 1
+    assert lb.code_sim("\n# a comment\nx = 1\ny = 2", "x = 1") == 1.0
+    # fuzz.ratio("abcd", "abce") = round(100 * 2 * 3 / 8) = 75
+    assert lb.code_sim("abcd", "abce") == 0.75
+    assert lb.code_sim("// only comments", "x = 1") == 0.0
+
+
+def test_score_takes_the_best_reference_and_names_the_metric():
+    doc = {"answers": ["London", "the city of Paris"]}
+    out = lb.score("hotpotqa", "Paris", doc)
+    # vs "city of paris" (normalized): overlap 1, P=1, R=1/3 -> 1/2
+    assert out == {"score": pytest.approx(0.5), "qa_f1": pytest.approx(0.5)}
+    assert lb.process_results_passage_retrieval_en({"answers": ["Paragraph 4"]}, ["Paragraph 4"]) == {
+        "score": 1.0,
+        "retrieval": 1.0,
+    }
+    assert set(lb.process_results_lcc({"answers": ["x = 1"]}, ["x = 1"])) == {"score", "code_sim"}
+
+
+def test_every_subset_has_prompt_length_and_metric():
+    assert len(lb.SUBSETS) == 10
+    for subset, (prompt, max_new, metric) in lb.SUBSETS.items():
+        assert "{context}" in prompt and metric in lb.METRICS and max_new in (32, 64, 128, 512)
+        assert callable(getattr(lb, f"doc_to_text_{subset}"))
+    # official strings, where lm-eval's copies differ
+    assert lb.SUBSETS["passage_retrieval_en"][0].endswith("The answer is: ")
+    assert lb.SUBSETS["lcc"][0].endswith("Next line of code:\n")
+
+
+def test_prompt_from_either_schema():
+    thudm = {"input": "Who?", "context": "Ann wrote it.", "answers": ["Ann"]}
+    text = lb.doc_to_text_hotpotqa(thudm)
+    assert text.startswith("Answer the question based on the given passages.")
+    assert "\nAnn wrote it.\n" in text and text.endswith("Question: Who?\nAnswer:")
+    mirror = {"context": "CTX ", "question": "Q? ", "answer_prefix": "Answer:", "answer": ["Ann"]}
+    assert lb.doc_to_text_hotpotqa(mirror) == "CTX Q? Answer:"
+    assert lb.answers(mirror) == ["Ann"] and lb.doc_to_target(thudm) == "Ann"
+
+
+def test_truncate_middle_keeps_head_and_tail():
+    ids = list(range(10))
+    assert lb.truncate_middle(ids, 4) == [0, 1, 8, 9]
+    assert lb.truncate_middle(ids, 5) == [0, 1, 7, 8, 9]
+    assert lb.truncate_middle(ids, 10) == ids and lb.truncate_middle(ids, 50) == ids
+    with pytest.raises(ValueError):
+        lb.truncate_middle(ids, 0)
+
+
+def test_truncate_prompt_middle_keeps_instruction_and_question(bpe_tokenizer):
+    head, tail = "Read the passages.\n", "\nQuestion: who wrote it?\nAnswer:"
+    prompt = head + "the old farmer carried a wooden chair. " * 200 + tail
+    cut = lb.truncate_prompt_middle(bpe_tokenizer, prompt, 60)
+    assert cut.startswith(head) and cut.endswith(tail)
+    assert len(bpe_tokenizer(cut, add_special_tokens=False)["input_ids"]) <= 62
+    assert lb.truncate_prompt_middle(bpe_tokenizer, "short", 60) == "short"
