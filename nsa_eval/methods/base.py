@@ -1,0 +1,586 @@
+"""Shared machinery of the training-free sparse attention methods, written once.
+
+A method is a small dataclass (`full.py`, `sink_window.py`, `topk.py`, `quest.py`, `h2o.py`) that holds
+only its scoring rule. Everything else lives here:
+
+- budget accounting: every query attends to at most `budget` keys, counting the `sink` leading keys
+  and the `local` most recent keys (the query itself included): the paper's 2,560 = 128 + 512 + 1,920.
+  A query with at most `budget` visible keys attends to all of them.
+- masking: the method picks `budget - sink - local` keys (fewer if it forces more) from the keys between
+  the sink and the local window; attention is a softmax over the kept keys only.
+- positions: a key's position is its rank among the non-padding keys of its sequence, read off the
+  model's 4D mask, so left padding (generate) and right padding (lm-eval) both count from the first
+  real token.
+- chunking over queries: scores are materialised for at most `query_chunk` queries at a time
+  (`[B, Hq, Tc, S]`), never `T x T`.
+- state: per-layer method state (H2O's accumulated attention mass) lives on the KV cache object
+  (`cache.nsa_eval_state[layer_idx]`), so it follows `generate()` and is fresh for every new cache.
+- statistics: keys attended per query, per layer and phase (prefill/decode), always on, and
+  `BudgetExceededError` as soon as a query held to the budget attends to more.
+
+The attention function is registered with transformers' `AttentionInterface` as `nsa_eval`; each
+attention module carries a `_nsa_eval` pointer to the `AttentionController` that `apply_attention` built.
+Shapes follow transformers' attention interface: query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]`,
+output `[B, T, Hq, D]`; `Hq = G * Hkv` and query head `h` reads KV head `h // G`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nsa_eval.errors import UsageError
+
+ATTN_IMPLEMENTATION = "nsa_eval"
+STATE_ATTRIBUTE = "nsa_eval_state"  # on a transformers Cache: {layer_idx: LayerState}
+MODULE_ATTRIBUTE = "_nsa_eval"  # on each attention module: its AttentionController
+
+
+class BudgetExceededError(RuntimeError):
+    """A query held to the budget attended to more keys than the budget allows."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Method interface
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Chunk:
+    """One chunk of queries against the keys it can see (those up to its last query) in one layer call.
+
+    Attributes:
+        query: `[B, Hq, Tc, D]`, the chunk's queries (model dtype).
+        key: `[B, Hkv, Sc, D]`, the keys up to the chunk's last query (model dtype).
+        scaling: the softmax scale.
+        qpos: `[B, Tc]` int64, each query's position in its sequence (-1 for a padding query).
+        kpos: `[B, Sc]` int64, each key's position in its sequence (-1 for a padding key).
+        visible: `[B, Tc, Sc]` bool, keys the query may see at all (causal, not padding, model mask).
+        prepared: what the method's `prepare()` returned for this layer call (over all S keys).
+    """
+
+    query: Tensor
+    key: Tensor
+    scaling: float
+    qpos: Tensor
+    kpos: Tensor
+    visible: Tensor
+    prepared: Any = None
+
+    @functools.cached_property
+    def logits(self) -> Tensor:
+        """`[B, Hq, Tc, Sc]` float32, scaled `q . k` before any mask (computed on first use)."""
+        return _grouped_scores(self.query.float(), self.key.float()) * self.scaling
+
+
+@dataclass
+class AttentionMethod:
+    """Base of every method: one dataclass per method, its fields are the method's own parameters.
+
+    Subclasses set `name`, and override `score()` (higher = keep; the base picks the best keys
+    outside sink and local), optionally `forced()` (extra keys always kept, counted in the budget) and
+    `prepare()` (per-layer-call precomputation). A stateful method (`stateful = True`, H2O) is
+    selected query by query with `state_score()`/`update_state()` instead.
+
+    Fields shared by all methods:
+        query_chunk: queries per chunk; the chunk's scores are `[B, Hq, query_chunk, S]` float32.
+    """
+
+    name: ClassVar[str] = ""
+    sparse: ClassVar[bool] = True  # False only for full attention: no budget applies
+    selects: ClassVar[bool] = True  # False for sink_window: sink and local only
+    stateful: ClassVar[bool] = False
+    stable_ties: ClassVar[bool] = False  # break score ties by position (a stable sort) instead of topk
+    gqa: ClassVar[str] = "per query head"  # how selection treats a GQA group (see docs/methods.md)
+
+    query_chunk: int = 1024
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.query_chunk, int) or self.query_chunk < 1:
+            raise UsageError(f"query_chunk must be a positive integer, got {self.query_chunk!r}")
+
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def prepare(self, key: Tensor, kpos: Tensor) -> Any:
+        """Per-layer-call precomputation from key `[B, Hkv, S, D]` and kpos `[B, S]` (e.g. page summaries)."""
+        return None
+
+    def score(self, chunk: Chunk) -> Tensor:
+        """`[B, Hq, Tc, S]` float: which keys to keep first (only keys outside sink and local compete)."""
+        raise NotImplementedError
+
+    def forced(self, chunk: Chunk) -> Tensor | None:
+        """`[B, Tc, S]` bool: keys kept besides sink and local, counted in the budget; None for none."""
+        return None
+
+    def check(self, config: BudgetConfig) -> None:
+        """Raise UsageError if this method cannot work with these budget settings."""
+
+    # ---- stateful methods only (H2O): selection query by query from a state the earlier queries left
+    def grow_state(self, tensors: dict[str, Tensor], B: int, Hq: int, S: int, device) -> None:
+        """Extend the state tensors to cover `S` keys (new keys start empty)."""
+        raise NotImplementedError
+
+    def state_score(self, tensors: dict[str, Tensor]) -> Tensor:
+        """`[B, Hq, S]` float: score of every key for the next query, from the state alone."""
+        raise NotImplementedError
+
+    def update_state(self, tensors: dict[str, Tensor], probs: Tensor, keep: Tensor) -> None:
+        """Fold queries' attention probs `[B, Hq, n, S]` and kept keys `[B, Hq, n, S]` into the state."""
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Statistics
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tally:
+    """Running totals for one (layer, phase): query-head pairs, keys attended, KV tokens read."""
+
+    held: bool  # True when these queries were held to the budget
+    queries: int = 0  # (query, query head) pairs
+    activated_sum: int = 0
+    activated_max: int = 0
+    kv_queries: int = 0  # (query, KV head) pairs
+    kv_read_sum: int = 0
+
+    def add(self, activated: Tensor, kv_read: Tensor, real: Tensor) -> None:
+        """activated `[B, Hq, Tc]`, kv_read `[B, Hkv, Tc]` int; only real queries (`real` `[B, Tc]`) count."""
+        a = activated[real[:, None].expand_as(activated)]
+        r = kv_read[real[:, None].expand_as(kv_read)]
+        if a.numel():
+            self.queries += a.numel()
+            self.activated_sum += int(a.sum())
+            self.activated_max = max(self.activated_max, int(a.max()))
+        if r.numel():
+            self.kv_queries += r.numel()
+            self.kv_read_sum += int(r.sum())
+
+
+def _summary(tallies: list[_Tally]) -> dict[str, Any]:
+    queries = sum(t.queries for t in tallies)
+    kv_queries = sum(t.kv_queries for t in tallies)
+    return {
+        "queries": queries,
+        "mean": sum(t.activated_sum for t in tallies) / queries if queries else 0.0,
+        "max": max((t.activated_max for t in tallies), default=0),
+        "kv_read_mean": sum(t.kv_read_sum for t in tallies) / kv_queries if kv_queries else 0.0,
+    }
+
+
+class AttentionStats:
+    """Keys attended per query, per layer and phase; always on (a few reductions per layer call)."""
+
+    def __init__(self) -> None:
+        self.tallies: dict[tuple[int, str], _Tally] = {}
+
+    def tally(self, layer: int, phase: str, held: bool) -> _Tally:
+        key = (layer, phase)
+        if key not in self.tallies:
+            self.tallies[key] = _Tally(held=held)
+        self.tallies[key].held = self.tallies[key].held and held
+        return self.tallies[key]
+
+    def summary(self) -> dict[str, Any]:
+        """Per layer, per phase and overall: queries (query-head pairs), mean and max keys attended,
+        and mean KV tokens read per (query, KV head), the union over the KV head's query group."""
+        layers = sorted({layer for layer, _ in self.tallies})
+        phases = sorted({phase for _, phase in self.tallies})
+        held = [t for t in self.tallies.values() if t.held]
+        return {
+            **_summary(list(self.tallies.values())),
+            "held": _summary(held),
+            "layers": [
+                {"layer": layer, **_summary([t for (lay, _), t in self.tallies.items() if lay == layer])}
+                for layer in layers
+            ],
+            "phases": {p: _summary([t for (_, ph), t in self.tallies.items() if ph == p]) for p in phases},
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-layer state on the cache
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerState:
+    """What a stateful method carries between forward calls for one layer.
+
+    Attributes:
+        method: the method instance that wrote it (a state from another method is not reused).
+        length: number of keys the state covers.
+        tensors: the method's tensors, e.g. H2O's accumulated mass `[B, Hq, length]` float32.
+    """
+
+    method: AttentionMethod | None = None
+    length: int = 0
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The controller: one per model, holds the method, the budget, the stats, the current state
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """Budget settings shared by every method (see `apply_attention`)."""
+
+    budget: int = 2560
+    sink: int = 128
+    local: int = 512
+    sparse_prefill: bool = True
+    dense_layers: int = 0
+
+    @property
+    def selected(self) -> int:
+        """Keys the method chooses per query beyond sink and local."""
+        return self.budget - self.sink - self.local
+
+
+class AttentionController:
+    """The method applied to one model: budget, statistics and the per-forward layer states."""
+
+    def __init__(self, method: AttentionMethod, config: BudgetConfig):
+        self.method = method
+        self.config = config
+        self.stats = AttentionStats()
+        self.states: dict[int, LayerState] = {}  # replaced at each forward by the pre-hook
+        self.hook_handle = None
+        # Tests set a list here to receive (layer, phase, first query, keep [B, Hq, Tc, S]) per chunk.
+        self.capture: list | None = None
+
+    # ---- forward pre-hook on the decoder stack: find (or make) the cache, point at its state
+    def begin_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        from transformers import DynamicCache
+
+        name = "past_key_values" if "past_key_values" in kwargs else "cache"
+        cache = kwargs.get(name)
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(module.config, "use_cache", False)
+        if cache is None and use_cache:
+            # The model would create this cache itself; creating it here lets the state ride on it.
+            cache = DynamicCache(config=module.config)
+            kwargs[name] = cache
+        if cache is None:
+            self.states = {}
+        else:
+            if not hasattr(cache, STATE_ATTRIBUTE):
+                setattr(cache, STATE_ATTRIBUTE, {})
+            self.states = getattr(cache, STATE_ATTRIBUTE)
+        return args, kwargs
+
+    # ---- the attention function body
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        scaling: float | None,
+        **kwargs: Any,
+    ) -> Tensor:
+        """query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]`, mask `[B|1, 1, T, S]` or None.
+
+        Returns the attention output `[B, T, Hq, Dv]`.
+        """
+        B, Hq, T, D = query.shape
+        Hkv, S = key.shape[1], key.shape[2]
+        if Hq % Hkv:
+            raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+        layer = int(module.layer_idx)
+        scaling = D**-0.5 if scaling is None else scaling
+        phase = "decode" if T == 1 else "prefill"
+        method, cfg = self.method, self.config
+        held = method.sparse and layer >= cfg.dense_layers and (cfg.sparse_prefill or phase == "decode")
+
+        allowed = _allowed_keys(attention_mask, B, T, S)  # [B, T, S] bool or None
+        kpos, qpos = _positions(allowed, B, T, S, query.device)  # [B, S], [B, T]
+        stateful = method.stateful and method.sparse and layer >= cfg.dense_layers
+        state = self._layer_state(layer, B, Hq, S, T, query.device) if stateful else None
+        tally = self.stats.tally(layer, phase, held)
+
+        if not held and not stateful:
+            return self._dense(
+                module, query, key, value, attention_mask, scaling, kwargs, allowed, qpos, tally
+            )
+
+        out = query.new_empty(B, Hq, T, value.shape[-1])  # [B, Hq, T, Dv]
+        prepared = method.prepare(key, kpos) if held and method.selects else None
+        chunk_len = self._chunk_len(B, Hq, T, S)
+        for t0 in range(0, T, chunk_len):
+            t1 = min(T, t0 + chunk_len)
+            Sc = S - T + t1  # keys after the chunk's last query are invisible to all of it
+            kp = kpos[:, :Sc]  # [B, Sc]
+            visible = (kp[:, None, :] <= qpos[:, t0:t1, None]) & (kp >= 0)[:, None, :]  # [B, Tc, Sc]
+            if allowed is not None:
+                visible &= allowed[:, t0:t1, :Sc]
+            q, k, v = query[:, :, t0:t1], key[:, :, :Sc], value[:, :, :Sc]  # [B, H, Tc|Sc, D]
+            chunk = Chunk(q, k, scaling, qpos[:, t0:t1], kp, visible, prepared)
+            if stateful:
+                tensors = {name: t[..., :Sc] for name, t in state.tensors.items()}  # views: updates land
+                keep, probs = self._select_stateful(chunk, tensors, held)  # [B, Hq, Tc, Sc] each
+                o = _grouped_apply(probs, v.float())  # [B, Hq, Tc, Dv]
+            else:
+                keep = self._select(chunk)  # [B, 1|Hq, Tc, Sc]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scaling, enable_gqa=True)
+            out[:, :, t0:t1] = o.nan_to_num(0.0)  # a padding query (nothing visible) gets zeros
+            self._record(tally, keep, Hq, Hkv, qpos[:, t0:t1], held, layer)
+            if self.capture is not None:
+                full = keep.new_zeros(B, Hq, t1 - t0, S)  # [B, Hq, Tc, S]
+                full[..., :Sc] = keep
+                self.capture.append((layer, phase, t0, full))
+        if state is not None:
+            state.length = S
+        return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
+
+    # ---- pieces
+    def _dense(self, module, query, key, value, mask, scaling, kwargs, allowed, qpos, tally) -> Tensor:
+        """Plain SDPA (transformers' own function: `full` is bit-identical to `sdpa`); stats from the mask."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        kwargs = {k: v for k, v in kwargs.items() if k in ("dropout", "is_causal")}
+        out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+        B, Hq, T, _ = query.shape
+        Hkv = key.shape[1]
+        if allowed is None:
+            count = qpos + 1  # [B, T]
+        else:
+            count = allowed.sum(-1)  # [B, T]
+        tally.add(
+            count[:, None].expand(B, Hq, T),  # [B, Hq, T]
+            count[:, None].expand(B, Hkv, T),  # [B, Hkv, T]
+            qpos >= 0,
+        )
+        if self.capture is not None:
+            kpos = _positions(allowed, B, T, key.shape[2], query.device)[0]
+            visible = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos >= 0)[:, None, :]  # [B, T, S]
+            if allowed is not None:
+                visible &= allowed
+            phase = "decode" if T == 1 else "prefill"
+            self.capture.append((int(module.layer_idx), phase, 0, visible[:, None].expand(B, Hq, -1, -1)))
+        return out
+
+    def _chunk_len(self, B: int, Hq: int, T: int, S: int) -> int:
+        return max(1, min(T, self.method.query_chunk))
+
+    def _forced(self, chunk: Chunk) -> Tensor:
+        """`[B, Tc, S]` bool: sink, local window and the method's own forced keys (all within `visible`)."""
+        cfg = self.config
+        kpos, qpos = chunk.kpos[:, None, :], chunk.qpos[:, :, None]  # [B, 1, S], [B, Tc, 1]
+        forced = (kpos < cfg.sink) | (kpos > qpos - cfg.local)  # [B, Tc, S]
+        extra = self.method.forced(chunk) if self.method.selects else None
+        if extra is not None:
+            forced |= extra
+        return forced & chunk.visible
+
+    def _over_budget(self, chunk: Chunk) -> Tensor:
+        """`[B, Tc]` bool: queries that see more keys than they may attend to."""
+        cfg = self.config
+        limit = cfg.budget if self.method.selects else min(cfg.budget, cfg.sink + cfg.local)
+        return chunk.visible.sum(-1, dtype=torch.int32) > limit  # [B, Tc]
+
+    def _select(self, chunk: Chunk) -> Tensor:
+        """Keys to attend, `[B, 1, Tc, Sc]` when shared by all heads, else `[B, Hq, Tc, Sc]` bool:
+        all visible keys, or sink + local (+ forced) + the method's best."""
+        visible = chunk.visible[:, None]  # [B, 1, Tc, Sc]
+        over = self._over_budget(chunk)[:, None, :, None]  # [B, 1, Tc, 1]
+        if not over.any():
+            return visible
+        forced = self._forced(chunk)[:, None]  # [B, 1, Tc, Sc]
+        if not self.method.selects:
+            return torch.where(over, forced, visible)  # [B, 1, Tc, Sc]
+        picks = self.config.budget - forced.sum(-1, dtype=torch.int32)  # [B, 1, Tc]
+        candidates = visible & ~forced  # [B, 1, Tc, Sc]
+        best = _top_keys(self.method.score(chunk), candidates, picks, self.method.stable_ties)
+        return torch.where(over, forced | best, visible)  # [B, Hq, Tc, Sc]
+
+    def _select_stateful(self, chunk: Chunk, tensors: dict[str, Tensor], held: bool) -> tuple[Tensor, Tensor]:
+        """Select query by query, each from the state left by the queries before it (H2O).
+
+        Returns keep and probs (float32), both `[B, Hq, Tc, Sc]`; updates the state `tensors` in place.
+        """
+        logits = chunk.logits  # [B, Hq, Tc, Sc]
+        B, Hq, Tc, Sc = logits.shape
+        method = self.method
+        visible = chunk.visible[:, None]  # [B, 1, Tc, Sc]
+        over = self._over_budget(chunk) & held  # [B, Tc]
+        # Leading queries that attend densely in every sequence need no selection: one batched step.
+        n_dense = int(over.any(0).int().argmax()) if over.any() else Tc
+        keep = visible.expand(B, Hq, Tc, Sc).clone()  # [B, Hq, Tc, Sc]
+        probs = _masked_softmax(logits, keep)  # [B, Hq, Tc, Sc]
+        if n_dense:
+            method.update_state(tensors, probs[:, :, :n_dense], keep[:, :, :n_dense])
+        if n_dense == Tc:
+            return keep, probs
+        forced = self._forced(chunk)[:, None]  # [B, 1, Tc, Sc]
+        picks = self.config.budget - forced.sum(-1, dtype=torch.int32)  # [B, 1, Tc]
+        candidates = visible & ~forced  # [B, 1, Tc, Sc]
+        for t in range(n_dense, Tc):
+            best = _top_keys(method.state_score(tensors), candidates[:, :, t], picks[:, :, t])  # [B, Hq, Sc]
+            row = torch.where(over[:, None, t, None], forced[:, :, t] | best, visible[:, :, t])  # [B, Hq, Sc]
+            keep[:, :, t] = row
+            probs[:, :, t] = p = _masked_softmax(logits[:, :, t].contiguous(), row)  # [B, Hq, Sc]
+            method.update_state(tensors, p[:, :, None], row[:, :, None])
+        return keep, probs
+
+    def _record(
+        self, tally: _Tally, keep: Tensor, Hq: int, Hkv: int, qpos: Tensor, held: bool, layer: int
+    ) -> None:
+        """Count keys per query (`keep` `[B, 1|Hq, Tc, Sc]`); fail if a held query is over budget."""
+        B, H, Tc, Sc = keep.shape
+        activated = keep.sum(-1, dtype=torch.int32)  # [B, 1|Hq, Tc]
+        if H == 1:  # shared by every head
+            kv_read = activated.expand(B, Hkv, Tc)  # [B, Hkv, Tc]
+        else:
+            kv_read = keep.view(B, Hkv, H // Hkv, Tc, Sc).any(2).sum(-1, dtype=torch.int32)  # [B, Hkv, Tc]
+        real = qpos >= 0  # [B, Tc]
+        if held:
+            worst = int(activated.masked_fill(~real[:, None], 0).max()) if activated.numel() else 0
+            if worst > self.config.budget:
+                raise BudgetExceededError(
+                    f"layer {layer}: a query attended to {worst} keys, over the budget of "
+                    f"{self.config.budget} (method {self.method.name})"
+                )
+        tally.add(activated.expand(B, Hq, Tc), kv_read, real)
+
+    def _layer_state(self, layer: int, B: int, Hq: int, S: int, T: int, device) -> LayerState:
+        """The layer's state, grown to cover `S` keys; a fresh one when the cache holds no past."""
+        state = self.states.get(layer)
+        past = S - T
+        if state is None or past == 0:
+            state = LayerState(method=self.method)
+            self.states[layer] = state
+        if state.method is not self.method or state.length != past:
+            raise RuntimeError(
+                f"{self.method.name}: layer {layer} has no state for the {past} cached keys (it covers "
+                f"{state.length}, written by {getattr(state.method, 'name', None)!r}); pass one cache "
+                "through every call of a sequence (generate() does), and do not switch methods mid-sequence"
+            )
+        self.method.grow_state(state.tensors, B, Hq, S, device)
+        return state
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Small tensor helpers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _allowed_keys(mask: Tensor | None, B: int, T: int, S: int) -> Tensor | None:
+    """The model's 4D mask `[B|1, 1|H, T, S]` (bool True = attend, or additive float) as `[B, T, S]` bool."""
+    if mask is None:
+        return None
+    if mask.dim() != 4:
+        raise ValueError(f"expected a 4D attention mask [B, 1, T, S], got shape {tuple(mask.shape)}")
+    mask = mask[:, 0, -T:, -S:]  # [B|1, T, S]
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return allowed.expand(B, T, S)
+
+
+def _positions(allowed: Tensor | None, B: int, T: int, S: int, device) -> tuple[Tensor, Tensor]:
+    """Key positions `[B, S]` and query positions `[B, T]`: rank among real keys, -1 for padding.
+
+    The queries are the last T keys (transformers appends them to the cache before attention).
+    """
+    if allowed is None:
+        kpos = torch.arange(S, device=device).expand(B, S)  # [B, S]
+    else:
+        real = allowed.any(1)  # [B, S]: a real key is seen by some query (at least by itself)
+        kpos = torch.where(real, real.long().cumsum(-1) - 1, -1)  # [B, S]
+    qpos = kpos[:, S - T :]  # [B, T]
+    return kpos, qpos
+
+
+def _grouped_scores(q: Tensor, k: Tensor) -> Tensor:
+    """q `[B, Hq, Tc, D]`, k `[B, Hkv, S, D]` -> `q . k` `[B, Hq, Tc, S]` without repeating k per group."""
+    B, Hq, Tc, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, Hkv, (Hq // Hkv) * Tc, D)  # [B, Hkv, G*Tc, D]
+    return (qg @ k.transpose(-1, -2)).view(B, Hq, Tc, S)  # [B, Hq, Tc, S]
+
+
+def _grouped_apply(p: Tensor, v: Tensor) -> Tensor:
+    """p `[B, Hq, Tc, S]`, v `[B, Hkv, S, Dv]` -> `p @ v` `[B, Hq, Tc, Dv]`."""
+    B, Hq, Tc, S = p.shape
+    Hkv, Dv = v.shape[1], v.shape[-1]
+    pg = p.reshape(B, Hkv, (Hq // Hkv) * Tc, S)  # [B, Hkv, G*Tc, S]
+    return (pg @ v).view(B, Hq, Tc, Dv)  # [B, Hq, Tc, Dv]
+
+
+def _masked_softmax(logits: Tensor, keep: Tensor) -> Tensor:
+    """Softmax over kept keys (float32); a row with nothing kept (a padding query) is all zeros.
+
+    Written out rather than `torch.softmax`: on a busy CPU, softmax's thread pool made each of H2O's
+    small per-query calls cost milliseconds; these element-wise ops stay on one thread when small.
+    """
+    x = logits.float().masked_fill(~keep, -math.inf)
+    top = x.amax(-1, keepdim=True)
+    e = (x - top.masked_fill(top == -math.inf, 0.0)).exp()  # [..., S]
+    return (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)
+
+
+def _top_keys(score: Tensor, candidates: Tensor, picks: Tensor, stable: bool = False) -> Tensor:
+    """Bool mask of the `picks` best-scoring candidates per row.
+
+    Args:
+        score: `[..., S]` float, higher is better.
+        candidates: `[..., S]` bool, the keys allowed to compete (broadcast against score).
+        picks: `[...]` int, how many to take per row (broadcast; fewer if fewer candidates).
+        stable: among equal scores prefer earlier keys (a full stable sort; `topk`'s order is unspecified).
+    """
+    S = score.shape[-1]
+    k = int(picks.clamp(0, S).max()) if picks.numel() else 0
+    chosen = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+    if k == 0:
+        return chosen
+    masked = score.float().masked_fill(~candidates, -math.inf)  # candidates broadcast over heads
+    if stable:
+        top = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [..., k]
+    else:
+        top = masked.topk(k, dim=-1).indices  # [..., k]
+    rank_ok = torch.arange(k, device=score.device) < picks[..., None]  # [..., k]
+    chosen.scatter_(-1, top, rank_ok.expand_as(top))
+    return chosen & candidates
+
+
+def nsa_eval_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """The function registered with transformers' AttentionInterface: dispatch to the module's controller.
+
+    Args:
+        query: `[B, Hq, T, D]`; key, value: `[B, Hkv, S, D]` (the whole cache, the T new keys last).
+        attention_mask: `[B|1, 1, T, S]` bool (True = attend) or None for plain causal.
+
+    Returns:
+        (`[B, T, Hq, Dv]`, None): no attention weights are returned.
+    """
+    controller = getattr(module, MODULE_ATTRIBUTE, None)
+    if controller is None:
+        raise RuntimeError(
+            f"attention implementation {ATTN_IMPLEMENTATION!r} needs "
+            "nsa_eval.methods.apply_attention(model, ...)"
+        )
+    if dropout:
+        raise ValueError("nsa_eval attention methods are for inference: dropout must be 0 (model.eval())")
+    return controller.attend(module, query, key, value, attention_mask, scaling, **kwargs), None

@@ -1,0 +1,56 @@
+"""H2O (Zhang et al., 2023, arXiv:2306.14048): heavy hitters by accumulated attention mass, held causally."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from nsa_eval.methods.base import AttentionMethod
+
+
+@dataclass
+class H2O(AttentionMethod):
+    """Heavy-hitter oracle: keep the keys that earlier queries attended to most, plus sink and local.
+
+    Each query head keeps a running mass per key: the sum of the attention probabilities that the
+    queries *before* the current one actually used (never a later query's). Query t keeps sink, local
+    and the `budget - sink - local` candidates with the largest mass; then its own probabilities are
+    added, and the candidates it did not keep are evicted: their mass drops to zero for good, as in
+    H2O's causal mask simulation (`local_heavy_hitter_mask`) and its KV eviction (`H2OKVCache_LayerWise`),
+    so an evicted key never comes back. Queries that see at most `budget` keys attend densely and add
+    their whole rows. The mass is `[B, Hq, S]` float32 on the cache (`LayerState.tensors["mass"]`) and
+    grows by one key per decode step. Selection is sequential over queries (one step per query past
+    the budget), the costliest method at prefill.
+
+    GQA: mass and selection are per query head, as in H2O's code (after `repeat_kv`), so a KV head
+    serves the union of its G heads' heavy hitters.
+    """
+
+    name = "h2o"
+    stateful = True
+    gqa = "per query head (KV read = union over the group)"
+
+    def grow_state(self, tensors: dict[str, Tensor], B: int, Hq: int, S: int, device) -> None:
+        mass = tensors.get("mass")
+        if mass is None:
+            mass = torch.zeros(B, Hq, 0, device=device)
+        if mass.shape[:2] != (B, Hq):
+            raise RuntimeError(f"h2o state is for batch {tuple(mass.shape[:2])}, got {(B, Hq)}")
+        new = torch.zeros(B, Hq, S - mass.shape[-1], device=device)  # [B, Hq, S - old]
+        tensors["mass"] = torch.cat([mass, new], dim=-1)  # [B, Hq, S]
+
+    def state_score(self, tensors: dict[str, Tensor]) -> Tensor:
+        return tensors["mass"]  # [B, Hq, S]
+
+    def update_state(self, tensors: dict[str, Tensor], probs: Tensor, keep: Tensor) -> None:
+        # probs, keep: [B, Hq, n, S] for n consecutive queries; n > 1 only for dense ones (no eviction).
+        # tensors["mass"] may be a view onto the cached state: update it in place.
+        mass = tensors["mass"]  # [B, Hq, S]
+        mass += probs.sum(2)
+        if keep.shape[2] == 1:
+            # Evict what the query did not keep. Keys it could not see yet have no mass to lose; a
+            # padding query (keeps nothing) evicts nothing.
+            row = keep[:, :, 0]  # [B, Hq, S]
+            mass.mul_(row | ~row.any(-1, keepdim=True))

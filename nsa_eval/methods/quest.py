@@ -1,0 +1,98 @@
+"""Quest (Tang et al., 2024, arXiv:2406.10774): query-aware page selection by an upper bound on q . k."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from nsa_eval.errors import UsageError
+from nsa_eval.methods.base import AttentionMethod, BudgetConfig, Chunk, _grouped_scores
+
+
+def page_bounds(query: Tensor, key_min: Tensor, key_max: Tensor) -> Tensor:
+    """Quest's upper bound on `q . k` over a page: sum over channels of max(q_d * min_d, q_d * max_d).
+
+    Args:
+        query: `[B, Hq, Tc, D]` float.
+        key_min, key_max: `[B, Hkv, P, D]` float, per-page per-channel minimum and maximum of the keys.
+
+    Returns:
+        `[B, Hq, Tc, P]` float (unscaled): >= `q . k` for every key of the page.
+    """
+    # max(q*mn, q*mx) is q*mx where q >= 0 and q*mn where q < 0: two matmuls, no [.., P, D] product.
+    upper = _grouped_scores(query.clamp(min=0), key_max)  # [B, Hq, Tc, P]
+    return upper + _grouped_scores(query.clamp(max=0), key_min)  # [B, Hq, Tc, P]
+
+
+def page_summaries(key: Tensor, page: Tensor, num_pages: int) -> tuple[Tensor, Tensor]:
+    """Per-page per-channel min and max of the keys.
+
+    Args:
+        key: `[B, Hkv, S, D]` float.
+        page: `[B, S]` int64 page of each key (its position // page_size), -1 for padding keys.
+        num_pages: P.
+
+    Returns:
+        key_min, key_max: `[B, Hkv, P, D]`; an empty page has min +inf and max -inf.
+    """
+    B, Hkv, S, D = key.shape
+    index = page.clamp(min=0).where(page >= 0, num_pages)  # [B, S]; padding goes to a spare page
+    index = index[:, None, :, None].expand(B, Hkv, S, D)  # [B, Hkv, S, D]
+    shape = (B, Hkv, num_pages + 1, D)
+    key_min = key.new_full(shape, torch.inf).scatter_reduce(2, index, key, "amin")  # [B, Hkv, P+1, D]
+    key_max = key.new_full(shape, -torch.inf).scatter_reduce(2, index, key, "amax")  # [B, Hkv, P+1, D]
+    return key_min[:, :, :num_pages], key_max[:, :, :num_pages]
+
+
+@dataclass
+class Quest(AttentionMethod):
+    """Pages of `page_size` tokens, ranked per query head by `page_bounds`; the best fill the budget.
+
+    Pages are aligned to sequence positions (page j holds positions 16j..16j+15). Every key of a page
+    carries its page's bound, so the top `budget - sink - local` keys outside sink and local are whole
+    pages in bound order; the last page is cut to fill the budget to the token, keeping its
+    earliest tokens (ties are broken by position). The page holding the
+    query is always kept (it lies in the local window whenever `local >= page_size`). Quest's own code
+    also keeps the first two layers dense: pass `dense_layers=2` for that. GQA: selection is per query
+    head, as in Quest's reference code (keys repeated per head), so a KV head serves the union of its
+    G heads' pages.
+    """
+
+    name = "quest"
+    stable_ties = True
+    gqa = "per query head (KV read = union over the group)"
+
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise UsageError(f"quest page_size must be a positive integer, got {self.page_size!r}")
+
+    def check(self, config: BudgetConfig) -> None:
+        if config.local < self.page_size and config.selected < self.page_size:
+            raise UsageError(
+                f"quest keeps the query's page ({self.page_size} tokens): it needs local >= page_size or "
+                f"budget - sink - local >= page_size, got local={config.local}, "
+                f"budget - sink - local={config.selected}"
+            )
+
+    def prepare(self, key: Tensor, kpos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        page = torch.where(kpos >= 0, kpos // self.page_size, -1)  # [B, S]
+        num_pages = int(page.max()) + 1
+        key_min, key_max = page_summaries(key.float(), page, num_pages)  # [B, Hkv, P, D] each
+        return page, key_min, key_max
+
+    def score(self, chunk: Chunk) -> Tensor:
+        page, key_min, key_max = chunk.prepared
+        bounds = page_bounds(chunk.query.float(), key_min, key_max)  # [B, Hq, Tc, P]
+        B, Hq, Tc, _ = bounds.shape
+        page = page[:, : chunk.kpos.shape[-1]].clamp(min=0)  # [B, Sc]
+        index = page[:, None, None, :].expand(B, Hq, Tc, page.shape[-1])  # [B, Hq, Tc, Sc]
+        return bounds.gather(-1, index)  # [B, Hq, Tc, Sc]
+
+    def forced(self, chunk: Chunk) -> Tensor:
+        same_page = chunk.kpos[:, None, :] // self.page_size == chunk.qpos[:, :, None] // self.page_size
+        return same_page & chunk.visible  # [B, Tc, Sc]
