@@ -188,7 +188,7 @@ def _triton_nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_s
 
 def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None, k_swa=None, v_swa=None,
                block_len=32, stride=16, select_size=64, num_selected=16, num_init=1, num_local=2, window=512,
-               scale=None, impl="auto"):
+               scale=None, return_block_indices=False, impl="auto"):
     """NSA for one new query per sequence against a cache of raw and compressed keys/values.
 
     Args:
@@ -202,9 +202,12 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
         k_swa, v_swa: window keys/values (default ``k``, ``v``), shaped like ``k``, ``v``.
         block_len, stride, select_size, num_selected, num_init, num_local, window, scale: as in
             ``nsa_attention``. impl: ``auto``, ``reference`` or ``triton``.
+        return_block_indices: also return the int32 ``[B, 1, Hkv, num_selected]`` selected blocks.
 
     Returns:
-        o ``[B, 1, Hq, Dv]``, equal to row ``cache_seqlens - 1`` of ``nsa_attention`` on the cache.
+        o ``[B, 1, Hq, Dv]``, equal to row ``cache_seqlens - 1`` of ``nsa_attention`` on the cache
+        (and the block indices if asked). Checking ``cache_seqlens`` values costs one host sync,
+        skipped while a CUDA graph is being captured.
     """
     _validate.check_nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, cache_seqlens, k_swa, v_swa,
                                block_len, stride, select_size, num_selected, num_init, num_local, window,
@@ -212,4 +215,5 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
     fn = _implementation("nsa_decode", impl, q)
     return fn(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, cache_seqlens=cache_seqlens, k_swa=k_swa,
               v_swa=v_swa, block_len=block_len, stride=stride, select_size=select_size,
-              num_selected=num_selected, num_init=num_init, num_local=num_local, window=window, scale=scale)
+              num_selected=num_selected, num_init=num_init, num_local=num_local, window=window, scale=scale,
+              return_block_indices=return_block_indices)

@@ -217,6 +217,8 @@ def check_nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, cache_seqlens, 
     longest = S
     if cache_seqlens is not None:
         _tensor("cache_seqlens", cache_seqlens, "[B]", [B], dtypes=INDEX_DTYPES, like=q)
+        if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # reading the values would sync the device, which graph capture forbids
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
         if lo < 1 or hi > S:
             raise ValueError(f"cache_seqlens: expected values in [1, S={S}] (valid tokens including the "

@@ -45,7 +45,8 @@ def dense_attention(q, k, v, mask, scale):
     empty = ~mask.any(-1, keepdim=True)
     allowed = mask | empty  # rows with no key: softmax over everything, then zeroed (finite grads)
     p = scores.masked_fill(~allowed, float("-inf")).softmax(-1) * mask
-    lse = scores.masked_fill(~mask, float("-inf")).logsumexp(-1)  # [B, Hq, T]
+    lse = scores.masked_fill(~allowed, float("-inf")).logsumexp(-1)  # [B, Hq, T]
+    lse = torch.where(empty.squeeze(-1), float("-inf"), lse)
     o = torch.einsum("bhts,bshd->bthd", p, v)
     return o, lse.transpose(1, 2), p
 
@@ -143,7 +144,7 @@ def chunk(monkeypatch):
 
 @pytest.mark.parametrize("config", [PAPER, FLA], ids=["paper", "fla"])
 @pytest.mark.parametrize("Hq,Hkv", HEADS, ids=[f"Hq{hq}-Hkv{hkv}" for hq, hkv in HEADS])
-@pytest.mark.parametrize("T", [150])
+@pytest.mark.parametrize("T", [150, 300])
 def test_nsa_attention_matches_brute_force(config, Hq, Hkv, T, chunk):
     B, Dk, Dv = 2, 24, 16
     x = make_inputs(B, T, Hq, Hkv, Dk, Dv, config["block_len"], config["stride"], extra_cmp=1,
@@ -180,6 +181,8 @@ def test_branches_match_brute_force(config, T, chunk):
 
     q = x["q"].clone().requires_grad_(True)
     o_cmp, lse = kernels.compressed_attention(q, x["k_cmp"], x["v_cmp"], impl="reference", **geometry)
+    q64 = x64["q"].clone().requires_grad_(True)
+    _, _, o_cmp_bf, lse_bf, _, _ = brute_nsa(q64, *nsa_args(x64)[1:], x64["k"], x64["v"], **config)
     assert lse.dtype == torch.float32 and lse.shape == (B, T, Hq)
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_bf))
     finite = torch.isfinite(lse_bf)
@@ -188,8 +191,10 @@ def test_branches_match_brute_force(config, T, chunk):
         assert err_ratio(o_cmp, o_cmp_bf) < 1e-5
     blind = ~finite  # queries that see no compressed block: zero output, finite zero gradient
     assert (o_cmp.detach()[blind] == 0).all()
-    (o_cmp.sum() + lse[finite].sum()).backward()
+    (o_cmp.sum() + lse[finite].sum()).backward()  # gradients through o and lse
+    (o_cmp_bf.sum() + lse_bf[finite].sum()).backward()
     assert torch.isfinite(q.grad).all()
+    assert err_ratio(q.grad, q64.grad) < 1e-5
     if blind.any():
         assert (q.grad[blind] == 0).all()
 
@@ -257,11 +262,13 @@ def test_decode_equals_prefill_rows(config):
     for step in range(T // B):
         pos = step + (T // B) * rows  # each sequence at its own position; every t is visited once
         gather = lambda y, pos=pos: y[rows, pos][:, None]  # [B, 1, ...]
-        o = kernels.nsa_decode(gather(x["q"]), x["k"], x["v"], x["k_cmp"], x["v_cmp"], gather(x["g_cmp"]),
-                               gather(x["g_slc"]), gather(x["g_swa"]), cache_seqlens=(pos + 1).int(),
-                               k_swa=x["k_swa"], v_swa=x["v_swa"], impl="reference", **config)
+        o, idx = kernels.nsa_decode(gather(x["q"]), x["k"], x["v"], x["k_cmp"], x["v_cmp"],
+                                    gather(x["g_cmp"]), gather(x["g_slc"]), gather(x["g_swa"]),
+                                    cache_seqlens=(pos + 1).int(), k_swa=x["k_swa"], v_swa=x["v_swa"],
+                                    return_block_indices=True, impl="reference", **config)
         assert o.shape == (B, 1, Hq, Dv)
         assert err_ratio(o, gather(o_full)) < 1e-5, step
+        assert torch.equal(idx, gather(idx_full)), step
     # a cache trimmed to the sequence (cache_seqlens=None) gives the same last row
     t = 77
     o, idx = reference.nsa_decode(x["q"][:, t:t + 1], x["k"][:, :t + 1], x["v"][:, :t + 1], x["k_cmp"],
