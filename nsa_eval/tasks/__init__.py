@@ -54,41 +54,53 @@ PROJECT_TASKS: dict[str, str] = {
 UNSAFE_CODE_TASKS = frozenset({"nsa_mbpp"})
 
 
-@lru_cache(maxsize=1)
-def _base_task_manager():
+# lm-eval's task folders the project's groups build on (general/*.yaml)
+LM_EVAL_TASK_DIRS = ("mmlu/default", "bbh/cot_fewshot", "bbh/fewshot", "gsm8k", "drop", "mbpp")
+
+
+@lru_cache(maxsize=2)
+def _base_task_manager(all_lm_eval_tasks: bool):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR))
+    if all_lm_eval_tasks:
+        return TaskManager(include_path=str(TASKS_DIR))
+    import lm_eval.tasks
+
+    lm_eval_dir = Path(lm_eval.tasks.__file__).parent
+    dirs = [str(lm_eval_dir / d) for d in LM_EVAL_TASK_DIRS] + [str(TASKS_DIR)]
+    return TaskManager(include_path=dirs, include_defaults=False)
 
 
-def _with_metadata(metadata: dict[str, Any] | None):
+def _with_metadata(metadata: dict[str, Any] | None, all_lm_eval_tasks: bool):
     from lm_eval.tasks._factory import TaskFactory
 
-    manager = copy.copy(_base_task_manager())  # shares the (slow to build) index
+    manager = copy.copy(_base_task_manager(all_lm_eval_tasks))  # shares the (slow to build) index
     manager.metadata = metadata or None
     manager._factory = TaskFactory(meta=metadata or None)
     return manager
 
 
 @lru_cache(maxsize=16)
-def _task_manager_for(metadata_json: str):
-    return _with_metadata(json.loads(metadata_json))
+def _task_manager_for(metadata_json: str, all_lm_eval_tasks: bool):
+    return _with_metadata(json.loads(metadata_json), all_lm_eval_tasks)
 
 
-def task_manager(metadata: dict[str, Any] | None = None):
+def task_manager(metadata: dict[str, Any] | None = None, *, all_lm_eval_tasks: bool = True):
     """An lm-eval TaskManager with lm-eval's tasks and the project's (include_path=TASKS_DIR).
 
     `metadata` reaches every task's config (and NIAH's data builder), as `--metadata` does on
     lm-eval's command line: e.g. `{"tokenizer": "smollm2-135m", "niah_lengths": [1024, 2048]}`.
     Pass it here: `simple_evaluate` ignores its own `metadata=` when given a task manager.
-    Building the index takes ~10 s once per process; managers are cached per metadata (a
-    metadata value that is not JSON, e.g. a tokenizer object, gets a fresh, uncached manager).
+    Building the index of all ~14,000 lm-eval tasks takes ~10 s once per process;
+    `all_lm_eval_tasks=False` indexes only the project's tasks and the lm-eval folders they build
+    on (about 1 s). Managers are cached per metadata (a metadata value that is not JSON, e.g. a
+    tokenizer object, gets a fresh, uncached manager).
     """
     try:
         key = json.dumps(metadata or {}, sort_keys=True)
     except TypeError:
-        return _with_metadata(metadata)
-    return _task_manager_for(key)
+        return _with_metadata(metadata, all_lm_eval_tasks)
+    return _task_manager_for(key, all_lm_eval_tasks)
 
 
 def requires_unsafe_code(task_names) -> list[str]:

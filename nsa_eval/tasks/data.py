@@ -126,6 +126,13 @@ def spec_from_config(config: Any) -> DataSpec | None:
 # --------------------------------------------------------------------------- walking the index
 
 
+def _default_manager(names: list[str]):
+    """The light index (project tasks + the lm-eval folders they use) when it covers every name."""
+    from nsa_eval.tasks import PROJECT_TASKS, task_manager
+
+    return task_manager(all_lm_eval_tasks=not all(name in PROJECT_TASKS for name in names))
+
+
 def leaf_configs(names: Iterable[str], manager=None) -> list[tuple[str, dict[str, Any]]]:
     """(requested name, merged leaf config) for every leaf task under the given names.
 
@@ -136,9 +143,8 @@ def leaf_configs(names: Iterable[str], manager=None) -> list[tuple[str, dict[str
     from lm_eval.tasks._index import Kind
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    from nsa_eval.tasks import task_manager
-
-    index = (manager or task_manager()).task_index
+    names = list(names)
+    index = (manager or _default_manager(names)).task_index
     out: list[tuple[str, dict[str, Any]]] = []
 
     def visit(root: str, name: str, overrides: dict[str, Any], seen: tuple[str, ...]) -> None:
@@ -202,28 +208,35 @@ def check_task_data(task_names: Iterable[str], manager=None) -> None:
         raise UsageError(missing_data_message(missing, list(missing)))
 
 
+def download(spec: DataSpec, *, force: bool = False, log=print) -> list[Path]:
+    """Load one dataset with `datasets.load_dataset` and write its splits as JSONL. Returns the files."""
+    if not force and not spec.missing():
+        return []
+    import datasets
+
+    loaded = datasets.load_dataset(spec.path, spec.name)
+    written = []
+    for split, path in zip(spec.splits, spec.files(), strict=True):
+        if split not in loaded:
+            raise UsageError(f"{spec.path} ({spec.name}) has no split {split!r}; it has {list(loaded)}")
+        count = write_jsonl(path, loaded[split])
+        written.append(path)
+        log(f"{spec.task}: wrote {count} rows to {path}")
+    return written
+
+
 def fetch(task_names: Iterable[str], *, force: bool = False, manager=None, log=print) -> list[Path]:
     """Download every hub dataset the tasks read into data_dir() as JSONL. Returns files written."""
     names = list(task_names)
     if hub_offline():
         raise UsageError("`nsa-eval data fetch` needs the network; unset HF_HUB_OFFLINE/HF_DATASETS_OFFLINE")
-    import datasets
-
     written: list[Path] = []
     seen: set[tuple[str, str | None]] = set()
     for root, specs in data_specs(names, manager).items():
         if not specs:
-            log(f"{root}: builds its own data, nothing to fetch")
+            log(f"{root}: builds its own data (or reads the hub itself): nothing to fetch")
         for spec in specs:
-            if (spec.path, spec.name) in seen or (not force and not spec.missing()):
+            if (spec.path, spec.name) not in seen:
                 seen.add((spec.path, spec.name))
-                continue
-            seen.add((spec.path, spec.name))
-            hub = datasets.load_dataset(spec.path, spec.name)
-            for split, path in zip(spec.splits, spec.files(), strict=True):
-                if split not in hub:
-                    raise UsageError(f"{spec.path} ({spec.name}) has no split {split!r}; it has {list(hub)}")
-                count = write_jsonl(path, hub[split])
-                written.append(path)
-                log(f"{root}: wrote {count} rows to {path}")
+                written += download(spec, force=force, log=log)
     return written
