@@ -39,10 +39,12 @@ end. Inside the block holding ``t`` a token-level causal mask applies.
 Sliding window: keys ``t - w + 1 .. t`` (``w = window`` [512]).
 
 Every function is differentiable (``select_blocks`` returns indices, no gradient). Computation runs
-in float32 and returns the input dtype (``lse`` stays float32). Queries are processed in chunks of
-``QUERY_CHUNK`` so memory grows with the chunk, not with ``T^2``; with gradients enabled each chunk
-is checkpointed (recomputed in backward) for the same reason. Inputs are assumed valid: the public
-dispatcher in ``nsa_eval.kernels`` checks them before calling in here.
+in float32 and returns the input dtype (``lse`` stays float32). Queries are processed in chunks (at
+most ``QUERY_CHUNK`` queries and about ``SCORES_PER_CHUNK`` scores) so memory grows with the chunk,
+not with ``T^2``; with gradients enabled each chunk is checkpointed (recomputed in backward) for the
+same reason. Each branch is one masked softmax over the keys a chunk can reach, the mask built from
+the definitions above: short code to check by eye, and fast enough on a CPU for ~4k-token evals.
+Inputs are assumed valid: the public dispatcher in ``nsa_eval.kernels`` checks them first.
 """
 
 from __future__ import annotations
@@ -98,8 +100,7 @@ def _attend(
 
     Args:
         q: ``[B, C, Hq, Dk]`` float32.
-        k: ``[B, S, Hkv, Dk]`` keys shared by all queries, or ``[B, C, Hkv, S, Dk]`` per query.
-        v: ``[B, S, Hkv, Dv]`` or ``[B, C, Hkv, S, Dv]``, like ``k``.
+        k: ``[B, S, Hkv, Dk]`` float32 keys; v: ``[B, S, Hkv, Dv]`` values.
         mask: bool ``[B, C, Hkv or 1, S]``: which keys each query (and KV head) may use.
         scale: multiplies ``q . k``.
 
@@ -108,18 +109,11 @@ def _attend(
         p: ``[B, C, Hkv, G, S]`` the probabilities.
     """
     B, C, Hq, Dk = q.shape
-    Hkv = k.shape[-2] if k.dim() == 4 else k.shape[2]
-    G = Hq // Hkv
-    q = q.view(B, C, Hkv, G, Dk)  # [B, C, Hkv, G, Dk]
-    if k.dim() == 4:
-        scores = torch.einsum("bchgd,bshd->bchgs", q, k) * scale  # [B, C, Hkv, G, S]
-    else:
-        scores = torch.einsum("bchgd,bchsd->bchgs", q, k) * scale  # [B, C, Hkv, G, S]
+    Hkv = k.shape[2]
+    q = q.reshape(B, C, Hkv, Hq // Hkv, Dk)  # [B, C, Hkv, G, Dk] query heads grouped by KV head
+    scores = torch.einsum("bchgd,bshd->bchgs", q, k) * scale  # [B, C, Hkv, G, S]
     p, lse = _masked_softmax(scores, mask.unsqueeze(3))  # [B, C, Hkv, G, S], [B, C, Hkv, G]
-    if v.dim() == 4:
-        o = torch.einsum("bchgs,bshd->bchgd", p, v)  # [B, C, Hkv, G, Dv]
-    else:
-        o = torch.einsum("bchgs,bchsd->bchgd", p, v)  # [B, C, Hkv, G, Dv]
+    o = torch.einsum("bchgs,bshd->bchgd", p, v)  # [B, C, Hkv, G, Dv]
     return o.reshape(B, C, Hq, -1), lse.reshape(B, C, Hq), p
 
 
