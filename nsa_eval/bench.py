@@ -176,20 +176,48 @@ def bench_decode(T, batch, hq, hkv, d):
     return out
 
 
+def bench_ops(T, hq, hkv, d=128):
+    """Forward and forward+backward time of each Triton op alone (where the time goes)."""
+    import torch
+
+    from nsa_eval.kernels.compression import compressed_attention
+    from nsa_eval.kernels.selection import select_blocks, selected_attention
+    from nsa_eval.kernels.window import sliding_window_attention
+
+    x = _inputs(1, T, hq, hkv, d, grad=True)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+    ops = {
+        "compressed_attention": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
+        "selected_attention": lambda: selected_attention(x["q"], x["k"], x["v"], idx),
+        "sliding_window_attention": lambda: sliding_window_attention(x["q"], x["k"], x["v"]),
+    }
+    out = {}
+    with torch.no_grad():
+        out["select_blocks"] = (_time(lambda: select_blocks(x["q"], x["k_cmp"], lse=lse)), None)
+        for name, fn in ops.items():
+            out[name] = [_time(fn)]
+    for name, fn in ops.items():
+        out[name].append(_time(_fwd_bwd(fn, x)))
+    return out
+
+
 def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_heads=4, dim=128,
-                         decode_batch=16, g4_heads=(16, 4), log=print) -> list[Row]:
+                         decode_batch=16, g4_heads=(16, 4), fla=True, log=print) -> list[Row]:
     """Measure everything; returns one Row per (case, impl, T)."""
     import torch
 
     rows: list[Row] = []
     hs = f"{heads}/{kv_heads}"
-    try:
-        import fla.ops.nsa  # noqa: F401
+    has_fla = False
+    if fla:
+        try:
+            import fla.ops.nsa  # noqa: F401
 
-        has_fla = True
-    except Exception as err:  # not installed, or its import fails
-        has_fla = False
-        log(f"fla parallel_nsa not importable: {err}")
+            has_fla = True
+        except Exception as err:  # not installed, or its import fails
+            log(f"fla parallel_nsa not importable: {err}")
 
     def add(case, impl, T, heads_str, batch, ms, note=""):
         rows.append(Row(case, impl, T, heads_str, batch, None if ms is None else round(ms, 4), note))
@@ -227,6 +255,11 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
             note = dec.get(name + "_error", "CUDA graph")
             add("decode", f"sdpa-{name}", T, hs, decode_batch, dec[name], note)
         torch.cuda.empty_cache()
+    T = max(lengths)
+    for name, (f, fb) in bench_ops(T, heads, kv_heads, dim).items():
+        add("op-fwd", name, T, hs, 1, f)
+        if fb is not None:
+            add("op-fwd+bwd", name, T, hs, 1, fb)
     return rows
 
 
@@ -301,6 +334,13 @@ def markdown_report(rows, *, heads=64, kv_heads=4, g4_heads=(16, 4), command="")
         fl, cu = _get(rows, "decode", "sdpa-flash", T), _get(rows, "decode", "sdpa-cudnn", T)
         lines.append(f"| {T} | {_fmt(n, 3)} | {_fmt(p, 3)} | {_fmt(fl, 3)} | {_fmt(cu, 3)} | "
                      f"{_fmt(_ratio(n, fl))}x | {_fmt(_ratio(n, cu))}x |")
+    ops = [r for r in rows if r.case.startswith("op-")]
+    if ops:
+        lines += ["", f"Where the time goes: each Triton op alone at T={ops[0].T} ({hs} heads), ms.", "",
+                  "| op | fwd | fwd+bwd |", "|---|---|---|"]
+        for name in dict.fromkeys(r.impl for r in ops):
+            lines.append(f"| {name} | {_fmt(_get(rows, 'op-fwd', name, ops[0].T))} | "
+                         f"{_fmt(_get(rows, 'op-fwd+bwd', name, ops[0].T))} |")
     notes = sorted({f"{r.impl}: {r.note}" for r in rows if r.note and "error" in r.note.lower()})
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]

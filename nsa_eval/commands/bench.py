@@ -27,6 +27,7 @@ def register(subparsers) -> None:
     parser.add_argument("--out", default="reports/kernels",
                         help="output folder for kernels.csv and kernels.md")
     parser.add_argument("--decode-batch", type=int, default=16, help="decode batch size (default 16)")
+    parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention's parallel_nsa")
     parser.set_defaults(handler=run)
 
 
@@ -40,8 +41,8 @@ def run(args) -> int:
         raise UsageError("bench kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
     from nsa_eval.bench import run_kernel_benchmark, write_outputs
 
-    rows = run_kernel_benchmark(lengths, decode_batch=args.decode_batch)
-    command = "nsa-eval bench kernels " + " ".join(sys.argv[3:]) if len(sys.argv) > 2 else ""
+    rows = run_kernel_benchmark(lengths, decode_batch=args.decode_batch, fla=not args.no_fla)
+    command = "nsa-eval bench kernels " + " ".join(a for a in sys.argv[1:] if a not in ("bench", "kernels"))
     csv_path, md_path = write_outputs(rows, args.out, command=command.strip())
     print(md_path.read_text())
     print(f"wrote {csv_path} and {md_path}")

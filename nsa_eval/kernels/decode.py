@@ -5,9 +5,11 @@ blocks, not with the cache size:
 1. `_decode_cmp_kernel`, one program per (chunk of compressed keys, sequence, KV head), all G query
    heads of the group as rows: scores (kept for step 2) and a partial softmax (max, sum, p @ v).
    Chunks past the query's last visible compressed block exit at once.
-2. `_decode_importance_kernel`, one program per (sequence, KV head): the compression lse from the
-   partials, then selection-block importances from the stored scores (same overlap weights and
-   group sum as prefill), then `topk_blocks` picks the blocks (forced ones, ties to lower index).
+2. `_decode_importance_kernel`, one program per (chunk of selection blocks, sequence, KV head): the
+   compression lse from the partials, then the chunk's selection-block importances from the stored
+   scores (same overlap weights and group sum as prefill; weight spilling from the previous chunk's
+   compressed blocks is recomputed from its scores), then `topk_blocks` picks the blocks (forced
+   ones, ties to the lower index).
 3. `_decode_attn_kernel`, one program per (selected block or window chunk, sequence, KV head):
    partial softmax over that block.
 4. `_decode_combine_kernel` merges the partials of each branch and applies the gates.
@@ -95,7 +97,7 @@ def _decode_importance_kernel(
     M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, BC1: tl.constexpr,
 ):
     BC: tl.constexpr = BNS * RATIO  # compressed blocks per chunk of BNS selection blocks
-    i_bh = tl.program_id(0)
+    i_bh = tl.program_id(1)
     i_b = i_bh // HKV
     t = tl.load(POS + i_b)
     n_vis = tl.minimum(tl.where(t >= block_len - 1, (t - block_len + 1) // stride + 1, 0), TC)
@@ -124,16 +126,21 @@ def _decode_importance_kernel(
     w_spill = tl.maximum(tl.minimum(c_hi, s_lo2 + select_size) - tl.maximum(c_lo, s_lo2), 0)
     w_main = w_main.to(tl.float32) / stride  # [BC, BNS]
     w_spill = w_spill.to(tl.float32) / stride  # [BC, BNS]
-    carry = tl.zeros([BNS], tl.float32)
-    for j0 in range(0, t // select_size + 1, BNS):
+    j0 = tl.program_id(0) * BNS  # this program's chunk of selection blocks
+    if j0 <= t // select_size:
+        # main: this chunk's compressed blocks; spill: the previous chunk's, reaching into this one
         o_k = j0 * RATIO + o_c  # [BC]
         vis = (o_k < n_vis)[None, :] & m_r[:, None]  # [M, BC]
         s = tl.load(SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN + o_k[None, :], mask=vis,
                     other=float("-inf"))
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
-        main = tl.sum(tl.dot(p, w_main, input_precision="ieee"), 0)  # [BNS] summed over the group
-        imp = main + carry
-        carry = tl.sum(tl.dot(p, w_spill, input_precision="ieee"), 0)
+        imp = tl.sum(tl.dot(p, w_main, input_precision="tf32x3"), 0)  # [BNS] summed over the group
+        o_k = o_k - BC
+        vis = (o_k < n_vis)[None, :] & (o_k >= 0)[None, :] & m_r[:, None]
+        s = tl.load(SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN + o_k[None, :], mask=vis,
+                    other=float("-inf"))
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        imp += tl.sum(tl.dot(p, w_spill, input_precision="tf32x3"), 0)
         cols = j0 + o_j
         tl.store(IMP + i_bh.to(tl.int64) * NS + cols, imp, mask=cols < NS)
 
@@ -289,7 +296,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
     ns = triton.cdiv(S, select_size)
     imp = torch.empty(B * HKV, ns, **f32)
     bns = 16
-    _decode_importance_kernel[(B * HKV,)](
+    _decode_importance_kernel[(triton.cdiv(ns, bns), B * HKV)](
         pos, scores, cpm, cpl, imp, TC, HKV, G, nch, sc_len, ns, block_len, stride, select_size,
         M=M, BNS=bns, RATIO=ratio, BC1=BC1, num_warps=4,
     )

@@ -95,8 +95,8 @@ def _importance_kernel(
         s = tl.dot(q, k) * scale_log2  # [M, BC]
         visible = ((o_k * stride + block_len - 1)[None, :] <= r_t[:, None]) & m_k[None, :] & m_r[:, None]
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
-        main = tl.dot(p, w_main, input_precision="ieee")  # [M, BNS]
-        spill = tl.dot(p, w_spill, input_precision="ieee")  # [M, BNS]
+        main = tl.dot(p, w_main, input_precision="tf32x3")  # [M, BNS]
+        spill = tl.dot(p, w_spill, input_precision="tf32x3")  # [M, BNS]
         main = tl.sum(tl.reshape(main, [BT, GP, BNS]), 1)  # [BT, BNS] summed over the group
         imp = main + carry
         carry = tl.sum(tl.reshape(spill, [BT, GP, BNS]), 1)
