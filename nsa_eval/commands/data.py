@@ -52,7 +52,7 @@ def _list(args: argparse.Namespace) -> int:
         else:
             missing = sum(bool(spec.missing()) for spec in specs)
             state = f"{len(specs) - missing}/{len(specs)} datasets on disk"
-        print(f"{name:32s} {state:28s} {PROJECT_TASKS.get(name, '')}")
+        print(f"{name:36s} {state:28s} {PROJECT_TASKS.get(name, '')}")
     return 0
 
 

@@ -92,3 +92,20 @@ def test_end_to_end_with_a_tiny_model(evaluated, tiny_lm):
     assert (
         gen_kwargs["do_sample"] is True and gen_kwargs["temperature"] == 0.7 and gen_kwargs["top_p"] == 0.95
     )
+
+
+def test_longbench_group_is_the_unweighted_mean_of_subsets(manager, data_root, rows):
+    from nsa_eval.tasks.longbench import SUBSETS
+
+    for subset in SUBSETS:
+        rows.write(data_root, "Xnhyacinth/LongBench", subset, "test", rows.longbench(1))
+    loaded = manager.load(["nsa_longbench"])
+    group = loaded["groups"]["nsa_longbench"]
+    assert len(loaded["tasks"]) == 10
+    # made-up subset scores with very different sizes: the paper's average ignores the sizes
+    scores = {f"nsa_longbench_{s}": (i / 10, 1 + 100 * i) for i, s in enumerate(SUBSETS)}
+    metrics = {
+        task: {"score,none": value, "score_stderr,none": 0.0, "sample_len": n}
+        for task, (value, n) in scores.items()
+    }
+    assert group.aggregate(metrics)["score,none"] == pytest.approx(sum(v for v, _ in scores.values()) / 10)
