@@ -39,6 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float)
     p.add_argument("--workers", type=int, default=None, help="batch-building processes (default: CPUs - 2)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--kernel-impl", choices=["auto", "reference", "triton"], default="auto",
+                   help="NSA kernels for training (auto: Triton on CUDA); the checkpoint says auto")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
     p.set_defaults(handler=run_train)
 
@@ -95,7 +97,7 @@ def _validated_config(args):
         raise UsageError(f"--out {out} already holds a finished run (pass --overwrite to replace it)")
     attention = "nsa" if args.attention == "both" else args.attention
     cfg = tiny_config(attention) if args.tiny else TrainConfig(attention=attention)
-    cfg = replace(cfg, seed=args.seed)
+    cfg = replace(cfg, seed=args.seed, model=replace(cfg.model, kernel_impl=args.kernel_impl))
     if args.minutes is not None:
         if args.minutes <= 0:
             raise UsageError(f"--minutes must be > 0, got {args.minutes}")

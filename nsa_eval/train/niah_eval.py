@@ -54,21 +54,36 @@ def score_doc(model, tokenizer, doc: dict, mode: str = "teacher", device: str = 
     return {"prediction": shown, "score": float(hit)}
 
 
-def niah_grid(model, tokenizer, lengths=WITHIN + BEYOND, depths=DEPTHS, samples: int = 2, seed: int = 0,
-              mode: str = "teacher", device: str = "cpu", progress: bool = True) -> list[dict]:
-    """One row per (length, depth, sample): context_length, depth_percent, answer, prediction, score."""
+def build_docs(tokenizer, lengths=WITHIN + BEYOND, depths=DEPTHS, samples: int = 2, seed: int = 0,
+               progress: bool = True) -> list[dict]:
+    """make_niah_doc for every (length, depth, sample), lengths outermost; seeds seed * 1000 + sample."""
     from tqdm.auto import tqdm
 
     from nsa_eval.tasks.niah import make_niah_doc
 
-    model.eval()
     cells = [(n, d, s) for n in lengths for d in depths for s in range(samples)]
+    return [{**make_niah_doc(tokenizer, n, d, seed * 1000 + s), "sample": s}
+            for n, d, s in tqdm(cells, desc="NIAH prompts", disable=not progress)]
+
+
+def score_docs(model, tokenizer, docs: list[dict], mode: str = "teacher", device: str = "cpu",
+               progress: bool = True) -> list[dict]:
+    """One row per doc: context_length, depth_percent, sample, answer, prediction, score."""
+    from tqdm.auto import tqdm
+
+    model.eval()
     rows = []
-    for n, d, s in tqdm(cells, desc="NIAH", disable=not progress):
-        doc = make_niah_doc(tokenizer, n, d, seed * 1000 + s)
+    for doc in tqdm(docs, desc=f"NIAH {mode}", disable=not progress):
         result = score_doc(model, tokenizer, doc, mode, device)
-        rows.append({"context_length": n, "depth_percent": d, "sample": s, "answer": doc["answer"], **result})
+        rows.append({k: doc[k] for k in ("context_length", "depth_percent", "sample", "answer")} | result)
     return rows
+
+
+def niah_grid(model, tokenizer, lengths=WITHIN + BEYOND, depths=DEPTHS, samples: int = 2, seed: int = 0,
+              mode: str = "teacher", device: str = "cpu", progress: bool = True) -> list[dict]:
+    """build_docs + score_docs for one model."""
+    docs = build_docs(tokenizer, lengths, depths, samples, seed, progress)
+    return score_docs(model, tokenizer, docs, mode, device, progress)
 
 
 def accuracy(rows: list[dict], max_length: int | None = None) -> float:
@@ -106,12 +121,20 @@ def plot_heatmap(rows: list[dict], path: str | Path, title: str) -> None:
     plt.close(fig)
 
 
+def summarize(rows: list[dict], within: int) -> dict:
+    lengths = sorted({r["context_length"] for r in rows})
+    return {
+        "accuracy_within": accuracy(rows, within),
+        "accuracy_beyond": accuracy([r for r in rows if r["context_length"] > within]),
+        "accuracy_by_length": {n: accuracy([r for r in rows if r["context_length"] == n]) for n in lengths},
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint")
-    p.add_argument("--out", required=True, help="JSON with the rows and accuracies")
-    p.add_argument("--png", help="heatmap path")
-    p.add_argument("--title", default=None)
+    p.add_argument("checkpoints", nargs="+", help="checkpoint dirs sharing one tokenizer (same prompts)")
+    p.add_argument("--out", required=True, help="JSON: per checkpoint, the rows and accuracies")
+    p.add_argument("--png-dir", help="write niah_<name>.png heatmaps here (name = checkpoint's parent dir)")
     p.add_argument("--lengths", default=",".join(map(str, WITHIN + BEYOND)))
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--mode", choices=["teacher", "generate"], default="teacher")
@@ -124,25 +147,24 @@ def main(argv=None) -> int:
     from nsa_eval.train.recipe import load_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_checkpoint(args.checkpoint, dtype=torch.bfloat16 if device == "cuda" else None)
-    model.to(device)
     lengths = [int(x) for x in args.lengths.split(",")]
-    start = time.perf_counter()
-    rows = niah_grid(model, tokenizer, lengths, samples=args.samples, mode=args.mode, device=device)
-    result = {
-        "checkpoint": str(args.checkpoint),
-        "mode": args.mode,
-        "device": device,
-        "seconds": round(time.perf_counter() - start, 1),
-        "accuracy_within": accuracy(rows, args.within),
-        "accuracy_beyond": accuracy([r for r in rows if r["context_length"] > args.within]),
-        "accuracy_by_length": {n: accuracy([r for r in rows if r["context_length"] == n]) for n in lengths},
-        "rows": rows,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
-    if args.png:
-        plot_heatmap(rows, args.png, args.title or f"NIAH ({args.mode}): {args.checkpoint}")
+    docs, results = None, {}
+    for checkpoint in args.checkpoints:
+        model, tokenizer = load_checkpoint(checkpoint, dtype=torch.bfloat16 if device == "cuda" else None)
+        model.to(device)
+        docs = docs or build_docs(tokenizer, lengths, samples=args.samples)
+        start = time.perf_counter()
+        rows = score_docs(model, tokenizer, docs, args.mode, device)
+        path = Path(checkpoint).resolve()
+        name = path.parent.name if path.name == "checkpoint" else path.name
+        results[name] = {"checkpoint": str(checkpoint), "mode": args.mode, "device": device,
+                         "seconds": round(time.perf_counter() - start, 1), **summarize(rows, args.within),
+                         "rows": rows}
+        print(name, json.dumps({k: v for k, v in results[name].items() if k != "rows"}), flush=True)
+        if args.png_dir:
+            plot_heatmap(rows, Path(args.png_dir) / f"niah_{name}.png",
+                         f"NIAH ({args.mode}, {device}): {name}, training length {args.within}")
+    Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -60,6 +60,7 @@ class ModelSpec:
     select_size: int = 64  # l'
     num_selected: int = 8  # n, including 1 initial + 2 local blocks
     window: int = 256  # w
+    kernel_impl: str = "auto"  # NSA kernels while training; checkpoints always say "auto"
 
 
 @dataclass
@@ -139,6 +140,7 @@ def build_model(attention: str, spec: ModelSpec, tokenizer):
             num_init=1,
             num_local=2,
             window=spec.window,
+            kernel_impl=spec.kernel_impl,
             **common,
         )
         return NSAForCausalLM(config)
@@ -383,6 +385,8 @@ def save_checkpoint(model, tokenizer, path: str | Path, summary: dict | None = N
     path.mkdir(parents=True, exist_ok=True)
     export = copy.deepcopy(model).to("cpu", torch.bfloat16)
     export.config.use_cache = True
+    if hasattr(export.config, "kernel_impl"):
+        export.config.kernel_impl = "auto"  # Triton on CUDA, the reference elsewhere
     export.save_pretrained(str(path), safe_serialization=True)
     tokenizer.save_pretrained(str(path))
     if summary is not None:
