@@ -198,6 +198,8 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo) -> d
     echo(f"[{cfg.attention}] {n_params / 1e6:.2f}M parameters on {device}")
     optimizer = _optimizer(model, cfg, device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
+    if device.startswith("cuda"):
+        _attention_inputs_in_bf16(model)
 
     heldout_text = heldout_text_batches(corpus, cfg.seq_len, cfg.heldout_rows, cfg.batch_size)
     probe = heldout_retrieval_samples(corpus, cfg.probe_lengths, cfg.probe_per_length)
@@ -267,6 +269,20 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo) -> d
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
     return summary
+
+
+def _attention_inputs_in_bf16(model) -> None:
+    """Feed NSA attention layers bf16 hidden states under autocast.
+
+    Autocast leaves the fp32 residual stream as it is; NSAAttention then rotates q/k with fp32
+    cos/sin (q, k become fp32) while v stays bf16, and the kernels refuse mixed dtypes. Casting the
+    layer input keeps every branch tensor in bf16, as in a bf16 model.
+    """
+    import torch
+
+    for module in model.modules():
+        if type(module).__name__ == "NSAAttention":
+            module.register_forward_pre_hook(lambda m, args: (args[0].to(torch.bfloat16), *args[1:]))
 
 
 def _optimizer(model, cfg: TrainConfig, device: str):
