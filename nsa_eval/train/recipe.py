@@ -236,9 +236,15 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo) -> d
             _sync(device)
             step_times.append(time.perf_counter() - t_step)
             if step == cfg.calibration_steps + 2:  # first 2 steps compile kernels: not timed
+                t_eval = time.perf_counter()  # a warm evaluation (the one at step 0 compiled kernels)
+                evals.append(_evaluate(model, heldout_text, probe, autocast, device, step,
+                                       step * tokens_per_step))
+                logger.eval(evals[-1], time.perf_counter() - start)
+                eval_seconds = time.perf_counter() - t_eval
                 total, eval_every = _steps_for_budget(cfg, step, step_times[2:], eval_seconds,
                                                       time.perf_counter() - start)
-                echo(f"[{cfg.attention}] {np.mean(step_times[2:]):.3f} s/step -> {total} steps")
+                echo(f"[{cfg.attention}] {np.mean(step_times[2:]):.3f} s/step, {eval_seconds:.1f} s/eval "
+                     f"-> {total} steps")
         if step % cfg.log_every == 0 or step == total:
             row = _train_row(step, tokens_per_step, lr, loss, grad_norm, ce, weights[:, 1:], ids[:, 1:],
                              logits, cfg.mix.answer_weight, time.perf_counter() - start)
@@ -411,12 +417,11 @@ def save_checkpoint(model, tokenizer, path: str | Path, summary: dict | None = N
 
 def load_checkpoint(path: str | Path, dtype=None):
     """(model, tokenizer) of a checkpoint written by `save_checkpoint` (either attention)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from nsa_eval.train.tokenizer import load_tokenizer
 
-    config = AutoConfig.from_pretrained(str(path))
-    if config.model_type == "llama":
+    if json.loads((Path(path) / "config.json").read_text())["model_type"] == "llama":
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     else:
         from nsa_eval.models.modeling_nsa import NSAForCausalLM
