@@ -62,8 +62,15 @@ def build_docs(tokenizer, lengths=WITHIN + BEYOND, depths=DEPTHS, samples: int =
     from nsa_eval.tasks.niah import make_niah_doc
 
     cells = [(n, d, s) for n in lengths for d in depths for s in range(samples)]
-    return [{**make_niah_doc(tokenizer, n, d, seed * 1000 + s), "sample": s}
-            for n, d, s in tqdm(cells, desc="NIAH prompts", disable=not progress)]
+    docs = []
+    for n, d, s in tqdm(cells, desc="NIAH prompts", disable=not progress):
+        for retry in range(8):  # make_niah_doc cannot size some (seed, cell) pairs exactly: next seed
+            try:
+                docs.append({**make_niah_doc(tokenizer, n, d, seed * 1000 + s + 100 * retry), "sample": s})
+                break
+            except RuntimeError:
+                continue
+    return docs
 
 
 def score_docs(model, tokenizer, docs: list[dict], mode: str = "teacher", device: str = "cpu",

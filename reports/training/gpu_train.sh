@@ -10,6 +10,7 @@ MINUTES=${1:-3.5}
 SEED=${2:-0}
 RUNS=/tmp/nsa-train
 OUT=${OUT:-$RUNS/out}
+rm -rf "$RUNS/nsa" "$RUNS/full"
 mkdir -p "$RUNS" "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 {
