@@ -100,7 +100,7 @@ class AttentionMethod:
     stable_ties: ClassVar[bool] = False  # break score ties by position (a stable sort) instead of topk
     gqa: ClassVar[str] = "per query head"  # how selection treats a GQA group (see docs/methods.md)
 
-    query_chunk: int = 1024
+    query_chunk: int = 512
 
     def __post_init__(self) -> None:
         if not isinstance(self.query_chunk, int) or self.query_chunk < 1:
@@ -549,8 +549,8 @@ def _top_keys(score: Tensor, candidates: Tensor, picks: Tensor, stable: bool = F
     masked = score.float().masked_fill(~candidates, -math.inf)  # candidates broadcast over heads
     if stable:
         top = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [..., k]
-    else:
-        top = masked.topk(k, dim=-1).indices  # [..., k]
+    else:  # ranks matter only where rows take different numbers of keys
+        top = masked.topk(k, dim=-1, sorted=bool((picks != k).any())).indices  # [..., k]
     rank_ok = torch.arange(k, device=score.device) < picks[..., None]  # [..., k]
     chosen.scatter_(-1, top, rank_ok.expand_as(top))
     return chosen & candidates

@@ -37,6 +37,15 @@ def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int =
     return model
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors on a shared 2-core machine: one thread is faster than two fighting for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama()
