@@ -67,35 +67,35 @@ def _scale_or_default(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor, with_lse: bool):
     """Softmax over the last dim of ``scores`` where ``mask`` is True.
 
     Rows with no True entry get probabilities 0 and lse ``-inf``, with finite (zero) gradients.
 
     Args:
-        scores: float32 ``[..., S]``.
+        scores: float32 ``[..., S]``, overwritten.
         mask: bool, broadcastable to ``scores``.
+        with_lse: also compute the lse (one more pass over the scores).
 
     Returns:
-        p: ``[..., S]`` probabilities; lse: ``[...]`` natural-log sum of exp over the masked entries.
+        p: ``[..., S]`` probabilities; lse: ``[...]`` natural-log sum of exp over the masked entries,
+        or None.
     """
     if scores.shape[-1] == 0:  # no keys at all (e.g. no compressed block yet)
         return scores, scores.new_full(scores.shape[:-1], float("-inf"))
-    scores = scores.masked_fill(~mask, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True).detach()  # [..., 1]
-    empty = torch.isinf(row_max)  # [..., 1] rows that see nothing
-    row_max = torch.where(empty, torch.zeros_like(row_max), row_max)
-    exp = torch.exp(scores - row_max)  # [..., S], exactly 0 where masked
-    denom = exp.sum(dim=-1, keepdim=True)  # [..., 1]
-    safe_denom = torch.where(empty, torch.ones_like(denom), denom)
-    p = exp / safe_denom
-    lse = torch.where(empty, torch.full_like(denom, float("-inf")), row_max + torch.log(safe_denom))
+    empty = ~mask.any(dim=-1, keepdim=True)  # [..., 1] rows that see nothing
+    # In place: ``scores`` is a fresh matmul output that autograd does not need.
+    scores = scores.masked_fill_(~(mask | empty), float("-inf"))  # an empty row keeps all its scores,
+    p = torch.softmax(scores, dim=-1)  # so its softmax is finite, then zeroed
+    if empty.any():
+        p = p.masked_fill(empty, 0.0)
+    if not with_lse:
+        return p, None
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True).masked_fill(empty, float("-inf"))  # [..., 1]
     return p, lse.squeeze(-1)
 
 
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attend(q, k, v, mask, scale, with_lse=False):
     """Masked softmax attention of a chunk of queries over a set of keys.
 
     Args:
@@ -103,18 +103,25 @@ def _attend(
         k: ``[B, S, Hkv, Dk]`` float32 keys; v: ``[B, S, Hkv, Dv]`` values.
         mask: bool ``[B, C, Hkv or 1, S]``: which keys each query (and KV head) may use.
         scale: multiplies ``q . k``.
+        with_lse: also return the lse.
 
     Returns:
-        o: ``[B, C, Hq, Dv]`` (zero where a query sees no key), lse: ``[B, C, Hq]`` float32,
+        o: ``[B, C, Hq, Dv]`` (zero where a query sees no key), lse: ``[B, C, Hq]`` float32 or None,
         p: ``[B, C, Hkv, G, S]`` the probabilities.
     """
     B, C, Hq, Dk = q.shape
-    Hkv = k.shape[2]
-    q = q.reshape(B, C, Hkv, Hq // Hkv, Dk)  # [B, C, Hkv, G, Dk] query heads grouped by KV head
-    scores = torch.einsum("bchgd,bshd->bchgs", q, k) * scale  # [B, C, Hkv, G, S]
-    p, lse = _masked_softmax(scores, mask.unsqueeze(3))  # [B, C, Hkv, G, S], [B, C, Hkv, G]
-    o = torch.einsum("bchgs,bshd->bchgd", p, v)  # [B, C, Hkv, G, Dv]
-    return o.reshape(B, C, Hq, -1), lse.reshape(B, C, Hq), p
+    S, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    # KV head outermost so both matmuls run on contiguous [B, Hkv, C*G, S] scores without copies.
+    q = q.reshape(B, C, Hkv, G, Dk).transpose(1, 2).reshape(B, Hkv, C * G, Dk) * scale  # [B, Hkv, C*G, Dk]
+    scores = q @ k.permute(0, 2, 3, 1)  # [B, Hkv, C*G, S]
+    mask = mask.transpose(1, 2).unsqueeze(3)  # [B, Hkv or 1, C, 1, S]
+    p, lse = _masked_softmax(scores.view(B, Hkv, C, G, S), mask, with_lse)  # [B, Hkv, C, G, S]
+    o = p.view(B, Hkv, C * G, S) @ v.transpose(1, 2)  # [B, Hkv, C*G, Dv]
+    o = o.view(B, Hkv, C, G, -1).transpose(1, 2).reshape(B, C, Hq, -1)  # [B, C, Hq, Dv]
+    if lse is not None:
+        lse = lse.transpose(1, 2).reshape(B, C, Hq)  # [B, C, Hq]
+    return o, lse, p.transpose(1, 2)  # p: [B, C, Hkv, G, S]
 
 
 def _query_chunks(q: torch.Tensor):
@@ -159,7 +166,7 @@ def _compressed_chunk(q, q_pos, k_cmp, v_cmp, block_len, stride, scale):
     Tc = k_cmp.shape[1]
     block_last = torch.arange(Tc, device=q.device) * stride + block_len - 1  # [Tc] last token
     visible = block_last <= q_pos[..., None]  # [B, C, Tc]
-    return _attend(q, k_cmp, v_cmp, visible[:, :, None], scale)
+    return _attend(q, k_cmp, v_cmp, visible[:, :, None], scale, with_lse=True)
 
 
 def _overlap_weights(Tc, num_blocks, block_len, stride, select_size, device) -> torch.Tensor:
@@ -215,8 +222,8 @@ def _selected_chunk(q, q_pos, k, v, block_indices, select_size, scale):
 
     Negative indices are padding; repeated indices count once; tokens after ``t`` (including all
     of a block starting after ``t``) are masked. A query with no usable token gets zero output.
-    The blocks become a token mask over keys ``0 .. max(q_pos)``: one matmul over that range is
-    much faster on a CPU than gathering ``n * l'`` keys per query and KV head.
+    The blocks become a token mask over the keys of every block some query of the chunk selected:
+    one matmul over those keys is much faster on a CPU than gathering ``n * l'`` keys per query.
 
     Args:
         q: ``[B, C, Hq, Dk]`` float32; q_pos: int64 ``[B, C]``.
@@ -226,16 +233,20 @@ def _selected_chunk(q, q_pos, k, v, block_indices, select_size, scale):
     Returns:
         o ``[B, C, Hq, Dv]``.
     """
-    S = int(q_pos.max()) + 1  # keys any query of the chunk may see
-    num_blocks = -(-S // select_size)
+    num_blocks = -(-k.shape[1] // select_size)
     idx = block_indices.long()
     idx = torch.where((idx < 0) | (idx >= num_blocks), num_blocks, idx)  # padding -> spare column
     chosen = torch.zeros(*idx.shape[:-1], num_blocks + 1, dtype=torch.bool, device=q.device)
     chosen.scatter_(-1, idx, True)  # [B, C, Hkv, Ns + 1]
-    in_block = chosen[..., :num_blocks].repeat_interleave(select_size, dim=-1)[..., :S]  # [B, C, Hkv, S]
-    causal = torch.arange(S, device=q.device) <= q_pos[..., None]  # [B, C, S]
+    chosen = chosen[..., :num_blocks]  # [B, C, Hkv, Ns]
+
+    used = chosen.flatten(0, 2).any(0).nonzero().squeeze(1)  # [U] blocks some query selected
+    token = (used[:, None] * select_size + torch.arange(select_size, device=q.device)).flatten()  # [U*l']
+    token = token[token < k.shape[1]]  # [S] the last block may be partial
+    in_block = chosen[..., token // select_size]  # [B, C, Hkv, S]
+    causal = token <= q_pos[..., None]  # [B, C, S]
     mask = in_block & causal[:, :, None]  # [B, C, Hkv, S]
-    o, _, _ = _attend(q, k[:, :S], v[:, :S], mask, scale)
+    o, _, _ = _attend(q, k[:, token], v[:, token], mask, scale)
     return o
 
 
