@@ -175,14 +175,18 @@ def _triton_nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_s
     """Compose the three Triton branches with the gates (same result as ``reference.nsa_attention``)."""
     k_swa = k if k_swa is None else k_swa
     v_swa = v if v_swa is None else v_swa
-    o_cmp, _ = _triton("compressed_attention")(q, k_cmp, v_cmp, block_len=block_len, stride=stride,
-                                               scale=scale)
+    from nsa_eval.kernels._triton_utils import gated_sum
+
+    o_cmp, lse = _triton("compressed_attention")(q, k_cmp, v_cmp, block_len=block_len, stride=stride,
+                                                 scale=scale)
+    # the selection reuses the compression lse instead of recomputing it
     block_indices = _triton("select_blocks")(q, k_cmp, block_len=block_len, stride=stride,
                                              select_size=select_size, num_selected=num_selected,
-                                             num_init=num_init, num_local=num_local, scale=scale)
+                                             num_init=num_init, num_local=num_local, scale=scale,
+                                             lse=lse.detach())
     o_slc = _triton("selected_attention")(q, k, v, block_indices, select_size=select_size, scale=scale)
     o_swa = _triton("sliding_window_attention")(q, k_swa, v_swa, window=window, scale=scale)
-    o = g_cmp[..., None] * o_cmp + g_slc[..., None] * o_slc + g_swa[..., None] * o_swa  # [B, T, Hq, Dv]
+    o = gated_sum(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)  # [B, T, Hq, Dv], one fused pass
     return (o, block_indices) if return_block_indices else o
 
 

@@ -331,10 +331,13 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
 # ---------------------------------------------------------------------------------------------
 # top-k of selection-block importances
 # ---------------------------------------------------------------------------------------------
+TOPK_RADIX = True  # False: k arg-max passes (the first version; the benchmark times both)
+
+
 @triton.jit
 def _topk_blocks_kernel(
     IMP, POS, OUT, N_ROWS, NS, T, HKV, select_size, num_selected, num_init, num_local,
-    HAS_POS: tl.constexpr, BR: tl.constexpr, BNS: tl.constexpr, NSEL: tl.constexpr,
+    HAS_POS: tl.constexpr, BR: tl.constexpr, BNS: tl.constexpr, NSEL: tl.constexpr, RADIX: tl.constexpr,
 ):
     # IMP [N_ROWS, NS] float32 (rows ordered (b, t, h_kv)); OUT [N_ROWS, num_selected] int32.
     # Picks forced blocks, then the largest importances (ties: lower block index), writes the
@@ -352,14 +355,30 @@ def _topk_blocks_kernel(
     forced = (o_j[None, :] < num_init) | (o_j[None, :] > (cur - num_local)[:, None])
     imp = tl.where(forced, float("inf"), imp)
     imp = tl.where(o_j[None, :] > cur[:, None], float("-inf"), imp)
-    chosen = tl.zeros([BR, BNS], tl.int32)
-    for _ in range(num_selected):
-        best = tl.max(imp, 1)  # [BR]
-        is_best = imp == best[:, None]
-        first = tl.min(tl.where(is_best, o_j[None, :], BNS), 1)  # lowest index among ties
-        take = (o_j[None, :] == first[:, None]) & (best > float("-inf"))[:, None]
-        chosen = tl.where(take, 1, chosen)
-        imp = tl.where(o_j[None, :] == first[:, None], float("-inf"), imp)
+    if RADIX:
+        # the k-th largest importance by a bitwise search over order-preserving int32 keys (31 counting
+        # passes instead of k arg-max passes), then every larger one and the lowest-index ties
+        k_eff = tl.minimum(tl.sum((imp > float("-inf")).to(tl.int32), 1), num_selected)  # [BR]
+        bits = imp.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BR, BNS] ordered like imp (no -0.0 here)
+        tau = tl.where(tl.sum((key >= 0).to(tl.int32), 1) >= k_eff, 0, -2147483648)  # [BR]
+        for i in range(31):
+            cand = tau | (1 << (30 - i))
+            tau = tl.where(tl.sum((key >= cand[:, None]).to(tl.int32), 1) >= k_eff, cand, tau)
+        gt = key > tau[:, None]
+        eq = key == tau[:, None]
+        need = k_eff - tl.sum(gt.to(tl.int32), 1)  # [BR] ties to take, lowest index first
+        take_eq = eq & (tl.cumsum(eq.to(tl.int32), 1) <= need[:, None])
+        chosen = (gt | take_eq).to(tl.int32)
+    else:
+        chosen = tl.zeros([BR, BNS], tl.int32)
+        for _ in range(num_selected):
+            best = tl.max(imp, 1)  # [BR]
+            is_best = imp == best[:, None]
+            first = tl.min(tl.where(is_best, o_j[None, :], BNS), 1)  # lowest index among ties
+            take = (o_j[None, :] == first[:, None]) & (best > float("-inf"))[:, None]
+            chosen = tl.where(take, 1, chosen)
+            imp = tl.where(o_j[None, :] == first[:, None], float("-inf"), imp)
     rank = tl.cumsum(chosen, 1) - 1  # [BR, BNS] output slot of each chosen block
     count = tl.sum(chosen, 1)  # [BR]
     o_s = tl.arange(0, NSEL)
@@ -378,9 +397,96 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
         return out
     BNS = pow2(ns)
     BR = max(1, min(16, 4096 // BNS))
+    if n_rows <= 128:  # decode: few rows, one per program
+        BR = 1
     _topk_blocks_kernel[(triton.cdiv(n_rows, BR),)](
         imp, positions if positions is not None else imp, out, n_rows, ns, T, num_kv_heads, select_size,
         num_selected, num_init, num_local, HAS_POS=positions is not None, BR=BR, BNS=BNS,
-        NSEL=pow2(num_selected, 1), num_warps=4,
+        NSEL=pow2(num_selected, 1), RADIX=TOPK_RADIX, num_warps=4,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# gated sum of the three branches
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _gate_fwd_kernel(OC, OS, OW, GC, GS, GW, O, N, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
+    # all contiguous: branch outputs / O [N, DV], gates [N]
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
+    cols = tl.arange(0, BDV)
+    m_r = rows < N
+    mask = m_r[:, None] & (cols < DV)[None, :]
+    offs = rows[:, None] * DV + cols[None, :]
+    gc = tl.load(GC + rows, mask=m_r, other=0.0).to(tl.float32)
+    gs = tl.load(GS + rows, mask=m_r, other=0.0).to(tl.float32)
+    gw = tl.load(GW + rows, mask=m_r, other=0.0).to(tl.float32)
+    o = gc[:, None] * tl.load(OC + offs, mask=mask, other=0.0).to(tl.float32)
+    o += gs[:, None] * tl.load(OS + offs, mask=mask, other=0.0).to(tl.float32)
+    o += gw[:, None] * tl.load(OW + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(O + offs, o.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_bwd_kernel(OC, OS, OW, GC, GS, GW, DO, DOC, DOS, DOW, DGC, DGS, DGW, N, DV: tl.constexpr,
+                     BDV: tl.constexpr, BR: tl.constexpr):
+    # d o_x = g_x * do, d g_x = rowsum(o_x * do); everything contiguous as in the forward
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
+    cols = tl.arange(0, BDV)
+    m_r = rows < N
+    mask = m_r[:, None] & (cols < DV)[None, :]
+    offs = rows[:, None] * DV + cols[None, :]
+    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)  # [BR, BDV]
+    gc = tl.load(GC + rows, mask=m_r, other=0.0).to(tl.float32)
+    gs = tl.load(GS + rows, mask=m_r, other=0.0).to(tl.float32)
+    gw = tl.load(GW + rows, mask=m_r, other=0.0).to(tl.float32)
+    tl.store(DOC + offs, (gc[:, None] * do).to(DOC.dtype.element_ty), mask=mask)
+    tl.store(DOS + offs, (gs[:, None] * do).to(DOS.dtype.element_ty), mask=mask)
+    tl.store(DOW + offs, (gw[:, None] * do).to(DOW.dtype.element_ty), mask=mask)
+    oc = tl.load(OC + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DGC + rows, tl.sum(oc * do, 1).to(DGC.dtype.element_ty), mask=m_r)
+    os_ = tl.load(OS + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DGS + rows, tl.sum(os_ * do, 1).to(DGS.dtype.element_ty), mask=m_r)
+    ow = tl.load(OW + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DGW + rows, tl.sum(ow * do, 1).to(DGW.dtype.element_ty), mask=m_r)
+
+
+def _gate_rows(dv: int) -> int:
+    return max(1, min(64, 4096 // pow2(dv)))
+
+
+class GatedSumFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
+        o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa = contiguous(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
+        dv = o_cmp.shape[-1]
+        n = o_cmp.numel() // max(dv, 1)
+        o = torch.empty_like(o_cmp)
+        if n:
+            BR = _gate_rows(dv)
+            _gate_fwd_kernel[(triton.cdiv(n, BR),)](o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, o, n, DV=dv,
+                                                    BDV=pow2(dv), BR=BR, num_warps=4)
+        ctx.save_for_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa = ctx.saved_tensors
+        do = do.contiguous()
+        dv = o_cmp.shape[-1]
+        n = o_cmp.numel() // max(dv, 1)
+        d_o = [torch.empty_like(x) for x in (o_cmp, o_slc, o_swa)]
+        d_g = [torch.empty_like(g) for g in (g_cmp, g_slc, g_swa)]
+        if n:
+            BR = _gate_rows(dv)
+            _gate_bwd_kernel[(triton.cdiv(n, BR),)](o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *d_o, *d_g,
+                                                    n, DV=dv, BDV=pow2(dv), BR=BR, num_warps=4)
+        return (*d_o, *d_g)
+
+
+def gated_sum(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
+    """`g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa` in one pass (float32 math, one rounding).
+
+    o_*: `[B, T, Hq, Dv]` (same dtype); g_*: `[B, T, Hq]`. Returns `[B, T, Hq, Dv]`; differentiable.
+    """
+    return GatedSumFunction.apply(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)

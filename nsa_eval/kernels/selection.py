@@ -14,7 +14,10 @@ paper's 32/16/64 and for fla's 64/64/64).
 `selected_attention`: the same (positions x group) tiling. The program walks the union of the
 block lists of its `BT` positions once each (a block chosen by several positions, or repeated in
 one list, is read once) with a per-row mask saying which rows selected it and a token-level causal
-mask. Backward: dq in the same walk; dk/dv by float32 atomic adds per selected block.
+mask. Backward: dq in the same walk; dk/dv per key block through an inverted index (a counting
+sort of the selections by block, `inverted_index`): a program takes up to `CHUNK` of the positions
+that selected one block, gathers `BQ` positions x the group's heads into one MMA, and adds its
+partial dk/dv once with a float32 atomic (work items split long lists, e.g. the forced block 0).
 """
 
 from __future__ import annotations
@@ -166,14 +169,14 @@ def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_sele
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _selected_kernel(
-    Q, K, V, BI, O, LSE, DO, DELTA, DQ, DK32, DV32,
+    Q, K, V, BI, O, LSE, DO, DELTA, DQ,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NSEL, scale, scale_log2,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
     BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # Forward (BACKWARD=False): O, LSE. Backward: DQ, and DK32/DV32 float32 accumulated by atomics.
-    # O, DO, DQ contiguous [B, T, HQ, D]; BI contiguous [B, T, HKV, NSEL]; DK32/DV32 [B, T, HKV, D].
+    # Forward (BACKWARD=False): O, LSE. Backward: DQ only (dk/dv: `_selected_dkv_kernel`).
+    # O, DO, DQ contiguous [B, T, HQ, D]; BI contiguous [B, T, HKV, NSEL].
     M: tl.constexpr = BT * GP
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -243,13 +246,6 @@ def _selected_kernel(
                     dp = tl.dot(do, tl.trans(v))  # [M, BS]
                     ds = pr * (dp - delta[:, None])
                     dq += tl.dot(ds.to(k.dtype), k)
-                    dk_blk = tl.dot(tl.trans(ds.to(q.dtype)), q) * scale  # [BS, BDK]
-                    dv_blk = tl.dot(tl.trans(pr.to(do.dtype)), do)  # [BS, BDV]
-                    kv_row = (i_b * T + o_k.to(tl.int64)) * HKV + i_hk  # [BS]
-                    tl.atomic_add(DK32 + kv_row[:, None] * DK + o_dk[None, :], dk_blk,
-                                  mask=m_k[:, None] & (o_dk < DK)[None, :], sem="relaxed")
-                    tl.atomic_add(DV32 + kv_row[:, None] * DV + o_dv[None, :], dv_blk,
-                                  mask=m_k[:, None] & (o_dv < DV)[None, :], sem="relaxed")
                 else:
                     s = tl.where(valid, s, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -278,7 +274,7 @@ def _tiling(G: int):
     return GP, max(1, 16 // GP)
 
 
-def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, dk32, dv32, *, select_size, scale, backward):
+def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, backward):
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
@@ -287,7 +283,7 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, dk32, dv32, *, select_s
     dummy = o if o is not None else dq
     _selected_kernel[(triton.cdiv(T, BT), B * HKV)](
         q, k, v, bi, dummy, lse, do if do is not None else dummy, delta if delta is not None else lse,
-        dq if dq is not None else dummy, dk32 if dk32 is not None else lse, dv32 if dv32 is not None else lse,
+        dq if dq is not None else dummy,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
         DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
@@ -295,24 +291,147 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, dk32, dv32, *, select_s
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# dk/dv through an inverted index: per key block, the query positions that selected it
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _selected_dkv_kernel(
+    Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_CHUNK, SEG_START, POS, DK32, DV32,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    T, HQ, G, NS, NSEG, scale, scale_log2, CHUNK,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
+    BQ: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # One program per work item: up to CHUNK query positions (x G heads) of one (b, kv head, block)
+    # segment, gathered BQ positions at a time into M = BQ * GP rows of one MMA. Partial dk/dv go
+    # to the float32 DK32/DV32 [B, T, HKV, D] by atomics (one add per item, not per query).
+    M: tl.constexpr = BQ * GP
+    i_item = tl.program_id(0)
+    seg = tl.load(ITEM_SEG + i_item)
+    if seg < NSEG:
+        HKV = HQ // G
+        blk = seg % NS
+        i_bh = seg // NS
+        i_b = (i_bh // HKV).to(tl.int64)
+        i_hk = i_bh % HKV
+        seg_end = tl.load(SEG_START + seg + 1)
+        start = tl.load(SEG_START + seg) + tl.load(ITEM_CHUNK + i_item) * CHUNK
+        end = tl.minimum(start + CHUNK, seg_end)
+        o_n = tl.arange(0, BS)
+        o_k = blk * BS + o_n  # [BS] token positions of the block
+        m_k = o_k < T
+        o_dk = tl.arange(0, BDK)
+        o_dv = tl.arange(0, BDV)
+        k = tl.load(K + i_b * sk_b + i_hk * sk_h + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
+                    mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BS, BDK]
+        v = tl.load(V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
+                    mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BS, BDV]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        o_r = tl.arange(0, M)
+        r_g = o_r % GP
+        r_h = i_hk * G + r_g  # [M] query head of each row
+        dk = tl.zeros([BS, BDK], tl.float32)
+        dv = tl.zeros([BS, BDV], tl.float32)
+        for i0 in range(start, end, BQ):
+            e = i0 + o_r // GP  # [M] entry of each row in the sorted list
+            m_r = (e < end) & (r_g < G)
+            r_t = tl.load(POS + e, mask=m_r, other=0)  # [M] query position of each row
+            row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
+            q = tl.load(Q + i_b * sq_b + r_h[:, None] * sq_h + r_t[:, None].to(tl.int64) * sq_t
+                        + o_dk[None, :], mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)  # [M, BDK]
+            do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :],
+                         other=0.0)  # [M, BDV]
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(LSE + row, mask=m_r, other=0.0)
+            lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+            delta = tl.load(DELTA + row, mask=m_r, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
+            valid = (o_k[None, :] <= r_t[:, None]) & m_r[:, None]
+            pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)  # [M, BS]
+            dp = tl.dot(do, tl.trans(v))  # [M, BS]
+            ds = pr * (dp - delta[:, None])
+            dv += tl.dot(tl.trans(pr.to(do.dtype)), do)  # [BS, BDV]
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)  # [BS, BDK]
+        kv_row = (i_b * T + o_k.to(tl.int64)) * HKV + i_hk  # [BS]
+        tl.atomic_add(DK32 + kv_row[:, None] * DK + o_dk[None, :], dk * scale,
+                      mask=m_k[:, None] & (o_dk < DK)[None, :], sem="relaxed")
+        tl.atomic_add(DV32 + kv_row[:, None] * DV + o_dv[None, :], dv,
+                      mask=m_k[:, None] & (o_dv < DV)[None, :], sem="relaxed")
+
+
+def inverted_index(bi, *, select_size, chunk):
+    """Counting sort of the selections by key block, without a host sync.
+
+    bi: int32 `[B, T, Hkv, n]`. Returns `(pos, seg_start, item_seg, item_chunk)`: `pos` int32, the
+    query positions grouped by segment `(b * Hkv + h) * Ns + block` (ascending within one);
+    `seg_start` `[NSEG + 1]` where each segment starts in `pos`; one work item per `chunk` entries of
+    a segment: `item_seg` (NSEG for unused items) and `item_chunk`, both `[n_items]` (an upper bound).
+    Padding, repeats within one list and blocks starting after the query are dropped.
+    """
+    B, T, HKV, n = bi.shape
+    ns = triton.cdiv(T, select_size)
+    nseg = B * HKV * ns
+    dev = bi.device
+    srt = bi.sort(dim=-1).values.long()  # [B, T, HKV, n]
+    dup = torch.zeros_like(srt, dtype=torch.bool)
+    dup[..., 1:] = srt[..., 1:] == srt[..., :-1]
+    t = torch.arange(T, device=dev).view(1, T, 1, 1)
+    valid = (srt >= 0) & (srt < ns) & (srt * select_size <= t) & ~dup
+    bh = torch.arange(B, device=dev).view(B, 1, 1, 1) * HKV + torch.arange(HKV, device=dev).view(1, 1, HKV, 1)
+    key = torch.where(valid, bh * ns + srt, nseg).flatten()  # [B*T*HKV*n]
+    key, perm = torch.sort(key, stable=True)
+    pos = (perm // (HKV * n) % T).to(torch.int32)  # [E] query position of each sorted entry
+    seg_start = torch.searchsorted(key, torch.arange(nseg + 1, device=dev, dtype=key.dtype))
+    counts = seg_start[1:] - seg_start[:-1]  # [NSEG]
+    n_chunks = (counts + chunk - 1) // chunk
+    chunk_end = torch.cumsum(n_chunks, 0)  # [NSEG]
+    n_items = triton.cdiv(key.numel(), chunk) + nseg  # >= sum(n_chunks), known without a sync
+    items = torch.arange(n_items, device=dev)
+    item_seg = torch.searchsorted(chunk_end, items, right=True)  # [n_items]
+    first = (chunk_end - n_chunks)[item_seg.clamp_max(nseg - 1)]
+    return pos, seg_start.to(torch.int32), item_seg.to(torch.int32), (items - first).to(torch.int32)
+
+
 def selected_forward(q, k, v, bi, *, select_size, scale):
     """o [B,T,Hq,Dv], lse [B,T,Hq] of the selection branch (inputs contiguous, bi int32)."""
     B, T, HQ, _ = q.shape
     o = torch.empty(B, T, HQ, v.shape[3], device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    _launch_selected(q, k, v, bi, o, lse, None, None, None, None, None, select_size=select_size,
-                     scale=scale, backward=False)
+    _launch_selected(q, k, v, bi, o, lse, None, None, None, select_size=select_size, scale=scale,
+                     backward=False)
     return o, lse
 
 
 def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale):
+    """dq (one walk per query tile, as the forward) and dk/dv (per key block, inverted index)."""
+    B, T, HQ, DK = q.shape
+    HKV, DV = k.shape[2], v.shape[3]
+    G = HQ // HKV
     do = do.contiguous()
     delta = row_delta(o, do)
     dq = torch.empty_like(q)
+    _launch_selected(q, k, v, bi, None, lse, do, delta, dq, select_size=select_size, scale=scale,
+                     backward=True)
     dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    _launch_selected(q, k, v, bi, None, lse, do, delta, dq, dk32, dv32, select_size=select_size,
-                     scale=scale, backward=True)
+    if B * T * HKV * bi.shape[-1] == 0:
+        return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    GP = pow2(G, 1)
+    BQ = max(1, (16 if interpreting() else 64) // GP)  # positions per MMA
+    chunk = BQ * (2 if interpreting() else 64)  # positions per work item
+    pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk)
+    ns = triton.cdiv(T, select_size)
+    _selected_dkv_kernel[(item_seg.numel(),)](
+        q, k, v, do, lse, delta, item_seg, item_chunk, seg_start, pos, dk32, dv32,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, scale, scale * LOG2E, chunk,
+        DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, UPCAST=interpreting(),
+        num_warps=8 if max(DK, DV) >= 128 else 4, num_stages=2,
+    )
     return dq, dk32.to(k.dtype), dv32.to(v.dtype)
 
 

@@ -181,3 +181,44 @@ def test_decode_separate_window_cache():
     kw = dict(k_swa=y["k"].detach(), v_swa=y["v"].detach(), select_size=16, num_selected=2, window=16)
     o = nsa_decode(q, *args, *gates, **kw)
     assert rel_err(o, ref.nsa_decode(q, *args, *gates, **kw)) < TOL
+
+
+def test_nsa_attention_triton_composition():
+    """nsa_attention(impl="triton"): the three branches, the reused compression lse and the fused gated
+    sum, against the reference, outputs and gradients (gates included)."""
+    from nsa_eval import kernels
+
+    B, T, hq, hkv, dk, dv = 1, 72, 4, 2, 16, 16
+    x = make(B, T, hq, hkv, dk, dv, seed=11)
+    g = torch.Generator().manual_seed(12)
+    gates = [torch.rand(B, T, hq, generator=g).requires_grad_() for _ in range(3)]
+    ins = (x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates)
+    params = dict(select_size=16, num_selected=3, window=20)
+    o, idx = kernels.nsa_attention(*ins, impl="triton", return_block_indices=True, **params)
+    o_ref, idx_ref = kernels.nsa_attention(*ins, impl="reference", return_block_indices=True, **params)
+    assert torch.equal(idx, idx_ref)
+    assert rel_err(o, o_ref) < TOL
+    for a, b in zip(grads([o], ins), grads([o_ref], ins), strict=True):
+        assert rel_err(a, b) < TOL
+
+
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "argmax"])
+def test_topk_blocks_ties_and_forced(monkeypatch, radix):
+    """Both top-k variants: forced blocks, no block after t, largest importances with ties (many
+    equal values, zeros) going to the lower index, ascending output, -1 padding."""
+    from nsa_eval.kernels import _triton_utils as tu
+
+    monkeypatch.setattr(tu, "TOPK_RADIX", radix)
+    g = torch.Generator().manual_seed(21)
+    T, hkv, ns, n, bs = 40, 2, 20, 5, 2
+    imp = torch.randint(0, 4, (T * hkv, ns), generator=g).float() / 4  # many ties, zeros included
+    imp[::3] = torch.rand(imp[::3].shape, generator=g)
+    out = tu.topk_blocks(imp, T=T, num_kv_heads=hkv, select_size=bs, num_selected=n, num_init=1, num_local=2)
+    for r in range(T * hkv):
+        cur = (r // hkv) // bs
+        score = imp[r, : cur + 1].clone()
+        score[0] = float("inf")
+        score[max(0, cur - 1):] = float("inf")
+        order = sorted(range(cur + 1), key=lambda j: (-score[j].item(), j))[:n]  # ties: lower index
+        want = sorted(order) + [-1] * (n - len(order))
+        assert out[r].tolist() == want, r
