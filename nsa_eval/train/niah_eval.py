@@ -147,6 +147,13 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=["teacher", "generate"], default="teacher")
     p.add_argument("--device", default=None)
     p.add_argument("--within", type=int, default=2048, help="training length, for the 'within' accuracy")
+    p.add_argument("--methods", default="", help="comma list of nsa_eval.methods to apply to Llama "
+                   "checkpoints (e.g. sink_window,topk,quest,h2o); empty: the checkpoints as they are")
+    p.add_argument("--budget", type=int, default=896,
+                   help="keys per query for --methods, sink and local included (896: NSA-tiny's count "
+                   "for the last query of a 2,048-token context)")
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--local", type=int, default=256)
     args = p.parse_args(argv)
 
     import torch
@@ -156,15 +163,25 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     lengths = [int(x) for x in args.lengths.split(",")]
     docs, results = None, {}
-    for checkpoint in args.checkpoints:
+    runs = [(c, m) for c in args.checkpoints for m in (args.methods.split(",") if args.methods else [None])]
+    for checkpoint, method in runs:
         model, tokenizer = load_checkpoint(checkpoint, dtype=torch.bfloat16 if device == "cuda" else None)
         model.to(device)
+        path = Path(checkpoint).resolve()
+        name = path.parent.name if path.name == "checkpoint" else path.name
+        extra = {}
+        if method:
+            from nsa_eval.methods import apply_attention
+
+            apply_attention(model, method, budget=args.budget, sink=args.sink, local=args.local,
+                            sparse_prefill=True)
+            name = f"{name}+{method}"
+            extra = {"method": method, "budget": args.budget, "sink": args.sink, "local": args.local,
+                     "sparse_prefill": True}
         docs = docs or build_docs(tokenizer, lengths, samples=args.samples)
         start = time.perf_counter()
         rows = score_docs(model, tokenizer, docs, args.mode, device)
-        path = Path(checkpoint).resolve()
-        name = path.parent.name if path.name == "checkpoint" else path.name
-        results[name] = {"checkpoint": str(checkpoint), "mode": args.mode, "device": device,
+        results[name] = {"checkpoint": str(checkpoint), "mode": args.mode, "device": device, **extra,
                          "seconds": round(time.perf_counter() - start, 1), **summarize(rows, args.within),
                          "rows": rows}
         print(name, json.dumps({k: v for k, v in results[name].items() if k != "rows"}), flush=True)
