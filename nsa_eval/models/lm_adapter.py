@@ -173,6 +173,7 @@ class NSAEvalLM(HFLM):
             "pretrained": self.pretrained,
             "attention": self.attention,
             "truncation": self.truncation_mode,
+            "data_parallel_processes": self.world_size,
             "activated_tokens": self.attention_stats(),
         }
 
@@ -256,7 +257,9 @@ def _data_parallel_accelerator():
         return None
     from accelerate import Accelerator, InitProcessGroupKwargs
 
-    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(weeks=52))])
+    # cpu=True on GPU-less hosts: without it accelerate ignores the launcher's processes (one process)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(weeks=52))])
     return accelerator if accelerator.num_processes > 1 else None
 
 
@@ -290,4 +293,5 @@ def merge_stats(parts: list[dict]) -> dict:
             for layer in p.get("layers", []):
                 by_layer.setdefault(layer.get("layer"), []).append(layer)
         merged["layers"] = [merge_stats(group) for _, group in sorted(by_layer.items())]
+    merged["processes"] = sum(p.get("processes", 1) for p in parts)
     return merged

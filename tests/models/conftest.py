@@ -130,3 +130,13 @@ def tasks_dir(tmp_path_factory) -> Path:
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (root / f"{name}.yaml").write_text(TASK_YAMLS[name].format(data=root))
     return root
+
+
+@pytest.fixture(scope="session")
+def llama_config_dir(tmp_path_factory) -> Path:
+    """A directory with a Llama config.json and no weights: anything that reads weights fails."""
+    out = tmp_path_factory.mktemp("llama_config_only")
+    (out / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32,
+                                                 "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                 "num_key_value_heads": 2, "vocab_size": 300}))
+    return out
