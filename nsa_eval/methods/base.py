@@ -220,7 +220,8 @@ class LayerState:
     Attributes:
         method: the method instance that wrote it (a state from another method is not reused).
         length: number of keys the state covers.
-        tensors: the method's tensors, e.g. H2O's accumulated mass `[B, Hq, length]` float32.
+        tensors: the method's tensors, keys on the last dimension, e.g. H2O's accumulated mass
+            `[B, Hq, length]` float32. Each chunk gets views cut to its keys, updated in place.
     """
 
     method: AttentionMethod | None = None
