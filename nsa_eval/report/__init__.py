@@ -330,8 +330,11 @@ class ReportBuilder:
             results = cells[0].results if cells else {}
             shots = sorted({str(v) for v in results.get("n-shot", {}).values()})
             gen = _generation_kwargs(results)
-            n = results.get("n-samples", {})
-            docs = sorted({str(v.get("effective")) for v in n.values()})
+            per_subtask = defaultdict(int)  # documents summed over the cells of a split task
+            for c in cells:
+                for sub, counts in c.results.get("n-samples", {}).items():
+                    per_subtask[sub] += counts.get("effective") or 0
+            docs = sorted({str(v) for v in per_subtask.values()})
             limit = cells[0].config.get("limit") if cells else None
             rows.append([task, f"`{spec['task']}`", ", ".join(shots) or "0", gen,
                          "yes" if spec.get("apply_chat_template") else "no",
