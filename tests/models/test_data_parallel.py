@@ -20,8 +20,8 @@ from lm_eval.tasks import TaskManager
 model_dir, tasks_dir, out = sys.argv[1:4]
 results = lm_eval.simple_evaluate(
     model="nsa-eval", model_args=f"pretrained={model_dir},attention=nsa,batch_size=1,max_length=256",
-    tasks=["toy_mc", "toy_gen", "toy_ppl"], limit=2, task_manager=TaskManager(include_path=tasks_dir, include_defaults=False),
-    device="cpu", bootstrap_iters=0, log_samples=False)
+    tasks=["toy_mc", "toy_gen", "toy_ppl"], limit=2, device="cpu", bootstrap_iters=0, log_samples=False,
+    task_manager=TaskManager(include_path=tasks_dir, include_defaults=False))
 if results is not None:  # rank 0 only
     keep = {t: {k: v for k, v in r.items() if k != "alias"} for t, r in results["results"].items()}
     stats = results["config"]["activated_tokens"]
