@@ -397,7 +397,7 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
         return out
     BNS = pow2(ns)
     BR = max(1, min(16, 4096 // BNS))
-    if n_rows <= 128:  # decode: few rows, one per program
+    if n_rows <= 128 and not interpreting():  # decode: few rows, one per program
         BR = 1
     _topk_blocks_kernel[(triton.cdiv(n_rows, BR),)](
         imp, positions if positions is not None else imp, out, n_rows, ns, T, num_kv_heads, select_size,

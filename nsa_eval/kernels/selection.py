@@ -37,17 +37,23 @@ from nsa_eval.kernels._triton_utils import (
     topk_blocks,
 )
 
-
 # ---------------------------------------------------------------------------------------------
 # importance of selection blocks
 # ---------------------------------------------------------------------------------------------
+# True: sum the probabilities over the group before mapping them onto selection blocks (BT rows, not
+# BT * G'); False: the first version, per-head tf32x3 matmuls (the benchmark times both)
+IMPORTANCE_GROUP_FIRST = True
+# launch configuration of the selected-attention forward (the benchmark times alternatives)
+SELECTED_FWD_CONFIG = dict(num_warps=4, num_stages=2)
+
+
 @triton.jit
 def _importance_kernel(
     Q, KC, LSE, IMP,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
     T, TC, HQ, G, NS, scale_log2, block_len, stride, select_size,
     DK: tl.constexpr, BDK: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BNS: tl.constexpr,
-    RATIO: tl.constexpr, UPCAST: tl.constexpr,
+    RATIO: tl.constexpr, GROUP_FIRST: tl.constexpr, UPCAST: tl.constexpr,
 ):
     BC: tl.constexpr = BNS * RATIO  # compressed blocks per chunk of BNS selection blocks
     M: tl.constexpr = BT * GP
@@ -98,11 +104,21 @@ def _importance_kernel(
         s = tl.dot(q, k) * scale_log2  # [M, BC]
         visible = ((o_k * stride + block_len - 1)[None, :] <= r_t[:, None]) & m_k[None, :] & m_r[:, None]
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
-        main = tl.dot(p, w_main, input_precision="tf32x3")  # [M, BNS]
-        spill = tl.dot(p, w_spill, input_precision="tf32x3")  # [M, BNS]
-        main = tl.sum(tl.reshape(main, [BT, GP, BNS]), 1)  # [BT, BNS] summed over the group
+        if GROUP_FIRST:
+            pg = tl.sum(tl.reshape(p, [BT, GP, BC]), 1)  # [BT, BC] summed over the group first
+            if BT * BC * BNS <= 8192:  # few positions: exact float32 products, no MMA
+                main = tl.sum(pg[:, :, None] * w_main[None, :, :], 1)  # [BT, BNS]
+                spill = tl.sum(pg[:, :, None] * w_spill[None, :, :], 1)  # [BT, BNS]
+            else:
+                main = tl.dot(pg, w_main, input_precision="tf32x3")  # [BT, BNS]
+                spill = tl.dot(pg, w_spill, input_precision="tf32x3")  # [BT, BNS]
+        else:
+            main = tl.dot(p, w_main, input_precision="tf32x3")  # [M, BNS]
+            spill = tl.dot(p, w_spill, input_precision="tf32x3")  # [M, BNS]
+            main = tl.sum(tl.reshape(main, [BT, GP, BNS]), 1)  # [BT, BNS] summed over the group
+            spill = tl.sum(tl.reshape(spill, [BT, GP, BNS]), 1)
         imp = main + carry
-        carry = tl.sum(tl.reshape(spill, [BT, GP, BNS]), 1)
+        carry = spill
         cols = j0 + o_j
         tl.store(IMP + r_rows[:, None] * NS + cols[None, :], imp, mask=m_rows[:, None] & (cols < NS)[None, :])
 
@@ -133,7 +149,8 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     _importance_kernel[(triton.cdiv(T, BT), B * HKV)](
         q, k_cmp, lse, imp, q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1),
         k_cmp.stride(2), T, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
-        DK=DK, BDK=pow2(DK), GP=GP, BT=BT, BNS=BNS, RATIO=ratio, UPCAST=interpreting(), num_warps=4,
+        DK=DK, BDK=pow2(DK), GP=GP, BT=BT, BNS=BNS, RATIO=ratio, GROUP_FIRST=IMPORTANCE_GROUP_FIRST,
+        UPCAST=interpreting(), num_warps=4,
     )
     return imp
 
@@ -287,7 +304,8 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
         DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
-        BACKWARD=backward, UPCAST=interpreting(), num_warps=4, num_stages=2,
+        BACKWARD=backward, UPCAST=interpreting(),
+        **(dict(num_warps=4, num_stages=2) if backward else SELECTED_FWD_CONFIG),
     )
 
 
@@ -422,7 +440,7 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale):
         return dq, dk32.to(k.dtype), dv32.to(v.dtype)
     GP = pow2(G, 1)
     BQ = max(1, (16 if interpreting() else 64) // GP)  # positions per MMA
-    chunk = BQ * (2 if interpreting() else 64)  # positions per work item
+    chunk = BQ * (4 if interpreting() else 64)  # positions per work item
     pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk)
     ns = triton.cdiv(T, select_size)
     _selected_dkv_kernel[(item_seg.numel(),)](
