@@ -22,6 +22,9 @@ _LAZY = {
     "NSACache": "nsa_eval.models.cache_nsa",
     "activated_tokens": "nsa_eval.models.modeling_nsa",
     "load_pretrained": "nsa_eval.models.loading",
+    "load_for_eval": "nsa_eval.models.loading",
+    "resolve_checkpoint": "nsa_eval.models.loading",
+    "attention_stats": "nsa_eval.models.loading",
     "KNOWN_CHECKPOINTS": "nsa_eval.models.loading",
     "convert_fla_checkpoint": "nsa_eval.models.convert_fla",
 }
