@@ -1,0 +1,86 @@
+"""`nsa-eval validate / run / report`: every bad suite exits 2 with one message naming file and key,
+before any model loads or any file is written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nsa_eval.cli import main
+
+GOOD = """\
+name: cli
+output: {out}
+defaults: {{pretrained: smollm2-135m, sink: 64, local: 256, budget: 1024}}
+models:
+  - attention: [full, topk]
+tasks:
+  - task: nsa_niah
+    metadata: {{niah_lengths: [1024], niah_depths: [50]}}
+"""
+
+BAD = [
+    # (replace, with, what the one-line error must say)
+    ("name: cli", "name: cli\ntask: []", "unknown key 'task' (did you mean 'tasks'?)"),
+    ("budget: 1024}", "budget: lots}", "defaults.budget: expected an integer or a list of integers"),
+    ("smollm2-135m", "/missing/checkpoint", "checkpoint directory '/missing/checkpoint' does not exist"),
+    ("[full, topk]", "[full, topkk]", "unknown attention method 'topkk' (did you mean 'topk'?)"),
+    ("budget: 1024}", "budget: 300}", "models[0].budget: 300 is below sink + local = 64 + 256 = 320"),
+    ("task: nsa_niah", "task: nsa_niahh",
+     "tasks[0].task: unknown task 'nsa_niahh' (did you mean 'nsa_niah'?)"),
+]
+
+
+def write_suite(tmp_path: Path, old: str = "", new: str = "") -> Path:
+    text = textwrap.dedent(GOOD).format(out=tmp_path / "run").replace(old, new, 1)
+    path = tmp_path / "suite.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+@pytest.mark.parametrize("old,new,message", BAD)
+def test_bad_suite_exits_2_with_file_and_key(tmp_path, capsys, command, old, new, message):
+    if command == "run" and "nsa_niahh" in new:
+        pytest.skip("the task index is the slow check (seconds); validate covers it")
+    path = write_suite(tmp_path, old, new)
+    assert main([command, str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"nsa-eval: error: {path}")
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_validate_lists_cells(tmp_path, capsys):
+    assert main(["validate", str(write_suite(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "2 models x 1 tasks = 2 cells" in out and "topk@1024/nsa_niah" in out
+
+
+def test_run_flags_are_checked_before_work(tmp_path, capsys):
+    path = write_suite(tmp_path)
+    assert main(["run", str(path), "--only", "nothing*"]) == 2
+    assert "--only 'nothing*' matches no cell" in capsys.readouterr().err
+    assert main(["run", str(path), "--limit", "0"]) == 2
+    assert "--limit: expected a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_report_of_a_directory_that_is_not_a_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "not a run directory (no run.json)" in capsys.readouterr().err
+
+
+def test_console_entry_point_exit_code(tmp_path):
+    """The installed command maps a UsageError to exit code 2 (a real process, not main())."""
+    path = write_suite(tmp_path, "[full, topk]", "[full, topkk]")
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "nsa_eval", "validate", str(path)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "unknown attention method 'topkk'" in result.stderr
