@@ -48,7 +48,7 @@ class Document:
                 _, header, rows, caption = block
                 if caption:
                     out += [caption, ""]
-                out.append("| " + " | ".join(header) + " |")
+                out.append("| " + " | ".join(_md_cell(h) for h in header) + " |")
                 out.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
                 out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
                 out.append("")
