@@ -59,6 +59,7 @@ MODEL_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "params": ((dict,), "a mapping of extra method parameters"),
     "dtype": ((str,), f"one of {', '.join(DTYPES)}"),
     "device": ((str,), "a device such as cpu, cuda or cuda:1"),
+    "parallelize": ((bool,), "true or false (split one model over the visible GPUs)"),
     "max_length": ((int,), "an integer"),
     "batch_size": ((int, str), "an integer or 'auto'"),
     "truncation": ((str,), f"one of {', '.join(TRUNCATIONS)}"),
@@ -109,6 +110,7 @@ class ModelSpec:
     params: dict = field(default_factory=dict)
     dtype: str = "auto"
     device: str = "cpu"
+    parallelize: bool = False
     max_length: int | None = None
     batch_size: int | str = 1
     truncation: str = "middle"
@@ -136,6 +138,8 @@ class ModelSpec:
                 "batch_size": self.batch_size, "truncation": self.truncation, "device": self.device}
         if self.max_length is not None:
             args["max_length"] = self.max_length
+        if self.parallelize:
+            args["parallelize"] = True
         if self.attention not in UNBUDGETED:
             args |= {"budget": self.budget, "sink": self.sink, "local": self.local,
                      "sparse_prefill": self.sparse_prefill}
@@ -388,7 +392,8 @@ def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool) -> 
             label=label, pretrained=pretrained, attention=attention, budget=budget, sink=sink,
             local=local, sparse_prefill=get("sparse_prefill", True),
             dense_layers=_nonnegative(get("dense_layers", 0), where, key + "dense_layers"),
-            params=get("params", {}), dtype=dtype, device=get("device", "cpu"), max_length=max_length,
+            params=get("params", {}), dtype=dtype, device=get("device", "cpu"),
+            parallelize=get("parallelize", False), max_length=max_length,
             batch_size=batch_size, truncation=truncation, backend=backend, vllm=get("vllm", {}),
         ))
     return specs
