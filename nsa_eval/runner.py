@@ -10,8 +10,11 @@ The run directory holds:
 
 `<key>` is the first 16 hex digits of the sha256 of the cell's identity (see `suite.Cell`), so a
 re-run skips finished cells, a changed setting recomputes only what it changes, and a killed run
-loses only the cell in flight. Each model variant is built once and runs all its tasks; variants of
-one checkpoint share the loaded weights when the adapter allows it.
+loses only the cell in flight. Each model variant (checkpoint x method x budget) is built once and
+runs all its cells before the next one loads.
+
+Under `accelerate launch` every process runs the same cells on its share of the documents
+(lm-eval's data parallelism); only process 0 receives results and writes files.
 """
 
 from __future__ import annotations
@@ -193,10 +196,7 @@ def _jsonable(obj: Any):
 
 
 class LMFactory:
-    """Builds one lm-eval LM per model variant; variants of one checkpoint reuse loaded weights."""
-
-    def __init__(self):
-        self._weights: dict[tuple, Any] = {}
+    """Builds the lm-eval LM of one model variant: the `nsa-eval` adapter, or lm-eval's vllm."""
 
     def __call__(self, model: ModelSpec):
         if model.backend == "vllm":
