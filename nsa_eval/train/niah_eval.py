@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="JSON: per checkpoint, the rows and accuracies")
     p.add_argument("--png-dir", help="write niah_<name>.png heatmaps here (name = checkpoint's parent dir)")
     p.add_argument("--lengths", default=",".join(map(str, WITHIN + BEYOND)))
+    p.add_argument("--depths", default=",".join(map(str, DEPTHS)))
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--mode", choices=["teacher", "generate"], default="teacher")
     p.add_argument("--device", default=None)
@@ -178,7 +179,8 @@ def main(argv=None) -> int:
             name = f"{name}+{method}"
             extra = {"method": method, "budget": args.budget, "sink": args.sink, "local": args.local,
                      "sparse_prefill": True}
-        docs = docs or build_docs(tokenizer, lengths, samples=args.samples)
+        depths = [float(x) for x in args.depths.split(",")]
+        docs = docs or build_docs(tokenizer, lengths, depths, samples=args.samples)
         start = time.perf_counter()
         rows = score_docs(model, tokenizer, docs, args.mode, device)
         results[name] = {"checkpoint": str(checkpoint), "mode": args.mode, "device": device, **extra,
