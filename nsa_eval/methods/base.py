@@ -547,11 +547,20 @@ def _top_keys(score: Tensor, candidates: Tensor, picks: Tensor, stable: bool = F
     chosen = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
     if k == 0:
         return chosen
-    masked = score.float().masked_fill(~candidates, -math.inf)  # candidates broadcast over heads
+    # Only the columns where some row has a candidate compete (drops sink, local and future keys).
+    columns = candidates.reshape(-1, candidates.shape[-1]).any(0).nonzero()  # [n, 1]
+    if columns.numel() == 0:
+        return chosen
+    first, last = int(columns[0]), int(columns[-1]) + 1
+    if last - first < k:  # keep the slice wide enough for topk (k <= S)
+        first = max(0, last - k)
+        last = max(last, first + k)
+    masked = score[..., first:last].float().masked_fill(~candidates[..., first:last], -math.inf)
     if stable:
         top = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [..., k]
     else:  # ranks matter only where rows take different numbers of keys
         top = masked.topk(k, dim=-1, sorted=bool((picks != k).any())).indices  # [..., k]
+    top = top + first  # [..., k] column indices into S
     rank_ok = torch.arange(k, device=score.device) < picks[..., None]  # [..., k]
     chosen.scatter_(-1, top, rank_ok.expand_as(top))
     return chosen & candidates
