@@ -37,6 +37,7 @@ class Row:
 
 def nsa_prefill(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, **params):
     """NSA prefill through the Triton ops: [B,T,Hq,Dk] ... -> [B,T,Hq,Dv]."""
+    from nsa_eval.kernels._triton_utils import gated_sum
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.selection import select_blocks, selected_attention
     from nsa_eval.kernels.window import sliding_window_attention
@@ -48,7 +49,7 @@ def nsa_prefill(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, **params):
                         lse=lse.detach())
     o_slc = selected_attention(q, k, v, idx, select_size=p["select_size"])
     o_swa = sliding_window_attention(q, k, v, window=p["window"])
-    return g_cmp[..., None] * o_cmp + g_slc[..., None] * o_slc + g_swa[..., None] * o_swa
+    return gated_sum(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)  # [B, T, Hq, Dv]
 
 
 def _inputs(B, T, hq, hkv, d, *, grad, device="cuda", dtype=None):
@@ -200,6 +201,63 @@ def bench_ops(T, hq, hkv, d=128):
             out[name] = [_time(fn)]
     for name, fn in ops.items():
         out[name].append(_time(_fwd_bwd(fn, x)))
+    out.update(bench_variants(x, lse, idx))
+    return out
+
+
+def bench_variants(x, lse, idx):
+    """Alternatives to the default kernels, timed beside them (ms): the first top-k (k arg-max passes),
+    the first importance kernel (per-head tf32x3 overlap matmuls), launch configurations of the
+    selected-attention forward and of each part of the banded kernels (dq/dkv: forward+backward)."""
+    import torch
+
+    from nsa_eval.kernels import _triton_utils, selection
+
+    out = {}
+
+    def timed(name, module, attr, value, fn):
+        old = getattr(module, attr)
+        setattr(module, attr, value)
+        try:
+            out[name] = (_time(fn), None)
+        except Exception as err:  # a configuration may not compile; keep going
+            print(f"variant {name} failed: {str(err).splitlines()[0][:160]}")
+        finally:
+            setattr(module, attr, old)
+
+    with torch.no_grad():
+        sel = lambda: selection.select_blocks(x["q"], x["k_cmp"], lse=lse)  # noqa: E731
+        timed("select_blocks [argmax top-k]", _triton_utils, "TOPK_RADIX", False, sel)
+        timed("select_blocks [matmul importance]", selection, "IMPORTANCE_GROUP_FIRST", False, sel)
+        fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
+        for warps, stages in ((2, 1), (4, 1), (4, 3), (8, 2)):
+            timed(f"selected_attention [warps={warps} stages={stages}]", selection, "SELECTED_FWD_CONFIG",
+                  dict(num_warps=warps, num_stages=stages), fwd)
+    # banded kernels: one part's configuration changed at a time
+    from nsa_eval.kernels.compression import compressed_attention
+    from nsa_eval.kernels.window import sliding_window_attention
+
+    branches = {
+        "cmp": ("compressed_attention", lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0]),
+        "swa": ("sliding_window_attention", lambda: sliding_window_attention(x["q"], x["k"], x["v"])),
+    }
+    alternatives = {  # (BM, BN, num_warps, num_stages)
+        "fwd": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+        "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2)],
+        "dkv": [(32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 3)],
+    }
+    for branch, (op, fn) in branches.items():
+        for part, configs in alternatives.items():
+            for bm, bn, warps, stages in configs:
+                cfg = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
+                table = {b: dict(parts) for b, parts in _triton_utils.BAND_CONFIGS.items()}
+                table[branch][part] = cfg
+                name = f"{op} [{part} " + " ".join(f"{k}={v}" for k, v in cfg.items()) + "]"
+                if part == "fwd":
+                    with torch.no_grad():
+                        timed(name, _triton_utils, "BAND_CONFIGS", table, fn)
+                else:
+                    timed(name, _triton_utils, "BAND_CONFIGS", table, _fwd_bwd(fn, x))
     return out
 
 
@@ -257,7 +315,10 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
         torch.cuda.empty_cache()
     T = max(lengths)
     for name, (f, fb) in bench_ops(T, heads, kv_heads, dim).items():
-        add("op-fwd", name, T, hs, 1, f)
+        if "[dq " in name or "[dkv " in name:  # backward variants: timed forward+backward
+            f, fb = None, f
+        if f is not None:
+            add("op-fwd", name, T, hs, 1, f)
         if fb is not None:
             add("op-fwd+bwd", name, T, hs, 1, fb)
     return rows

@@ -275,27 +275,46 @@ def _strides(x):
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None, BM=128, BN=64):
+# launch configurations of the banded kernels, per branch ("cmp": compression, "swa": window); the
+# benchmark times alternatives to these (tile sizes BM x BN, warps, pipeline stages)
+BAND_CONFIGS = {
+    "cmp": dict(fwd=dict(BM=128, BN=64, num_warps=8, num_stages=2),
+                dq=dict(BM=64, BN=64, num_warps=4, num_stages=2),
+                dkv=dict(BM=64, BN=64, num_warps=4, num_stages=2)),
+    "swa": dict(fwd=dict(BM=128, BN=64, num_warps=8, num_stages=2),
+                dq=dict(BM=64, BN=64, num_warps=4, num_stages=2),
+                dkv=dict(BM=64, BN=64, num_warps=4, num_stages=2)),
+}
+
+
+def _band_config(window, part):
+    cfg = dict(BAND_CONFIGS["cmp" if window is None else "swa"][part])
+    if interpreting():
+        cfg.update(BM=16, BN=16)
+    return cfg
+
+
+def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
     """Banded attention forward. q [B,T,Hq,Dk], k [B,Tk,Hkv,Dk], v [B,Tk,Hkv,Dv] (last dim
     contiguous) -> o [B,T,Hq,Dv] (q.dtype), lse [B,T,Hq] float32 (natural log, -inf if empty)."""
     B, T, HQ, DK = q.shape
     TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    if interpreting():
-        BM, BN = 16, 16
+    cfg = _band_config(window, "fwd")
+    BM = cfg["BM"]
     grid = (triton.cdiv(T, BM), B * HQ)
     _band_fwd_kernel[grid](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0,
-        HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), BM=BM, BN=BN,
-        UPCAST=interpreting(), num_warps=8 if BM >= 128 else 4, num_stages=2,
+        HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
+        UPCAST=interpreting(), **cfg,
     )
     return o, lse
 
 
 def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offset, window=None,
-                  split_heads=False, BM=64, BN=64):
+                  split_heads=False):
     """Gradients of `band_forward`: (dq, dk, dv). `split_heads` runs one dk/dv program per query
     head and sums the group afterwards (many keys seen by long query ranges: compression)."""
     B, T, HQ, DK = q.shape
@@ -303,24 +322,22 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     G = HQ // HKV
     do = do.contiguous()
     delta = row_delta(o.contiguous(), do, dlse)
-    if interpreting():
-        BM, BN = 16, 16
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
-    common = dict(HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), BM=BM, BN=BN,
+    common = dict(HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
                   UPCAST=interpreting())
-    _band_bwd_dq_kernel[(triton.cdiv(T, BM), B * HQ)](
+    cfg = _band_config(window, "dq")
+    _band_bwd_dq_kernel[(triton.cdiv(T, cfg["BM"]), B * HQ)](
         q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
-        T, TK, HQ, G, scale, scale * LOG2E, key_stride, key_offset, window or 0,
-        num_warps=4, num_stages=2, **common,
+        T, TK, HQ, G, scale, scale * LOG2E, key_stride, key_offset, window or 0, **cfg, **common,
     )
     split = G if split_heads else 1
     buf_dtype = torch.float32 if split > 1 else k.dtype
     dk = torch.empty(B, TK, HKV * split, DK, device=q.device, dtype=buf_dtype)
     dv = torch.empty(B, TK, HKV * split, DV, device=q.device, dtype=buf_dtype)
-    _band_bwd_dkv_kernel[(triton.cdiv(TK, BN), B * HKV * split)](
+    cfg = _band_config(window, "dkv")
+    _band_bwd_dkv_kernel[(triton.cdiv(TK, cfg["BN"]), B * HKV * split)](
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
-        T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0,
-        num_warps=4, num_stages=2, **common,
+        T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0, **cfg, **common,
     )
     if split > 1:
         dk = dk.view(B, TK, HKV, split, DK).sum(3).to(k.dtype)  # [B, TK, HKV, DK]
