@@ -93,9 +93,10 @@ def niah_grid(model, tokenizer, lengths=WITHIN + BEYOND, depths=DEPTHS, samples:
     return score_docs(model, tokenizer, docs, mode, device, progress)
 
 
-def accuracy(rows: list[dict], max_length: int | None = None) -> float:
+def accuracy(rows: list[dict], max_length: int | None = None) -> float | None:
+    """Mean score of the rows up to max_length tokens; None when there are none."""
     scores = [r["score"] for r in rows if max_length is None or r["context_length"] <= max_length]
-    return float(np.mean(scores)) if scores else float("nan")
+    return float(np.mean(scores)) if scores else None
 
 
 def plot_heatmap(rows: list[dict], path: str | Path, title: str) -> None:
