@@ -261,6 +261,41 @@ def bench_variants(x, lse, idx):
     return out
 
 
+def profile_kernels(fn, log=print, iters=3, top=14):
+    """Log the GPU kernels `fn` launches, by total device time per call (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_us = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)  # noqa: E731
+    for e in sorted(events, key=device_us, reverse=True)[:top]:
+        log(f"    {e.key[:70]:70s} {device_us(e) / iters / 1000:9.3f} ms/call  x{e.count // iters}")
+
+
+def profile_largest(T, hq, hkv, d, decode_batch, log=print):
+    """Per-kernel breakdown of the NSA prefill fwd+bwd and of the decode at length T."""
+    import torch
+
+    from nsa_eval.kernels.decode import nsa_decode
+
+    x = _inputs(1, T, hq, hkv, d, grad=True)
+    log(f"kernels of NSA prefill forward+backward, T={T}:")
+    profile_kernels(_fwd_bwd(lambda: nsa_prefill(**x), x), log)
+    tc = (T - PAPER["block_len"]) // PAPER["stride"] + 1
+    r = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = r(decode_batch, 1, hq, d), r(decode_batch, T, hkv, d), r(decode_batch, T, hkv, d)
+    kc, vc = r(decode_batch, tc, hkv, d), r(decode_batch, tc, hkv, d)
+    gates = [torch.rand(decode_batch, 1, hq, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    log(f"kernels of NSA decode, B={decode_batch}, T={T} (plain launches):")
+    profile_kernels(lambda: nsa_decode(q, k, v, kc, vc, *gates), log, iters=20)
+
+
 def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_heads=4, dim=128,
                          decode_batch=16, g4_heads=(16, 4), fla=True, log=print) -> list[Row]:
     """Measure everything; returns one Row per (case, impl, T)."""
@@ -314,6 +349,11 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
             add("decode", f"sdpa-{name}", T, hs, decode_batch, dec[name], note)
         torch.cuda.empty_cache()
     T = max(lengths)
+    try:
+        profile_largest(T, heads, kv_heads, dim, decode_batch, log)
+    except Exception as err:  # the profiler is optional
+        log(f"profiling failed: {str(err).splitlines()[0][:160]}")
+    torch.cuda.empty_cache()
     for name, (f, fb) in bench_ops(T, heads, kv_heads, dim).items():
         if "[dq " in name or "[dkv " in name:  # backward variants: timed forward+backward
             f, fb = None, f
