@@ -53,7 +53,10 @@ class ReportBuilder:
         self.run, self.out, self.iters = run, out, bootstrap
         self.models = run.models()
         self.tasks = run.tasks()
-        self.scores: list[Score] = [s for m in self.models for t in self.tasks
+        # A (model, task) with unfinished cells gets no score: part of a split task would not be
+        # comparable with the whole (its cells are listed as not finished).
+        unfinished = {(c["model"], c["task"]) for c in run.manifest["cells"] if c["label"] in run.missing}
+        self.scores: list[Score] = [s for m in self.models for t in self.tasks if (m, t) not in unfinished
                                     for s in group_scores(run.cells_of(m, t))]
         self.reference = self._reference_model()
         self.differences: list[dict] = []
