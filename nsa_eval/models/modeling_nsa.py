@@ -153,14 +153,20 @@ class NSAAttention(nn.Module):
         return k_cmp, v_cmp
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
-        """Hidden states `[B, T, C]` at `positions` `[T]` -> every per-branch tensor the kernels need."""
+        """Hidden states `[B, T, C]` at `positions` `[T]` -> every per-branch tensor the kernels need.
+
+        All come out in the value projection's dtype: the model's, or autocast's under autocast. There
+        the residual stream stays fp32, so RoPE (with cos/sin in x's dtype) and the fp32 gates would
+        otherwise hand the kernels fp32 q/k beside a bf16 v, which they refuse.
+        """
         B, T, _ = x.shape
         Hq, Hkv, Dk, Dv = self.Hq, self.Hkv, self.Dk, self.Dv
         cos, sin = self.rope(positions, x.dtype)
-        q = apply_rope(self.q_proj(x).view(B, T, Hq, Dk), cos, sin)  # [B, T, Hq, Dk]
-        k_raw = self.k_proj(x).view(B, T, Hkv, Dk)  # [B, T, Hkv, Dk], before RoPE
         v = self.v_proj(x).view(B, T, Hkv, Dv)  # [B, T, Hkv, Dv]
-        k = apply_rope(k_raw, cos, sin)
+        dtype = v.dtype
+        q = apply_rope(self.q_proj(x).view(B, T, Hq, Dk), cos, sin).to(dtype)  # [B, T, Hq, Dk]
+        k_raw = self.k_proj(x).view(B, T, Hkv, Dk)  # [B, T, Hkv, Dk], before RoPE
+        k = apply_rope(k_raw, cos, sin).to(dtype)
         if self.config.shared_kv:
             k_cmp_in, v_cmp_in, k_swa, v_swa = k_raw, v, None, None
         else:
@@ -168,11 +174,12 @@ class NSAAttention(nn.Module):
             v_cmp_in = self.v_cmp_proj(x).view(B, T, Hkv, Dv)
             k_swa = v_swa = None
             if self.config.window > 0:
-                k_swa = apply_rope(self.k_swa_proj(x).view(B, T, Hkv, Dk), cos, sin)
+                k_swa = apply_rope(self.k_swa_proj(x).view(B, T, Hkv, Dk), cos, sin).to(dtype)
                 v_swa = self.v_swa_proj(x).view(B, T, Hkv, Dv)
         if self.config.compression == "mean":  # fla pools rotated keys
             k_cmp_in = apply_rope(k_cmp_in, cos, sin)
-        gates = torch.sigmoid(self.g_proj(x).float()).view(B, T, Hq, 3).to(q.dtype)  # [B, T, Hq, 3]
+        k_cmp_in, v_cmp_in = k_cmp_in.to(dtype), v_cmp_in.to(dtype)
+        gates = torch.sigmoid(self.g_proj(x).float()).view(B, T, Hq, 3).to(dtype)  # [B, T, Hq, 3]
         g_cmp, g_slc, g_swa = gates.unbind(-1)  # [B, T, Hq] each
         if self.config.window == 0:
             g_swa = torch.zeros_like(g_swa)  # no window branch: its output is multiplied by 0
@@ -192,6 +199,7 @@ class NSAAttention(nn.Module):
             k_cmp, v_cmp = self._compressed(layer, p)
         else:
             k_cmp, v_cmp = self.compress(p["k_cmp_in"], p["v_cmp_in"], 0)  # [B, Tc, Hkv, D]
+        k_cmp, v_cmp = k_cmp.to(p["v"].dtype), v_cmp.to(p["v"].dtype)  # the MLP compressor may autocast
         return nsa_attention(p["q"], p["k"], p["v"], k_cmp, v_cmp, p["g_cmp"], p["g_slc"], p["g_swa"],
                              k_swa=p["k_swa"], v_swa=p["v_swa"], **self.kernel_kwargs())
 
@@ -203,8 +211,11 @@ class NSAAttention(nn.Module):
             layer = cache.update(self.layer_idx, step["k"], step["v"], step["k_cmp_in"], step["v_cmp_in"],
                                  self.compress, k_swa=step["k_swa"], v_swa=step["v_swa"])
             k_cmp, v_cmp = self._compressed(layer, step)
-            outputs.append(nsa_decode(step["q"], layer.k, layer.v, k_cmp, v_cmp, step["g_cmp"], step["g_slc"],
-                                      step["g_swa"], k_swa=layer.k_swa, v_swa=layer.v_swa,
+            # one dtype for the kernel, even if the cache was filled under another autocast setting
+            k, v, k_cmp, v_cmp, k_swa, v_swa = (None if x is None else x.to(step["v"].dtype) for x in (
+                layer.k, layer.v, k_cmp, v_cmp, layer.k_swa, layer.v_swa))
+            outputs.append(nsa_decode(step["q"], k, v, k_cmp, v_cmp, step["g_cmp"], step["g_slc"],
+                                      step["g_swa"], k_swa=k_swa, v_swa=v_swa,
                                       **self.kernel_kwargs()))  # [B, 1, Hq, Dv]
         return torch.cat(outputs, dim=1)  # [B, T, Hq, Dv]
 
