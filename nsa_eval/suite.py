@@ -298,8 +298,8 @@ def parse_suite(raw: Any, where: str, source: str = "") -> Suite:
         raise UsageError(f"{where}: name: {name!r} must be letters, digits, '.', '_' or '-'")
     defaults = _get(raw, "defaults", SUITE_KEYS, where, "", {})
     _check_keys(defaults, MODEL_KEYS, where, "defaults.")
-    for name in defaults:  # type errors in defaults are reported there, not on every model
-        _get(defaults, name, MODEL_KEYS, where, "defaults.")
+    for key in defaults:  # type errors in defaults are reported there, not on every model
+        _get(defaults, key, MODEL_KEYS, where, "defaults.")
     models = _parse_models(raw["models"], defaults, where)
     tasks = _parse_tasks(raw["tasks"], where, {m.label for m in models})
     return Suite(
