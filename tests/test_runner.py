@@ -111,6 +111,13 @@ def test_killed_run_resumes_to_the_same_numbers(first_run):
             if (folder / name).exists():
                 assert (folder / name).stat().st_size > 0
 
+    # a report of the partial run lists what is missing and scores nothing it cannot compare whole
+    from nsa_eval.report import write_report
+
+    partial = json.loads((write_report(run_dir, root / "partial_report") / "report.json").read_text())
+    assert partial["averages"]["niah"]["full"] is None
+    assert len(partial["missing_cells"]) == N_CELLS - len(done)
+
     summary = run_suite(load_suite(suite_path), run_dir, only=only, progress=False)
     assert (summary.computed, summary.skipped) == (3 - len(done), len(done))
     resumed = cell_folders(run_dir)
