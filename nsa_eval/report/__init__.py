@@ -111,10 +111,11 @@ class ReportBuilder:
         subtasks = self._subtasks(task)
         metrics = sorted({s.metric for s in self.scores if s.task == task})
         doc.heading(f"{task}")
+        models = self._models_of(task)
         rows = []
         for sub in subtasks:
             row = [sub]
-            for model in self.models:
+            for model in models:
                 score = self._score(model, task, sub)
                 row.append(_fmt(score.value if score else None))
                 if score:
@@ -123,29 +124,31 @@ class ReportBuilder:
                                             "stderr": score.stderr, "n": score.n})
             rows.append(row)
         if len(subtasks) > 1:
-            rows.append(["**Average**"] + [_fmt(self._average(m, task)) for m in self.models])
+            rows.append(["**Average**"] + [_fmt(self._average(m, task)) for m in models])
         n = sorted({s.n for s in self.scores if s.task == task and s.n is not None})
-        doc.table(["task"] + self.models, rows,
+        doc.table(["task"] + models, rows,
                   f"Metric {', '.join(f'`{m}`' for m in metrics)}; documents per subtask: "
                   f"{', '.join(map(str, n)) or '?'}.")
         self._difference_table(doc, task, subtasks)
 
     def _difference_table(self, doc: Document, task: str, subtasks: list[str]) -> None:
-        if self.reference is None or len(self.models) < 2:
+        models = self._models_of(task)
+        reference = self._reference_model(models)
+        if reference is None or len(models) < 2:
             return
-        others = [m for m in self.models if m != self.reference]
-        for i, a in enumerate(self.models):  # every pair goes to differences.csv
-            for b in self.models[i + 1:]:
+        others = [m for m in models if m != reference]
+        for i, a in enumerate(models):  # every pair goes to differences.csv
+            for b in models[i + 1:]:
                 self._pair(task, subtasks, a, b)
         rows = []
         for sub in subtasks + (["average"] if len(subtasks) > 1 else []):
             row = ["**Average**" if sub == "average" else sub]
             for model in others:
-                d = self._find_difference(task, sub, self.reference, model)
+                d = self._find_difference(task, sub, reference, model)
                 row.append("n/a" if d is None else _interval(d))
             rows.append(row)
-        doc.table(["task"] + [f"{m} - {self.reference}" for m in others], rows,
-                  f"Difference to `{self.reference}` with a paired bootstrap 95% interval over the same "
+        doc.table(["task"] + [f"{m} - {reference}" for m in others], rows,
+                  f"Difference to `{reference}` with a paired bootstrap 95% interval over the same "
                   f"documents ({self.iters} resamples); an interval that contains 0 is not a "
                   "measurable difference.")
 
@@ -377,11 +380,17 @@ class ReportBuilder:
 
     # ------------------------------------------------------------ helpers
 
-    def _reference_model(self) -> str | None:
-        for model in self.models:
+    def _reference_model(self, models: list[str] | None = None) -> str | None:
+        """The first full-attention model among `models` (default: all), else the first model."""
+        models = self.models if models is None else models
+        for model in models:
             if self.run.model_spec(model)["attention"] == "full":
                 return model
-        return self.models[0] if self.models else None
+        return models[0] if models else None
+
+    def _models_of(self, task: str) -> list[str]:
+        """The models that ran `task`: a task limited to some models compares only those."""
+        return [m for m in self.models if self.run.cells_of(m, task)]
 
     def _subtasks(self, task: str) -> list[str]:
         seen = []
