@@ -19,13 +19,7 @@ FLA = dict(block_len=16, stride=16, select_size=16, num_selected=4, num_init=1, 
 HEADS = [(2, 2), (6, 2), (4, 1), (8, 1), (16, 1)]  # (Hq, Hkv): G = 1, 3, 4, 8, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors on shared cores: more threads only contend (~30x slower on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def err_ratio(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -38,12 +38,8 @@ def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int =
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors on a shared 2-core machine: one thread is faster than two fighting for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def one_thread(one_torch_thread):
+    """Every methods test runs on one torch thread (see tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
