@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_eval.tasks.data import check_task_data, data_dir, fetch
+from nsa_eval.tasks.longbench import SUBSETS
 
 TASKS_DIR = Path(__file__).resolve().parent
 
@@ -25,21 +26,7 @@ TASKS_DIR = Path(__file__).resolve().parent
 PROJECT_TASKS: dict[str, str] = {
     "nsa_niah": "needle in a haystack: context lengths x depths grid, exact match of a 7-digit value",
     "nsa_longbench": "LongBench v1, the paper's 10 subsets, official prompts/metrics, 0-1 scale",
-    **{
-        f"nsa_longbench_{s}": f"LongBench {s}"
-        for s in (
-            "multifieldqa_en",
-            "multifieldqa_zh",
-            "qasper",
-            "hotpotqa",
-            "2wikimqa",
-            "gov_report",
-            "dureader",
-            "passage_retrieval_en",
-            "passage_retrieval_zh",
-            "lcc",
-        )
-    },
+    **{f"nsa_longbench_{s}": f"LongBench {s}" for s in SUBSETS},
     "nsa_mmlu": "MMLU 5-shot, loglikelihood multiple choice (acc)",
     "nsa_bbh": "BBH 3-shot chain of thought, exact match of 'the answer is ...'",
     "nsa_bbh_direct": "BBH 3-shot answer only (no chain of thought), exact match",
