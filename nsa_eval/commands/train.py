@@ -5,9 +5,10 @@
     nsa-eval train --attention both --out runs/train --seed 0 --minutes 4   # the two above
     nsa-eval train --attention nsa --out /tmp/t --tiny          # a few CPU steps
 
-`--match RUN` copies the step count, batch and sequence length of an earlier run, so both models
-see identical tokens. `--attention both` trains NSA into <out>/nsa (sized by --minutes or --steps),
-then full attention into <out>/full matched to it, and plots both into <out>/loss_curves.png.
+`--match RUN` copies the step count, batch, sequence length, learning rate and retrieval mix of an
+earlier run, so both models see identical tokens. `--attention both` trains NSA into <out>/nsa
+(sized by --minutes or --steps), then full attention into <out>/full matched to it, and plots both
+into <out>/loss_curves.png.
 The corpus and tokenizer are built into `--data` on first use (a few minutes) and reused afterwards.
 """
 
@@ -37,6 +38,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--seq-len", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--retrieval-lengths", type=int, nargs="+", metavar="TOKENS",
+                   help="NIAH context lengths of the retrieval rows (default: the recipe's)")
     p.add_argument("--workers", type=int, default=None, help="batch-building processes (default: CPUs - 2)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--kernel-impl", choices=["auto", "reference", "triton"], default="auto",
@@ -112,12 +115,24 @@ def _validated_config(args):
             if value <= 0:
                 raise UsageError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
             cfg = replace(cfg, **{field: value})
+    if args.retrieval_lengths:
+        cfg = replace(cfg, mix=replace(cfg.mix, retrieval_lengths=_retrieval_lengths(args, cfg)))
     if args.match is not None:
         cfg = _matched(cfg, Path(args.match))
     if cfg.steps is None and cfg.minutes is None:
         raise UsageError("give one of --minutes, --steps or --match (or --tiny)")
     default_data = out.parent / "data-tiny" if args.tiny else Path(DEFAULT_DATA)
     return cfg, Path(args.data) if args.data else default_data
+
+
+def _retrieval_lengths(args, cfg) -> tuple[int, ...]:
+    lengths = tuple(sorted(set(args.retrieval_lengths)))
+    margin = 24  # answer, EOS and tokenization slack (train/data.py)
+    bad = [n for n in lengths if n < 64 or n + margin > cfg.seq_len + 1]
+    if bad:
+        raise UsageError(f"--retrieval-lengths {bad[0]}: each length must be >= 64 and fit a "
+                         f"{cfg.seq_len}-token row with {margin} tokens to spare")
+    return lengths
 
 
 def _matched(cfg, run_dir: Path):
@@ -130,5 +145,6 @@ def _matched(cfg, run_dir: Path):
     if theirs["seed"] != cfg.seed:
         raise UsageError(f"--match {run_dir} used --seed {theirs['seed']}, not {cfg.seed}: "
                          "the data would differ")
+    mix = replace(cfg.mix, **{k: tuple(v) if isinstance(v, list) else v for k, v in theirs["mix"].items()})
     return replace(cfg, steps=theirs["steps"], minutes=None, batch_size=theirs["batch_size"],
-                   seq_len=theirs["seq_len"], lr=theirs["lr"])
+                   seq_len=theirs["seq_len"], lr=theirs["lr"], mix=mix)

@@ -7,7 +7,8 @@ from nsa_eval.cli import main
 
 def test_tiny_run_then_matched_run(tmp_path, capsys, tiny_corpus_dir):
     out, data = str(tmp_path / "full"), str(tiny_corpus_dir)
-    assert main(["train", "--attention", "full", "--out", out, "--tiny", "--steps", "2", "--data", data]) == 0
+    assert main(["train", "--attention", "full", "--out", out, "--tiny", "--steps", "2", "--data", data,
+                 "--retrieval-lengths", "96", "64"]) == 0
     assert "done: full 2 steps" in capsys.readouterr().out
     code = main(["train", "--attention", "full", "--out", str(tmp_path / "again"), "--tiny",
                  "--match", str(tmp_path / "full"), "--data", data])
@@ -15,6 +16,7 @@ def test_tiny_run_then_matched_run(tmp_path, capsys, tiny_corpus_dir):
     a = json.loads((tmp_path / "full" / "summary.json").read_text())
     b = json.loads((tmp_path / "again" / "summary.json").read_text())
     assert a["tokens"] == b["tokens"] and a["final_eval"] == b["final_eval"]
+    assert a["config"]["mix"]["retrieval_lengths"] == b["config"]["mix"]["retrieval_lengths"] == [64, 96]
 
 
 def test_bad_flags_exit_2_before_work(tmp_path, capsys):
@@ -22,5 +24,8 @@ def test_bad_flags_exit_2_before_work(tmp_path, capsys):
     assert "--steps must be >= 1" in capsys.readouterr().err
     assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x"), "--match", str(tmp_path)]) == 2
     assert "no summary.json" in capsys.readouterr().err
+    assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x"), "--steps", "3",
+                 "--retrieval-lengths", "1024", "4096"]) == 2
+    assert "--retrieval-lengths 4096" in capsys.readouterr().err
     assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
