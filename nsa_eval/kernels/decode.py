@@ -1,27 +1,55 @@
 """Triton NSA decode: one new query per sequence against caches of raw and compressed keys/values.
 
 The work is split over the blocks actually read (split-K), so the cost grows with the number of
-blocks, not with the cache size:
-1. `_decode_cmp_kernel`, one program per (chunk of compressed keys, sequence, KV head), all G query
-   heads of the group as rows: scores (kept for step 2) and a partial softmax (max, sum, p @ v).
-   Chunks past the query's last visible compressed block exit at once.
-2. `_decode_importance_kernel`, one program per (chunk of selection blocks, sequence, KV head): the
-   compression lse from the partials, then the chunk's selection-block importances from the stored
-   scores (same overlap weights and group sum as prefill; weight spilling from the previous chunk's
-   compressed blocks is recomputed from its scores), then `topk_blocks` picks the blocks (forced
-   ones, ties to the lower index).
-3. `_decode_attn_kernel`, one program per (selected block or window chunk, sequence, KV head):
-   partial softmax over that block.
-4. `_decode_combine_kernel` merges the partials of each branch and applies the gates.
+blocks, not with the cache size. Two implementations, chosen by the module flag `DECODE_VARIANT`:
+
+`"fused"` (default), three launches:
+1. `_decode_cmp_split_kernel`, one program per (split, sequence, KV head), all G query heads of the
+   group as rows: each split walks `CMP_SPLIT_TILES` tiles of compressed keys (pipelined loads) with
+   an online softmax, stores the scores (kept for step 2) and one partial (max, sum, p @ v). The
+   number of splits fills the GPU (about `CMP_PROGRAMS_PER_SM` programs per SM), so there are a few
+   partials per (sequence, KV head) instead of one per 64 keys. Splits past the query's last
+   visible compressed block exit at once. Program 0 also zeroes the (sequence, KV head) counter of
+   step 3.
+2. `_decode_importance_split_kernel`, one program per (chunk of selection blocks, sequence, KV head):
+   the compression lse from the few partials in one vector load, then the chunk's selection-block
+   importances from the stored scores (same overlap weights and group sum as prefill; weight spilling
+   from the compressed blocks just before the chunk is read from a 16-wide tile).
+3. `_decode_attn_fused_kernel`, one program per (group of `SEL_PER_PROGRAM` selected-block slots, or
+   window chunk, sequence, KV head). A selection program first takes the top-k itself from the
+   importance row (forced blocks, then the largest importances, ties to the lower index: one max
+   reduction of (importance, index) packed in an int64 per pick; every selection program of the row
+   computes the same picks, program 0 writes the block indices), then a partial softmax over its
+   slots; a window program over its chunk. The program that finishes last for a (sequence, KV head)
+   (an acq_rel atomic counter) merges all partials of the three branches (vector loads, in groups),
+   applies the gates and writes the output.
+
+`"v1"`, five launches, kept for comparison: compressed chunks of 64 keys, one program each
+(`_decode_cmp_kernel`); importances per chunk of 16 selection blocks, the lse merged serially from
+every chunk partial (`_decode_importance_kernel`); `topk_blocks`; one program per selected block or
+64-key window chunk (`_decode_attn_kernel`); a serial merge per (sequence, KV head)
+(`_decode_combine_kernel`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from nsa_eval.kernels._triton_utils import LOG2E, default_scale, interpreting, pow2, topk_blocks
+
+# "fused" (three launches, see the module docstring) or "v1" (the first split-K version, five launches)
+DECODE_VARIANT = "fused"
+# fused: compressed-key programs per SM the splits aim at (B * Hkv * splits ~ this * SMs)
+CMP_PROGRAMS_PER_SM = 2
+# fused: tiles of compressed keys per split; None derives it from CMP_PROGRAMS_PER_SM
+CMP_SPLIT_TILES = None
+# fused: selected-block slots per program of the attention kernel; window keys per program = 64 * this
+SEL_PER_PROGRAM = 2
+WIN_TILES_PER_PROGRAM = 1
 
 
 @triton.jit
@@ -232,6 +260,261 @@ def _decode_combine_kernel(
              mask=m_r[:, None] & (o_dv < DV)[None, :])
 
 
+# ---------------------------------------------------------------------------------------------
+# fused variant
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _n_visible(t, TC, block_len, stride):
+    # compressed blocks that end at or before position t
+    return tl.minimum(tl.where(t >= block_len - 1, (t - block_len + 1) // stride + 1, 0), TC)
+
+
+@triton.jit
+def _decode_cmp_split_kernel(
+    Q, KC, VC, POS, SC, PM, PL, PO, CNT,
+    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, scale_log2, block_len, stride,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
+    BC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # partials of split i_s sit at PM/PL/PO[i_bh, i_s] (PM, PL: [B*HKV, NPART, M]; PO: [.., M, BDV])
+    i_s = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    if i_s == 0:
+        tl.store(CNT + i_bh, 0)  # arrival counter of the attention kernel (launched after this one)
+    i_b = (i_bh // HKV).to(tl.int64)
+    i_hk = i_bh % HKV
+    t = tl.load(POS + i_b)
+    n_vis = _n_visible(t, TC, block_len, stride)
+    lo = i_s * SPLIT_KEYS
+    if lo < n_vis:
+        hi = tl.minimum(lo + SPLIT_KEYS, n_vis)
+        o_r = tl.arange(0, M)
+        o_dk = tl.arange(0, BDK)
+        o_dv = tl.arange(0, BDV)
+        q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
+        k_base = KC + i_b * sk_b + i_hk * sk_h
+        v_base = VC + i_b * sv_b + i_hk * sv_h
+        sc_rows = SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN  # [M, 1]
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, BDV], tl.float32)
+        for start in range(lo, hi, BC):
+            o_k = start + tl.arange(0, BC)  # [BC] compressed block indices
+            m_k = o_k < hi
+            k_ptrs = k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
+            v_ptrs = v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
+            valid = m_k[None, :] & (o_r < G)[:, None]
+            s, m, l, o = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV,
+                                          UPCAST)
+            tl.store(sc_rows + o_k[None, :], s)
+            m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
+        part = i_bh * NPART + i_s
+        tl.store(PM + part * M + o_r, m_i)
+        tl.store(PL + part * M + o_r, l_i)
+        tl.store(PO + (part * M + o_r[:, None]) * BDV + o_dv[None, :], acc)
+
+
+@triton.jit
+def _overlap(c_lo, c_hi, s_lo, s_hi):
+    return tl.maximum(tl.minimum(c_hi, s_hi) - tl.maximum(c_lo, s_lo), 0)
+
+
+@triton.jit
+def _decode_importance_split_kernel(
+    POS, SC, PM, PL, IMP, TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, NS, block_len, stride, select_size,
+    M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr, NPB: tl.constexpr,
+):
+    BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HKV
+    t = tl.load(POS + i_b)
+    j0 = tl.program_id(0) * BNS  # this program's first selection block
+    if j0 <= t // select_size:
+        n_vis = _n_visible(t, TC, block_len, stride)
+        o_r = tl.arange(0, M)
+        m_r = o_r < G
+        # lse of every head (log2 units) from the split partials, one vector load
+        o_p = tl.arange(0, NPB)
+        m_p = (o_p < tl.cdiv(n_vis, SPLIT_KEYS))[:, None]
+        offs = (i_bh * NPART + o_p[:, None]) * M + o_r[None, :]  # [NPB, M]
+        m = tl.load(PM + offs, mask=m_p, other=float("-inf"))
+        l = tl.load(PL + offs, mask=m_p, other=0.0)
+        m_max = tl.max(m, 0)  # [M]
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        l_sum = tl.sum(l * tl.exp2(m - m_safe[None, :]), 0)  # [M]
+        lse = tl.where(l_sum > 0, m_safe + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), 0.0)  # [M]
+
+        # token overlap of compressed blocks with the chunk's selection blocks, in units of stride,
+        # positions relative to the chunk start j0 * select_size (= j0 * RATIO * stride)
+        o_j = tl.arange(0, BNS)
+        s_lo = o_j[None, :] * select_size
+        o_c = tl.arange(0, BC)
+        c_lo = o_c[:, None] * stride
+        w_main = _overlap(c_lo, c_lo + block_len, s_lo, s_lo + select_size).to(tl.float32) / stride
+        # w_main [BC, BNS]; w_spill [SPILL, BNS] for the SPILL compressed blocks before the chunk
+        o_e = tl.arange(0, SPILL)
+        e_lo = (o_e[:, None] - SPILL) * stride
+        w_spill = _overlap(e_lo, e_lo + block_len, s_lo, s_lo + select_size).to(tl.float32) / stride
+
+        sc_rows = SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN  # [M, 1]
+        o_k = j0 * RATIO + o_c  # [BC]
+        vis = (o_k < n_vis)[None, :] & m_r[:, None]  # [M, BC]
+        s = tl.load(sc_rows + o_k[None, :], mask=vis, other=float("-inf"))
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
+        imp = tl.sum(tl.dot(p, w_main, input_precision="tf32x3"), 0)  # [BNS] summed over the group
+        o_k = j0 * RATIO - SPILL + o_e  # [SPILL] the compressed blocks just before the chunk
+        vis = ((o_k < n_vis) & (o_k >= 0))[None, :] & m_r[:, None]
+        s = tl.load(sc_rows + o_k[None, :], mask=vis, other=float("-inf"))
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)  # [M, SPILL]
+        imp += tl.sum(tl.dot(p, w_spill, input_precision="tf32x3"), 0)
+        cols = j0 + o_j
+        tl.store(IMP + i_bh.to(tl.int64) * NS + cols, imp, mask=cols < NS)
+
+
+@triton.jit
+def _topk_row(IMP_ROW, t, NS, select_size, num_selected, num_init, num_local, first_slot,
+              BNS: tl.constexpr, SPP: tl.constexpr):
+    # the blocks of one (sequence, KV head), as `topk_blocks`: forced blocks (+inf), blocks after t
+    # excluded, then the largest importances, ties to the lower index. Returns chosen [BNS] (0/1) and
+    # the picks number first_slot .. first_slot + SPP - 1 [SPP] (-1 where fewer blocks exist).
+    o_j = tl.arange(0, BNS)
+    cur = t // select_size  # block holding t
+    imp = tl.load(IMP_ROW + o_j, mask=o_j < NS, other=0.0) + 0.0  # + 0.0 turns -0.0 into +0.0
+    forced = (o_j < num_init) | (o_j > cur - num_local)
+    imp = tl.where(forced, float("inf"), imp)
+    imp = tl.where(o_j > cur, float("-inf"), imp)
+    # int64 keys ordered like (importance, -index): one max reduction per pick; importances are >= 0,
+    # so takeable keys are >= 0 and -inf (excluded) maps below 0
+    bits = imp.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BNS] int32 ordered like imp
+    key = (ordered.to(tl.int64) << 32) + (BNS - 1 - o_j).to(tl.int64)  # [BNS]
+    chosen = tl.zeros([BNS], tl.int32)
+    o_s = tl.arange(0, SPP)
+    picks = tl.full([SPP], -1, tl.int32)
+    for i in range(num_selected):
+        best = tl.max(key, 0)
+        first = BNS - 1 - (best - ((best >> 32) << 32)).to(tl.int32)
+        ok = best >= 0
+        chosen = tl.where((o_j == first) & ok, 1, chosen)
+        picks = tl.where((o_s == i - first_slot) & ok, first, picks)
+        key = tl.where(o_j == first, -1, key)
+    return chosen, picks
+
+
+@triton.jit
+def _merge_parts(PM, PL, PO, first, n, o_r, o_dv, M: tl.constexpr, BDV: tl.constexpr, NPB: tl.constexpr,
+                 PG: tl.constexpr):
+    # softmax merge of the n partials first .. first + n - 1 -> [M, BDV]; .cg loads: written by other
+    # programs of the same launch, read after the acquire of the arrival counter
+    o_p = tl.arange(0, NPB)
+    m_p = (o_p < n)[:, None]
+    offs = (first + o_p[:, None]) * M + o_r[None, :]  # [NPB, M]
+    m = tl.load(PM + offs, mask=m_p, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(PL + offs, mask=m_p, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, 0)  # [M]
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.sum(l * tl.exp2(m - m_safe[None, :]), 0)  # [M]
+    acc = tl.zeros([M, BDV], tl.float32)
+    for g in range(0, n, PG):
+        o_g = first + g + tl.arange(0, PG)  # [PG]
+        m_g = (g + tl.arange(0, PG)) < n
+        w = tl.load(PM + o_g[:, None] * M + o_r[None, :], mask=m_g[:, None], other=float("-inf"),
+                    cache_modifier=".cg")
+        w = tl.exp2(w - m_safe[None, :])  # [PG, M]
+        o = tl.load(PO + (o_g[:, None, None] * M + o_r[None, :, None]) * BDV + o_dv[None, None, :],
+                    mask=m_g[:, None, None], other=0.0, cache_modifier=".cg")  # [PG, M, BDV]
+        acc += tl.sum(w[:, :, None] * o, 0)
+    return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+
+
+@triton.jit
+def _decode_attn_fused_kernel(
+    Q, K, V, KW, VW, POS, IMP, BI, PM, PL, PO, CNT, GC, GS, GW, O,
+    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
+    S, TC, HKV, G, NS, NSELP, NWP, NCMP, NPART, SPLIT_KEYS, scale_log2, window, block_len, stride,
+    select_size, num_selected, num_init, num_local,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
+    BS: tl.constexpr, SPP: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, BNS: tl.constexpr,
+    NSEL2: tl.constexpr, NPB: tl.constexpr, PG: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # programs 0 .. NSELP-1: SPP selected-block slots each; NSELP ..: window chunks of WT * BW keys.
+    # Partials: [0, NCMP) compression (step 1), then NSELP selection, then NWP window, per i_bh.
+    # BI [B*HKV, num_selected]; gates GC/GS/GW and output O are contiguous [B, 1, HQ(, DV)].
+    i_p = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // HKV).to(tl.int64)
+    i_hk = i_bh % HKV
+    t = tl.load(POS + i_b)
+    o_r = tl.arange(0, M)
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BDV], tl.float32)
+    if i_p < NSELP:
+        chosen, picks = _topk_row(IMP + i_bh.to(tl.int64) * NS, t, NS, select_size, num_selected, num_init,
+                                  num_local, i_p * SPP, BNS, SPP)
+        if i_p == 0:  # the block indices, ascending, -1 after them
+            o_j = tl.arange(0, BNS)
+            rank = tl.cumsum(chosen, 0) - 1  # [BNS] output slot of each chosen block
+            o_n = tl.arange(0, NSEL2)
+            bi_row = BI + i_bh.to(tl.int64) * num_selected
+            tl.store(bi_row + o_n, tl.full([NSEL2], -1, tl.int32),
+                     mask=(o_n >= tl.sum(chosen, 0)) & (o_n < num_selected))
+            tl.store(bi_row + rank, o_j, mask=chosen > 0)
+        o_s = tl.arange(0, SPP)
+        for j in tl.static_range(SPP):
+            blk = tl.sum(tl.where(o_s == j, picks, 0), 0)
+            o_k = tl.maximum(blk, 0) * BS + tl.arange(0, BS)
+            m_k = (o_k <= t) & (o_k < S) & (tl.zeros([BS], tl.int32) + blk >= 0)
+            k_ptrs = K + i_b * sk_b + i_hk * sk_h + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
+            v_ptrs = V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
+            valid = m_k[None, :] & (o_r < G)[:, None]
+            _, m, l, o = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV,
+                                          UPCAST)
+            m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
+    else:
+        start = tl.maximum(t - window + 1, 0) + (i_p - NSELP) * (WT * BW)
+        for j in tl.static_range(WT):
+            o_k = start + j * BW + tl.arange(0, BW)
+            m_k = (o_k <= t) & (o_k < S)
+            k_ptrs = KW + i_b * skw_b + i_hk * skw_h + o_k[:, None].to(tl.int64) * skw_t + o_dk[None, :]
+            v_ptrs = VW + i_b * svw_b + i_hk * svw_h + o_k[:, None].to(tl.int64) * svw_t + o_dv[None, :]
+            valid = m_k[None, :] & (o_r < G)[:, None]
+            _, m, l, o = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV,
+                                          UPCAST)
+            m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
+    base = i_bh * NPART
+    part = base + NCMP + i_p
+    tl.store(PM + part * M + o_r, m_i)
+    tl.store(PL + part * M + o_r, l_i)
+    tl.store(PO + (part * M + o_r[:, None]) * BDV + o_dv[None, :], acc)
+
+    # the last program of this (sequence, KV head) to arrive merges every partial
+    tl.debug_barrier()  # all threads' stores before the release of the counter increment
+    arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
+    if arrived == NSELP + NWP - 1:
+        n_cmp = tl.cdiv(_n_visible(t, TC, block_len, stride), SPLIT_KEYS)
+        o_cmp = _merge_parts(PM, PL, PO, base, n_cmp, o_r, o_dv, M, BDV, NPB, PG)
+        o_slc = _merge_parts(PM, PL, PO, base + NCMP, NSELP, o_r, o_dv, M, BDV, NPB, PG)
+        o_swa = _merge_parts(PM, PL, PO, base + NCMP + NSELP, NWP, o_r, o_dv, M, BDV, NPB, PG)
+        head = (i_b * HKV + i_hk) * G + o_r  # [M] flat (b, h) since HQ = HKV * G
+        m_r = o_r < G
+        gc = tl.load(GC + head, mask=m_r, other=0.0).to(tl.float32)
+        gs = tl.load(GS + head, mask=m_r, other=0.0).to(tl.float32)
+        gw = tl.load(GW + head, mask=m_r, other=0.0).to(tl.float32)
+        o = gc[:, None] * o_cmp + gs[:, None] * o_slc + gw[:, None] * o_swa
+        tl.store(O + head[:, None].to(tl.int64) * DV + o_dv[None, :], o.to(O.dtype.element_ty),
+                 mask=m_r[:, None] & (o_dv < DV)[None, :])
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None, k_swa=None, v_swa=None,
                block_len=32, stride=16, select_size=64, num_selected=16, num_init=1, num_local=2,
                window=512, scale=None, return_block_indices=False):
@@ -250,31 +533,121 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
         o `[B, 1, Hq, Dv]`; with `return_block_indices` also int32 `[B, 1, Hkv, num_selected]`.
     """
     B, _, HQ, DK = q.shape
-    S, HKV = k.shape[1], k.shape[2]
-    TC, DV = k_cmp.shape[1], v.shape[3]
-    G = HQ // HKV
-    scale = default_scale(scale, DK)
+    S = k.shape[1]
     if select_size < 16 or select_size & (select_size - 1):
         raise ValueError(f"the Triton nsa_decode needs select_size a power of two >= 16, got {select_size}")
     ratio = select_size // stride
     if select_size % stride or ratio & (ratio - 1):
         raise ValueError(f"the Triton nsa_decode needs select_size a power-of-two multiple of stride, "
                          f"got select_size={select_size}, stride={stride}")
+    if DECODE_VARIANT not in ("fused", "v1"):
+        raise ValueError(f"DECODE_VARIANT must be 'fused' or 'v1', got {DECODE_VARIANT!r}")
     k_swa = k if k_swa is None else k_swa
     v_swa = v if v_swa is None else v_swa
-    dev = q.device
     if cache_seqlens is None:
-        pos = torch.full((B,), S - 1, dtype=torch.int32, device=dev)
+        pos = torch.full((B,), S - 1, dtype=torch.int32, device=q.device)
     else:
         pos = (cache_seqlens.to(torch.int32) - 1).contiguous()
     for x in (k, v, k_cmp, v_cmp, k_swa, v_swa):
         if x.stride(-1) != 1:
             raise ValueError("nsa_decode needs caches with a contiguous last dimension")
-    q = q.contiguous()
+    params = dict(block_len=block_len, stride=stride, select_size=select_size, num_selected=num_selected,
+                  num_init=num_init, num_local=num_local, window=window, scale=default_scale(scale, DK))
+    run = _decode_fused if DECODE_VARIANT == "fused" else _decode_v1
+    o, bi = run(q.contiguous(), k, v, k_cmp, v_cmp, g_cmp.contiguous(), g_slc.contiguous(),
+                g_swa.contiguous(), k_swa, v_swa, pos, **params)  # [B, 1, Hq, Dv], [B*Hkv, n]
+    if return_block_indices:
+        return o, bi.view(B, 1, k.shape[2], num_selected)
+    return o
+
+
+def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos, *, block_len, stride,
+                  select_size, num_selected, num_init, num_local, window, scale):
+    B, _, HQ, DK = q.shape
+    S, HKV = k.shape[1], k.shape[2]
+    TC, DV = k_cmp.shape[1], v.shape[3]
+    G = HQ // HKV
+    BH = B * HKV
+    M = pow2(G)
+    BDK, BDV = pow2(DK), pow2(DV)
+    interp = interpreting()
+    dev = q.device
+    f32 = dict(device=dev, dtype=torch.float32)
+
+    # splits of the compressed keys: about CMP_PROGRAMS_PER_SM programs per SM in all
+    BC = 16 if interp else 64
+    n_tiles = max(1, triton.cdiv(TC, BC))
+    tiles = CMP_SPLIT_TILES
+    if tiles is None:
+        if interp:
+            tiles = 2
+        else:
+            splits = max(1, CMP_PROGRAMS_PER_SM * _num_sms(dev.index or 0) // BH)
+            tiles = triton.cdiv(n_tiles, min(splits, n_tiles))
+    n_cmp = triton.cdiv(n_tiles, tiles)
+    split_keys = tiles * BC
+    sc_len = n_tiles * BC
+    # attention programs: SPP selected-block slots, or WT window tiles of BW keys
+    SPP = SEL_PER_PROGRAM
+    BW, WT = (16, 2) if interp else (64, WIN_TILES_PER_PROGRAM)
+    n_selp = triton.cdiv(num_selected, SPP)
+    n_winp = max(1, triton.cdiv(window, WT * BW))
+    npart = n_cmp + n_selp + n_winp
+
+    scores = torch.empty(BH, M, sc_len, **f32)
+    pm = torch.empty(BH, npart, M, **f32)
+    pl = torch.empty(BH, npart, M, **f32)
+    po = torch.empty(BH, npart, M, BDV, **f32)
+    counter = torch.empty(BH, device=dev, dtype=torch.int32)  # zeroed by the compression kernel
+    scale_log2 = scale * LOG2E
+
+    # 1. compression branch: scores + one partial softmax per split
+    _decode_cmp_split_kernel[(n_cmp, BH)](
+        q, k_cmp, v_cmp, pos, scores, pm, pl, po, counter, q.stride(0), q.stride(2),
+        k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
+        TC, HKV, G, npart, split_keys, sc_len, scale_log2, block_len, stride,
+        DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, UPCAST=interp, num_warps=4, num_stages=3,
+    )
+
+    # 2. selection-block importances
+    ns = triton.cdiv(S, select_size)
+    imp = torch.empty(BH, ns, **f32)
+    ratio = select_size // stride
+    bns = 16 if interp else max(16, 128 // ratio)
+    spill = pow2(max(1, triton.cdiv(block_len, stride) - 1))
+    npb = pow2(max(n_cmp, n_selp, n_winp), 1)
+    _decode_importance_split_kernel[(triton.cdiv(ns, bns), BH)](
+        pos, scores, pm, pl, imp, TC, HKV, G, npart, split_keys, sc_len, ns, block_len, stride, select_size,
+        M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, num_warps=4,
+    )
+
+    # 3. top-k, selected blocks and window chunks, then the merge of all partials by the last program
+    bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
+    o = torch.empty(B, 1, HQ, DV, device=dev, dtype=q.dtype)
+    _decode_attn_fused_kernel[(n_selp + n_winp, BH)](
+        q, k, v, k_swa, v_swa, pos, imp, bi, pm, pl, po, counter, g_cmp, g_slc, g_swa, o,
+        q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
+        S, TC, HKV, G, ns, n_selp, n_winp, n_cmp, npart, split_keys, scale_log2, window, block_len, stride,
+        select_size, num_selected, num_init, num_local,
+        DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, BNS=pow2(ns),
+        NSEL2=pow2(num_selected, 1), NPB=npb, PG=4, UPCAST=interp, num_warps=4,
+    )
+    return o, bi
+
+
+def _decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos, *, block_len, stride,
+               select_size, num_selected, num_init, num_local, window, scale):
+    B, _, HQ, DK = q.shape
+    S, HKV = k.shape[1], k.shape[2]
+    TC, DV = k_cmp.shape[1], v.shape[3]
+    G = HQ // HKV
+    ratio = select_size // stride
+    dev = q.device
     M = pow2(G)
     BDK, BDV = pow2(DK), pow2(DV)
     upcast = interpreting()
     f32 = dict(device=dev, dtype=torch.float32)
+
 
     # 1. compression branch: scores + partial softmax per chunk of compressed keys
     BC1 = 16 if interpreting() else 64
@@ -321,9 +694,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
     # 4. merge partials, gate, write
     o = torch.empty(B, 1, HQ, DV, device=dev, dtype=q.dtype)
     _decode_combine_kernel[(B * HKV,)](
-        pos, cpm, cpl, cpo, apm, apl, apo, g_cmp.contiguous(), g_slc.contiguous(), g_swa.contiguous(), o,
+        pos, cpm, cpl, cpo, apm, apl, apo, g_cmp, g_slc, g_swa, o,
         TC, HKV, G, nch, num_selected, npart, block_len, stride, DV=DV, BDV=BDV, M=M, BC1=BC1, num_warps=4,
     )
-    if return_block_indices:
-        return o, bi.view(B, 1, HKV, num_selected)
-    return o
+    return o, bi

@@ -1,0 +1,140 @@
+"""Both implementations of the Triton decode (`decode.DECODE_VARIANT`: "fused", "v1") against the
+reference decode. CPU tests run through Triton's interpreter; the `gpu` test compares the two
+variants on an H200-sized cache, replays the fused one from a CUDA graph (its arrival counters must
+reset themselves) and prints their times: `pytest -m gpu tests/kernels/test_decode_variants.py -s`."""
+
+import os
+
+import pytest
+import torch
+
+from nsa_eval.kernels import decode
+from nsa_eval.kernels import reference as ref
+from tests.kernels import test_triton_kernels as base  # module import: its tests are not collected twice
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+interpreter_only = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (TRITON_INTERPRET=1)")
+TOL = 1e-4
+
+
+@pytest.fixture(params=["fused", "v1"])
+def variant(request, monkeypatch):
+    monkeypatch.setattr(decode, "DECODE_VARIANT", request.param)
+    return request.param
+
+
+@pytest.fixture
+def v1(monkeypatch):
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "v1")
+
+
+# the default variant (fused) runs these in test_triton_kernels.py; here the previous one
+@interpreter_only
+@pytest.mark.parametrize("shape", base.SHAPES[1:4], ids=base.IDS[1:4])
+def test_v1_matches_reference(v1, shape):
+    base.test_decode_matches_reference(shape)
+
+
+@interpreter_only
+def test_v1_separate_window_cache(v1):
+    base.test_decode_separate_window_cache()
+
+
+def _inputs(B, S, hq, hkv, dk, dv, seed=0, device="cpu", dtype=torch.float32):
+    g = torch.Generator(device=device).manual_seed(seed)
+    tc = (S - 32) // 16 + 1
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
+
+    q = rnd(B, 1, hq, dk)
+    kv = [rnd(B, S, hkv, dk), rnd(B, S, hkv, dv), rnd(B, tc, hkv, dk), rnd(B, tc, hkv, dv)]
+    gates = [torch.rand(B, 1, hq, generator=g, device=device).to(dtype) for _ in range(3)]
+    return q, kv, gates
+
+
+def _check(q, kv, gates, lengths, **params):
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    o, idx = decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens, return_block_indices=True, **params)
+    o_ref, idx_ref = ref.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens, return_block_indices=True,
+                                    **params)
+    assert torch.equal(idx, idx_ref)
+    assert base.rel_err(o, o_ref) < TOL
+
+
+@interpreter_only
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (16, 1)], ids=["G3", "G16"])
+def test_long_cache(variant, hq, hkv):
+    """Several compressed tiles per split and several splits, importance chunks with spill from the
+    previous chunk, selected-block programs with an empty slot (5 blocks, 2 per program), window
+    programs of two tiles; ragged lengths including one before the first compressed block."""
+    q, kv, gates = _inputs(3, 600, hq, hkv, 16, 32, seed=1)
+    _check(q, kv, gates, [600, 333, 20], select_size=16, num_selected=5, window=40)
+
+
+@interpreter_only
+def test_exact_ties_go_to_the_lower_block(variant):
+    """Equal compressed keys give equal importances: the top-k must take the lower block indices,
+    across importance chunks (16 selection blocks each under the interpreter)."""
+    q, kv, gates = _inputs(1, 640, 4, 1, 16, 16, seed=2)
+    kv[2] = torch.zeros_like(kv[2])  # every compressed score 0: interior blocks tie exactly
+    _check(q, kv, gates, [640], select_size=16, num_selected=6, window=16)
+    kv[2][:, 20:24] = 1.0  # a few larger scores: blocks 4-6 beat the ties
+    _check(q, kv, gates, [640], select_size=16, num_selected=6, window=16)
+
+
+@interpreter_only
+def test_fused_split_tiles(monkeypatch):
+    """One tile per split (many partials, merged in groups) and one split for everything."""
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    q, kv, gates = _inputs(2, 400, 8, 2, 16, 16, seed=3)
+    for tiles in (1, 64):
+        monkeypatch.setattr(decode, "CMP_SPLIT_TILES", tiles)
+        _check(q, kv, gates, [400, 211], select_size=32, num_selected=4, window=48)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_fused_vs_v1_and_graph_replay(monkeypatch, T):
+    """bf16 at the benchmark shape (batch 16, 64/4 heads, d = 128): both variants against the float32
+    reference decode of a few rows, the same blocks in both variants, identical outputs over CUDA
+    graph replays of the fused decode; prints both times."""
+    import triton
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    B, hq, hkv, d = 16, 64, 4, 128
+    q, kv, gates = _inputs(B, T, hq, hkv, d, d, seed=4, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor([T - 97 * b for b in range(B)], device="cuda", dtype=torch.int32)
+    out = {}
+    for name in ("fused", "v1"):
+        monkeypatch.setattr(decode, "DECODE_VARIANT", name)
+        fn = lambda: decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens, return_block_indices=True)  # noqa: E731
+        out[name] = fn()
+        ms = triton.testing.do_bench(fn)
+        print(f"\ndecode T={T} B={B} {name}: {ms * 1e3:.1f} us (plain launches)")
+    (o_f, idx_f), (o_1, idx_1) = out["fused"], out["v1"]
+    assert (idx_f != idx_1).any(-1).float().mean() <= 0.1  # only (near-)ties may differ
+    assert base.rel_err(o_f, o_1) < 1e-2
+    rows = [0, B - 1]
+    o_ref = ref.nsa_decode(q[rows], *[x[rows] for x in kv], *[g[rows] for g in gates],
+                           cache_seqlens=seqlens[rows])
+    assert base.rel_err(o_f[rows], o_ref) < 2e-2
+
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g = decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens)
+    first = None
+    for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+        first = o_g.clone() if first is None else first
+        assert torch.equal(o_g, first)  # a missed or stale partial would change some rows
+    assert base.rel_err(first, o_f) < 1e-2
+    print(f"decode T={T} fused, CUDA graph: {triton.testing.do_bench(graph.replay) * 1e3:.1f} us")
