@@ -403,10 +403,10 @@ def _topk_row(IMP_ROW, t, NS, select_size, num_selected, num_init, num_local, fi
 
 
 @triton.jit
-def _merge_parts(PM, PL, PO, first, n, o_r, o_dv, M: tl.constexpr, BDV: tl.constexpr, NPB: tl.constexpr,
-                 PG: tl.constexpr):
-    # softmax merge of the n partials first .. first + n - 1 -> [M, BDV]; .cg loads: written by other
-    # programs of the same launch, read after the acquire of the arrival counter
+def _branch_weights(PM, PL, first, n, o_r, M: tl.constexpr, NPB: tl.constexpr):
+    # softmax-merge weights [NPB, M] of the n partials first .. first + n - 1 (0 for absent ones), the
+    # 1 / sum included. Loads .cg (L2): written by other programs of this launch, read after the
+    # acquire of the arrival counter.
     o_p = tl.arange(0, NPB)
     m_p = (o_p < n)[:, None]
     offs = (first + o_p[:, None]) * M + o_r[None, :]  # [NPB, M]
@@ -414,18 +414,18 @@ def _merge_parts(PM, PL, PO, first, n, o_r, o_dv, M: tl.constexpr, BDV: tl.const
     l = tl.load(PL + offs, mask=m_p, other=0.0, cache_modifier=".cg")
     m_max = tl.max(m, 0)  # [M]
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_sum = tl.sum(l * tl.exp2(m - m_safe[None, :]), 0)  # [M]
-    acc = tl.zeros([M, BDV], tl.float32)
-    for g in range(0, n, PG):
-        o_g = first + g + tl.arange(0, PG)  # [PG]
-        m_g = (g + tl.arange(0, PG)) < n
-        w = tl.load(PM + o_g[:, None] * M + o_r[None, :], mask=m_g[:, None], other=float("-inf"),
-                    cache_modifier=".cg")
-        w = tl.exp2(w - m_safe[None, :])  # [PG, M]
-        o = tl.load(PO + (o_g[:, None, None] * M + o_r[None, :, None]) * BDV + o_dv[None, None, :],
-                    mask=m_g[:, None, None], other=0.0, cache_modifier=".cg")  # [PG, M, BDV]
-        acc += tl.sum(w[:, :, None] * o, 0)
-    return acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    w = tl.exp2(m - m_safe[None, :])  # [NPB, M]
+    l_sum = tl.sum(l * w, 0)  # [M]
+    return w / tl.where(l_sum > 0, l_sum, 1.0)[None, :]
+
+
+@triton.jit
+def _branch_chunk(PO, first, n, w, o_r, o_dc, M: tl.constexpr, BDV: tl.constexpr, NPB: tl.constexpr):
+    # columns o_dc [DVC] of the merged branch output -> [M, DVC]: one load of all its partials
+    o_p = tl.arange(0, NPB)
+    a = tl.load(PO + ((first + o_p[:, None, None]) * M + o_r[None, :, None]) * BDV + o_dc[None, None, :],
+                mask=(o_p < n)[:, None, None], other=0.0, cache_modifier=".cg")  # [NPB, M, DVC]
+    return tl.sum(w[:, :, None] * a, 0)
 
 
 @triton.jit
@@ -436,7 +436,7 @@ def _decode_attn_fused_kernel(
     select_size, num_selected, num_init, num_local,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
     BS: tl.constexpr, SPP: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, BNS: tl.constexpr,
-    NSEL2: tl.constexpr, NPB: tl.constexpr, PG: tl.constexpr, UPCAST: tl.constexpr,
+    NSEL2: tl.constexpr, NPB: tl.constexpr, DVC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # programs 0 .. NSELP-1: SPP selected-block slots each; NSELP ..: window chunks of WT * BW keys.
     # Partials: [0, NCMP) compression (step 1), then NSELP selection, then NWP window, per i_bh.
@@ -497,17 +497,24 @@ def _decode_attn_fused_kernel(
     arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
     if arrived == NSELP + NWP - 1:
         n_cmp = tl.cdiv(_n_visible(t, TC, block_len, stride), SPLIT_KEYS)
-        o_cmp = _merge_parts(PM, PL, PO, base, n_cmp, o_r, o_dv, M, BDV, NPB, PG)
-        o_slc = _merge_parts(PM, PL, PO, base + NCMP, NSELP, o_r, o_dv, M, BDV, NPB, PG)
-        o_swa = _merge_parts(PM, PL, PO, base + NCMP + NSELP, NWP, o_r, o_dv, M, BDV, NPB, PG)
+        f_slc = base + NCMP
+        f_swa = f_slc + NSELP
         head = (i_b * HKV + i_hk) * G + o_r  # [M] flat (b, h) since HQ = HKV * G
         m_r = o_r < G
-        gc = tl.load(GC + head, mask=m_r, other=0.0).to(tl.float32)
-        gs = tl.load(GS + head, mask=m_r, other=0.0).to(tl.float32)
-        gw = tl.load(GW + head, mask=m_r, other=0.0).to(tl.float32)
-        o = gc[:, None] * o_cmp + gs[:, None] * o_slc + gw[:, None] * o_swa
-        tl.store(O + head[:, None].to(tl.int64) * DV + o_dv[None, :], o.to(O.dtype.element_ty),
-                 mask=m_r[:, None] & (o_dv < DV)[None, :])
+        # gates folded into the merge weights [NPB, M]
+        w_cmp = _branch_weights(PM, PL, base, n_cmp, o_r, M, NPB)
+        w_cmp *= tl.load(GC + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
+        w_slc = _branch_weights(PM, PL, f_slc, NSELP, o_r, M, NPB)
+        w_slc *= tl.load(GS + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
+        w_swa = _branch_weights(PM, PL, f_swa, NWP, o_r, M, NPB)
+        w_swa *= tl.load(GW + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
+        for c in tl.static_range(BDV // DVC):  # unrolled: every partial load is independent
+            o_dc = c * DVC + tl.arange(0, DVC)
+            o = _branch_chunk(PO, base, n_cmp, w_cmp, o_r, o_dc, M, BDV, NPB)
+            o += _branch_chunk(PO, f_slc, NSELP, w_slc, o_r, o_dc, M, BDV, NPB)
+            o += _branch_chunk(PO, f_swa, NWP, w_swa, o_r, o_dc, M, BDV, NPB)
+            tl.store(O + head[:, None].to(tl.int64) * DV + o_dc[None, :], o.to(O.dtype.element_ty),
+                     mask=m_r[:, None] & (o_dc < DV)[None, :])
 
 
 @functools.cache
@@ -582,7 +589,8 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
         if interp:
             tiles = 2
         else:
-            splits = max(1, CMP_PROGRAMS_PER_SM * _num_sms(dev.index or 0) // BH)
+            # at most 16 splits: the final merge loads all partials of a branch at once
+            splits = min(16, max(1, CMP_PROGRAMS_PER_SM * _num_sms(dev.index or 0) // BH))
             tiles = triton.cdiv(n_tiles, min(splits, n_tiles))
     n_cmp = triton.cdiv(n_tiles, tiles)
     split_keys = tiles * BC
@@ -630,7 +638,8 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
         S, TC, HKV, G, ns, n_selp, n_winp, n_cmp, npart, split_keys, scale_log2, window, block_len, stride,
         select_size, num_selected, num_init, num_local,
         DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, BNS=pow2(ns),
-        NSEL2=pow2(num_selected, 1), NPB=npb, PG=4, UPCAST=interp, num_warps=4,
+        NSEL2=pow2(num_selected, 1), NPB=npb, DVC=min(BDV, max(16, 4096 // (npb * M))), UPCAST=interp,
+        num_warps=4,
     )
     return o, bi
 
