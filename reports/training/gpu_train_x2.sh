@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two retrieval mixes trained side by side on a 2-GPU machine (docs/training.md, "Second run"):
-#   OUT=/some/dir STEPS=4000 bash reports/training/gpu_train_x2.sh
+#   OUT=/some/dir STEPS=4000 [MIX_A="..."] [MIX_B="..."] bash reports/training/gpu_train_x2.sh
 # GPU 0 trains NSA and full attention with mix A, GPU 1 with mix B, all four for the same STEPS from
 # one seed (each pair sees identical tokens). Both pairs are scored on the teacher-forced NIAH grid;
 # the pair whose NSA model scores higher within the training length is packed (tar, split at
@@ -10,7 +10,7 @@ STEPS=${STEPS:-4000}
 SEED=${SEED:-0}
 RUNS=/tmp/nsa-x2
 OUT=${OUT:-$RUNS/out}
-declare -A MIX=([a]="256 512 1024 1536 1792 2000" [b]="1024 1280 1536 1792 2000")
+declare -A MIX=([a]="${MIX_A:-256 512 1024 1536 1792 2000}" [b]="${MIX_B:-1024 1280 1536 1792 2000}")
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 rm -rf "$RUNS"
 mkdir -p "$RUNS" "$OUT"
