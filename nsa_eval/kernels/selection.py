@@ -11,13 +11,17 @@ keeps the forced blocks and the largest importances (ties to the lower index) an
 ascending, `-1` padded. Needs `select_size % stride == 0` with a power-of-two ratio (true for the
 paper's 32/16/64 and for fla's 64/64/64).
 
-`selected_attention`: the same (positions x group) tiling. The program walks the union of the
-block lists of its `BT` positions once each (a block chosen by several positions, or repeated in
-one list, is read once) with a per-row mask saying which rows selected it and a token-level causal
-mask. Backward: dq in the same walk; dk/dv per key block through an inverted index (a counting
-sort of the selections by block, `inverted_index`): a program takes up to `CHUNK` of the positions
-that selected one block, gathers `BQ` positions x the group's heads into one MMA, and adds its
-partial dk/dv once with a float32 atomic (work items split long lists, e.g. the forced block 0).
+`selected_attention`: the same (positions x group) tiling (`SELECTED_ROWS` rows per program). The
+program walks the union of the block lists of its `BT` positions once each (a block chosen by
+several positions, or repeated in one list, is read once) with a per-row mask saying which rows
+selected it and a token-level causal mask. `SELECTED_WALK = "pipelined"` numbers the distinct usable
+blocks up front from the preloaded lists and walks them with no branch (so the next block's K/V can
+be loaded during the current MMAs); "union" is the first version (an index load, a 'seen' test and
+an `if` per list entry). Backward: dq in the same walk; dk/dv per key block through an inverted
+index (a counting sort of the selections by block, `inverted_index`): a program takes up to `CHUNK`
+of the positions that selected one block, gathers `BQ` positions x the group's heads into one MMA,
+and adds its partial dk/dv once with a float32 atomic (work items split long lists, e.g. the forced
+block 0).
 """
 
 from __future__ import annotations
@@ -43,8 +47,18 @@ from nsa_eval.kernels._triton_utils import (
 # True: sum the probabilities over the group before mapping them onto selection blocks (BT rows, not
 # BT * G'); False: the first version, per-head tf32x3 matmuls (the benchmark times both)
 IMPORTANCE_GROUP_FIRST = True
-# launch configuration of the selected-attention forward (the benchmark times alternatives)
-SELECTED_FWD_CONFIG = dict(num_warps=4, num_stages=2)
+# How a selected-attention program (forward and dq walk) walks its blocks; the benchmark times both.
+#   "pipelined": the distinct usable blocks of the program's lists are found once, vectorised over
+#       the preloaded [BT, n] lists, then walked by an unconditional loop that takes block i from
+#       registers, so the compiler can prefetch the next K/V (num_stages) during the current MMAs.
+#   "union": the first version: per list entry a scalar index load, a 'seen' reduction and an `if`
+#       around the block, which leaves every block's load latency exposed.
+SELECTED_WALK = "pipelined"
+# rows (positions x G') per selected-attention program: BT = max(1, SELECTED_ROWS // G') positions
+SELECTED_ROWS = 16
+# launch configurations of the selected-attention forward and dq walk (the benchmark times alternatives)
+SELECTED_FWD_CONFIG = dict(num_warps=4, num_stages=3)
+SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -286,9 +300,124 @@ def _selected_kernel(
         tl.store(LSE + row, lse_out, mask=m_r)
 
 
+@triton.jit
+def _selected_pipelined_kernel(
+    Q, K, V, BI, O, LSE, DO, DELTA, DQ,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    T, HQ, G, NSEL, scale, scale_log2,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
+    BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Same contract as `_selected_kernel`. The distinct usable blocks of the BT lists are numbered
+    # 0 .. n_blk-1 up front; iteration i reads block i, with no branch, so loads can run ahead.
+    M: tl.constexpr = BT * GP
+    N: tl.constexpr = BT * NP
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    HKV = HQ // G
+    i_b = (i_bh // HKV).to(tl.int64)
+    i_hk = i_bh % HKV
+    t0 = i_t * BT
+    o_r = tl.arange(0, M)
+    r_t = t0 + o_r // GP  # [M] position of each row
+    r_h = i_hk * G + o_r % GP
+    m_r = (r_t < T) & (o_r % GP < G)
+    row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    q = tl.load(Q + i_b * sq_b + r_h[:, None] * sq_h + r_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
+                mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)  # [M, BDK]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # block lists of the BT positions; an entry is usable if it is a block starting at or before
+    # its position, and kept if no earlier entry (row-major over [BT, NP]) holds the same block
+    o_p = tl.arange(0, BT)
+    o_s = tl.arange(0, NP)
+    t_p = t0 + o_p  # [BT]
+    bi_base = BI + ((i_b * T + t0) * HKV + i_hk) * NSEL
+    idx = tl.load(bi_base + o_p[:, None] * (HKV * NSEL) + o_s[None, :],
+                  mask=(t_p < T)[:, None] & (o_s < NSEL)[None, :], other=-1)  # [BT, NP]
+    idx = tl.where((idx >= 0) & (idx * BS <= t_p[:, None]), idx, -1)
+    first = idx >= 0  # [BT, NP]
+    for pp in tl.static_range(BT):
+        list_pp = tl.sum(tl.where(o_p[:, None] == pp, idx, 0), 0)  # [NP] the list of position pp
+        before = (o_p[:, None, None] > pp) | (
+            (o_p[:, None, None] == pp) & (o_s[None, None, :] < o_s[None, :, None]))  # [BT, NP, NP]
+        repeat = (idx[:, :, None] == list_pp[None, None, :]) & before  # [BT, NP, NP]
+        first = first & (tl.max(repeat.to(tl.int32), 2) == 0)
+    keep = tl.reshape(first.to(tl.int32), [N])  # [N]
+    blocks = tl.reshape(idx, [N])  # [N]
+    slot = tl.where(keep > 0, tl.cumsum(keep, 0) - 1, -1)  # [N] walk order of each kept entry
+    n_blk = tl.sum(keep, 0)
+
+    k_base = K + i_b * sk_b + i_hk * sk_h
+    v_base = V + i_b * sv_b + i_hk * sv_h
+    o_n = tl.arange(0, BS)
+    if BACKWARD:
+        do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :],
+                     other=0.0)  # [M, BDV]
+        if UPCAST:
+            do = do.to(tl.float32)
+        lse = tl.load(LSE + row, mask=m_r, other=0.0)
+        lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+        delta = tl.load(DELTA + row, mask=m_r, other=0.0)
+        dq = tl.zeros([M, BDK], tl.float32)
+    else:
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, BDV], tl.float32)
+
+    for i in range(0, n_blk):
+        blk = tl.sum(tl.where(slot == i, blocks, 0), 0)  # block i, from registers
+        o_k = blk * BS + o_n  # [BS] token positions
+        valid = (o_k[None, :] <= r_t[:, None]) & m_r[:, None]  # [M, BS]
+        if BT > 1:  # only the rows whose position chose blk
+            pos_has = tl.max((idx == blk).to(tl.int32), 1) > 0  # [BT]
+            valid = valid & tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])[:, None]
+        m_k = o_k < T
+        k = tl.load(k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
+                    mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BS, BDK]
+        v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
+                    mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BS, BDV]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
+        if BACKWARD:
+            pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)  # [M, BS]
+            dp = tl.dot(do, tl.trans(v))  # [M, BS]
+            ds = pr * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        else:
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            pr = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m_i = m_new
+
+    if BACKWARD:
+        tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
+                 mask=m_r[:, None] & (o_dk < DK)[None, :])
+    else:
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse_out = tl.where(empty, float("-inf"),
+                           (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        tl.store(O + row[:, None] * DV + o_dv[None, :], o.to(O.dtype.element_ty),
+                 mask=m_r[:, None] & (o_dv < DV)[None, :])
+        tl.store(LSE + row, lse_out, mask=m_r)
+
+
+_SELECTED_WALKS = {"pipelined": _selected_pipelined_kernel, "union": _selected_kernel}
+
+
 def _tiling(G: int):
     GP = pow2(G, 1)
-    return GP, max(1, 16 // GP)
+    return GP, max(1, SELECTED_ROWS // GP)
 
 
 def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, backward):
@@ -297,15 +426,17 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
     G = HQ // HKV
     GP, BT = _tiling(G)
     nsel = bi.shape[-1]
+    if SELECTED_WALK not in _SELECTED_WALKS:
+        raise ValueError(f"SELECTED_WALK must be one of {sorted(_SELECTED_WALKS)}, got {SELECTED_WALK!r}")
     dummy = o if o is not None else dq
-    _selected_kernel[(triton.cdiv(T, BT), B * HKV)](
+    _SELECTED_WALKS[SELECTED_WALK][(triton.cdiv(T, BT), B * HKV)](
         q, k, v, bi, dummy, lse, do if do is not None else dummy, delta if delta is not None else lse,
         dq if dq is not None else dummy,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
         DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
         BACKWARD=backward, UPCAST=interpreting(),
-        **(dict(num_warps=4, num_stages=2) if backward else SELECTED_FWD_CONFIG),
+        **(SELECTED_DQ_CONFIG if backward else SELECTED_FWD_CONFIG),
     )
 
 

@@ -1,0 +1,93 @@
+"""Both walks of the Triton selected attention (`selection.SELECTED_WALK`: "pipelined", "union") and
+two tilings (`SELECTED_ROWS` 16 and 32 rows per program) against the PyTorch reference on the CPU
+through Triton's interpreter: outputs, the lse, and gradients of q, k and v."""
+
+import pytest
+import torch
+
+from nsa_eval.kernels import reference as ref
+from nsa_eval.kernels import selection
+from tests.kernels.test_triton_kernels import IDS, SHAPES, TOL, grads, make, pytestmark, rel_err  # noqa: F401
+
+WALKS = ["pipelined", "union"]
+
+
+@pytest.fixture
+def walk(request, monkeypatch):
+    """Set SELECTED_WALK (and SELECTED_ROWS, from an optional second parameter) for one test."""
+    name, rows = request.param if isinstance(request.param, tuple) else (request.param, 16)
+    monkeypatch.setattr(selection, "SELECTED_WALK", name)
+    monkeypatch.setattr(selection, "SELECTED_ROWS", rows)
+    return name, rows
+
+
+def lists_with_edge_cases(B, T, hkv, n, select_size, seed):
+    """Random block lists [B, T, Hkv, n]: padding anywhere, blocks after the query, a repeat within a
+    list, unsorted order; plus rows with no usable block (only padding, only future blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    ns = -(-T // select_size)
+    idx = torch.randint(-2, ns, (B, T, hkv, n), generator=g, dtype=torch.int32)
+    idx[..., -1] = idx[..., 0]  # a repeat
+    idx[:, 3] = -1  # padding only
+    idx[:, 5, :, 0] = ns - 1  # a block after the query, the rest padding
+    idx[:, 5, :, 1:] = -7
+    return idx
+
+
+def reference_lse(q, k, block_indices, select_size):
+    """[B, T, Hq] float64 lse of the selected attention (-inf where no token is usable)."""
+    B, T, hq, dk = q.shape
+    hkv = k.shape[2]
+    key_block = torch.arange(T) // select_size  # [S]
+    chosen = (block_indices.long()[..., None] == key_block).any(3)  # [B, T, Hkv, S]
+    causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]  # [T, S]
+    mask = chosen.repeat_interleave(hq // hkv, 2) & causal[None, :, None, :]  # [B, T, Hq, S]
+    s = torch.einsum("bthd,bshd->bths", q.double(), k.double().repeat_interleave(hq // hkv, 2)) * dk**-0.5
+    return torch.where(mask, s, float("-inf")).logsumexp(-1)
+
+
+@pytest.mark.parametrize("walk", WALKS, indirect=True)
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=[IDS[1], IDS[3]])  # G = 3 (4 positions), 16
+def test_walk_matches_reference(walk, shape):
+    B, T, hq, hkv, dk, dv = shape
+    x = make(*shape, seed=4)
+    q, k, v = x["q"], x["k"], x["v"]
+    idx = lists_with_edge_cases(B, T, hkv, 5, 16, seed=6)
+    o, lse = selection.selected_forward(q.detach(), k.detach(), v.detach(), idx, select_size=16,
+                                        scale=dk**-0.5)
+    lse_ref = reference_lse(q.detach(), k.detach(), idx, 16)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    assert torch.isinf(lse[:, 3]).all() and torch.isinf(lse[:, 5]).all()
+    assert (o[:, 3] == 0).all() and (o[:, 5] == 0).all()  # no usable token: zero output
+    fin = torch.isfinite(lse_ref)
+    assert rel_err(lse[fin], lse_ref[fin]) < TOL
+    o = selection.selected_attention(q, k, v, idx, select_size=16)
+    o_ref = ref.selected_attention(q, k, v, idx, select_size=16)
+    assert rel_err(o, o_ref) < TOL
+    for a, b in zip(grads([o], (q, k, v)), grads([o_ref], (q, k, v)), strict=True):
+        assert rel_err(a, b) < TOL
+
+
+@pytest.mark.parametrize("walk", [(w, 32) for w in WALKS], ids=[f"{w}-rows32" for w in WALKS], indirect=True)
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3]], ids=[IDS[2], IDS[3]])
+def test_two_positions_per_program(walk, shape):
+    """32 rows per program: G = 16 takes 2 positions (a block chosen by both is read once, with a
+    row mask), G = 4 takes 8."""
+    B, T, hq, hkv, dk, dv = shape
+    x = make(*shape, seed=9)
+    q, k, v = x["q"], x["k"], x["v"]
+    idx = lists_with_edge_cases(B, T, hkv, 4, 16, seed=10)
+    idx[:, 1::2, :, 1] = idx[:, 0::2, :, 1]  # neighbours share a block
+    o = selection.selected_attention(q, k, v, idx, select_size=16)
+    o_ref = ref.selected_attention(q, k, v, idx, select_size=16)
+    assert rel_err(o, o_ref) < TOL
+    for a, b in zip(grads([o], (q, k, v)), grads([o_ref], (q, k, v)), strict=True):
+        assert rel_err(a, b) < TOL
+
+
+def test_unknown_walk_is_rejected(monkeypatch):
+    monkeypatch.setattr(selection, "SELECTED_WALK", "nope")
+    x = make(1, 32, 2, 1, 16, 16)
+    idx = torch.zeros(1, 32, 1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="SELECTED_WALK"):
+        selection.selected_attention(x["q"], x["k"], x["v"], idx, select_size=16)
