@@ -21,8 +21,9 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    reduction of (importance, index) packed in an int64 per pick; every selection program of the row
    computes the same picks, program 0 writes the block indices), then a partial softmax over its
    slots; a window program over its chunk. The program that finishes last for a (sequence, KV head)
-   (an acq_rel atomic counter) merges all partials of the three branches (vector loads, in groups),
-   applies the gates and writes the output.
+   (CTA barrier, then an acq_rel atomic counter) merges the partials of the three branches: the
+   merge weights of each branch from one load of its (max, sum) rows, the gates folded in, then per
+   chunk of output columns one load of all partials of each branch (L2 loads, `.cg`).
 
 `"v1"`, five launches, kept for comparison: compressed chunks of 64 keys, one program each
 (`_decode_cmp_kernel`); importances per chunk of 16 selection blocks, the lse merged serially from
@@ -510,10 +511,10 @@ def _decode_attn_fused_kernel(
         w_swa *= tl.load(GW + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
         for c in tl.static_range(BDV // DVC):  # unrolled: every partial load is independent
             o_dc = c * DVC + tl.arange(0, DVC)
-            o = _branch_chunk(PO, base, n_cmp, w_cmp, o_r, o_dc, M, BDV, NPB)
-            o += _branch_chunk(PO, f_slc, NSELP, w_slc, o_r, o_dc, M, BDV, NPB)
-            o += _branch_chunk(PO, f_swa, NWP, w_swa, o_r, o_dc, M, BDV, NPB)
-            tl.store(O + head[:, None].to(tl.int64) * DV + o_dc[None, :], o.to(O.dtype.element_ty),
+            out = _branch_chunk(PO, base, n_cmp, w_cmp, o_r, o_dc, M, BDV, NPB)  # [M, DVC]
+            out += _branch_chunk(PO, f_slc, NSELP, w_slc, o_r, o_dc, M, BDV, NPB)
+            out += _branch_chunk(PO, f_swa, NWP, w_swa, o_r, o_dc, M, BDV, NPB)
+            tl.store(O + head[:, None].to(tl.int64) * DV + o_dc[None, :], out.to(O.dtype.element_ty),
                      mask=m_r[:, None] & (o_dc < DV)[None, :])
 
 
@@ -590,7 +591,8 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
             tiles = 2
         else:
             # at most 16 splits: the final merge loads all partials of a branch at once
-            splits = min(16, max(1, CMP_PROGRAMS_PER_SM * _num_sms(dev.index or 0) // BH))
+            sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+            splits = min(16, max(1, CMP_PROGRAMS_PER_SM * sms // BH))
             tiles = triton.cdiv(n_tiles, min(splits, n_tiles))
     n_cmp = triton.cdiv(n_tiles, tiles)
     split_keys = tiles * BC
