@@ -91,3 +91,41 @@ def test_unknown_walk_is_rejected(monkeypatch):
     idx = torch.zeros(1, 32, 1, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="SELECTED_WALK"):
         selection.selected_attention(x["q"], x["k"], x["v"], idx, select_size=16)
+
+
+def compile_for_h200(kernel, *, backward, config, G=16, d=128, select_size=64, n=16):
+    """TTGIR of the selected kernel compiled ahead of time for sm_90 at the benchmark's shape (no GPU
+    needed: Triton's NVIDIA backend and its bundled ptxas), with the integer arguments specialised
+    as a launch at that shape would (all divisible by 16)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+    from triton.runtime.jit import JITFunction
+
+    fn = JITFunction(kernel.fn)  # under the interpreter `kernel` is an InterpretedFunction
+    GP, BT = selection.pow2(G, 1), max(1, selection.SELECTED_ROWS // G)
+    consts = dict(DK=d, DV=d, BDK=d, BDV=d, GP=GP, BT=BT, BS=select_size, NP=n, BACKWARD=backward,
+                  UPCAST=False)
+    types = ["*bf16", "*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16"] + ["i32"] * 13
+    types += ["fp32", "fp32"]
+    signature = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts), strict=True))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(22)}  # pointers, strides, T, HQ, G, NSEL
+    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    return compile(src, target=GPUTarget("cuda", 90, 32), options=dict(config)).asm["ttgir"]
+
+
+def test_pipelined_walk_prefetches_on_h200():
+    """Compiled for the H200 (G = 16, d = 128, blocks of 64, n = 16): the pipelined walk's K/V loads
+    become asynchronous copies into multi-buffered shared memory (the next block is in flight during
+    the current MMAs); the union walk's, inside an `if`, stay plain loads."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    kernel = selection._selected_pipelined_kernel
+    fwd = compile_for_h200(kernel, backward=False, config=selection.SELECTED_FWD_CONFIG)
+    dq = compile_for_h200(kernel, backward=True, config=selection.SELECTED_DQ_CONFIG)
+    for ttgir in (fwd, dq):
+        assert ttgir.count("ttg.async_copy_global_to_local") >= 2  # K and V
+        assert "memdesc<2x64x128xbf16" in ttgir  # two buffers per operand: 3 stages
+    union = compile_for_h200(selection._selected_kernel, backward=False, config=selection.SELECTED_FWD_CONFIG)
+    assert "async_copy_global_to_local" not in union
