@@ -5,25 +5,28 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
 
 `"fused"` (default), three launches:
 1. `_decode_cmp_split_kernel`, one program per (split, sequence, KV head), all G query heads of the
-   group as rows: each split walks `CMP_SPLIT_TILES` tiles of compressed keys (pipelined loads) with
-   an online softmax, stores the scores (kept for step 2) and one partial (max, sum, p @ v). The
-   number of splits fills the GPU (about `CMP_PROGRAMS_PER_SM` programs per SM), so there are a few
-   partials per (sequence, KV head) instead of one per 64 keys. Splits past the query's last
-   visible compressed block exit at once. Program 0 also zeroes the (sequence, KV head) counter of
-   step 3.
+   group as rows: each split walks its tiles of 64 compressed keys (pipelined loads) with an online
+   softmax, stores the scores for step 2 (L2 evict-last) and one partial (max, sum, p @ v). The
+   number of splits fills the GPU (about `CMP_PROGRAMS_PER_SM` programs per SM, at most 16 splits),
+   so each (sequence, KV head) has a few partials instead of one per 64 keys. Splits past the
+   query's last visible compressed block exit at once. Split 0 also zeroes the arrival counters of
+   steps 2 and 3.
 2. `_decode_importance_split_kernel`, one program per (chunk of selection blocks, sequence, KV head):
-   the compression lse from the few partials in one vector load, then the chunk's selection-block
+   the compression lse from the split partials in one vector load, then the chunk's selection-block
    importances from the stored scores (same overlap weights and group sum as prefill; weight spilling
-   from the compressed blocks just before the chunk is read from a 16-wide tile).
-3. `_decode_attn_fused_kernel`, one program per (group of `SEL_PER_PROGRAM` selected-block slots, or
-   window chunk, sequence, KV head). A selection program first takes the top-k itself from the
-   importance row (forced blocks, then the largest importances, ties to the lower index: one max
-   reduction of (importance, index) packed in an int64 per pick; every selection program of the row
-   computes the same picks, program 0 writes the block indices), then a partial softmax over its
-   slots; a window program over its chunk. The program that finishes last for a (sequence, KV head)
-   (CTA barrier, then an acq_rel atomic counter) merges the partials of the three branches: the
-   merge weights of each branch from one load of its (max, sum) rows, the gates folded in, then per
-   chunk of output columns one load of all partials of each branch (L2 loads, `.cg`).
+   into the chunk from the compressed blocks just before it comes from a 16-wide tile). The program
+   that finishes last for its (sequence, KV head) takes the top-k of the whole row, like
+   `topk_blocks`: forced blocks taken at once, then one max reduction per pick over int64 keys
+   ordered like (importance, -block index), so ties go to the lower index.
+3. `_decode_attn_fused_kernel`, one program per (`SEL_PER_PROGRAM` selected-block slots, or
+   `WIN_TILES_PER_PROGRAM` window tiles of 64 keys; sequence, KV head): a partial softmax. The
+   program that finishes last for its (sequence, KV head) merges the partials of the three
+   branches: merge weights per branch from one load of its (max, sum) rows, gates folded in, then
+   per chunk of output columns one load of all partials of each branch, and writes the output.
+"Finishes last": every program stores its results, passes a CTA barrier and increments the row's
+counter with an acq_rel atomic (one thread); the one that sees `programs - 1` reads the others'
+results with L2 loads (`.cg`). The counters live in a per-call buffer zeroed by step 1, so the
+three launches replay from a CUDA graph.
 
 `"v1"`, five launches, kept for comparison: compressed chunks of 64 keys, one program each
 (`_decode_cmp_kernel`); importances per chunk of 16 selection blocks, the lse merged serially from
@@ -51,6 +54,9 @@ CMP_SPLIT_TILES = None
 # fused: selected-block slots per program of the attention kernel; window keys per program = 64 * this
 SEL_PER_PROGRAM = 2
 WIN_TILES_PER_PROGRAM = 1
+# fused: pipeline stages of the compressed-key loop; warps of the attention kernel
+CMP_STAGES = 3
+ATTN_WARPS = 4
 
 
 @triton.jit
@@ -68,6 +74,12 @@ def _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK: 
     # scores and partial softmax of the M rows over BN keys; returns s [M, BN], m [M], l [M], acc [M, BDV]
     k = tl.load(k_ptrs, mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BN, BDK]
     v = tl.load(v_ptrs, mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
+    return _tile_softmax(q, k, v, valid, scale_log2, UPCAST)
+
+
+@triton.jit
+def _tile_softmax(q, k, v, valid, scale_log2, UPCAST: tl.constexpr):
+    # q [M, BDK], k [BN, BDK], v [BN, BDV] -> s [M, BN], m [M], l [M], acc [M, BDV]
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -272,7 +284,7 @@ def _n_visible(t, TC, block_len, stride):
 
 @triton.jit
 def _decode_cmp_split_kernel(
-    Q, KC, VC, POS, SC, PM, PL, PO, CNT,
+    Q, KC, VC, POS, SC, PM, PL, PO, CNT_IMP, CNT_ATTN,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, scale_log2, block_len, stride,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
@@ -282,7 +294,9 @@ def _decode_cmp_split_kernel(
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1)
     if i_s == 0:
-        tl.store(CNT + i_bh, 0)  # arrival counter of the attention kernel (launched after this one)
+        # arrival counters of the importance and attention kernels (launched after this one)
+        tl.store(CNT_IMP + i_bh, 0)
+        tl.store(CNT_ATTN + i_bh, 0)
     i_b = (i_bh // HKV).to(tl.int64)
     i_hk = i_bh % HKV
     t = tl.load(POS + i_b)
@@ -306,9 +320,13 @@ def _decode_cmp_split_kernel(
             k_ptrs = k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
             v_ptrs = v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
             valid = m_k[None, :] & (o_r < G)[:, None]
-            s, m, l, o = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV,
-                                          UPCAST)
-            tl.store(sc_rows + o_k[None, :], s)
+            # read once: evict first from L2, so that the scores (read by step 2) stay there
+            k = tl.load(k_ptrs, mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0,
+                        eviction_policy="evict_first")  # [BC, BDK]
+            v = tl.load(v_ptrs, mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0,
+                        eviction_policy="evict_first")  # [BC, BDV]
+            s, m, l, o = _tile_softmax(q, k, v, valid, scale_log2, UPCAST)
+            tl.store(sc_rows + o_k[None, :], s, eviction_policy="evict_last")
             m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
         part = i_bh * NPART + i_s
         tl.store(PM + part * M + o_r, m_i)
@@ -323,9 +341,12 @@ def _overlap(c_lo, c_hi, s_lo, s_hi):
 
 @triton.jit
 def _decode_importance_split_kernel(
-    POS, SC, PM, PL, IMP, TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, NS, block_len, stride, select_size,
+    POS, SC, PM, PL, IMP, BI, CNT, TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, NS, block_len, stride,
+    select_size, num_selected, num_init, num_local,
     M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr, NPB: tl.constexpr,
+    BNS_ALL: tl.constexpr, NSEL2: tl.constexpr,
 ):
+    # IMP [B*HKV, NS] float32; BI [B*HKV, num_selected] int32: written by the last program of the row
     BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
     i_bh = tl.program_id(1)
     i_b = i_bh // HKV
@@ -361,7 +382,7 @@ def _decode_importance_split_kernel(
         sc_rows = SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN  # [M, 1]
         o_k = j0 * RATIO + o_c  # [BC]
         vis = (o_k < n_vis)[None, :] & m_r[:, None]  # [M, BC]
-        s = tl.load(sc_rows + o_k[None, :], mask=vis, other=float("-inf"))
+        s = tl.load(sc_rows + o_k[None, :], mask=vis, other=float("-inf"), eviction_policy="evict_first")
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
         imp = tl.sum(tl.dot(p, w_main, input_precision="tf32x3"), 0)  # [BNS] summed over the group
         o_k = j0 * RATIO - SPILL + o_e  # [SPILL] the compressed blocks just before the chunk
@@ -372,35 +393,53 @@ def _decode_importance_split_kernel(
         cols = j0 + o_j
         tl.store(IMP + i_bh.to(tl.int64) * NS + cols, imp, mask=cols < NS)
 
+    # the last program of this (sequence, KV head) to arrive takes the top-k of the whole row
+    tl.debug_barrier()  # all threads' stores before the release of the counter increment
+    arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        chosen = _topk_row(IMP + i_bh.to(tl.int64) * NS, t, NS, select_size, num_selected, num_init,
+                           num_local, BNS_ALL)  # [BNS_ALL]
+        o_a = tl.arange(0, BNS_ALL)
+        rank = tl.cumsum(chosen, 0) - 1  # [BNS_ALL] output slot of each chosen block
+        o_n = tl.arange(0, NSEL2)
+        bi_row = BI + i_bh.to(tl.int64) * num_selected
+        tl.store(bi_row + o_n, tl.full([NSEL2], -1, tl.int32),
+                 mask=(o_n >= tl.sum(chosen, 0)) & (o_n < num_selected))
+        tl.store(bi_row + rank, o_a, mask=chosen > 0)
+
 
 @triton.jit
-def _topk_row(IMP_ROW, t, NS, select_size, num_selected, num_init, num_local, first_slot,
-              BNS: tl.constexpr, SPP: tl.constexpr):
-    # the blocks of one (sequence, KV head), as `topk_blocks`: forced blocks (+inf), blocks after t
-    # excluded, then the largest importances, ties to the lower index. Returns chosen [BNS] (0/1) and
-    # the picks number first_slot .. first_slot + SPP - 1 [SPP] (-1 where fewer blocks exist).
+def _topk_row(IMP_ROW, t, NS, select_size, num_selected, num_init, num_local, BNS: tl.constexpr):
+    # the blocks of one (sequence, KV head) as `topk_blocks`: forced blocks first, blocks after t
+    # excluded, then the largest importances, ties to the lower index -> chosen [BNS] (0/1).
+    # IMP_ROW was written by other programs of this launch: .cg loads (L2), after the acquire.
     o_j = tl.arange(0, BNS)
     cur = t // select_size  # block holding t
-    imp = tl.load(IMP_ROW + o_j, mask=o_j < NS, other=0.0) + 0.0  # + 0.0 turns -0.0 into +0.0
-    forced = (o_j < num_init) | (o_j > cur - num_local)
-    imp = tl.where(forced, float("inf"), imp)
-    imp = tl.where(o_j > cur, float("-inf"), imp)
-    # int64 keys ordered like (importance, -index): one max reduction per pick; importances are >= 0,
-    # so takeable keys are >= 0 and -inf (excluded) maps below 0
+    imp = tl.load(IMP_ROW + o_j, mask=o_j < NS, other=0.0, cache_modifier=".cg") + 0.0  # -0.0 -> +0.0
+    eligible = o_j <= cur
+    forced = ((o_j < num_init) | (o_j > cur - num_local)) & eligible
+    n_forced = tl.sum(forced.to(tl.int32), 0)
+    if n_forced <= num_selected:  # take the forced blocks at once, pick the rest
+        chosen = forced.to(tl.int32)
+        eligible = eligible & (forced == 0)
+        picks = num_selected - n_forced
+    else:  # more forced blocks than slots: the lowest-index ones, as +inf ties
+        chosen = tl.zeros([BNS], tl.int32)
+        imp = tl.where(forced, float("inf"), imp)
+        picks = num_selected + 0 * n_forced
+    # int64 keys ordered like (importance, -index): one max reduction per pick. Importances are >= 0,
+    # so eligible keys are >= 0 and the rest are set to -1.
     bits = imp.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BNS] int32 ordered like imp
     key = (ordered.to(tl.int64) << 32) + (BNS - 1 - o_j).to(tl.int64)  # [BNS]
-    chosen = tl.zeros([BNS], tl.int32)
-    o_s = tl.arange(0, SPP)
-    picks = tl.full([SPP], -1, tl.int32)
-    for i in range(num_selected):
+    key = tl.where(eligible, key, -1)
+    for _ in range(picks):
         best = tl.max(key, 0)
         first = BNS - 1 - (best - ((best >> 32) << 32)).to(tl.int32)
-        ok = best >= 0
-        chosen = tl.where((o_j == first) & ok, 1, chosen)
-        picks = tl.where((o_s == i - first_slot) & ok, first, picks)
-        key = tl.where(o_j == first, -1, key)
-    return chosen, picks
+        hit = (o_j == first) & (best >= 0)
+        chosen = tl.where(hit, 1, chosen)
+        key = tl.where(hit, -1, key)
+    return chosen
 
 
 @triton.jit
@@ -431,17 +470,16 @@ def _branch_chunk(PO, first, n, w, o_r, o_dc, M: tl.constexpr, BDV: tl.constexpr
 
 @triton.jit
 def _decode_attn_fused_kernel(
-    Q, K, V, KW, VW, POS, IMP, BI, PM, PL, PO, CNT, GC, GS, GW, O,
+    Q, K, V, KW, VW, POS, BI, PM, PL, PO, CNT, GC, GS, GW, O,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
-    S, TC, HKV, G, NS, NSELP, NWP, NCMP, NPART, SPLIT_KEYS, scale_log2, window, block_len, stride,
-    select_size, num_selected, num_init, num_local,
+    S, TC, HKV, G, NSELP, NWP, NCMP, NPART, SPLIT_KEYS, scale_log2, window, block_len, stride, num_selected,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
-    BS: tl.constexpr, SPP: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, BNS: tl.constexpr,
-    NSEL2: tl.constexpr, NPB: tl.constexpr, DVC: tl.constexpr, UPCAST: tl.constexpr,
+    BS: tl.constexpr, SPP: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, NPB: tl.constexpr,
+    DVC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # programs 0 .. NSELP-1: SPP selected-block slots each; NSELP ..: window chunks of WT * BW keys.
     # Partials: [0, NCMP) compression (step 1), then NSELP selection, then NWP window, per i_bh.
-    # BI [B*HKV, num_selected]; gates GC/GS/GW and output O are contiguous [B, 1, HQ(, DV)].
+    # BI [B*HKV, num_selected] from step 2; gates GC/GS/GW and output O contiguous [B, 1, HQ(, DV)].
     i_p = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // HKV).to(tl.int64)
@@ -455,19 +493,9 @@ def _decode_attn_fused_kernel(
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
     if i_p < NSELP:
-        chosen, picks = _topk_row(IMP + i_bh.to(tl.int64) * NS, t, NS, select_size, num_selected, num_init,
-                                  num_local, i_p * SPP, BNS, SPP)
-        if i_p == 0:  # the block indices, ascending, -1 after them
-            o_j = tl.arange(0, BNS)
-            rank = tl.cumsum(chosen, 0) - 1  # [BNS] output slot of each chosen block
-            o_n = tl.arange(0, NSEL2)
-            bi_row = BI + i_bh.to(tl.int64) * num_selected
-            tl.store(bi_row + o_n, tl.full([NSEL2], -1, tl.int32),
-                     mask=(o_n >= tl.sum(chosen, 0)) & (o_n < num_selected))
-            tl.store(bi_row + rank, o_j, mask=chosen > 0)
-        o_s = tl.arange(0, SPP)
         for j in tl.static_range(SPP):
-            blk = tl.sum(tl.where(o_s == j, picks, 0), 0)
+            slot = i_p * SPP + j
+            blk = tl.load(BI + i_bh * num_selected + slot, mask=slot < num_selected, other=-1)
             o_k = tl.maximum(blk, 0) * BS + tl.arange(0, BS)
             m_k = (o_k <= t) & (o_k < S) & (tl.zeros([BS], tl.int32) + blk >= 0)
             k_ptrs = K + i_b * sk_b + i_hk * sk_h + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
@@ -608,40 +636,40 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     pm = torch.empty(BH, npart, M, **f32)
     pl = torch.empty(BH, npart, M, **f32)
     po = torch.empty(BH, npart, M, BDV, **f32)
-    counter = torch.empty(BH, device=dev, dtype=torch.int32)  # zeroed by the compression kernel
+    counter = torch.empty(2, BH, device=dev, dtype=torch.int32)  # zeroed by the compression kernel
     scale_log2 = scale * LOG2E
 
     # 1. compression branch: scores + one partial softmax per split
     _decode_cmp_split_kernel[(n_cmp, BH)](
-        q, k_cmp, v_cmp, pos, scores, pm, pl, po, counter, q.stride(0), q.stride(2),
+        q, k_cmp, v_cmp, pos, scores, pm, pl, po, counter[0], counter[1], q.stride(0), q.stride(2),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
         TC, HKV, G, npart, split_keys, sc_len, scale_log2, block_len, stride,
-        DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, UPCAST=interp, num_warps=4, num_stages=3,
+        DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, UPCAST=interp, num_warps=4, num_stages=CMP_STAGES,
     )
 
-    # 2. selection-block importances
+    # 2. selection-block importances; the last program of each row takes its top-k
     ns = triton.cdiv(S, select_size)
     imp = torch.empty(BH, ns, **f32)
     ratio = select_size // stride
     bns = 16 if interp else max(16, 128 // ratio)
     spill = pow2(max(1, triton.cdiv(block_len, stride) - 1))
     npb = pow2(max(n_cmp, n_selp, n_winp), 1)
+    bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
     _decode_importance_split_kernel[(triton.cdiv(ns, bns), BH)](
-        pos, scores, pm, pl, imp, TC, HKV, G, npart, split_keys, sc_len, ns, block_len, stride, select_size,
-        M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, num_warps=4,
+        pos, scores, pm, pl, imp, bi, counter[0], TC, HKV, G, npart, split_keys, sc_len, ns, block_len,
+        stride, select_size, num_selected, num_init, num_local,
+        M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, BNS_ALL=pow2(ns), NSEL2=pow2(num_selected, 1),
+        num_warps=4,
     )
 
-    # 3. top-k, selected blocks and window chunks, then the merge of all partials by the last program
-    bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
+    # 3. selected blocks and window chunks, then the merge of all partials by the last program
     o = torch.empty(B, 1, HQ, DV, device=dev, dtype=q.dtype)
     _decode_attn_fused_kernel[(n_selp + n_winp, BH)](
-        q, k, v, k_swa, v_swa, pos, imp, bi, pm, pl, po, counter, g_cmp, g_slc, g_swa, o,
+        q, k, v, k_swa, v_swa, pos, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
-        S, TC, HKV, G, ns, n_selp, n_winp, n_cmp, npart, split_keys, scale_log2, window, block_len, stride,
-        select_size, num_selected, num_init, num_local,
-        DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, BNS=pow2(ns),
-        NSEL2=pow2(num_selected, 1), NPB=npb, DVC=min(BDV, max(16, 4096 // (npb * M))), UPCAST=interp,
-        num_warps=4,
+        S, TC, HKV, G, n_selp, n_winp, n_cmp, npart, split_keys, scale_log2, window, block_len, stride,
+        num_selected, DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, NPB=npb,
+        DVC=min(BDV, max(16, 4096 // (npb * M))), UPCAST=interp, num_warps=ATTN_WARPS,
     )
     return o, bi
 

@@ -84,6 +84,13 @@ def test_exact_ties_go_to_the_lower_block(variant):
 
 
 @interpreter_only
+def test_more_forced_blocks_than_slots(variant):
+    """1 initial + 3 local forced blocks for 2 slots: the two lowest forced blocks."""
+    q, kv, gates = _inputs(2, 300, 4, 2, 16, 16, seed=5)
+    _check(q, kv, gates, [300, 150], select_size=16, num_selected=2, num_init=1, num_local=3, window=16)
+
+
+@interpreter_only
 def test_fused_split_tiles(monkeypatch):
     """One tile per split (many partials, merged in groups) and one split for everything."""
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
@@ -149,6 +156,20 @@ def test_gpu_fused_vs_v1_and_graph_replay(monkeypatch, T):
     assert torch.equal(first, o_f)
 
 
+SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one is the default)
+    dict(),
+    dict(CMP_PROGRAMS_PER_SM=1),
+    dict(CMP_PROGRAMS_PER_SM=3),
+    dict(CMP_PROGRAMS_PER_SM=4),
+    dict(CMP_STAGES=4),
+    dict(CMP_STAGES=2),
+    dict(SEL_PER_PROGRAM=1),
+    dict(SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
+    dict(ATTN_WARPS=8),
+    dict(ATTN_WARPS=8, SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
+]
+
+
 @pytest.mark.gpu
 def test_gpu_fused_config_sweep(monkeypatch):
     """CUDA-graph times of the fused decode at 64k, batch 16, over its launch knobs (printed; the
@@ -158,15 +179,13 @@ def test_gpu_fused_config_sweep(monkeypatch):
     q, kv, gates, seqlens = _gpu_inputs(65536)
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
     want = decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens)
+    defaults = {name: getattr(decode, name) for knobs in SWEEP for name in knobs}
     print()
-    for per_sm in (1, 2, 4):
-        for spp, wt in ((1, 1), (2, 1), (4, 2)):
-            monkeypatch.setattr(decode, "CMP_PROGRAMS_PER_SM", per_sm)
-            monkeypatch.setattr(decode, "SEL_PER_PROGRAM", spp)
-            monkeypatch.setattr(decode, "WIN_TILES_PER_PROGRAM", wt)
-            graph, o = _graph(lambda: decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens))
-            us = triton.testing.do_bench(graph.replay) * 1e3
-            print(f"CMP_PROGRAMS_PER_SM={per_sm} SEL_PER_PROGRAM={spp} WIN_TILES_PER_PROGRAM={wt}: "
-                  f"{us:.1f} us")
-            graph.replay()
-            assert base.rel_err(o, want) < 1e-3
+    for knobs in SWEEP:
+        for name, value in {**defaults, **knobs}.items():
+            monkeypatch.setattr(decode, name, value)
+        graph, o = _graph(lambda: decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens))
+        us = triton.testing.do_bench(graph.replay) * 1e3
+        print(f"fused decode {knobs or 'defaults'}: {us:.1f} us (CUDA graph)")
+        graph.replay()
+        assert base.rel_err(o, want) < 1e-3
