@@ -47,6 +47,9 @@ from nsa_eval.kernels._triton_utils import (
 # True: sum the probabilities over the group before mapping them onto selection blocks (BT rows, not
 # BT * G'); False: the first version, per-head tf32x3 matmuls (the benchmark times both)
 IMPORTANCE_GROUP_FIRST = True
+# rows (positions x G') per importance program and its launch: more rows read each compressed key
+# for more positions (fewer bytes), at more registers and shared memory (the benchmark times both)
+IMPORTANCE_CONFIG = dict(rows=64, num_warps=4, num_stages=3)
 # How a selected-attention program (forward and dq walk) walks its blocks; the benchmark times both.
 #   "pipelined": the distinct usable blocks of the program's lists are found once, vectorised over
 #       the preloaded [BT, n] lists, then walked by an unconditional loop that takes block i from
@@ -157,14 +160,16 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     ratio = select_size // stride
     imp = torch.empty(B * T * HKV, ns, device=q.device, dtype=torch.float32)
     GP = pow2(G, 1)
-    BT = max(1, (16 if interpreting() else 64) // GP)
+    launch = dict(IMPORTANCE_CONFIG)
+    rows = launch.pop("rows")
+    BT = max(1, (16 if interpreting() else rows) // GP)
     BNS = 16 if ratio <= 8 else pow2(max(1, 128 // ratio), 1)
     BNS = max(BNS, 16)
     _importance_kernel[(triton.cdiv(T, BT), B * HKV)](
         q, k_cmp, lse, imp, q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1),
         k_cmp.stride(2), T, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
         DK=DK, BDK=pow2(DK), GP=GP, BT=BT, BNS=BNS, RATIO=ratio, GROUP_FIRST=IMPORTANCE_GROUP_FIRST,
-        UPCAST=interpreting(), num_warps=4,
+        UPCAST=interpreting(), **launch,
     )
     return imp
 
