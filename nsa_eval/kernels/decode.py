@@ -17,9 +17,12 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    into the chunk from the compressed blocks just before it comes from a 16-wide tile). The program
    that finishes last for its (sequence, KV head) takes the top-k of the whole row, like
    `topk_blocks`: forced blocks taken at once, then one max reduction per pick over int64 keys
-   ordered like (importance, -block index), so ties go to the lower index.
-3. `_decode_attn_fused_kernel`, one program per (`SEL_PER_PROGRAM` selected-block slots, or
-   `WIN_TILES_PER_PROGRAM` window tiles of 64 keys; sequence, KV head): a partial softmax. The
+   ordered like (importance, -block index), so ties go to the lower index. With `WINDOW_IN_STEP2`
+   (default) the same launch has one more program per window chunk (`WIN_TILES_PER_PROGRAM` tiles
+   of 64 keys): the window branch does not depend on the selection, and its loads fill the memory
+   bus while the top-k runs.
+3. `_decode_attn_fused_kernel`, one program per (`SEL_PER_PROGRAM` selected-block slots, or window
+   chunk if not done in step 2; sequence, KV head): a partial softmax. The
    program that finishes last for its (sequence, KV head) merges the partials of the three
    branches: merge weights per branch from one load of its (max, sum) rows, gates folded in, then
    per chunk of output columns one load of all partials of each branch, and writes the output.
@@ -57,6 +60,9 @@ WIN_TILES_PER_PROGRAM = 1
 # fused: pipeline stages of the compressed-key loop; warps of the attention kernel
 CMP_STAGES = 3
 ATTN_WARPS = 4
+# fused: window chunks run in step 2's launch (beside the importances and the top-k, which leave the
+# memory bus idle) instead of step 3's
+WINDOW_IN_STEP2 = True
 
 
 @triton.jit
@@ -341,17 +347,45 @@ def _overlap(c_lo, c_hi, s_lo, s_hi):
 
 @triton.jit
 def _decode_importance_split_kernel(
-    POS, SC, PM, PL, IMP, BI, CNT, TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, NS, block_len, stride,
-    select_size, num_selected, num_init, num_local,
+    POS, SC, PM, PL, IMP, BI, CNT, Q, KW, VW, PO,
+    sq_b, sq_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
+    TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, NS, block_len, stride, select_size, num_selected, num_init,
+    num_local, NIMP, NCMP, NSELP, S, window, scale_log2,
     M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr, NPB: tl.constexpr,
-    BNS_ALL: tl.constexpr, NSEL2: tl.constexpr,
+    BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+    BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # programs 0 .. NIMP-1: importances; NIMP ..: window chunks (partials NCMP + NSELP + i, as in step 3)
     # IMP [B*HKV, NS] float32; BI [B*HKV, num_selected] int32: written by the last program of the row
-    BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
+    i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
+    if i_c >= NIMP:
+        i_b = (i_bh // HKV).to(tl.int64)
+        i_hk = i_bh % HKV
+        t = tl.load(POS + i_b)
+        o_r = tl.arange(0, M)
+        o_dk = tl.arange(0, BDK)
+        o_dv = tl.arange(0, BDV)
+        q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
+        m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_c - NIMP, skw_b, skw_t, skw_h,
+                                        svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
+                                        BW, WT, UPCAST)
+        _store_partial(PM, PL, PO, i_bh * NPART + NCMP + NSELP + i_c - NIMP, m_i, l_i, acc, o_r, o_dv, M, BDV)
+    else:
+        _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, NS,
+                          block_len, stride, select_size, num_selected, num_init, num_local, NIMP, M, BNS,
+                          RATIO, SPILL, NPB, BNS_ALL, NSEL2)
+
+
+@triton.jit
+def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, NS,
+                      block_len, stride, select_size, num_selected, num_init, num_local, NIMP,
+                      M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr,
+                      NPB: tl.constexpr, BNS_ALL: tl.constexpr, NSEL2: tl.constexpr):
+    BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
     i_b = i_bh // HKV
     t = tl.load(POS + i_b)
-    j0 = tl.program_id(0) * BNS  # this program's first selection block
+    j0 = i_c * BNS  # this program's first selection block
     if j0 <= t // select_size:
         n_vis = _n_visible(t, TC, block_len, stride)
         o_r = tl.arange(0, M)
@@ -396,7 +430,7 @@ def _decode_importance_split_kernel(
     # the last program of this (sequence, KV head) to arrive takes the top-k of the whole row
     tl.debug_barrier()  # all threads' stores before the release of the counter increment
     arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
+    if arrived == NIMP - 1:
         chosen = _topk_row(IMP + i_bh.to(tl.int64) * NS, t, NS, select_size, num_selected, num_init,
                            num_local, BNS_ALL)  # [BNS_ALL]
         o_a = tl.arange(0, BNS_ALL)
@@ -469,6 +503,33 @@ def _branch_chunk(PO, first, n, w, o_r, o_dc, M: tl.constexpr, BDV: tl.constexpr
 
 
 @triton.jit
+def _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_w, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
+                    o_r, o_dk, o_dv, G, scale_log2, DK: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
+                    BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, UPCAST: tl.constexpr):
+    # partial softmax over window chunk i_w (WT tiles of BW keys from max(t - window + 1, 0))
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BDV], tl.float32)
+    start = tl.maximum(t - window + 1, 0) + i_w * (WT * BW)
+    for j in tl.static_range(WT):
+        o_k = start + j * BW + tl.arange(0, BW)
+        m_k = (o_k <= t) & (o_k < S)
+        k_ptrs = KW + i_b * skw_b + i_hk * skw_h + o_k[:, None].to(tl.int64) * skw_t + o_dk[None, :]
+        v_ptrs = VW + i_b * svw_b + i_hk * svw_h + o_k[:, None].to(tl.int64) * svw_t + o_dv[None, :]
+        valid = m_k[None, :] & (o_r < G)[:, None]
+        _, m, l, o = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV, UPCAST)
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(PM, PL, PO, part, m, l, acc, o_r, o_dv, M: tl.constexpr, BDV: tl.constexpr):
+    tl.store(PM + part * M + o_r, m)
+    tl.store(PL + part * M + o_r, l)
+    tl.store(PO + (part * M + o_r[:, None]) * BDV + o_dv[None, :], acc)
+
+
+@triton.jit
 def _decode_attn_fused_kernel(
     Q, K, V, KW, VW, POS, BI, PM, PL, PO, CNT, GC, GS, GW, O,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
@@ -477,8 +538,9 @@ def _decode_attn_fused_kernel(
     BS: tl.constexpr, SPP: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, NPB: tl.constexpr,
     DVC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # programs 0 .. NSELP-1: SPP selected-block slots each; NSELP ..: window chunks of WT * BW keys.
-    # Partials: [0, NCMP) compression (step 1), then NSELP selection, then NWP window, per i_bh.
+    # programs 0 .. NSELP-1: SPP selected-block slots each; NSELP ..: window chunks of WT * BW keys
+    # (if not done by step 2). Partials per i_bh: [0, NCMP) compression (step 1), then NSELP
+    # selection, then NWP window.
     # BI [B*HKV, num_selected] from step 2; gates GC/GS/GW and output O contiguous [B, 1, HQ(, DV)].
     i_p = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -504,27 +566,17 @@ def _decode_attn_fused_kernel(
             _, m, l, o = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV,
                                           UPCAST)
             m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
-    else:
-        start = tl.maximum(t - window + 1, 0) + (i_p - NSELP) * (WT * BW)
-        for j in tl.static_range(WT):
-            o_k = start + j * BW + tl.arange(0, BW)
-            m_k = (o_k <= t) & (o_k < S)
-            k_ptrs = KW + i_b * skw_b + i_hk * skw_h + o_k[:, None].to(tl.int64) * skw_t + o_dk[None, :]
-            v_ptrs = VW + i_b * svw_b + i_hk * svw_h + o_k[:, None].to(tl.int64) * svw_t + o_dv[None, :]
-            valid = m_k[None, :] & (o_r < G)[:, None]
-            _, m, l, o = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV,
-                                          UPCAST)
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
+    else:  # window chunks, unless step 2 took them (WINDOW_IN_STEP2: then the grid has NSELP programs)
+        m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_p - NSELP, skw_b, skw_t, skw_h,
+                                        svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
+                                        BW, WT, UPCAST)
     base = i_bh * NPART
-    part = base + NCMP + i_p
-    tl.store(PM + part * M + o_r, m_i)
-    tl.store(PL + part * M + o_r, l_i)
-    tl.store(PO + (part * M + o_r[:, None]) * BDV + o_dv[None, :], acc)
+    _store_partial(PM, PL, PO, base + NCMP + i_p, m_i, l_i, acc, o_r, o_dv, M, BDV)
 
     # the last program of this (sequence, KV head) to arrive merges every partial
     tl.debug_barrier()  # all threads' stores before the release of the counter increment
     arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
-    if arrived == NSELP + NWP - 1:
+    if arrived == tl.num_programs(0) - 1:
         n_cmp = tl.cdiv(_n_visible(t, TC, block_len, stride), SPLIT_KEYS)
         f_slc = base + NCMP
         f_swa = f_slc + NSELP
@@ -628,7 +680,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     # attention programs: SPP selected-block slots, or WT window tiles of BW keys
     SPP = SEL_PER_PROGRAM
     BW, WT = (16, 2) if interp else (64, WIN_TILES_PER_PROGRAM)
-    n_selp = triton.cdiv(num_selected, SPP)
+    n_selp = max(1, triton.cdiv(num_selected, SPP))
     n_winp = max(1, triton.cdiv(window, WT * BW))
     npart = n_cmp + n_selp + n_winp
 
@@ -655,16 +707,19 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     spill = pow2(max(1, triton.cdiv(block_len, stride) - 1))
     npb = pow2(max(n_cmp, n_selp, n_winp), 1)
     bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
-    _decode_importance_split_kernel[(triton.cdiv(ns, bns), BH)](
-        pos, scores, pm, pl, imp, bi, counter[0], TC, HKV, G, npart, split_keys, sc_len, ns, block_len,
-        stride, select_size, num_selected, num_init, num_local,
+    n_imp = triton.cdiv(ns, bns)
+    win_in_step2 = WINDOW_IN_STEP2
+    _decode_importance_split_kernel[(n_imp + (n_winp if win_in_step2 else 0), BH)](
+        pos, scores, pm, pl, imp, bi, counter[0], q, k_swa, v_swa, po, q.stride(0), q.stride(2),
+        *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, split_keys, sc_len, ns, block_len,
+        stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp, S, window, scale_log2,
         M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, BNS_ALL=pow2(ns), NSEL2=pow2(num_selected, 1),
-        num_warps=4,
+        DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT, UPCAST=interp, num_warps=4,
     )
 
     # 3. selected blocks and window chunks, then the merge of all partials by the last program
     o = torch.empty(B, 1, HQ, DV, device=dev, dtype=q.dtype)
-    _decode_attn_fused_kernel[(n_selp + n_winp, BH)](
+    _decode_attn_fused_kernel[(n_selp + (0 if win_in_step2 else n_winp), BH)](
         q, k, v, k_swa, v_swa, pos, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
         S, TC, HKV, G, n_selp, n_winp, n_cmp, npart, split_keys, scale_log2, window, block_len, stride,

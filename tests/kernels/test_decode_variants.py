@@ -91,12 +91,13 @@ def test_more_forced_blocks_than_slots(variant):
 
 
 @interpreter_only
-def test_fused_split_tiles(monkeypatch):
-    """One tile per split (many partials, merged in groups) and one split for everything."""
+def test_fused_knobs(monkeypatch):
+    """One tile per split (many partials) and one split for everything; window chunks in step 3."""
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
     q, kv, gates = _inputs(2, 400, 8, 2, 16, 16, seed=3)
-    for tiles in (1, 64):
+    for tiles, window_in_step2 in ((1, True), (64, True), (2, False)):
         monkeypatch.setattr(decode, "CMP_SPLIT_TILES", tiles)
+        monkeypatch.setattr(decode, "WINDOW_IN_STEP2", window_in_step2)
         _check(q, kv, gates, [400, 211], select_size=32, num_selected=4, window=48)
 
 
@@ -167,6 +168,7 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
     dict(ATTN_WARPS=8),
     dict(ATTN_WARPS=8, SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
+    dict(WINDOW_IN_STEP2=False),
 ]
 
 
