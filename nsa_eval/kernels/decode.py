@@ -5,12 +5,12 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
 
 `"fused"` (default), three launches:
 1. `_decode_cmp_split_kernel`, one program per (split, sequence, KV head), all G query heads of the
-   group as rows: each split walks its tiles of 64 compressed keys (pipelined loads) with an online
-   softmax, stores the scores for step 2 (L2 evict-last) and one partial (max, sum, p @ v). The
-   number of splits fills the GPU (about `CMP_PROGRAMS_PER_SM` programs per SM, at most 16 splits),
-   so each (sequence, KV head) has a few partials instead of one per 64 keys. Splits past the
-   query's last visible compressed block exit at once. Split 0 also zeroes the arrival counters of
-   steps 2 and 3.
+   group as rows: split i walks tiles i, i + splits, ... of 64 compressed keys (pipelined loads; the
+   visible tiles spread evenly over the splits whatever the query position) with an online softmax,
+   stores the scores for step 2 (L2 evict-last) and one partial (max, sum, p @ v). The number of
+   splits fills the GPU (about `CMP_PROGRAMS_PER_SM` programs per SM, at most 16 splits), so each
+   (sequence, KV head) has a few partials instead of one per 64 keys. Split 0 also zeroes the
+   arrival counters of steps 2 and 3.
 2. `_decode_importance_split_kernel`, one program per (chunk of selection blocks, sequence, KV head):
    the compression lse from the split partials in one vector load, then the chunk's selection-block
    importances from the stored scores (same overlap weights and group sum as prefill; weight spilling
@@ -52,7 +52,7 @@ from nsa_eval.kernels._triton_utils import LOG2E, default_scale, interpreting, p
 DECODE_VARIANT = "fused"
 # fused: compressed-key programs per SM the splits aim at (B * Hkv * splits ~ this * SMs)
 CMP_PROGRAMS_PER_SM = 2
-# fused: tiles of compressed keys per split; None derives it from CMP_PROGRAMS_PER_SM
+# fused: tiles of compressed keys per split at a full cache; None derives it from CMP_PROGRAMS_PER_SM
 CMP_SPLIT_TILES = None
 # fused: selected-block slots per program of the attention kernel; window keys per program = 64 * this
 SEL_PER_PROGRAM = 2
@@ -292,7 +292,7 @@ def _n_visible(t, TC, block_len, stride):
 def _decode_cmp_split_kernel(
     Q, KC, VC, POS, SC, PM, PL, PO, CNT_IMP, CNT_ATTN,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-    TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, scale_log2, block_len, stride,
+    TC, HKV, G, NPART, SC_LEN, scale_log2, block_len, stride,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
     BC: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -307,9 +307,8 @@ def _decode_cmp_split_kernel(
     i_hk = i_bh % HKV
     t = tl.load(POS + i_b)
     n_vis = _n_visible(t, TC, block_len, stride)
-    lo = i_s * SPLIT_KEYS
-    if lo < n_vis:
-        hi = tl.minimum(lo + SPLIT_KEYS, n_vis)
+    n_vis_tiles = tl.cdiv(n_vis, BC)
+    if i_s < n_vis_tiles:
         o_r = tl.arange(0, M)
         o_dk = tl.arange(0, BDK)
         o_dv = tl.arange(0, BDV)
@@ -320,9 +319,10 @@ def _decode_cmp_split_kernel(
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, BDV], tl.float32)
-        for start in range(lo, hi, BC):
-            o_k = start + tl.arange(0, BC)  # [BC] compressed block indices
-            m_k = o_k < hi
+        # tiles i_s, i_s + splits, ...: the visible tiles spread evenly over the splits at any t
+        for tile in range(i_s, n_vis_tiles, tl.num_programs(0)):
+            o_k = tile * BC + tl.arange(0, BC)  # [BC] compressed block indices
+            m_k = o_k < n_vis
             k_ptrs = k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
             v_ptrs = v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
             valid = m_k[None, :] & (o_r < G)[:, None]
@@ -349,7 +349,7 @@ def _overlap(c_lo, c_hi, s_lo, s_hi):
 def _decode_importance_split_kernel(
     POS, SC, PM, PL, IMP, BI, CNT, Q, KW, VW, PO,
     sq_b, sq_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
-    TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, NS, block_len, stride, select_size, num_selected, num_init,
+    TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS, block_len, stride, select_size, num_selected, num_init,
     num_local, NIMP, NCMP, NSELP, S, window, scale_log2,
     M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr, NPB: tl.constexpr,
     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
@@ -372,14 +372,14 @@ def _decode_importance_split_kernel(
                                         BW, WT, UPCAST)
         _store_partial(PM, PL, PO, i_bh * NPART + NCMP + NSELP + i_c - NIMP, m_i, l_i, acc, o_r, o_dv, M, BDV)
     else:
-        _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, NS,
-                          block_len, stride, select_size, num_selected, num_init, num_local, NIMP, M, BNS,
-                          RATIO, SPILL, NPB, BNS_ALL, NSEL2)
+        _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS,
+                          block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
+                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2)
 
 
 @triton.jit
-def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, SPLIT_KEYS, SC_LEN, NS,
-                      block_len, stride, select_size, num_selected, num_init, num_local, NIMP,
+def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS,
+                      block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
                       M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr,
                       NPB: tl.constexpr, BNS_ALL: tl.constexpr, NSEL2: tl.constexpr):
     BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
@@ -392,7 +392,7 @@ def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPAR
         m_r = o_r < G
         # lse of every head (log2 units) from the split partials, one vector load
         o_p = tl.arange(0, NPB)
-        m_p = (o_p < tl.cdiv(n_vis, SPLIT_KEYS))[:, None]
+        m_p = (o_p < tl.minimum(NCMP, tl.cdiv(n_vis, CMP_TILE)))[:, None]  # splits with visible tiles
         offs = (i_bh * NPART + o_p[:, None]) * M + o_r[None, :]  # [NPB, M]
         m = tl.load(PM + offs, mask=m_p, other=float("-inf"))
         l = tl.load(PL + offs, mask=m_p, other=0.0)
@@ -533,7 +533,7 @@ def _store_partial(PM, PL, PO, part, m, l, acc, o_r, o_dv, M: tl.constexpr, BDV:
 def _decode_attn_fused_kernel(
     Q, K, V, KW, VW, POS, BI, PM, PL, PO, CNT, GC, GS, GW, O,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
-    S, TC, HKV, G, NSELP, NWP, NCMP, NPART, SPLIT_KEYS, scale_log2, window, block_len, stride, num_selected,
+    S, TC, HKV, G, NSELP, NWP, NCMP, NPART, CMP_TILE, scale_log2, window, block_len, stride, num_selected,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
     BS: tl.constexpr, SPP: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, NPB: tl.constexpr,
     DVC: tl.constexpr, UPCAST: tl.constexpr,
@@ -577,7 +577,7 @@ def _decode_attn_fused_kernel(
     tl.debug_barrier()  # all threads' stores before the release of the counter increment
     arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) - 1:
-        n_cmp = tl.cdiv(_n_visible(t, TC, block_len, stride), SPLIT_KEYS)
+        n_cmp = tl.minimum(NCMP, tl.cdiv(_n_visible(t, TC, block_len, stride), CMP_TILE))
         f_slc = base + NCMP
         f_swa = f_slc + NSELP
         head = (i_b * HKV + i_hk) * G + o_r  # [M] flat (b, h) since HQ = HKV * G
@@ -665,17 +665,14 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     # splits of the compressed keys: about CMP_PROGRAMS_PER_SM programs per SM in all
     BC = 16 if interp else 64
     n_tiles = max(1, triton.cdiv(TC, BC))
-    tiles = CMP_SPLIT_TILES
-    if tiles is None:
-        if interp:
-            tiles = 2
-        else:
-            # at most 16 splits: the final merge loads all partials of a branch at once
-            sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-            splits = min(16, max(1, CMP_PROGRAMS_PER_SM * sms // BH))
-            tiles = triton.cdiv(n_tiles, min(splits, n_tiles))
-    n_cmp = triton.cdiv(n_tiles, tiles)
-    split_keys = tiles * BC
+    if CMP_SPLIT_TILES is not None:
+        n_cmp = triton.cdiv(n_tiles, CMP_SPLIT_TILES)
+    elif interp:
+        n_cmp = triton.cdiv(n_tiles, 2)
+    else:
+        # at most 16 splits: the final merge loads all partials of a branch at once
+        sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        n_cmp = min(n_tiles, 16, max(1, CMP_PROGRAMS_PER_SM * sms // BH))
     sc_len = n_tiles * BC
     # attention programs: SPP selected-block slots, or WT window tiles of BW keys
     SPP = SEL_PER_PROGRAM
@@ -695,7 +692,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     _decode_cmp_split_kernel[(n_cmp, BH)](
         q, k_cmp, v_cmp, pos, scores, pm, pl, po, counter[0], counter[1], q.stride(0), q.stride(2),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
-        TC, HKV, G, npart, split_keys, sc_len, scale_log2, block_len, stride,
+        TC, HKV, G, npart, sc_len, scale_log2, block_len, stride,
         DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, UPCAST=interp, num_warps=4, num_stages=CMP_STAGES,
     )
 
@@ -711,7 +708,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     win_in_step2 = WINDOW_IN_STEP2
     _decode_importance_split_kernel[(n_imp + (n_winp if win_in_step2 else 0), BH)](
         pos, scores, pm, pl, imp, bi, counter[0], q, k_swa, v_swa, po, q.stride(0), q.stride(2),
-        *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, split_keys, sc_len, ns, block_len,
+        *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, BC, sc_len, ns, block_len,
         stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp, S, window, scale_log2,
         M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, BNS_ALL=pow2(ns), NSEL2=pow2(num_selected, 1),
         DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT, UPCAST=interp, num_warps=4,
@@ -722,7 +719,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     _decode_attn_fused_kernel[(n_selp + (0 if win_in_step2 else n_winp), BH)](
         q, k, v, k_swa, v_swa, pos, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
-        S, TC, HKV, G, n_selp, n_winp, n_cmp, npart, split_keys, scale_log2, window, block_len, stride,
+        S, TC, HKV, G, n_selp, n_winp, n_cmp, npart, BC, scale_log2, window, block_len, stride,
         num_selected, DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, NPB=npb,
         DVC=min(BDV, max(16, 4096 // (npb * M))), UPCAST=interp, num_warps=ATTN_WARPS,
     )
