@@ -8,7 +8,7 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    group as rows: split i walks tiles i, i + splits, ... of 64 compressed keys (pipelined loads; the
    visible tiles spread evenly over the splits whatever the query position) with an online softmax,
    stores the scores for step 2 (L2 evict-last) and one partial (max, sum, p @ v). The number of
-   splits fills the GPU (about `CMP_PROGRAMS_PER_SM` programs per SM, at most 16 splits), so each
+   splits fills the GPU (about `CMP_PROGRAMS_PER_SM` programs per SM, at most 32 splits), so each
    (sequence, KV head) has a few partials instead of one per 64 keys. Split 0 also zeroes the
    arrival counters of steps 2 and 3.
 2. `_decode_importance_split_kernel`, one program per (chunk of selection blocks, sequence, KV head):
@@ -670,9 +670,9 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     elif interp:
         n_cmp = triton.cdiv(n_tiles, 2)
     else:
-        # at most 16 splits: the final merge loads all partials of a branch at once
+        # at most 32 splits: the final merge loads all partials of a branch at once
         sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-        n_cmp = min(n_tiles, 16, max(1, CMP_PROGRAMS_PER_SM * sms // BH))
+        n_cmp = min(n_tiles, 32, max(1, CMP_PROGRAMS_PER_SM * sms // BH))
     sc_len = n_tiles * BC
     # attention programs: SPP selected-block slots, or WT window tiles of BW keys
     SPP = SEL_PER_PROGRAM
