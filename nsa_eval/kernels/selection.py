@@ -343,7 +343,7 @@ def _selected_pipelined_kernel(
     bi_base = BI + ((i_b * T + t0) * HKV + i_hk) * NSEL
     idx = tl.load(bi_base + o_p[:, None] * (HKV * NSEL) + o_s[None, :],
                   mask=(t_p < T)[:, None] & (o_s < NSEL)[None, :], other=-1)  # [BT, NP]
-    idx = tl.where((idx >= 0) & (idx * BS <= t_p[:, None]), idx, -1)
+    idx = tl.where((idx >= 0) & (idx <= t_p[:, None] // BS), idx, -1)
     first = idx >= 0  # [BT, NP]
     for pp in tl.static_range(BT):
         list_pp = tl.sum(tl.where(o_p[:, None] == pp, idx, 0), 0)  # [NP] the list of position pp

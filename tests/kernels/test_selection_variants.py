@@ -2,6 +2,12 @@
 two tilings (`SELECTED_ROWS` 16 and 32 rows per program) against the PyTorch reference on the CPU
 through Triton's interpreter: outputs, the lse, and gradients of q, k and v."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -94,23 +100,43 @@ def test_unknown_walk_is_rejected(monkeypatch):
 
 
 def compile_for_h200(kernel, *, backward, config, G=16, d=128, select_size=64, n=16):
-    """TTGIR of the selected kernel compiled ahead of time for sm_90 at the benchmark's shape (no GPU
+    """TTGIR of a selected kernel compiled ahead of time for sm_90 at the benchmark's shape (no GPU
     needed: Triton's NVIDIA backend and its bundled ptxas), with the integer arguments specialised
-    as a launch at that shape would (all divisible by 16)."""
+    as a launch at that shape would (all divisible by 16). Runs in the calling process, which must
+    not have run the interpreter (it leaves triton.language patched): see `compiled_in_subprocess`."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
-    from triton.runtime.jit import JITFunction
 
-    fn = JITFunction(kernel.fn)  # under the interpreter `kernel` is an InterpretedFunction
     GP, BT = selection.pow2(G, 1), max(1, selection.SELECTED_ROWS // G)
     consts = dict(DK=d, DV=d, BDK=d, BDV=d, GP=GP, BT=BT, BS=select_size, NP=n, BACKWARD=backward,
                   UPCAST=False)
     types = ["*bf16", "*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16"] + ["i32"] * 13
     types += ["fp32", "fp32"]
-    signature = dict(zip(fn.arg_names, types + ["constexpr"] * len(consts), strict=True))
+    signature = dict(zip(kernel.arg_names, types + ["constexpr"] * len(consts), strict=True))
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(22)}  # pointers, strides, T, HQ, G, NSEL
-    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     return compile(src, target=GPUTarget("cuda", 90, 32), options=dict(config)).asm["ttgir"]
+
+
+def compiled_in_subprocess():
+    """{name: TTGIR} of the pipelined forward and dq walk and of the union forward, compiled by
+    `compile_for_h200` in a fresh Python without TRITON_INTERPRET."""
+    code = """
+import json
+from nsa_eval.kernels import selection as s
+from tests.kernels.test_selection_variants import compile_for_h200 as c
+print(json.dumps(dict(
+    fwd=c(s._selected_pipelined_kernel, backward=False, config=s.SELECTED_FWD_CONFIG),
+    dq=c(s._selected_pipelined_kernel, backward=True, config=s.SELECTED_DQ_CONFIG),
+    union=c(s._selected_kernel, backward=False, config=s.SELECTED_FWD_CONFIG))))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # compile only, even where a GPU exists
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_pipelined_walk_prefetches_on_h200():
@@ -121,11 +147,8 @@ def test_pipelined_walk_prefetches_on_h200():
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         pytest.skip("Triton's NVIDIA backend is not installed")
-    kernel = selection._selected_pipelined_kernel
-    fwd = compile_for_h200(kernel, backward=False, config=selection.SELECTED_FWD_CONFIG)
-    dq = compile_for_h200(kernel, backward=True, config=selection.SELECTED_DQ_CONFIG)
-    for ttgir in (fwd, dq):
-        assert ttgir.count("ttg.async_copy_global_to_local") >= 2  # K and V
-        assert "memdesc<2x64x128xbf16" in ttgir  # two buffers per operand: 3 stages
-    union = compile_for_h200(selection._selected_kernel, backward=False, config=selection.SELECTED_FWD_CONFIG)
-    assert "async_copy_global_to_local" not in union
+    ttgir = compiled_in_subprocess()
+    for name in ("fwd", "dq"):
+        assert ttgir[name].count("ttg.async_copy_global_to_local") >= 2, name  # K and V
+        assert "memdesc<2x64x128xbf16" in ttgir[name], name  # two buffers per operand: 3 stages
+    assert "async_copy_global_to_local" not in ttgir["union"]
