@@ -716,12 +716,15 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
 
     # 3. selected blocks and window chunks, then the merge of all partials by the last program
     o = torch.empty(B, 1, HQ, DV, device=dev, dtype=q.dtype)
+    # the final merge loads [npb, M, DVC] partials per branch at once: about 4096 values per 4 warps
+    warps = ATTN_WARPS if npb * M <= 256 else 8
+    dvc = min(BDV, max(4, 1024 * warps // (npb * M)))
     _decode_attn_fused_kernel[(n_selp + (0 if win_in_step2 else n_winp), BH)](
         q, k, v, k_swa, v_swa, pos, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
         S, TC, HKV, G, n_selp, n_winp, n_cmp, npart, BC, scale_log2, window, block_len, stride,
         num_selected, DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, NPB=npb,
-        DVC=min(BDV, max(16, 4096 // (npb * M))), UPCAST=interp, num_warps=ATTN_WARPS,
+        DVC=dvc, UPCAST=interp, num_warps=warps,
     )
     return o, bi
 
