@@ -59,9 +59,15 @@ IMPORTANCE_CONFIG = dict(rows=64, num_warps=4, num_stages=3)
 SELECTED_WALK = "pipelined"
 # rows (positions x G') per selected-attention program: BT = max(1, SELECTED_ROWS // G') positions
 SELECTED_ROWS = 16
-# launch configurations of the selected-attention forward and dq walk (the benchmark times alternatives)
+# launch configurations of the selected-attention forward and dq walk (the benchmark times alternatives).
+# Compiled for sm_90 at G = 16, d = 128, blocks of 64: 3 stages give the pipelined walk two K/V
+# buffers (72 KB shared, ~100 registers: 3 programs per SM) with the next block in flight during the
+# current MMAs; 2 stages one buffer (39 KB), refilled only after the MMAs. The union walk compiles to
+# plain loads at any num_stages (148 registers in the forward).
 SELECTED_FWD_CONFIG = dict(num_warps=4, num_stages=3)
 SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
+# launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here)
+SELECTED_DKV_CONFIG = dict(num_stages=2)
 
 
 @triton.jit
@@ -584,7 +590,7 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, scale, scale * LOG2E, chunk,
         DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, UPCAST=interpreting(),
-        num_warps=8 if max(DK, DV) >= 128 else 4, num_stages=2,
+        **(dict(num_warps=8 if max(DK, DV) >= 128 else 4) | SELECTED_DKV_CONFIG),
     )
     return dq, dk32.to(k.dtype), dv32.to(v.dtype)
 
