@@ -68,6 +68,10 @@ SELECTED_FWD_CONFIG = dict(num_warps=4, num_stages=3)
 SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
 # launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here)
 SELECTED_DKV_CONFIG = dict(num_stages=2)
+# Where the selected backward computes dq. "walk": a second walk of every query's blocks, as the
+# forward. "fused": in the dk/dv kernel (per key block), which has ds already: one more MMA and a
+# float32 atomic add per (query, block) instead of reading each selected block's K/V again.
+SELECTED_DQ = "walk"
 
 
 @triton.jit
@@ -456,15 +460,17 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _selected_dkv_kernel(
-    Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_CHUNK, SEG_START, POS, DK32, DV32,
+    Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_CHUNK, SEG_START, POS, DK32, DV32, DQ32,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NS, NSEG, scale, scale_log2, CHUNK,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
-    BQ: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr,
+    BQ: tl.constexpr, BS: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # One program per work item: up to CHUNK query positions (x G heads) of one (b, kv head, block)
     # segment, gathered BQ positions at a time into M = BQ * GP rows of one MMA. Partial dk/dv go
     # to the float32 DK32/DV32 [B, T, HKV, D] by atomics (one add per item, not per query).
+    # FUSE_DQ: also each query's dq share from this block, ds @ k, to the float32 DQ32 [B, T, HQ, DK]
+    # by atomics (instead of the dq walk reading every selected block again).
     M: tl.constexpr = BQ * GP
     i_item = tl.program_id(0)
     seg = tl.load(ITEM_SEG + i_item)
@@ -516,6 +522,10 @@ def _selected_dkv_kernel(
             ds = pr * (dp - delta[:, None])
             dv += tl.dot(tl.trans(pr.to(do.dtype)), do)  # [BS, BDV]
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)  # [BS, BDK]
+            if FUSE_DQ:
+                dq = tl.dot(ds.to(k.dtype), k)  # [M, BDK]
+                tl.atomic_add(DQ32 + row[:, None] * DK + o_dk[None, :], dq * scale,
+                              mask=m_r[:, None] & (o_dk < DK)[None, :], sem="relaxed")
         kv_row = (i_b * T + o_k.to(tl.int64)) * HKV + i_hk  # [BS]
         tl.atomic_add(DK32 + kv_row[:, None] * DK + o_dk[None, :], dk * scale,
                       mask=m_k[:, None] & (o_dk < DK)[None, :], sem="relaxed")
@@ -573,26 +583,32 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale):
     G = HQ // HKV
     do = do.contiguous()
     delta = row_delta(o, do)
-    dq = torch.empty_like(q)
-    _launch_selected(q, k, v, bi, None, lse, do, delta, dq, select_size=select_size, scale=scale,
-                     backward=True)
+    if SELECTED_DQ not in ("walk", "fused"):
+        raise ValueError(f"SELECTED_DQ must be 'walk' or 'fused', got {SELECTED_DQ!r}")
+    fuse_dq = SELECTED_DQ == "fused"
+    if fuse_dq:
+        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    else:
+        dq = torch.empty_like(q)
+        _launch_selected(q, k, v, bi, None, lse, do, delta, dq, select_size=select_size, scale=scale,
+                         backward=True)
     dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     if B * T * HKV * bi.shape[-1] == 0:
-        return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+        return dq.to(q.dtype), dk32.to(k.dtype), dv32.to(v.dtype)
     GP = pow2(G, 1)
     BQ = max(1, (16 if interpreting() else 64) // GP)  # positions per MMA
     chunk = BQ * (4 if interpreting() else 64)  # positions per work item
     pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk)
     ns = triton.cdiv(T, select_size)
     _selected_dkv_kernel[(item_seg.numel(),)](
-        q, k, v, do, lse, delta, item_seg, item_chunk, seg_start, pos, dk32, dv32,
+        q, k, v, do, lse, delta, item_seg, item_chunk, seg_start, pos, dk32, dv32, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, scale, scale * LOG2E, chunk,
-        DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, UPCAST=interpreting(),
-        **(dict(num_warps=8 if max(DK, DV) >= 128 else 4) | SELECTED_DKV_CONFIG),
+        DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, FUSE_DQ=fuse_dq,
+        UPCAST=interpreting(), **(dict(num_warps=8 if max(DK, DV) >= 128 else 4) | SELECTED_DKV_CONFIG),
     )
-    return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    return dq.to(q.dtype), dk32.to(k.dtype), dv32.to(v.dtype)
 
 
 class SelectedAttentionFunction(torch.autograd.Function):

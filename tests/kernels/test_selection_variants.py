@@ -91,12 +91,28 @@ def test_two_positions_per_program(walk, shape):
         assert rel_err(a, b) < TOL
 
 
-def test_unknown_walk_is_rejected(monkeypatch):
-    monkeypatch.setattr(selection, "SELECTED_WALK", "nope")
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=[IDS[1], IDS[3]])
+def test_fused_dq_matches_reference(monkeypatch, shape):
+    """SELECTED_DQ = "fused": dq from the dk/dv kernel's atomics, no dq walk."""
+    monkeypatch.setattr(selection, "SELECTED_DQ", "fused")
+    B, T, hq, hkv, dk, dv = shape
+    x = make(*shape, seed=13)
+    q, k, v = x["q"], x["k"], x["v"]
+    idx = lists_with_edge_cases(B, T, hkv, 5, 16, seed=14)
+    o = selection.selected_attention(q, k, v, idx, select_size=16)
+    o_ref = ref.selected_attention(q, k, v, idx, select_size=16)
+    for a, b in zip(grads([o], (q, k, v)), grads([o_ref], (q, k, v)), strict=True):
+        assert rel_err(a, b) < TOL
+
+
+@pytest.mark.parametrize("flag", ["SELECTED_WALK", "SELECTED_DQ"])
+def test_unknown_variant_is_rejected(monkeypatch, flag):
+    monkeypatch.setattr(selection, flag, "nope")
     x = make(1, 32, 2, 1, 16, 16)
     idx = torch.zeros(1, 32, 1, 2, dtype=torch.int32)
-    with pytest.raises(ValueError, match="SELECTED_WALK"):
-        selection.selected_attention(x["q"], x["k"], x["v"], idx, select_size=16)
+    with pytest.raises(ValueError, match=flag):
+        o = selection.selected_attention(x["q"], x["k"], x["v"], idx, select_size=16)
+        o.sum().backward()
 
 
 def compile_for_h200(kernel, *, backward, config, G=16, d=128, select_size=64, n=16):
