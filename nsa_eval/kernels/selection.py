@@ -66,8 +66,11 @@ SELECTED_ROWS = 16
 # plain loads at any num_stages (148 registers in the forward).
 SELECTED_FWD_CONFIG = dict(num_warps=4, num_stages=3)
 SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
-# launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here)
+# launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here) and its
+# rows (positions x G') per MMA; with SELECTED_DQ = "fused" at G = 16, d = 128, 64 rows compile to
+# 255 registers with a small spill, 32 rows to 182 without
 SELECTED_DKV_CONFIG = dict(num_stages=2)
+SELECTED_DKV_ROWS = 64
 # Where the selected backward computes dq. "walk": a second walk of every query's blocks, as the
 # forward. "fused": in the dk/dv kernel (per key block), which has ds already: one more MMA and a
 # float32 atomic add per (query, block) instead of reading each selected block's K/V again.
@@ -597,7 +600,7 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale):
     if B * T * HKV * bi.shape[-1] == 0:
         return dq.to(q.dtype), dk32.to(k.dtype), dv32.to(v.dtype)
     GP = pow2(G, 1)
-    BQ = max(1, (16 if interpreting() else 64) // GP)  # positions per MMA
+    BQ = max(1, (16 if interpreting() else SELECTED_DKV_ROWS) // GP)  # positions per MMA
     chunk = BQ * (4 if interpreting() else 64)  # positions per work item
     pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk)
     ns = triton.cdiv(T, select_size)
