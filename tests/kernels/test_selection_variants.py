@@ -1,6 +1,8 @@
-"""Both walks of the Triton selected attention (`selection.SELECTED_WALK`: "pipelined", "union") and
-two tilings (`SELECTED_ROWS` 16 and 32 rows per program) against the PyTorch reference on the CPU
-through Triton's interpreter: outputs, the lse, and gradients of q, k and v."""
+"""The variants of the Triton selected attention against the PyTorch reference: both walks
+(`selection.SELECTED_WALK`: "pipelined", "union"), two tilings (`SELECTED_ROWS` 16 and 32 rows per
+program) and both dq paths (`SELECTED_DQ`: "walk", "fused"); outputs, the lse and gradients of q, k
+and v, on the CPU through Triton's interpreter and (`-m gpu`) in bf16 on a CUDA GPU. Also: the
+pipelined walk compiles for sm_90 to asynchronous, double-buffered K/V copies (no GPU needed)."""
 
 import json
 import os
@@ -13,7 +15,11 @@ import torch
 
 from nsa_eval.kernels import reference as ref
 from nsa_eval.kernels import selection
-from tests.kernels.test_triton_kernels import IDS, SHAPES, TOL, grads, make, pytestmark, rel_err  # noqa: F401
+from nsa_eval.kernels._triton_utils import interpreting
+from tests.kernels.test_triton_kernels import IDS, SHAPES, TOL, grads, make, rel_err
+
+interpreted = pytest.mark.skipif(not interpreting(),
+                                 reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
 
 WALKS = ["pipelined", "union"]
 
@@ -52,6 +58,7 @@ def reference_lse(q, k, block_indices, select_size):
     return torch.where(mask, s, float("-inf")).logsumexp(-1)
 
 
+@interpreted
 @pytest.mark.parametrize("walk", WALKS, indirect=True)
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=[IDS[1], IDS[3]])  # G = 3 (4 positions), 16
 def test_walk_matches_reference(walk, shape):
@@ -74,6 +81,7 @@ def test_walk_matches_reference(walk, shape):
         assert rel_err(a, b) < TOL
 
 
+@interpreted
 @pytest.mark.parametrize("walk", [(w, 32) for w in WALKS], ids=[f"{w}-rows32" for w in WALKS], indirect=True)
 @pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3]], ids=[IDS[2], IDS[3]])
 def test_two_positions_per_program(walk, shape):
@@ -91,6 +99,7 @@ def test_two_positions_per_program(walk, shape):
         assert rel_err(a, b) < TOL
 
 
+@interpreted
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=[IDS[1], IDS[3]])
 def test_fused_dq_matches_reference(monkeypatch, shape):
     """SELECTED_DQ = "fused": dq from the dk/dv kernel's atomics, no dq walk."""
@@ -105,6 +114,7 @@ def test_fused_dq_matches_reference(monkeypatch, shape):
         assert rel_err(a, b) < TOL
 
 
+@interpreted
 @pytest.mark.parametrize("flag", ["SELECTED_WALK", "SELECTED_DQ"])
 def test_unknown_variant_is_rejected(monkeypatch, flag):
     monkeypatch.setattr(selection, flag, "nope")
@@ -168,3 +178,38 @@ def test_pipelined_walk_prefetches_on_h200():
         assert ttgir[name].count("ttg.async_copy_global_to_local") >= 2, name  # K and V
         assert "memdesc<2x64x128xbf16" in ttgir[name], name  # two buffers per operand: 3 stages
     assert "async_copy_global_to_local" not in ttgir["union"]
+
+
+GPU_VARIANTS = {
+    "union": dict(SELECTED_WALK="union"),
+    "pipelined": dict(SELECTED_WALK="pipelined"),
+    "pipelined-rows32": dict(SELECTED_WALK="pipelined", SELECTED_ROWS=32),
+    "fused-dq": dict(SELECTED_DQ="fused"),
+    "fused-dq-rows32": dict(SELECTED_DQ="fused", SELECTED_DKV_ROWS=32),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(GPU_VARIANTS), ids=list(GPU_VARIANTS))
+@pytest.mark.parametrize("hq,hkv", [(64, 4), (12, 4)], ids=["G16", "G3"])
+def test_variant_on_gpu_bf16(monkeypatch, variant, hq, hkv):
+    """Each variant in bf16 at T = 4096, d = 128 against the float32 reference (outputs, dq, dk, dv)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for flag, value in GPU_VARIANTS[variant].items():
+        monkeypatch.setattr(selection, flag, value)
+    B, T, d, n = 1, 4096, 128, 16
+    g = torch.Generator(device="cuda").manual_seed(21)
+    x32 = {name: torch.randn(B, T, h, d, generator=g, device="cuda")
+           for name, h in (("q", hq), ("k", hkv), ("v", hkv))}
+    x = {name: t.bfloat16().requires_grad_() for name, t in x32.items()}
+    x32 = {name: t.requires_grad_() for name, t in x32.items()}
+    idx = lists_with_edge_cases(B, T, hkv, n, 64, seed=22).cuda()
+    o = selection.selected_attention(x["q"], x["k"], x["v"], idx)
+    o_ref = ref.selected_attention(x32["q"], x32["k"], x32["v"], idx, select_size=64)
+    assert rel_err(o, o_ref) < 2e-2
+    do = torch.randn(o_ref.shape, generator=g, device="cuda")
+    got = torch.autograd.grad(o, [x[name] for name in "qkv"], do.bfloat16())
+    want = torch.autograd.grad(o_ref, [x32[name] for name in "qkv"], do)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert rel_err(a, b) < 3e-2, name
