@@ -17,11 +17,11 @@ several positions, or repeated in one list, is read once) with a per-row mask sa
 selected it and a token-level causal mask. `SELECTED_WALK = "pipelined"` numbers the distinct usable
 blocks up front from the preloaded lists and walks them with no branch (so the next block's K/V can
 be loaded during the current MMAs); "union" is the first version (an index load, a 'seen' test and
-an `if` per list entry). Backward: dq in the same walk; dk/dv per key block through an inverted
-index (a counting sort of the selections by block, `inverted_index`): a program takes up to `CHUNK`
-of the positions that selected one block, gathers `BQ` positions x the group's heads into one MMA,
-and adds its partial dk/dv once with a float32 atomic (work items split long lists, e.g. the forced
-block 0).
+an `if` per list entry). Backward: dq in the same walk (`SELECTED_DQ = "fused"`: in the dk/dv kernel
+instead, by float32 atomics); dk/dv per key block through an inverted index (a counting sort of the
+selections by block, `inverted_index`): a program takes up to `CHUNK` of the positions that selected
+one block, gathers `BQ` positions x the group's heads into one MMA, and adds its partial dk/dv once
+with a float32 atomic (work items split long lists, e.g. the forced block 0).
 """
 
 from __future__ import annotations
