@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_eval.errors import UsageError
+from nsa_eval.models.loading import checkpoint_fingerprint
 from nsa_eval.registry import unknown_name_message
 
 # Attention methods the lm-eval adapter accepts when nsa_eval.methods / models are not importable.
@@ -126,6 +127,9 @@ class ModelSpec:
         """What changes this model's numbers (hashed into every cell); placement is left out."""
         ident = {"pretrained": self.pretrained, "attention": self.attention, "dtype": self.dtype,
                  "max_length": self.max_length, "truncation": self.truncation, "backend": self.backend}
+        weights = checkpoint_fingerprint(self.pretrained)
+        if weights is not None:  # a retrained local checkpoint gets new cells
+            ident["weights"] = weights
         if self.attention not in UNBUDGETED:
             ident |= {"budget": self.budget, "sink": self.sink, "local": self.local,
                       "sparse_prefill": self.sparse_prefill, "dense_layers": self.dense_layers,

@@ -62,6 +62,24 @@ def test_cell_keys_change_with_what_changes_numbers_only(tmp_path):
     assert all(changed[3:])
 
 
+def test_a_retrained_local_checkpoint_gets_new_cell_keys(tmp_path):
+    import shutil
+
+    from nsa_eval.models.loading import CHECKPOINTS_DIR
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(CHECKPOINTS_DIR / "full-tiny", ckpt)
+    text = BASE.replace("pretrained: smollm2-135m", f"pretrained: {ckpt}")
+    before = [c.key for c in load_suite(write(tmp_path, text)).cells()]
+    assert before == [c.key for c in load_suite(write(tmp_path, text, "again.yaml")).cells()]
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor: a different model
+    weights.write_bytes(bytes(data))
+    after = [c.key for c in load_suite(write(tmp_path, text, "after.yaml")).cells()]
+    assert not set(before) & set(after)
+
+
 def test_only_filters_cells_and_rejects_a_pattern_matching_nothing(tmp_path):
     suite = load_suite(write(tmp_path, BASE))
     assert {c.label for c in suite.cells(only="quest@640/*")} == {"quest@640/nsa_niah@1024",

