@@ -162,6 +162,13 @@ def bench_decode(T, batch, hq, hkv, d):
     seqlens = torch.full((batch,), T, device=dev, dtype=torch.int32)
     nsa = lambda: nsa_decode(q, k, v, k_cmp, v_cmp, *gates, cache_seqlens=seqlens)  # noqa: E731
     out = {"nsa": _time_graph(nsa), "nsa_nograph": _time(nsa)}
+    from nsa_eval.kernels import decode
+
+    default, decode.DECODE_VARIANT = decode.DECODE_VARIANT, "v1"  # the first, five-launch decode
+    try:
+        out["nsa_v1"] = _time_graph(nsa)
+    finally:
+        decode.DECODE_VARIANT = default
     qt = q.transpose(1, 2)  # [B, Hq, 1, d]
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, d] views
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -230,9 +237,16 @@ def bench_variants(x, lse, idx):
         timed("select_blocks [bitwise top-k]", _triton_utils, "TOPK_RADIX", not _triton_utils.TOPK_RADIX, sel)
         timed("select_blocks [matmul importance]", selection, "IMPORTANCE_GROUP_FIRST", False, sel)
         fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
-        for warps, stages in ((4, 1), (8, 2)):
+        for warps, stages in ((4, 2), (8, 3)):
             timed(f"selected_attention [warps={warps} stages={stages}]", selection, "SELECTED_FWD_CONFIG",
                   dict(num_warps=warps, num_stages=stages), fwd)
+        timed("selected_attention [union walk]", selection, "SELECTED_WALK", "union", fwd)
+        timed("selected_attention [rows=32]", selection, "SELECTED_ROWS", 32, fwd)
+        timed("select_blocks [importance 128 rows]", selection, "IMPORTANCE_CONFIG",
+              dict(rows=128, num_warps=8, num_stages=3), sel)
+    fwd_bwd = _fwd_bwd(fwd, x)
+    timed("selected_attention [dq union walk]", selection, "SELECTED_WALK", "union", fwd_bwd)
+    timed("selected_attention [dq fused]", selection, "SELECTED_DQ", "fused", fwd_bwd)
     # banded kernels: one part's configuration changed at a time
     from nsa_eval.kernels.compression import compressed_attention
 
@@ -342,6 +356,7 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
         dec = bench_decode(T, decode_batch, heads, kv_heads, dim)
         add("decode", "nsa-triton", T, hs, decode_batch, dec["nsa"], "CUDA graph")
         add("decode", "nsa-triton-nograph", T, hs, decode_batch, dec["nsa_nograph"], "plain launches")
+        add("decode", "nsa-triton [v1]", T, hs, decode_batch, dec["nsa_v1"], "CUDA graph, first version")
         for name in ("flash", "cudnn"):
             note = dec.get(name + "_error", "CUDA graph")
             add("decode", f"sdpa-{name}", T, hs, decode_batch, dec[name], note)

@@ -38,6 +38,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--seq-len", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--num-selected", type=int, help="NSA selection blocks per query, forced ones included")
+    p.add_argument("--window", type=int, help="NSA sliding-window length in tokens")
     p.add_argument("--retrieval-lengths", type=int, nargs="+", metavar="TOKENS",
                    help="NIAH context lengths of the retrieval rows (default: the recipe's)")
     p.add_argument("--workers", type=int, default=None, help="batch-building processes (default: CPUs - 2)")
@@ -115,6 +117,13 @@ def _validated_config(args):
             if value <= 0:
                 raise UsageError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
             cfg = replace(cfg, **{field: value})
+    if args.num_selected is not None and args.num_selected < 3:
+        raise UsageError(f"--num-selected must be >= 3 (1 initial + 2 local blocks), got {args.num_selected}")
+    if args.window is not None and args.window < 1:
+        raise UsageError(f"--window must be >= 1, got {args.window}")
+    for flag in ("num_selected", "window"):
+        if getattr(args, flag) is not None:
+            cfg = replace(cfg, model=replace(cfg.model, **{flag: getattr(args, flag)}))
     if args.retrieval_lengths:
         cfg = replace(cfg, mix=replace(cfg.mix, retrieval_lengths=_retrieval_lengths(args, cfg)))
     if args.match is not None:

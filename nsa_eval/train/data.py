@@ -271,7 +271,7 @@ class MixConfig:
     """How a batch is composed. Context lengths are NIAH `context_length`s, in tokens."""
 
     retrieval_fraction: float = 0.5  # share of rows that hold retrieval samples
-    retrieval_lengths: tuple[int, ...] = (128, 256, 512, 1024, 1536, 2000)
+    retrieval_lengths: tuple[int, ...] = (1024, 1280, 1536, 1792, 2000)  # where selection must work
     answer_weight: float = 20.0
 
 

@@ -27,5 +27,16 @@ def test_bad_flags_exit_2_before_work(tmp_path, capsys):
     assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x"), "--steps", "3",
                  "--retrieval-lengths", "1024", "4096"]) == 2
     assert "--retrieval-lengths 4096" in capsys.readouterr().err
+    assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x"), "--steps", "3",
+                 "--num-selected", "2"]) == 2
+    assert "--num-selected must be >= 3" in capsys.readouterr().err
+
+
+def test_nsa_geometry_flags_reach_the_model(tmp_path, tiny_corpus_dir):
+    out = tmp_path / "nsa"
+    assert main(["train", "--attention", "nsa", "--out", str(out), "--tiny", "--steps", "1",
+                 "--data", str(tiny_corpus_dir), "--num-selected", "4", "--window", "32"]) == 0
+    config = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert (config["num_selected"], config["window"]) == (4, 32)
     assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()

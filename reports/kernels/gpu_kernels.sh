@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One H200 round of the kernel work (docs/kernels.md): the GPU tests, then the benchmark.
+#   OUT=/some/dir bash reports/kernels/gpu_kernels.sh [RUN_NAME]
+# Writes $OUT/kernels.tar (gpu_tests_<run>.log, bench_<run>.log, kernels.csv, kernels.md).
+set -uo pipefail
+RUN=${1:-run}
+OUT=${OUT:-/tmp/nsa-kernels}
+DIR=/tmp/nsa-kernels-$RUN
+mkdir -p "$OUT" "$DIR"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$DIR/gpu_tests_$RUN.log"
+timeout 300 python3 -m pytest -m gpu tests/kernels -q -s -p no:cacheprovider 2>&1 \
+  | tee -a "$DIR/gpu_tests_$RUN.log" | grep -E "passed|failed|error|Error|ms|x " | tail -n 40
+timeout 360 python3 -m nsa_eval.commands.bench kernels --lengths 8k 64k --no-fla --out "$DIR" 2>&1 \
+  | tee "$DIR/bench_$RUN.log" | tail -n 60
+tar -C "$DIR" -cf "$OUT/kernels.tar" .
