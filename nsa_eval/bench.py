@@ -237,7 +237,7 @@ def bench_variants(x, lse, idx):
         timed("select_blocks [bitwise top-k]", _triton_utils, "TOPK_RADIX", not _triton_utils.TOPK_RADIX, sel)
         timed("select_blocks [matmul importance]", selection, "IMPORTANCE_GROUP_FIRST", False, sel)
         fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
-        for warps, stages in ((4, 2), (8, 3)):
+        for warps, stages in ((4, 3), (8, 3)):
             timed(f"selected_attention [warps={warps} stages={stages}]", selection, "SELECTED_FWD_CONFIG",
                   dict(num_warps=warps, num_stages=stages), fwd)
         timed("selected_attention [union walk]", selection, "SELECTED_WALK", "union", fwd)
@@ -246,7 +246,7 @@ def bench_variants(x, lse, idx):
               dict(rows=128, num_warps=8, num_stages=3), sel)
     fwd_bwd = _fwd_bwd(fwd, x)
     timed("selected_attention [dq union walk]", selection, "SELECTED_WALK", "union", fwd_bwd)
-    timed("selected_attention [dq fused]", selection, "SELECTED_DQ", "fused", fwd_bwd)
+    timed("selected_attention [dq walk]", selection, "SELECTED_DQ", "walk", fwd_bwd)
     # banded kernels: one part's configuration changed at a time
     from nsa_eval.kernels.compression import compressed_attention
 
@@ -256,7 +256,7 @@ def bench_variants(x, lse, idx):
     alternatives = {  # (BM, BN, num_warps, num_stages)
         "fwd": [(128, 64, 8, 2), (128, 64, 8, 3)],
         "dq": [(128, 64, 8, 2), (64, 128, 8, 2)],
-        "dkv": [(32, 128, 8, 2), (64, 128, 8, 2)],
+        "dkv": [(32, 128, 8, 2), (64, 64, 4, 2)],
     }
     for branch, (op, fn) in branches.items():
         for part, configs in alternatives.items():
