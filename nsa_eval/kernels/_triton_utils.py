@@ -41,6 +41,20 @@ def contiguous(*tensors):
     return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
+@triton.jit
+def load_kv(k_base, v_base, o_k, m_k, sk_t, sv_t, o_dk, o_dv, DK: tl.constexpr, DV: tl.constexpr,
+            UPCAST: tl.constexpr):
+    # keys and values of token positions o_k [BN] (rows with m_k false read as 0): k [BN, BDK], v [BN, BDV]
+    k = tl.load(k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
+                mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BN, BDK]
+    v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
+                mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
 # ---------------------------------------------------------------------------------------------
 # delta = rowsum(o * do) - dlse, the softmax-backward row term
 # ---------------------------------------------------------------------------------------------

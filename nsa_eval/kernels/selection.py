@@ -36,6 +36,7 @@ from nsa_eval.kernels._triton_utils import (
     contiguous,
     default_scale,
     interpreting,
+    load_kv,
     pow2,
     row_delta,
     topk_blocks,
@@ -217,15 +218,10 @@ def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_sele
 # selected attention
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _selected_kernel(
-    Q, K, V, BI, O, LSE, DO, DELTA, DQ,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-    T, HQ, G, NSEL, scale, scale_log2,
-    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
-    BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr, UPCAST: tl.constexpr,
-):
-    # Forward (BACKWARD=False): O, LSE. Backward: DQ only (dk/dv: `_selected_dkv_kernel`).
-    # O, DO, DQ contiguous [B, T, HQ, D]; BI contiguous [B, T, HKV, NSEL].
+def _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK: tl.constexpr, BDK: tl.constexpr, GP: tl.constexpr,
+                   BT: tl.constexpr, UPCAST: tl.constexpr):
+    # the program's M = BT * GP rows (BT positions x the group's heads, padded to GP):
+    # batch, KV head, first position, position [M] and mask [M] of each row, flat (b, t, h) [M], q [M, BDK]
     M: tl.constexpr = BT * GP
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -239,11 +235,77 @@ def _selected_kernel(
     m_r = (r_t < T) & (o_r % GP < G)
     row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
     o_dk = tl.arange(0, BDK)
-    o_dv = tl.arange(0, BDV)
     q = tl.load(Q + i_b * sq_b + r_h[:, None] * sq_h + r_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
                 mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)  # [M, BDK]
     if UPCAST:
         q = q.to(tl.float32)
+    return i_b, i_hk, t0, r_t, m_r, row, q
+
+
+@triton.jit
+def _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV: tl.constexpr, UPCAST: tl.constexpr):
+    # what the dq walk needs per row: do [M, BDV], lse [M] (log2 units, 0 for empty rows), delta [M]
+    do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :],
+                 other=0.0)  # [M, BDV]
+    if UPCAST:
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + row, mask=m_r, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+    delta = tl.load(DELTA + row, mask=m_r, other=0.0)
+    return do, lse, delta
+
+
+@triton.jit
+def _dq_block(q, k, v, do, lse, delta, valid, scale_log2, dq):
+    # dq [M, BDK] plus this block's share (before the final * scale); k [BS, BDK], v [BS, BDV]
+    s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
+    pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)  # [M, BS]
+    dp = tl.dot(do, tl.trans(v))  # [M, BS]
+    ds = pr * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
+def _softmax_block(q, k, v, valid, scale_log2, m_i, l_i, acc):
+    # online softmax over one block: running max m_i [M], sum l_i [M] and acc [M, BDV] (log2 units)
+    s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    pr = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV: tl.constexpr):
+    # o = acc / l_i (0 for rows with no usable token) and lse (natural log, -inf for those rows)
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse_out = tl.where(empty, float("-inf"),
+                       (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(O + row[:, None] * DV + o_dv[None, :], o.to(O.dtype.element_ty),
+             mask=m_r[:, None] & (o_dv < DV)[None, :])
+    tl.store(LSE + row, lse_out, mask=m_r)
+
+
+@triton.jit
+def _selected_kernel(
+    Q, K, V, BI, O, LSE, DO, DELTA, DQ,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    T, HQ, G, NSEL, scale, scale_log2,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
+    BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Forward (BACKWARD=False): O, LSE. Backward: DQ only (dk/dv: `_selected_dkv_kernel`).
+    # O, DO, DQ contiguous [B, T, HQ, D]; BI contiguous [B, T, HKV, NSEL].
+    M: tl.constexpr = BT * GP
+    i_b, i_hk, t0, r_t, m_r, row, q = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, GP, BT, UPCAST)
+    HKV = HQ // G
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
     # block lists of the BT positions: [BT, NP]
     o_p = tl.arange(0, BT)
     o_s = tl.arange(0, NP)
@@ -256,13 +318,7 @@ def _selected_kernel(
     o_n = tl.arange(0, BS)
 
     if BACKWARD:
-        do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :],
-                     other=0.0)  # [M, BDV]
-        if UPCAST:
-            do = do.to(tl.float32)
-        lse = tl.load(LSE + row, mask=m_r, other=0.0)
-        lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-        delta = tl.load(DELTA + row, mask=m_r, other=0.0)
+        do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
         dq = tl.zeros([M, BDK], tl.float32)
     else:
         m_i = tl.full([M], float("-inf"), tl.float32)
@@ -281,41 +337,18 @@ def _selected_kernel(
                 row_has = tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])  # [M]
                 o_k = blk * BS + o_n  # [BS] token positions
                 valid = row_has[:, None] & (o_k[None, :] <= r_t[:, None]) & m_r[:, None]  # [M, BS]
-                m_k = o_k < T
-                k = tl.load(k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
-                            mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BS, BDK]
-                v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
-                            mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BS, BDV]
-                if UPCAST:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
-                s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
+                # k [BS, BDK], v [BS, BDV]
+                k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)
                 if BACKWARD:
-                    pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)  # [M, BS]
-                    dp = tl.dot(do, tl.trans(v))  # [M, BS]
-                    ds = pr * (dp - delta[:, None])
-                    dq += tl.dot(ds.to(k.dtype), k)
+                    dq = _dq_block(q, k, v, do, lse, delta, valid, scale_log2, dq)
                 else:
-                    s = tl.where(valid, s, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(s, 1))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(m_i - m_safe)
-                    pr = tl.exp2(s - m_safe[:, None])
-                    l_i = l_i * alpha + tl.sum(pr, 1)
-                    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-                    m_i = m_new
+                    m_i, l_i, acc = _softmax_block(q, k, v, valid, scale_log2, m_i, l_i, acc)
 
     if BACKWARD:
         tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=m_r[:, None] & (o_dk < DK)[None, :])
     else:
-        empty = l_i == 0.0
-        o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse_out = tl.where(empty, float("-inf"),
-                           (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        tl.store(O + row[:, None] * DV + o_dv[None, :], o.to(O.dtype.element_ty),
-                 mask=m_r[:, None] & (o_dv < DV)[None, :])
-        tl.store(LSE + row, lse_out, mask=m_r)
+        _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV)
 
 
 @triton.jit
@@ -330,23 +363,10 @@ def _selected_pipelined_kernel(
     # 0 .. n_blk-1 up front; iteration i reads block i, with no branch, so loads can run ahead.
     M: tl.constexpr = BT * GP
     N: tl.constexpr = BT * NP
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_b, i_hk, t0, r_t, m_r, row, q = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, GP, BT, UPCAST)
     HKV = HQ // G
-    i_b = (i_bh // HKV).to(tl.int64)
-    i_hk = i_bh % HKV
-    t0 = i_t * BT
-    o_r = tl.arange(0, M)
-    r_t = t0 + o_r // GP  # [M] position of each row
-    r_h = i_hk * G + o_r % GP
-    m_r = (r_t < T) & (o_r % GP < G)
-    row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
-    q = tl.load(Q + i_b * sq_b + r_h[:, None] * sq_h + r_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
-                mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)  # [M, BDK]
-    if UPCAST:
-        q = q.to(tl.float32)
 
     # block lists of the BT positions; an entry is usable if it is a block starting at or before
     # its position, and kept if no earlier entry (row-major over [BT, NP]) holds the same block
@@ -373,13 +393,7 @@ def _selected_pipelined_kernel(
     v_base = V + i_b * sv_b + i_hk * sv_h
     o_n = tl.arange(0, BS)
     if BACKWARD:
-        do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :],
-                     other=0.0)  # [M, BDV]
-        if UPCAST:
-            do = do.to(tl.float32)
-        lse = tl.load(LSE + row, mask=m_r, other=0.0)
-        lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-        delta = tl.load(DELTA + row, mask=m_r, other=0.0)
+        do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
         dq = tl.zeros([M, BDK], tl.float32)
     else:
         m_i = tl.full([M], float("-inf"), tl.float32)
@@ -393,41 +407,17 @@ def _selected_pipelined_kernel(
         if BT > 1:  # only the rows whose position chose blk
             pos_has = tl.max((idx == blk).to(tl.int32), 1) > 0  # [BT]
             valid = valid & tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])[:, None]
-        m_k = o_k < T
-        k = tl.load(k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
-                    mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BS, BDK]
-        v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
-                    mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BS, BDV]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
+        k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)  # [BS, BDK/BDV]
         if BACKWARD:
-            pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)  # [M, BS]
-            dp = tl.dot(do, tl.trans(v))  # [M, BS]
-            ds = pr * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
+            dq = _dq_block(q, k, v, do, lse, delta, valid, scale_log2, dq)
         else:
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            pr = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_block(q, k, v, valid, scale_log2, m_i, l_i, acc)
 
     if BACKWARD:
         tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=m_r[:, None] & (o_dk < DK)[None, :])
     else:
-        empty = l_i == 0.0
-        o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse_out = tl.where(empty, float("-inf"),
-                           (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        tl.store(O + row[:, None] * DV + o_dv[None, :], o.to(O.dtype.element_ty),
-                 mask=m_r[:, None] & (o_dv < DV)[None, :])
-        tl.store(LSE + row, lse_out, mask=m_r)
+        _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV)
 
 
 _SELECTED_WALKS = {"pipelined": _selected_pipelined_kernel, "union": _selected_kernel}
