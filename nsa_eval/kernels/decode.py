@@ -75,9 +75,13 @@ def _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK: tl.constexpr, UPCAST: tl
 
 
 @triton.jit
-def _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK: tl.constexpr,
-                     DV: tl.constexpr, UPCAST: tl.constexpr):
-    # scores and partial softmax of the M rows over BN keys; returns s [M, BN], m [M], l [M], acc [M, BDV]
+def _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk, o_dv, G,
+                     scale_log2, DK: tl.constexpr, DV: tl.constexpr, UPCAST: tl.constexpr):
+    # scores and partial softmax of the M rows (G used) over the BN cache positions o_k (m_k: usable) of
+    # (i_b, KV head i_hk); returns s [M, BN], m [M], l [M], acc [M, BDV]
+    k_ptrs = K + i_b * sk_b + i_hk * sk_h + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
+    v_ptrs = V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
+    valid = m_k[None, :] & (o_r < G)[:, None]
     k = tl.load(k_ptrs, mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BN, BDK]
     v = tl.load(v_ptrs, mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
     return _tile_softmax(q, k, v, valid, scale_log2, UPCAST)
@@ -98,6 +102,30 @@ def _tile_softmax(q, k, v, valid, scale_log2, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _n_visible(t, TC, block_len, stride):
+    # compressed blocks that end at or before position t
+    return tl.minimum(tl.where(t >= block_len - 1, (t - block_len + 1) // stride + 1, 0), TC)
+
+
+@triton.jit
+def _merge(m_i, l_i, acc, m, l, o):
+    # two partial softmaxes (max [M], sum [M], acc [M, BDV]) -> one
+    m_new = tl.maximum(m_i, m)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m_i - m_safe)
+    b = tl.exp2(m - m_safe)
+    return m_new, l_i * a + l * b, acc * a[:, None] + o * b[:, None]
+
+
+@triton.jit
+def _store_partial(PM, PL, PO, part, m, l, acc, o_r, o_dv, M: tl.constexpr, BDV: tl.constexpr):
+    # partial `part` of the softmax: max m [M], sum l [M], acc [M, BDV] (PM, PL: [.., M]; PO: [.., M, BDV])
+    tl.store(PM + part * M + o_r, m)
+    tl.store(PL + part * M + o_r, l)
+    tl.store(PO + (part * M + o_r[:, None]) * BDV + o_dv[None, :], acc)
+
+
+@triton.jit
 def _decode_cmp_kernel(
     Q, KC, VC, POS, SC, PM, PL, PO,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
@@ -110,7 +138,7 @@ def _decode_cmp_kernel(
     i_b = (i_bh // HKV).to(tl.int64)
     i_hk = i_bh % HKV
     t = tl.load(POS + i_b)
-    n_vis = tl.minimum(tl.where(t >= block_len - 1, (t - block_len + 1) // stride + 1, 0), TC)
+    n_vis = _n_visible(t, TC, block_len, stride)
     if i_c * BC < n_vis:
         o_r = tl.arange(0, M)
         o_dk = tl.arange(0, BDK)
@@ -118,24 +146,11 @@ def _decode_cmp_kernel(
         o_k = i_c * BC + tl.arange(0, BC)
         m_k = o_k < n_vis
         q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
-        k_ptrs = KC + i_b * sk_b + i_hk * sk_h + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
-        v_ptrs = VC + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
-        valid = m_k[None, :] & (o_r < G)[:, None]
-        s, m, l, acc = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV, UPCAST)
+        s, m, l, acc = _partial_softmax(q, KC, VC, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                                        o_r, o_dk, o_dv, G, scale_log2, DK, DV, UPCAST)
         tl.store(SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN + o_k[None, :], s)
         part = i_bh * NCH + i_c
-        tl.store(PM + part * M + o_r, m)
-        tl.store(PL + part * M + o_r, l)
-        tl.store(PO + (part * M + o_r[:, None]) * BDV + o_dv[None, :], acc)
-
-
-@triton.jit
-def _merge(m_i, l_i, acc, m, l, o):
-    m_new = tl.maximum(m_i, m)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    a = tl.exp2(m_i - m_safe)
-    b = tl.exp2(m - m_safe)
-    return m_new, l_i * a + l * b, acc * a[:, None] + o * b[:, None]
+        _store_partial(PM, PL, PO, part, m, l, acc, o_r, o_dv, M, BDV)
 
 
 @triton.jit
@@ -147,7 +162,7 @@ def _decode_importance_kernel(
     i_bh = tl.program_id(1)
     i_b = i_bh // HKV
     t = tl.load(POS + i_b)
-    n_vis = tl.minimum(tl.where(t >= block_len - 1, (t - block_len + 1) // stride + 1, 0), TC)
+    n_vis = _n_visible(t, TC, block_len, stride)
     o_r = tl.arange(0, M)
     m_r = o_r < G
     # lse of every head from the chunk partials
@@ -215,21 +230,15 @@ def _decode_attn_kernel(
         blk = tl.load(BI + i_bh * NSEL + i_p)
         o_k = tl.maximum(blk, 0) * BS + tl.arange(0, BS)
         m_k = (o_k <= t) & (o_k >= 0) & (o_k < S) & (tl.zeros([BS], tl.int32) + blk >= 0)
-        k_ptrs = K + i_b * sk_b + i_hk * sk_h + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
-        v_ptrs = V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
-        valid = m_k[None, :] & (o_r < G)[:, None]
-        _, m, l, acc = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV, UPCAST)
+        _, m, l, acc = _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                                        o_r, o_dk, o_dv, G, scale_log2, DK, DV, UPCAST)
     else:
         start = tl.maximum(t - window + 1, 0)
         o_k = start + (i_p - NSEL) * BW + tl.arange(0, BW)
         m_k = (o_k <= t) & (o_k < S)
-        k_ptrs = KW + i_b * skw_b + i_hk * skw_h + o_k[:, None].to(tl.int64) * skw_t + o_dk[None, :]
-        v_ptrs = VW + i_b * svw_b + i_hk * svw_h + o_k[:, None].to(tl.int64) * svw_t + o_dv[None, :]
-        valid = m_k[None, :] & (o_r < G)[:, None]
-        _, m, l, acc = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV, UPCAST)
-    tl.store(PM + part * M + o_r, m)
-    tl.store(PL + part * M + o_r, l)
-    tl.store(PO + (part * M + o_r[:, None]) * BDV + o_dv[None, :], acc)
+        _, m, l, acc = _partial_softmax(q, KW, VW, i_b, i_hk, o_k, m_k, skw_b, skw_t, skw_h, svw_b, svw_t,
+                                        svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, UPCAST)
+    _store_partial(PM, PL, PO, part, m, l, acc, o_r, o_dv, M, BDV)
 
 
 @triton.jit
@@ -242,13 +251,7 @@ def _combine(PM, PL, PO, first, count, o_r, o_dv, M: tl.constexpr, BDV: tl.const
         m = tl.load(PM + part * M + o_r)
         l = tl.load(PL + part * M + o_r)
         o = tl.load(PO + (part * M + o_r[:, None]) * BDV + o_dv[None, :])
-        m_new = tl.maximum(m_i, m)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp2(m_i - m_safe)
-        b = tl.exp2(m - m_safe)
-        l_i = l_i * a + l * b
-        acc = acc * a[:, None] + o * b[:, None]
-        m_i = m_new
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 
@@ -263,7 +266,7 @@ def _decode_combine_kernel(
     i_b = i_bh // HKV
     i_hk = i_bh % HKV
     t = tl.load(POS + i_b)
-    n_vis = tl.minimum(tl.where(t >= block_len - 1, (t - block_len + 1) // stride + 1, 0), TC)
+    n_vis = _n_visible(t, TC, block_len, stride)
     o_r = tl.arange(0, M)
     o_dv = tl.arange(0, BDV)
     o_cmp = _combine(CPM, CPL, CPO, i_bh * NCH, tl.cdiv(n_vis, BC1), o_r, o_dv, M, BDV)
@@ -282,12 +285,6 @@ def _decode_combine_kernel(
 # ---------------------------------------------------------------------------------------------
 # fused variant
 # ---------------------------------------------------------------------------------------------
-@triton.jit
-def _n_visible(t, TC, block_len, stride):
-    # compressed blocks that end at or before position t
-    return tl.minimum(tl.where(t >= block_len - 1, (t - block_len + 1) // stride + 1, 0), TC)
-
-
 @triton.jit
 def _decode_cmp_split_kernel(
     Q, KC, VC, POS, SC, PM, PL, PO, CNT_IMP, CNT_ATTN,
@@ -335,9 +332,7 @@ def _decode_cmp_split_kernel(
             tl.store(sc_rows + o_k[None, :], s, eviction_policy="evict_last")
             m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
         part = i_bh * NPART + i_s
-        tl.store(PM + part * M + o_r, m_i)
-        tl.store(PL + part * M + o_r, l_i)
-        tl.store(PO + (part * M + o_r[:, None]) * BDV + o_dv[None, :], acc)
+        _store_partial(PM, PL, PO, part, m_i, l_i, acc, o_r, o_dv, M, BDV)
 
 
 @triton.jit
@@ -514,19 +509,10 @@ def _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_w, skw_b, skw_t, skw_h
     for j in tl.static_range(WT):
         o_k = start + j * BW + tl.arange(0, BW)
         m_k = (o_k <= t) & (o_k < S)
-        k_ptrs = KW + i_b * skw_b + i_hk * skw_h + o_k[:, None].to(tl.int64) * skw_t + o_dk[None, :]
-        v_ptrs = VW + i_b * svw_b + i_hk * svw_h + o_k[:, None].to(tl.int64) * svw_t + o_dv[None, :]
-        valid = m_k[None, :] & (o_r < G)[:, None]
-        _, m, l, o = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV, UPCAST)
+        _, m, l, o = _partial_softmax(q, KW, VW, i_b, i_hk, o_k, m_k, skw_b, skw_t, skw_h, svw_b, svw_t,
+                                      svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, UPCAST)
         m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _store_partial(PM, PL, PO, part, m, l, acc, o_r, o_dv, M: tl.constexpr, BDV: tl.constexpr):
-    tl.store(PM + part * M + o_r, m)
-    tl.store(PL + part * M + o_r, l)
-    tl.store(PO + (part * M + o_r[:, None]) * BDV + o_dv[None, :], acc)
 
 
 @triton.jit
@@ -560,11 +546,8 @@ def _decode_attn_fused_kernel(
             blk = tl.load(BI + i_bh * num_selected + slot, mask=slot < num_selected, other=-1)
             o_k = tl.maximum(blk, 0) * BS + tl.arange(0, BS)
             m_k = (o_k <= t) & (o_k < S) & (tl.zeros([BS], tl.int32) + blk >= 0)
-            k_ptrs = K + i_b * sk_b + i_hk * sk_h + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
-            v_ptrs = V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
-            valid = m_k[None, :] & (o_r < G)[:, None]
-            _, m, l, o = _partial_softmax(q, k_ptrs, v_ptrs, m_k, valid, scale_log2, o_dk, o_dv, DK, DV,
-                                          UPCAST)
+            _, m, l, o = _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                                          o_r, o_dk, o_dv, G, scale_log2, DK, DV, UPCAST)
             m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
     else:  # window chunks, unless step 2 took them (WINDOW_IN_STEP2: then the grid has NSELP programs)
         m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_p - NSELP, skw_b, skw_t, skw_h,
