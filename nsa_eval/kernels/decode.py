@@ -75,6 +75,19 @@ def _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK: tl.constexpr, UPCAST: tl
 
 
 @triton.jit
+def _program_rows(POS, i_bh, HKV, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr):
+    # sequence i_b, KV head i_hk and query position t of program row i_bh; offsets of the group's M
+    # rows and of the key and value columns
+    i_b = (i_bh // HKV).to(tl.int64)
+    i_hk = i_bh % HKV
+    t = tl.load(POS + i_b)
+    o_r = tl.arange(0, M)
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    return i_b, i_hk, t, o_r, o_dk, o_dv
+
+
+@triton.jit
 def _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk, o_dv, G,
                      scale_log2, DK: tl.constexpr, DV: tl.constexpr, UPCAST: tl.constexpr):
     # scores and partial softmax of the M rows (G used) over the BN cache positions o_k (m_k: usable) of
@@ -218,12 +231,7 @@ def _decode_attn_kernel(
     # programs 0 .. NSEL-1: selected block slots; NSEL ..: window chunks of BW keys
     i_p = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b = (i_bh // HKV).to(tl.int64)
-    i_hk = i_bh % HKV
-    t = tl.load(POS + i_b)
-    o_r = tl.arange(0, M)
-    o_dk = tl.arange(0, BDK)
-    o_dv = tl.arange(0, BDV)
+    i_b, i_hk, t, o_r, o_dk, o_dv = _program_rows(POS, i_bh, HKV, BDK, BDV, M)
     part = i_bh * NPART + i_p
     q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
     if i_p < NSEL:
@@ -355,12 +363,7 @@ def _decode_importance_split_kernel(
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     if i_c >= NIMP:
-        i_b = (i_bh // HKV).to(tl.int64)
-        i_hk = i_bh % HKV
-        t = tl.load(POS + i_b)
-        o_r = tl.arange(0, M)
-        o_dk = tl.arange(0, BDK)
-        o_dv = tl.arange(0, BDV)
+        i_b, i_hk, t, o_r, o_dk, o_dv = _program_rows(POS, i_bh, HKV, BDK, BDV, M)
         q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
         m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_c - NIMP, skw_b, skw_t, skw_h,
                                         svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
@@ -530,12 +533,7 @@ def _decode_attn_fused_kernel(
     # BI [B*HKV, num_selected] from step 2; gates GC/GS/GW and output O contiguous [B, 1, HQ(, DV)].
     i_p = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b = (i_bh // HKV).to(tl.int64)
-    i_hk = i_bh % HKV
-    t = tl.load(POS + i_b)
-    o_r = tl.arange(0, M)
-    o_dk = tl.arange(0, BDK)
-    o_dv = tl.arange(0, BDV)
+    i_b, i_hk, t, o_r, o_dk, o_dv = _program_rows(POS, i_bh, HKV, BDK, BDV, M)
     q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
