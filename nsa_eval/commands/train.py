@@ -4,6 +4,8 @@
     nsa-eval train --attention full --out runs/train/full --seed 0 --match runs/train/nsa
     nsa-eval train --attention both --out runs/train --seed 0 --minutes 4   # the two above
     nsa-eval train --attention nsa --out /tmp/t --tiny          # a few CPU steps
+    nsa-eval train --attention nsa --out runs/n --steps 9000 --stop-after-minutes 8   # a first part
+    nsa-eval train --attention nsa --out runs/n --resume --stop-after-minutes 8       # the next
 
 `--match RUN` copies the step count, batch, sequence length, learning rate and retrieval mix of an
 earlier run, so both models see identical tokens. `--attention both` trains NSA into <out>/nsa
@@ -47,6 +49,10 @@ def register(subparsers) -> None:
     p.add_argument("--kernel-impl", choices=["auto", "reference", "triton"], default="auto",
                    help="NSA kernels for training (auto: Triton on CUDA); the checkpoint says auto")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    p.add_argument("--stop-after-minutes", type=float, metavar="M",
+                   help="save the state and stop after M minutes of this process (continue with --resume)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the unfinished run saved in --out (its configuration, not the flags')")
     p.set_defaults(handler=run_train)
 
 
@@ -55,7 +61,7 @@ def run_train(args) -> int:
     import os
 
     from nsa_eval.train.data import build_corpus, corpus_exists, load_corpus
-    from nsa_eval.train.recipe import train
+    from nsa_eval.train.recipe import RESUME_FILE, train
 
     if corpus_exists(data_dir):
         corpus = load_corpus(data_dir)
@@ -66,7 +72,10 @@ def run_train(args) -> int:
     workers = args.workers if args.workers is not None else max(0, min(12, (os.cpu_count() or 1) - 2))
     workers = 0 if args.tiny else workers
     if args.attention != "both":
-        _report(train(cfg, corpus, args.out, device=args.device, workers=workers), args.out)
+        if args.overwrite:
+            (Path(args.out) / RESUME_FILE).unlink(missing_ok=True)
+        _report(train(cfg, corpus, args.out, device=args.device, workers=workers,
+                      stop_after_minutes=args.stop_after_minutes, resume=args.resume), args.out)
         return 0
     from dataclasses import replace
 
@@ -82,6 +91,10 @@ def run_train(args) -> int:
 
 
 def _report(summary: dict, out) -> None:
+    if not summary.get("finished", True):
+        print(f"unfinished: {summary['attention']} at step {summary['step']}/{summary['steps']}; continue "
+              f"with the same --out and --resume", flush=True)
+        return
     ev = summary["final_eval"]
     print(f"done: {summary['attention']} {summary['steps']} steps, {summary['tokens']:,} tokens in "
           f"{summary['seconds']} s; held-out loss {ev['heldout_loss']:.4f}, NIAH probe "
@@ -97,6 +110,16 @@ def _validated_config(args):
     out = Path(args.out)
     if args.attention == "both" and args.match is not None:
         raise UsageError("--attention both sizes the full run itself: drop --match")
+    if args.attention == "both" and (args.resume or args.stop_after_minutes is not None):
+        raise UsageError("--resume and --stop-after-minutes need one model per run: use --attention nsa, "
+                         "then --attention full --match")
+    if args.stop_after_minutes is not None and args.stop_after_minutes <= 0:
+        raise UsageError(f"--stop-after-minutes must be > 0, got {args.stop_after_minutes}")
+    if args.resume:
+        return _resumed_config(args, out)
+    if (out / "resume.pt").exists() and not args.overwrite:
+        raise UsageError(f"--out {out} holds an unfinished run: pass --resume to continue it or --overwrite "
+                         "to start again")
     done = [out / "summary.json"] if args.attention != "both" else [out / "nsa" / "summary.json"]
     if any(p.exists() for p in done) and not args.overwrite:
         raise UsageError(f"--out {out} already holds a finished run (pass --overwrite to replace it)")
@@ -130,6 +153,32 @@ def _validated_config(args):
         cfg = _matched(cfg, Path(args.match))
     if cfg.steps is None and cfg.minutes is None:
         raise UsageError("give one of --minutes, --steps or --match (or --tiny)")
+    default_data = out.parent / "data-tiny" if args.tiny else Path(DEFAULT_DATA)
+    return cfg, Path(args.data) if args.data else default_data
+
+
+CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "retrieval_lengths",
+                "num_selected", "window")
+
+
+def _resumed_config(args, out: Path):
+    """The configuration saved in an unfinished run; its flags may not be given again."""
+    from nsa_eval.train.recipe import config_from_dict, load_resume_state
+
+    given = [f"--{f.replace('_', '-')}" for f in CONFIG_FLAGS if getattr(args, f) is not None]
+    if args.overwrite:
+        given.append("--overwrite")
+    if given:
+        raise UsageError(f"--resume continues the saved configuration: drop {', '.join(given)}")
+    if (out / "summary.json").exists():
+        raise UsageError(f"--out {out} holds a finished run: nothing to resume")
+    try:
+        saved = load_resume_state(out)
+    except FileNotFoundError:
+        raise UsageError(f"--resume: no unfinished run in {out} (expected {out / 'resume.pt'})") from None
+    cfg = config_from_dict(saved["config"])
+    if cfg.attention != args.attention:
+        raise UsageError(f"--resume: {out} holds a {cfg.attention} run, not --attention {args.attention}")
     default_data = out.parent / "data-tiny" if args.tiny else Path(DEFAULT_DATA)
     return cfg, Path(args.data) if args.data else default_data
 

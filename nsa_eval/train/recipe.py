@@ -15,6 +15,12 @@ training.json) to `<out>/checkpoint`.
 A run is sized either by `steps` or by `minutes`: then the first steps are timed and the step count
 is fixed from the measured speed before warm-up ends. A second run can copy the first's step
 count (`--match`), which is how both models get identical token counts.
+
+Runs resume: at every evaluation the model, the optimiser state, the step and the evaluations so
+far go to `<out>/resume.pt` (written atomically); `stop_after_minutes` ends this process's share of
+a run there, and `resume=True` continues it. Batches depend on (seed, step) only and nothing else is
+random after initialisation, so a run split in parts ends with the same weights as one run (bitwise
+on the CPU). The file is removed when the run finishes.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -169,26 +176,60 @@ def weighted_loss(logits, targets, weights):
     return (ce * weights).sum() / weights.sum().clamp_min(1e-6), ce
 
 
+RESUME_FILE = "resume.pt"
+
+
 def train(cfg: TrainConfig, corpus: Corpus, out_dir: str | Path, *, device: str | None = None,
-          workers: int = 0, echo=print) -> dict:
+          workers: int = 0, echo=print, stop_after_minutes: float | None = None,
+          resume: bool = False) -> dict:
     """Train one model, write logs and `<out_dir>/checkpoint`; returns the run summary dict.
 
     `workers` > 0 builds batches ahead in that many forked processes (the GPU run).
+    `stop_after_minutes`: save `<out_dir>/resume.pt` and return `{"finished": False, ...}` once this
+    process has trained that long; `resume`: continue from `<out_dir>/resume.pt` (cfg must match).
     """
     stream = BatchStream(corpus, cfg.seed, cfg.batch_size, cfg.seq_len, cfg.mix, workers=workers)
     try:
-        return _train(cfg, corpus, out_dir, stream, device, echo)
+        return _train(cfg, corpus, out_dir, stream, device, echo, stop_after_minutes, resume)
     finally:
         stream.close()
 
 
-def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo) -> dict:
+def config_from_dict(d: dict) -> TrainConfig:
+    """The TrainConfig a run recorded (`summary.json`'s or `resume.pt`'s "config")."""
+    def tuples(x: dict) -> dict:
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in x.items()}
+
+    mix, model = MixConfig(**tuples(d["mix"])), ModelSpec(**d["model"])
+    return TrainConfig(**{**tuples(d), "mix": mix, "model": model})
+
+
+def load_resume_state(out_dir: str | Path) -> dict:
+    """The saved state of an unfinished run (see `train`); FileNotFoundError if there is none."""
+    import torch
+
+    return torch.load(Path(out_dir) / RESUME_FILE, map_location="cpu", weights_only=True)
+
+
+def _save_resume_state(out_dir: Path, **state) -> None:
+    import torch
+
+    tmp = out_dir / (RESUME_FILE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, out_dir / RESUME_FILE)  # a crash mid-write leaves the previous state
+
+
+def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop_after_minutes=None,
+           resume=False) -> dict:
     import torch
 
     if cfg.steps is None and cfg.minutes is None:
         raise ValueError("give steps or minutes")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    saved = load_resume_state(out_dir) if resume else None
+    if saved is not None and saved["config"] != _jsonable(asdict(cfg)):
+        raise ValueError(f"{out_dir / RESUME_FILE} was written by a run with another configuration")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -203,18 +244,33 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo) -> d
 
     heldout_text = heldout_text_batches(corpus, cfg.seq_len, cfg.heldout_rows, cfg.batch_size)
     probe = heldout_retrieval_samples(corpus, cfg.probe_lengths, cfg.probe_per_length)
-    logger = _Logger(out_dir)
-    total = cfg.steps if cfg.steps is not None else 10**9
-    eval_every = max(1, total // cfg.num_evals) if cfg.steps is not None else None
-    start = time.perf_counter()
-    evals = [_evaluate(model, heldout_text, probe, autocast, device, 0, 0)]
-    eval_seconds = time.perf_counter() - start
-    logger.eval(evals[-1], time.perf_counter() - start)
-    echo(f"[{cfg.attention}] step 0 {_fmt(evals[-1])}")
-
     tokens_per_step = cfg.batch_size * cfg.seq_len
     step_times: list[float] = []
-    step = 0
+    process_start = time.perf_counter()
+    if saved is None:
+        logger = _Logger(out_dir)
+        total = cfg.steps if cfg.steps is not None else 10**9
+        eval_every = max(1, total // cfg.num_evals) if cfg.steps is not None else None
+        start = time.perf_counter()
+        evals = [_evaluate(model, heldout_text, probe, autocast, device, 0, 0)]
+        eval_seconds = time.perf_counter() - start
+        logger.eval(evals[-1], time.perf_counter() - start)
+        echo(f"[{cfg.attention}] step 0 {_fmt(evals[-1])}")
+        step = 0
+    else:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step, total, eval_every, evals = saved["step"], saved["total"], saved["eval_every"], saved["evals"]
+        start = time.perf_counter() - saved["elapsed"]  # elapsed times continue across the parts
+        logger = _Logger(out_dir, resume_step=step)
+        echo(f"[{cfg.attention}] resumed at step {step}/{total}")
+    calibrating = cfg.steps is None and saved is None
+
+    def save_state():
+        _save_resume_state(out_dir, step=step, total=total, eval_every=eval_every, evals=evals,
+                           elapsed=time.perf_counter() - start, config=_jsonable(asdict(cfg)),
+                           model=model.state_dict(), optimizer=optimizer.state_dict())
+
     while step < total:
         t_step = time.perf_counter()
         ids, weights = stream.get(step)
@@ -232,7 +288,7 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo) -> d
         optimizer.zero_grad(set_to_none=True)
         step += 1
 
-        if cfg.steps is None and step <= cfg.calibration_steps + 2:
+        if calibrating and step <= cfg.calibration_steps + 2:
             _sync(device)
             step_times.append(time.perf_counter() - t_step)
             if step == cfg.calibration_steps + 2:  # first 2 steps compile kernels: not timed
@@ -257,10 +313,21 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo) -> d
             evals.append(_evaluate(model, heldout_text, probe, autocast, device, step, tokens))
             logger.eval(evals[-1], time.perf_counter() - start)
             echo(f"[{cfg.attention}] step {step} {_fmt(evals[-1])}")
+            if step < total:
+                save_state()
+        out_of_time = (stop_after_minutes is not None
+                       and time.perf_counter() - process_start > stop_after_minutes * 60)
+        if out_of_time and step < total:
+            save_state()
+            logger.close()
+            echo(f"[{cfg.attention}] stopped at step {step}/{total} after {stop_after_minutes:g} min; "
+                 f"continue with --resume (state in {out_dir / RESUME_FILE})")
+            return {"attention": cfg.attention, "finished": False, "step": step, "steps": total}
 
     seconds = time.perf_counter() - start
     summary = {
         "attention": cfg.attention,
+        "finished": True,
         "steps": step,
         "tokens": step * tokens_per_step,
         "parameters": n_params,
@@ -274,6 +341,7 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo) -> d
     save_checkpoint(model, tokenizer, out_dir / "checkpoint", summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     logger.close()
+    (out_dir / RESUME_FILE).unlink(missing_ok=True)
     return summary
 
 
@@ -368,11 +436,19 @@ def _fmt(ev: dict) -> str:
 
 
 class _Logger:
-    def __init__(self, out_dir: Path):
-        self.jsonl = open(out_dir / "log.jsonl", "w")  # noqa: SIM115 - closed in close()
-        self.evals = open(out_dir / "evals.jsonl", "w")  # noqa: SIM115
+    def __init__(self, out_dir: Path, resume_step: int | None = None):
         self.csv_path = out_dir / "log.csv"
         self.rows: list[dict] = []
+        kept_evals: list[dict] = []
+        if resume_step is not None:  # keep what the earlier parts logged up to the saved step
+            self.rows = [r for r in _read_jsonl(out_dir / "log.jsonl") if r["step"] <= resume_step]
+            kept_evals = [e for e in _read_jsonl(out_dir / "evals.jsonl") if e["step"] <= resume_step]
+        self.jsonl = open(out_dir / "log.jsonl", "w")  # noqa: SIM115 - closed in close()
+        self.evals = open(out_dir / "evals.jsonl", "w")  # noqa: SIM115
+        for row in self.rows:
+            self.jsonl.write(json.dumps(row) + "\n")
+        for ev in kept_evals:
+            self.evals.write(json.dumps(ev) + "\n")
 
     def train(self, row: dict):
         self.rows.append(row)
@@ -391,6 +467,12 @@ class _Logger:
                 writer = csv.DictWriter(f, fieldnames=list(self.rows[0]))
                 writer.writeheader()
                 writer.writerows(self.rows)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # ---------------------------------------------------------------------------------------------

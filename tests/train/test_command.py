@@ -40,3 +40,38 @@ def test_nsa_geometry_flags_reach_the_model(tmp_path, tiny_corpus_dir):
     assert (config["num_selected"], config["window"]) == (4, 32)
     assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_a_run_split_by_stop_and_resume_equals_one_run(tmp_path, capsys, tiny_corpus_dir, one_torch_thread):
+    from safetensors.torch import load_file
+
+    data = str(tiny_corpus_dir)
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    base = ["train", "--attention", "nsa", "--tiny", "--data", data]
+    assert main([*base, "--out", whole, "--steps", "4"]) == 0
+    assert main([*base, "--out", split, "--steps", "4", "--stop-after-minutes", "1e-9"]) == 0
+    assert "unfinished: nsa at step 1/4" in capsys.readouterr().out
+    assert (tmp_path / "split" / "resume.pt").exists() and not (tmp_path / "split" / "summary.json").exists()
+    # an unfinished run is neither restarted by accident nor resumed with other settings
+    assert main([*base, "--out", split, "--steps", "4"]) == 2
+    assert "holds an unfinished run" in capsys.readouterr().err
+    assert main([*base, "--out", split, "--resume", "--lr", "0.1"]) == 2
+    assert "drop --lr" in capsys.readouterr().err
+    assert main(["train", "--attention", "full", "--out", split, "--resume", "--tiny", "--data", data]) == 2
+    assert "holds a nsa run" in capsys.readouterr().err
+    assert main([*base, "--out", split, "--resume"]) == 0
+    assert "done: nsa 4 steps" in capsys.readouterr().out
+    assert not (tmp_path / "split" / "resume.pt").exists()
+    a = load_file(tmp_path / "whole" / "checkpoint" / "model.safetensors")
+    b = load_file(tmp_path / "split" / "checkpoint" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "split" / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert main([*base, "--out", split, "--resume"]) == 2  # finished: nothing to resume
+
+
+def test_resume_needs_a_saved_run(tmp_path, capsys):
+    assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "none"), "--resume"]) == 2
+    assert "no unfinished run" in capsys.readouterr().err
+    assert main(["train", "--attention", "both", "--out", str(tmp_path), "--resume"]) == 2
+    assert "one model per run" in capsys.readouterr().err
