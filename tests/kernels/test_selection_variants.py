@@ -58,6 +58,15 @@ def reference_lse(q, k, block_indices, select_size):
     return torch.where(mask, s, float("-inf")).logsumexp(-1)
 
 
+def assert_matches_reference(q, k, v, idx, select_size=16):
+    """The Triton selected attention's output and q/k/v gradients match the PyTorch reference."""
+    o = selection.selected_attention(q, k, v, idx, select_size=select_size)
+    o_ref = ref.selected_attention(q, k, v, idx, select_size=select_size)
+    assert rel_err(o, o_ref) < TOL
+    for a, b in zip(grads([o], (q, k, v)), grads([o_ref], (q, k, v)), strict=True):
+        assert rel_err(a, b) < TOL
+
+
 @interpreted
 @pytest.mark.parametrize("walk", WALKS, indirect=True)
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=[IDS[1], IDS[3]])  # G = 3 (4 positions), 16
@@ -74,11 +83,7 @@ def test_walk_matches_reference(walk, shape):
     assert (o[:, 3] == 0).all() and (o[:, 5] == 0).all()  # no usable token: zero output
     fin = torch.isfinite(lse_ref)
     assert rel_err(lse[fin], lse_ref[fin]) < TOL
-    o = selection.selected_attention(q, k, v, idx, select_size=16)
-    o_ref = ref.selected_attention(q, k, v, idx, select_size=16)
-    assert rel_err(o, o_ref) < TOL
-    for a, b in zip(grads([o], (q, k, v)), grads([o_ref], (q, k, v)), strict=True):
-        assert rel_err(a, b) < TOL
+    assert_matches_reference(q, k, v, idx)
 
 
 @interpreted
@@ -92,11 +97,7 @@ def test_two_positions_per_program(walk, shape):
     q, k, v = x["q"], x["k"], x["v"]
     idx = lists_with_edge_cases(B, T, hkv, 4, 16, seed=10)
     idx[:, 1::2, :, 1] = idx[:, 0::2, :, 1]  # neighbours share a block
-    o = selection.selected_attention(q, k, v, idx, select_size=16)
-    o_ref = ref.selected_attention(q, k, v, idx, select_size=16)
-    assert rel_err(o, o_ref) < TOL
-    for a, b in zip(grads([o], (q, k, v)), grads([o_ref], (q, k, v)), strict=True):
-        assert rel_err(a, b) < TOL
+    assert_matches_reference(q, k, v, idx)
 
 
 @interpreted
@@ -108,10 +109,7 @@ def test_fused_dq_matches_reference(monkeypatch, shape):
     x = make(*shape, seed=13)
     q, k, v = x["q"], x["k"], x["v"]
     idx = lists_with_edge_cases(B, T, hkv, 5, 16, seed=14)
-    o = selection.selected_attention(q, k, v, idx, select_size=16)
-    o_ref = ref.selected_attention(q, k, v, idx, select_size=16)
-    for a, b in zip(grads([o], (q, k, v)), grads([o_ref], (q, k, v)), strict=True):
-        assert rel_err(a, b) < TOL
+    assert_matches_reference(q, k, v, idx)
 
 
 @interpreted
