@@ -55,6 +55,35 @@ def load_kv(k_base, v_base, o_k, m_k, sk_t, sv_t, o_dk, o_dv, DK: tl.constexpr, 
     return k, v
 
 
+@triton.jit
+def softmax_start(M: tl.constexpr, BDV: tl.constexpr):
+    # an empty online softmax: running max m_i [M] (-inf), sum l_i [M] and acc [M, BDV] (zeros)
+    return tl.full([M], float("-inf"), tl.float32), tl.zeros([M], tl.float32), tl.zeros([M, BDV], tl.float32)
+
+
+@triton.jit
+def online_softmax_step(s, valid, v, m_i, l_i, acc):
+    # one tile of an online softmax in log2 units: scores s [M, BN] (valid: usable), values v [BN, BDV];
+    # running max m_i [M], sum l_i [M] and acc [M, BDV] -> their new values
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def softmax_result(m_i, l_i, acc):
+    # output acc / l_i [M, BDV] (0 for rows with no usable key) and natural-log lse [M] (-inf for those)
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    return o, lse
+
+
 # ---------------------------------------------------------------------------------------------
 # delta = rowsum(o * do) - dlse, the softmax-backward row term
 # ---------------------------------------------------------------------------------------------
@@ -120,9 +149,7 @@ def _band_fwd_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(t0 - window + 1, 0) // BN * BN
 
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, BDV], tl.float32)
+    m_i, l_i, acc = softmax_start(BM, BDV)
     for start in range(lo, hi, BN):
         o_k = start + tl.arange(0, BN)  # [BN] key indices
         m_k = o_k < TK
@@ -138,17 +165,8 @@ def _band_fwd_kernel(
         valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
         if HAS_WINDOW:
             valid = valid & (k_pos[None, :] > o_t[:, None] - window)
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        m_i, l_i, acc = online_softmax_step(s, valid, v, m_i, l_i, acc)
+    o, lse = softmax_result(m_i, l_i, acc)
     tl.store(O + i_b * so_b + i_h * so_h + o_t[:, None].to(tl.int64) * so_t + o_dv[None, :],
              o.to(O.dtype.element_ty), mask=m_t[:, None] & (o_dv < DV)[None, :])
     tl.store(LSE + (i_b * T + o_t) * HQ + i_h, lse, mask=m_t)
@@ -195,13 +213,7 @@ def _band_bwd_dq_kernel(
     for start in range(lo, hi, BN):
         o_k = start + tl.arange(0, BN)
         m_k = o_k < TK
-        k = tl.load(k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
-                    mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BN, BDK]
-        v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
-                    mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv(k_base, v_base, o_k, m_k, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)  # [BN, BDK/BDV]
         s = tl.dot(q, tl.trans(k)) * scale_log2  # [BM, BN]
         k_pos = o_k * key_stride + key_offset
         valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]

@@ -46,7 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import LOG2E, default_scale, interpreting, pow2, topk_blocks
+from nsa_eval.kernels._triton_utils import (
+    LOG2E,
+    default_scale,
+    interpreting,
+    pow2,
+    softmax_start,
+    topk_blocks,
+)
 
 # "fused" (three launches, see the module docstring) or "v1" (the first split-K version, five launches)
 DECODE_VARIANT = "fused"
@@ -251,9 +258,7 @@ def _decode_attn_kernel(
 
 @triton.jit
 def _combine(PM, PL, PO, first, count, o_r, o_dv, M: tl.constexpr, BDV: tl.constexpr):
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, BDV], tl.float32)
+    m_i, l_i, acc = softmax_start(M, BDV)
     for c in range(0, count):
         part = first + c
         m = tl.load(PM + part * M + o_r)
@@ -321,9 +326,7 @@ def _decode_cmp_split_kernel(
         k_base = KC + i_b * sk_b + i_hk * sk_h
         v_base = VC + i_b * sv_b + i_hk * sv_h
         sc_rows = SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN  # [M, 1]
-        m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, BDV], tl.float32)
+        m_i, l_i, acc = softmax_start(M, BDV)
         # tiles i_s, i_s + splits, ...: the visible tiles spread evenly over the splits at any t
         for tile in range(i_s, n_vis_tiles, tl.num_programs(0)):
             o_k = tile * BC + tl.arange(0, BC)  # [BC] compressed block indices
@@ -505,9 +508,7 @@ def _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_w, skw_b, skw_t, skw_h
                     o_r, o_dk, o_dv, G, scale_log2, DK: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
                     BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, UPCAST: tl.constexpr):
     # partial softmax over window chunk i_w (WT tiles of BW keys from max(t - window + 1, 0))
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, BDV], tl.float32)
+    m_i, l_i, acc = softmax_start(M, BDV)
     start = tl.maximum(t - window + 1, 0) + i_w * (WT * BW)
     for j in tl.static_range(WT):
         o_k = start + j * BW + tl.arange(0, BW)
@@ -535,9 +536,7 @@ def _decode_attn_fused_kernel(
     i_bh = tl.program_id(1)
     i_b, i_hk, t, o_r, o_dk, o_dv = _program_rows(POS, i_bh, HKV, BDK, BDV, M)
     q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, BDV], tl.float32)
+    m_i, l_i, acc = softmax_start(M, BDV)
     if i_p < NSELP:
         for j in tl.static_range(SPP):
             slot = i_p * SPP + j

@@ -37,8 +37,11 @@ from nsa_eval.kernels._triton_utils import (
     default_scale,
     interpreting,
     load_kv,
+    online_softmax_step,
     pow2,
     row_delta,
+    softmax_result,
+    softmax_start,
     topk_blocks,
 )
 
@@ -269,23 +272,13 @@ def _dq_block(q, k, v, do, lse, delta, valid, scale_log2, dq):
 def _softmax_block(q, k, v, valid, scale_log2, m_i, l_i, acc):
     # online softmax over one block: running max m_i [M], sum l_i [M] and acc [M, BDV] (log2 units)
     s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
-    s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    pr = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(pr, 1)
-    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-    return m_new, l_i, acc
+    return online_softmax_step(s, valid, v, m_i, l_i, acc)
 
 
 @triton.jit
 def _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV: tl.constexpr):
     # o = acc / l_i (0 for rows with no usable token) and lse (natural log, -inf for those rows)
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse_out = tl.where(empty, float("-inf"),
-                       (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o, lse_out = softmax_result(m_i, l_i, acc)  # [M, BDV], [M]
     tl.store(O + row[:, None] * DV + o_dv[None, :], o.to(O.dtype.element_ty),
              mask=m_r[:, None] & (o_dv < DV)[None, :])
     tl.store(LSE + row, lse_out, mask=m_r)
@@ -321,9 +314,7 @@ def _selected_kernel(
         do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
         dq = tl.zeros([M, BDK], tl.float32)
     else:
-        m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, BDV], tl.float32)
+        m_i, l_i, acc = softmax_start(M, BDV)
 
     for p in range(0, BT):
         t_p = t0 + p
@@ -396,9 +387,7 @@ def _selected_pipelined_kernel(
         do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
         dq = tl.zeros([M, BDK], tl.float32)
     else:
-        m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, BDV], tl.float32)
+        m_i, l_i, acc = softmax_start(M, BDV)
 
     for i in range(0, n_blk):
         blk = tl.sum(tl.where(slot == i, blocks, 0), 0)  # block i, from registers
