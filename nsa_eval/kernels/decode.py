@@ -50,6 +50,7 @@ from nsa_eval.kernels._triton_utils import (
     LOG2E,
     default_scale,
     interpreting,
+    overlap_weights,
     pow2,
     softmax_start,
     topk_blocks,
@@ -200,14 +201,7 @@ def _decode_importance_kernel(
 
     o_c = tl.arange(0, BC)
     o_j = tl.arange(0, BNS)
-    c_lo = o_c[:, None] * stride
-    c_hi = c_lo + block_len
-    s_lo = o_j[None, :] * select_size
-    w_main = tl.maximum(tl.minimum(c_hi, s_lo + select_size) - tl.maximum(c_lo, s_lo), 0)
-    s_lo2 = s_lo + BNS * select_size
-    w_spill = tl.maximum(tl.minimum(c_hi, s_lo2 + select_size) - tl.maximum(c_lo, s_lo2), 0)
-    w_main = w_main.to(tl.float32) / stride  # [BC, BNS]
-    w_spill = w_spill.to(tl.float32) / stride  # [BC, BNS]
+    w_main, w_spill = overlap_weights(stride, block_len, select_size, BC, BNS)  # [BC, BNS] each
     j0 = tl.program_id(0) * BNS  # this program's chunk of selection blocks
     if j0 <= t // select_size:
         # main: this chunk's compressed blocks; spill: the previous chunk's, reaching into this one

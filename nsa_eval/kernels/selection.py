@@ -38,6 +38,7 @@ from nsa_eval.kernels._triton_utils import (
     interpreting,
     load_kv,
     online_softmax_step,
+    overlap_weights,
     pow2,
     row_delta,
     softmax_result,
@@ -110,18 +111,9 @@ def _importance_kernel(
     lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634  # [M]
     k_base = KC + i_b * sk_b + i_hk * sk_h
 
-    # overlap weights of a chunk: compressed block ii (tokens [ii*d, ii*d+l) from the chunk start)
-    # with selection block jj of this chunk (main) or of the next chunk (spill), divided by d
     o_c = tl.arange(0, BC)
     o_j = tl.arange(0, BNS)
-    c_lo = o_c[:, None] * stride
-    c_hi = c_lo + block_len
-    s_lo = o_j[None, :] * select_size
-    w_main = tl.maximum(tl.minimum(c_hi, s_lo + select_size) - tl.maximum(c_lo, s_lo), 0)
-    s_lo2 = s_lo + BNS * select_size
-    w_spill = tl.maximum(tl.minimum(c_hi, s_lo2 + select_size) - tl.maximum(c_lo, s_lo2), 0)
-    w_main = w_main.to(tl.float32) / stride  # [BC, BNS]
-    w_spill = w_spill.to(tl.float32) / stride  # [BC, BNS]
+    w_main, w_spill = overlap_weights(stride, block_len, select_size, BC, BNS)  # [BC, BNS] each
 
     t_last = tl.minimum(t0 + BT - 1, T - 1)
     ns_hi = t_last // select_size + 1
