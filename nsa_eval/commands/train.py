@@ -153,8 +153,7 @@ def _validated_config(args):
         cfg = _matched(cfg, Path(args.match))
     if cfg.steps is None and cfg.minutes is None:
         raise UsageError("give one of --minutes, --steps or --match (or --tiny)")
-    default_data = out.parent / "data-tiny" if args.tiny else Path(DEFAULT_DATA)
-    return cfg, Path(args.data) if args.data else default_data
+    return cfg, _data_dir(args, out)
 
 
 CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "retrieval_lengths",
@@ -179,13 +178,19 @@ def _resumed_config(args, out: Path):
     cfg = config_from_dict(saved["config"])
     if cfg.attention != args.attention:
         raise UsageError(f"--resume: {out} holds a {cfg.attention} run, not --attention {args.attention}")
-    default_data = out.parent / "data-tiny" if args.tiny else Path(DEFAULT_DATA)
-    return cfg, Path(args.data) if args.data else default_data
+    return cfg, _data_dir(args, out)
+
+
+def _data_dir(args, out: Path) -> Path:
+    if args.data:
+        return Path(args.data)
+    return out.parent / "data-tiny" if args.tiny else Path(DEFAULT_DATA)
 
 
 def _retrieval_lengths(args, cfg) -> tuple[int, ...]:
     lengths = tuple(sorted(set(args.retrieval_lengths)))
-    margin = 24  # answer, EOS and tokenization slack (train/data.py)
+    from nsa_eval.train.data import RETRIEVAL_MARGIN as margin
+
     bad = [n for n in lengths if n < 64 or n + margin > cfg.seq_len + 1]
     if bad:
         raise UsageError(f"--retrieval-lengths {bad[0]}: each length must be >= 64 and fit a "

@@ -266,6 +266,9 @@ def retrieval_segment(tokenizer, context_length: int, depth_percent: float, seed
 # batches
 
 
+RETRIEVAL_MARGIN = 24  # tokens a retrieval sample may need beyond its context_length: answer, EOS, slack
+
+
 @dataclass
 class MixConfig:
     """How a batch is composed. Context lengths are NIAH `context_length`s, in tokens."""
@@ -303,9 +306,8 @@ def _retrieval_row(corpus, rng, length: int, mix: MixConfig, seed: int, step: in
     ids = np.empty(length, dtype=np.int64)  # [T+1]
     weights = np.ones(length, dtype=np.float32)  # [T+1]
     filled, k = 0, 0
-    margin = 24  # answer + EOS + tokenization slack beyond context_length
     while True:
-        fitting = [c for c in mix.retrieval_lengths if c + margin <= length - filled]
+        fitting = [c for c in mix.retrieval_lengths if c + RETRIEVAL_MARGIN <= length - filled]
         if not fitting:
             break
         context = int(rng.choice(fitting))
