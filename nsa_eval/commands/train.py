@@ -44,6 +44,8 @@ def register(subparsers) -> None:
     p.add_argument("--window", type=int, help="NSA sliding-window length in tokens")
     p.add_argument("--retrieval-lengths", type=int, nargs="+", metavar="TOKENS",
                    help="NIAH context lengths of the retrieval rows (default: the recipe's)")
+    p.add_argument("--retrieval-fraction", type=float, metavar="F",
+                   help="share of each batch's rows that hold retrieval samples, 0 < F <= 1 (default 0.5)")
     p.add_argument("--workers", type=int, default=None, help="batch-building processes (default: CPUs - 2)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--kernel-impl", choices=["auto", "reference", "triton"], default="auto",
@@ -149,6 +151,10 @@ def _validated_config(args):
             cfg = replace(cfg, model=replace(cfg.model, **{flag: getattr(args, flag)}))
     if args.retrieval_lengths:
         cfg = replace(cfg, mix=replace(cfg.mix, retrieval_lengths=_retrieval_lengths(args, cfg)))
+    if args.retrieval_fraction is not None:
+        if not 0 < args.retrieval_fraction <= 1:
+            raise UsageError(f"--retrieval-fraction must be in (0, 1], got {args.retrieval_fraction}")
+        cfg = replace(cfg, mix=replace(cfg.mix, retrieval_fraction=args.retrieval_fraction))
     if args.match is not None:
         cfg = _matched(cfg, Path(args.match))
     if cfg.steps is None and cfg.minutes is None:
@@ -157,7 +163,7 @@ def _validated_config(args):
 
 
 CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "retrieval_lengths",
-                "num_selected", "window")
+                "retrieval_fraction", "num_selected", "window")
 
 
 def _resumed_config(args, out: Path):

@@ -8,7 +8,7 @@ from nsa_eval.cli import main
 def test_tiny_run_then_matched_run(tmp_path, capsys, tiny_corpus_dir):
     out, data = str(tmp_path / "full"), str(tiny_corpus_dir)
     assert main(["train", "--attention", "full", "--out", out, "--tiny", "--steps", "2", "--data", data,
-                 "--retrieval-lengths", "96", "64"]) == 0
+                 "--retrieval-lengths", "96", "64", "--retrieval-fraction", "0.75"]) == 0
     assert "done: full 2 steps" in capsys.readouterr().out
     code = main(["train", "--attention", "full", "--out", str(tmp_path / "again"), "--tiny",
                  "--match", str(tmp_path / "full"), "--data", data])
@@ -17,6 +17,7 @@ def test_tiny_run_then_matched_run(tmp_path, capsys, tiny_corpus_dir):
     b = json.loads((tmp_path / "again" / "summary.json").read_text())
     assert a["tokens"] == b["tokens"] and a["final_eval"] == b["final_eval"]
     assert a["config"]["mix"]["retrieval_lengths"] == b["config"]["mix"]["retrieval_lengths"] == [64, 96]
+    assert a["config"]["mix"]["retrieval_fraction"] == b["config"]["mix"]["retrieval_fraction"] == 0.75
 
 
 def test_bad_flags_exit_2_before_work(tmp_path, capsys):
@@ -30,6 +31,9 @@ def test_bad_flags_exit_2_before_work(tmp_path, capsys):
     assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x"), "--steps", "3",
                  "--num-selected", "2"]) == 2
     assert "--num-selected must be >= 3" in capsys.readouterr().err
+    assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x"), "--steps", "3",
+                 "--retrieval-fraction", "1.5"]) == 2
+    assert "--retrieval-fraction must be in (0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_nsa_geometry_flags_reach_the_model(tmp_path, tiny_corpus_dir):

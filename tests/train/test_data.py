@@ -31,6 +31,13 @@ def test_batch_mixes_text_and_weighted_answers(tiny_corpus):
     assert (w[2:] == 1.0).all()  # the text rows are plain language modelling
 
 
+def test_retrieval_fraction_sets_the_share_of_retrieval_rows(tiny_corpus):
+    from dataclasses import replace
+
+    _, w = make_batch(tiny_corpus, 0, 0, 8, 256, replace(MIX, retrieval_fraction=0.75))
+    assert (w == 7.0).any(axis=1).tolist() == [True] * 6 + [False] * 2
+
+
 def test_retrieval_segment_weights_only_the_answer(tiny_corpus):
     tok = tiny_corpus.tokenizer
     ids, w = retrieval_segment(tok, 128, 50.0, seed=11, answer_weight=3.0)
