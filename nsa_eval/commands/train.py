@@ -40,6 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--seq-len", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--head-dim", type=int, help="attention head dimension of both models (default 32)")
     p.add_argument("--num-selected", type=int, help="NSA selection blocks per query, forced ones included")
     p.add_argument("--window", type=int, help="NSA sliding-window length in tokens")
     p.add_argument("--retrieval-lengths", type=int, nargs="+", metavar="TOKENS",
@@ -146,7 +147,9 @@ def _validated_config(args):
         raise UsageError(f"--num-selected must be >= 3 (1 initial + 2 local blocks), got {args.num_selected}")
     if args.window is not None and args.window < 1:
         raise UsageError(f"--window must be >= 1, got {args.window}")
-    for flag in ("num_selected", "window"):
+    if args.head_dim is not None and (args.head_dim < 16 or args.head_dim % 16):
+        raise UsageError(f"--head-dim must be a multiple of 16 (the kernels' tile), got {args.head_dim}")
+    for flag in ("head_dim", "num_selected", "window"):
         if getattr(args, flag) is not None:
             cfg = replace(cfg, model=replace(cfg.model, **{flag: getattr(args, flag)}))
     if args.retrieval_lengths:
@@ -163,7 +166,7 @@ def _validated_config(args):
 
 
 CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "retrieval_lengths",
-                "retrieval_fraction", "num_selected", "window")
+                "retrieval_fraction", "head_dim", "num_selected", "window")
 
 
 def _resumed_config(args, out: Path):

@@ -34,14 +34,18 @@ def test_bad_flags_exit_2_before_work(tmp_path, capsys):
     assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x"), "--steps", "3",
                  "--retrieval-fraction", "1.5"]) == 2
     assert "--retrieval-fraction must be in (0, 1], got 1.5" in capsys.readouterr().err
+    assert main(["train", "--attention", "full", "--out", str(tmp_path / "x"), "--steps", "3",
+                 "--head-dim", "40"]) == 2
+    assert "--head-dim must be a multiple of 16" in capsys.readouterr().err
 
 
 def test_nsa_geometry_flags_reach_the_model(tmp_path, tiny_corpus_dir):
     out = tmp_path / "nsa"
     assert main(["train", "--attention", "nsa", "--out", str(out), "--tiny", "--steps", "1",
-                 "--data", str(tiny_corpus_dir), "--num-selected", "4", "--window", "32"]) == 0
+                 "--data", str(tiny_corpus_dir), "--num-selected", "4", "--window", "32",
+                 "--head-dim", "32"]) == 0
     config = json.loads((out / "checkpoint" / "config.json").read_text())
-    assert (config["num_selected"], config["window"]) == (4, 32)
+    assert (config["num_selected"], config["window"], config["head_dim"]) == (4, 32, 32)
     assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
 
