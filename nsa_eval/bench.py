@@ -374,7 +374,23 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
             add("op-fwd", name, T, hs, 1, f)
         if fb is not None:
             add("op-fwd+bwd", name, T, hs, 1, fb)
+    add("fwd", *_g4_other_stages(T, g4_heads, dim))
     return rows
+
+
+def _g4_other_stages(T, g4_heads, dim):
+    """The G=4 forward with the selected forward's other stage count (2 <-> 3), to set beside the
+    default G=4 row of the same run: (impl, T, heads, batch, ms)."""
+    from nsa_eval.kernels import selection
+
+    default = selection.SELECTED_FWD_CONFIG_MULTI
+    other = dict(default, num_stages=5 - default["num_stages"])
+    selection.SELECTED_FWD_CONFIG_MULTI = other
+    try:
+        ms, _ = bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim)
+    finally:
+        selection.SELECTED_FWD_CONFIG_MULTI = default
+    return f"nsa-triton [selected stages={other['num_stages']}]", T, f"{g4_heads[0]}/{g4_heads[1]}", 1, ms
 
 
 def _get(rows, case, impl, T, heads=None):
@@ -438,6 +454,10 @@ def markdown_report(rows, *, heads=64, kv_heads=4, g4_heads=(16, 4), command="")
         ra = _ratio(per(b, heads), per(a, g4_heads[0]))
         rc = _ratio(per(d, heads), per(c, g4_heads[0]))
         lines.append(f"| {T} | {_fmt(a)} | {_fmt(b)} | {_fmt(ra)} | {_fmt(c)} | {_fmt(d)} | {_fmt(rc)} |")
+    for r in rows:
+        if r.case == "fwd" and r.heads == g4 and r.impl.startswith("nsa-triton ["):
+            lines += ["", f"G=4 forward at T={r.T} with {r.impl[len('nsa-triton '):]}: {_fmt(r.ms)} ms "
+                      f"(the default, above: {_fmt(_get(rows, 'fwd', 'nsa-triton', r.T, g4))} ms)."]
     batch = next((r.batch for r in rows if r.case == "decode"), 16)
     lines += ["", f"Decode, batch {batch}, one new token against a cache of T tokens ({hs} heads), "
               "CUDA graphs; SDPA reads the full cache (GQA, no expansion).", "",

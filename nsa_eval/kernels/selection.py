@@ -69,7 +69,11 @@ SELECTED_ROWS = 16
 # buffers (72 KB shared, ~100 registers: 3 programs per SM) with the next block in flight during the
 # current MMAs; 2 stages one buffer (39 KB), refilled only after the MMAs. The union walk compiles to
 # plain loads at any num_stages (148 registers in the forward).
-SELECTED_FWD_CONFIG = dict(num_warps=4, num_stages=2)  # run 5: 16.2 ms at 64k, 17.9 with 3 stages
+# The forward's depends on the positions per program: with one (G' >= SELECTED_ROWS, e.g. G = 16)
+# 2 stages (run 5: 16.2 ms at 64k, 17.9 with 3); with several (G = 4: 4 positions, up to 4n distinct
+# blocks to walk) 3 stages (the G = 4 forward at 64k: 26.5 ms in run 5 at 3 stages, 28.7 in run 6 at 2).
+SELECTED_FWD_CONFIG = dict(num_warps=4, num_stages=2)
+SELECTED_FWD_CONFIG_MULTI = dict(num_warps=4, num_stages=3)
 SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
 # launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here) and its
 # rows (positions x G') per MMA; with SELECTED_DQ = "fused" at G = 16, d = 128, 64 rows compile to
@@ -425,7 +429,7 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
         DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
         BACKWARD=backward, UPCAST=interpreting(),
-        **(SELECTED_DQ_CONFIG if backward else SELECTED_FWD_CONFIG),
+        **(SELECTED_DQ_CONFIG if backward else SELECTED_FWD_CONFIG if BT == 1 else SELECTED_FWD_CONFIG_MULTI),
     )
 
 
