@@ -36,6 +36,9 @@ def register(subparsers) -> None:
     size.add_argument("--match", help="run directory whose steps, batch size and sequence length to copy")
     p.add_argument("--data", default=None, help=f"corpus + tokenizer directory (default {DEFAULT_DATA}, "
                                                  "or <out>/../data-tiny with --tiny)")
+    p.add_argument("--corpus-sources", nargs="+", metavar="SRC",
+                   help="where the text corpus comes from when --data is built: 'stdlib' and installed "
+                        "packages, e.g. stdlib numpy torch (default: stdlib numpy)")
     p.add_argument("--tiny", action="store_true", help="the small CPU configuration of the tests")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--seq-len", type=int)
@@ -61,6 +64,7 @@ def register(subparsers) -> None:
 
 def run_train(args) -> int:
     cfg, data_dir = _validated_config(args)
+    sources = _corpus_sources(args, data_dir)
     import os
 
     from nsa_eval.train.data import build_corpus, corpus_exists, load_corpus
@@ -69,9 +73,11 @@ def run_train(args) -> int:
     if corpus_exists(data_dir):
         corpus = load_corpus(data_dir)
     else:
-        print(f"building the corpus and tokenizer in {data_dir}")
-        corpus = (build_corpus(data_dir, vocab_size=512, max_files=8) if args.tiny
-                  else build_corpus(data_dir))
+        print(f"building the corpus and tokenizer in {data_dir} from {', '.join(sources)}")
+        corpus = (build_corpus(data_dir, sources=sources, vocab_size=512, max_files=8) if args.tiny
+                  else build_corpus(data_dir, sources=sources))
+    if args.match is not None:
+        _check_same_corpus(corpus, Path(args.match))
     workers = args.workers if args.workers is not None else max(0, min(12, (os.cpu_count() or 1) - 2))
     workers = 0 if args.tiny else workers
     if args.attention != "both":
@@ -188,6 +194,34 @@ def _resumed_config(args, out: Path):
     if cfg.attention != args.attention:
         raise UsageError(f"--resume: {out} holds a {cfg.attention} run, not --attention {args.attention}")
     return cfg, _data_dir(args, out)
+
+
+def _corpus_sources(args, data_dir: Path) -> tuple[str, ...]:
+    """The corpus sources to build from; a UsageError when --corpus-sources cannot be honoured."""
+    from nsa_eval.train.data import DEFAULT_SOURCES, corpus_exists, source_root
+
+    if args.corpus_sources is None:
+        return DEFAULT_SOURCES
+    sources = tuple(dict.fromkeys(args.corpus_sources))
+    if corpus_exists(data_dir):
+        built = tuple(json.loads((data_dir / "manifest.json").read_text())["sources"])
+        if built != sources:
+            raise UsageError(f"--corpus-sources {' '.join(sources)}: --data {data_dir} already holds a "
+                             f"corpus of {' '.join(built)}; give another --data to build a new one")
+        return sources
+    for source in sources:
+        try:
+            source_root(source)
+        except ValueError as err:
+            raise UsageError(f"--corpus-sources: {err}") from None
+    return sources
+
+
+def _check_same_corpus(corpus, run_dir: Path) -> None:
+    theirs = json.loads((run_dir / "summary.json").read_text()).get("corpus", {}).get("sha256")
+    if theirs is not None and theirs != corpus.manifest.get("sha256"):
+        raise UsageError(f"--match {run_dir} was trained on another corpus (its sha256 differs from "
+                         "--data's): the data would differ")
 
 
 def _data_dir(args, out: Path) -> Path:

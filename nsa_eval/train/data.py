@@ -36,16 +36,17 @@ TRAIN_SEED_OFFSET = 1_000_000_000  # NIAH seeds used for training; evaluation us
 HELDOUT_SEED_OFFSET = 2_000_000_000  # seeds of the held-out retrieval probe during training
 HELDOUT_PERCENT = 2
 SKIPPED_DIRS = {"site-packages", "idlelib", "turtledemo", "ensurepip", "__pycache__", "tkinter"}
+DEFAULT_SOURCES = ("stdlib", "numpy")  # what the bundled checkpoints were trained on
 
 # ---------------------------------------------------------------------------------------------
 # corpus
 
 
-def corpus_files(sources: tuple[str, ...] = ("stdlib", "numpy")) -> list[tuple[str, Path]]:
+def corpus_files(sources: tuple[str, ...] = DEFAULT_SOURCES) -> list[tuple[str, Path]]:
     """[(name, path)] of the corpus files, sorted by name; name = "<source>/<relative path>"."""
     files = []
     for source in sources:
-        root = _source_root(source)
+        root = source_root(source)
         for path in root.rglob("*.py"):
             rel = path.relative_to(root)
             if SKIPPED_DIRS.intersection(rel.parts):
@@ -54,7 +55,7 @@ def corpus_files(sources: tuple[str, ...] = ("stdlib", "numpy")) -> list[tuple[s
     return sorted(files)
 
 
-def _source_root(source: str) -> Path:
+def source_root(source: str) -> Path:
     if source == "stdlib":
         return Path(sysconfig.get_paths()["stdlib"])
     spec = importlib.util.find_spec(source)
@@ -84,7 +85,7 @@ class Corpus:
 def build_corpus(
     out_dir: str | Path,
     *,
-    sources: tuple[str, ...] = ("stdlib", "numpy"),
+    sources: tuple[str, ...] = DEFAULT_SOURCES,
     vocab_size: int = 8192,
     max_files: int | None = None,
     tokenizer_bytes: int = 12_000_000,

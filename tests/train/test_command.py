@@ -83,3 +83,25 @@ def test_resume_needs_a_saved_run(tmp_path, capsys):
     assert "no unfinished run" in capsys.readouterr().err
     assert main(["train", "--attention", "both", "--out", str(tmp_path), "--resume"]) == 2
     assert "one model per run" in capsys.readouterr().err
+
+
+def test_corpus_sources_checked_before_work_and_recorded(tmp_path, capsys, tiny_corpus_dir):
+    new = tmp_path / "data-new"
+    base = ["train", "--attention", "full", "--steps", "1", "--tiny"]
+    assert main(base + ["--out", str(tmp_path / "x"), "--data", str(new),
+                        "--corpus-sources", "stdlib", "no_such_package_xyz"]) == 2
+    assert "'no_such_package_xyz' is not an installed package" in capsys.readouterr().err
+    assert not new.exists()  # nothing was built
+    assert main(base + ["--out", str(tmp_path / "x"), "--data", str(tiny_corpus_dir),
+                        "--corpus-sources", "stdlib"]) == 2
+    assert "already holds a corpus of stdlib numpy" in capsys.readouterr().err
+
+    assert main(base + ["--out", str(tmp_path / "std"), "--data", str(new),
+                        "--corpus-sources", "stdlib"]) == 0
+    assert json.loads((new / "manifest.json").read_text())["sources"] == ["stdlib"]
+    summary = json.loads((tmp_path / "std" / "summary.json").read_text())
+    assert summary["corpus"]["sources"] == ["stdlib"]
+    # a run on another corpus cannot be matched: the tokens would differ
+    assert main(["train", "--attention", "nsa", "--tiny", "--out", str(tmp_path / "m"),
+                 "--match", str(tmp_path / "std"), "--data", str(tiny_corpus_dir)]) == 2
+    assert "trained on another corpus" in capsys.readouterr().err
