@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Two retrieval mixes trained side by side on a 2-GPU machine (docs/training.md, "Runs so far"):
 #   OUT=/some/dir STEPS=4000 [MIX_A="..."] [MIX_B="..."] [FLAGS_A="..."] [FLAGS_B="..."] \
-#     [PART_MINUTES=9] [RUNS=runs/x2] bash reports/training/gpu_train_x2.sh
+#     [PART_MINUTES=9] [RUNS=runs/x2] [DATA=.cache/nsa-train] bash reports/training/gpu_train_x2.sh
 # GPU 0 trains NSA and full attention with mix A, GPU 1 with mix B, all four for the same STEPS from
 # one seed (each pair sees identical tokens; FLAGS_A/FLAGS_B are extra `nsa-eval train` flags of a
 # pair, e.g. "--retrieval-fraction 0.75"). Both pairs are scored on the teacher-forced NIAH grid;
 # the pair whose NSA model scores higher within the training length is packed (tar, split at
-# 15 MiB) into $OUT, with the logs, curves and heatmaps of both. Needs .cache/nsa-train.
+# 15 MiB) into $OUT, with the logs, curves and heatmaps of both. Needs the corpus in $DATA (carried:
+# building it takes minutes; `--corpus-sources` builds another one, see docs/training.md).
 # Runs longer than one call: with PART_MINUTES each process stops after that many minutes and the
 # next invocation (same RUNS, e.g. inside the repository on a machine still warm) resumes the
 # unfinished runs; scoring and packing happen once all four are done. A fresh RUNS starts afresh.
@@ -14,6 +15,7 @@ set -uo pipefail
 STEPS=${STEPS:-4000}
 SEED=${SEED:-0}
 RUNS=${RUNS:-/tmp/nsa-x2}
+DATA=${DATA:-.cache/nsa-train}
 OUT=${OUT:-$RUNS/out}
 declare -A MIX=([a]="${MIX_A:-256 512 1024 1536 1792 2000}" [b]="${MIX_B:-1024 1280 1536 1792 2000}")
 declare -A FLAGS=([a]="${FLAGS_A:-}" [b]="${FLAGS_B:-}")
@@ -32,7 +34,7 @@ train() {  # gpu mix attention
     set -- "$@" --seed "$SEED" --steps "$STEPS" --retrieval-lengths ${MIX[$2]} ${FLAGS[$2]}
   fi
   CUDA_VISIBLE_DEVICES=$1 python3 -m nsa_eval.cli train --attention "$3" --out "$dir" \
-    --data .cache/nsa-train --workers 6 $PART "${@:4}" >>"$RUNS/$2-$3.log" 2>&1
+    --data "$DATA" --workers 6 $PART "${@:4}" >>"$RUNS/$2-$3.log" 2>&1
   tail -n 1 "$RUNS/$2-$3.log"
 }
 
