@@ -43,6 +43,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--seq-len", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--distractors", type=int, metavar="N",
+                   help="needles of other keys in each training retrieval sample (default 0)")
     p.add_argument("--head-dim", type=int, help="attention head dimension of both models (default 32)")
     p.add_argument("--num-selected", type=int, help="NSA selection blocks per query, forced ones included")
     p.add_argument("--window", type=int, help="NSA sliding-window length in tokens")
@@ -164,6 +166,12 @@ def _validated_config(args):
         if not 0 < args.retrieval_fraction <= 1:
             raise UsageError(f"--retrieval-fraction must be in (0, 1], got {args.retrieval_fraction}")
         cfg = replace(cfg, mix=replace(cfg.mix, retrieval_fraction=args.retrieval_fraction))
+    if args.distractors is not None:
+        from nsa_eval.tasks.niah import _KEYS
+
+        if not 0 <= args.distractors < len(_KEYS):
+            raise UsageError(f"--distractors must be in [0, {len(_KEYS) - 1}], got {args.distractors}")
+        cfg = replace(cfg, mix=replace(cfg.mix, distractors=args.distractors))
     if args.match is not None:
         cfg = _matched(cfg, Path(args.match))
     if cfg.steps is None and cfg.minutes is None:
@@ -172,7 +180,7 @@ def _validated_config(args):
 
 
 CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "retrieval_lengths",
-                "retrieval_fraction", "head_dim", "num_selected", "window")
+                "retrieval_fraction", "distractors", "head_dim", "num_selected", "window")
 
 
 def _resumed_config(args, out: Path):

@@ -187,7 +187,8 @@ def _versions(sources) -> dict:
 # ---------------------------------------------------------------------------------------------
 # retrieval samples (NIAH format)
 
-def make_retrieval_doc(tokenizer, context_length: int, depth_percent: float, seed: int) -> dict:
+def make_retrieval_doc(tokenizer, context_length: int, depth_percent: float, seed: int,
+                       distractors: int = 0) -> dict:
     """One training NIAH document in the evaluation's format: {"prompt", "answer", "key", ...}.
 
     The template, key words and builtin haystack grammar are `nsa_eval.tasks.niah`'s. Its
@@ -196,6 +197,10 @@ def make_retrieval_doc(tokenizer, context_length: int, depth_percent: float, see
     at token boundaries, so the prompt is within a few tokens of `context_length` at a fraction of
     the cost (the haystack is a random window of one long text generated and tokenized once per
     process). That matters: a training batch holds ~25 such documents.
+
+    `distractors` adds that many needles of other keys (distinct, random values, uniform depths),
+    so the answer needs the asked key, not just any magic number (RULER's multi-key NIAH). With 0
+    the document is the evaluation's single-needle format.
     """
     from nsa_eval.tasks import niah
 
@@ -204,19 +209,28 @@ def make_retrieval_doc(tokenizer, context_length: int, depth_percent: float, see
     key = rng.choice(niah._KEYS)
     value = str(rng.randint(1_000_000, 9_999_999))
     head = template.instruction + "\n"
-    needle = template.needle.format(key=key, value=value)
     tail = "\n" + template.question.format(key=key) + " " + template.answer_prefix.format(key=key)
-    fixed = len(tokenizer(head + needle + tail)["input_ids"])
+    needles = [template.needle.format(key=key, value=value)]
+    for other in rng.sample([k for k in niah._KEYS if k != key], distractors) if distractors else []:
+        needles.append(template.needle.format(key=other, value=rng.randint(1_000_000, 9_999_999)))
+    fixed = len(tokenizer(head + " ".join(needles) + tail)["input_ids"])
     hay, offsets = _haystack_pool(tokenizer, context_length)
     budget = min(max(0, context_length - fixed), len(offsets) // 2)  # haystack tokens
     first = rng.randrange(1, len(offsets) - budget - 1)  # a random window of the pool
-    n_before = round(depth_percent / 100 * budget)
-    cut, last = first + n_before, first + budget  # token indices: [first, cut) before, [cut, last) after
-    before = hay[offsets[first][0] : offsets[cut - 1][1]].strip() if n_before else ""
-    after = hay[offsets[cut][0] : offsets[last - 1][1]].strip() if budget > n_before else ""
-    prompt = head + (before + " " if before else "") + needle + (" " + after if after else "") + tail
+    depths = [round(depth_percent / 100 * budget)] + [rng.randint(0, budget) for _ in needles[1:]]
+    body, prev = [], first  # haystack tokens [first, first + budget), a needle before token first + depth
+    for depth, needle in sorted(zip(depths, needles, strict=True), key=lambda dn: dn[0]):
+        body += [_haystack_text(hay, offsets, prev, first + depth), needle]
+        prev = first + depth
+    body.append(_haystack_text(hay, offsets, prev, first + budget))
+    prompt = head + " ".join(part for part in body if part) + tail
     return {"prompt": prompt, "answer": value, "key": key, "context_length": context_length,
             "depth_percent": depth_percent, "seed": seed}
+
+
+def _haystack_text(hay: str, offsets, start: int, stop: int) -> str:
+    """The haystack text of tokens [start, stop), stripped; "" when empty."""
+    return hay[offsets[start][0] : offsets[stop - 1][1]].strip() if stop > start else ""
 
 
 _POOL: dict[int, tuple[str, list]] = {}
@@ -249,12 +263,13 @@ def tokenizer_training_texts(n_chars: int = 2_000_000) -> list[str]:
     return [template] * 200 + [niah.builtin_haystack(n_chars, random.Random("nsa-train-tokenizer"))]
 
 
-def retrieval_segment(tokenizer, context_length: int, depth_percent: float, seed: int, answer_weight: float):
+def retrieval_segment(tokenizer, context_length: int, depth_percent: float, seed: int, answer_weight: float,
+                      distractors: int = 0):
     """Token ids and loss weights of one retrieval sample, prompt then " <value>." then EOS.
 
     Returns (ids int64 [L], weights float32 [L]); weights[i] applies to predicting ids[i].
     """
-    doc = make_retrieval_doc(tokenizer, context_length, depth_percent, seed)
+    doc = make_retrieval_doc(tokenizer, context_length, depth_percent, seed, distractors)
     prompt = tokenizer(doc["prompt"])["input_ids"]
     answer = tokenizer(" " + str(doc["answer"]) + ".")["input_ids"] + [tokenizer.eos_token_id]
     ids = np.asarray(prompt + answer, dtype=np.int64)  # [L]
@@ -277,6 +292,7 @@ class MixConfig:
     retrieval_fraction: float = 0.5  # share of rows that hold retrieval samples
     retrieval_lengths: tuple[int, ...] = (1024, 1280, 1536, 1792, 2000)  # where selection must work
     answer_weight: float = 20.0
+    distractors: int = 0  # needles of other keys per retrieval sample (0: the evaluation's format)
 
 
 def make_batch(corpus: Corpus, seed: int, step: int, batch_size: int, seq_len: int, mix: MixConfig):
@@ -314,7 +330,8 @@ def _retrieval_row(corpus, rng, length: int, mix: MixConfig, seed: int, step: in
         context = int(rng.choice(fitting))
         depth = float(rng.uniform(0, 100))
         niah_seed = TRAIN_SEED_OFFSET + ((seed * 1_000_003 + step) * 64 + row) * 64 + k
-        seg_ids, seg_w = retrieval_segment(corpus.tokenizer, context, depth, niah_seed, mix.answer_weight)
+        seg_ids, seg_w = retrieval_segment(corpus.tokenizer, context, depth, niah_seed, mix.answer_weight,
+                                           mix.distractors)
         seg_ids, seg_w = seg_ids[: length - filled], seg_w[: length - filled]
         ids[filled : filled + seg_ids.size] = seg_ids
         weights[filled : filled + seg_ids.size] = seg_w

@@ -8,7 +8,8 @@ from nsa_eval.cli import main
 def test_tiny_run_then_matched_run(tmp_path, capsys, tiny_corpus_dir):
     out, data = str(tmp_path / "full"), str(tiny_corpus_dir)
     assert main(["train", "--attention", "full", "--out", out, "--tiny", "--steps", "2", "--data", data,
-                 "--retrieval-lengths", "96", "64", "--retrieval-fraction", "0.75"]) == 0
+                 "--retrieval-lengths", "96", "64", "--retrieval-fraction", "0.75",
+                 "--distractors", "2"]) == 0
     assert "done: full 2 steps" in capsys.readouterr().out
     code = main(["train", "--attention", "full", "--out", str(tmp_path / "again"), "--tiny",
                  "--match", str(tmp_path / "full"), "--data", data])
@@ -18,6 +19,7 @@ def test_tiny_run_then_matched_run(tmp_path, capsys, tiny_corpus_dir):
     assert a["tokens"] == b["tokens"] and a["final_eval"] == b["final_eval"]
     assert a["config"]["mix"]["retrieval_lengths"] == b["config"]["mix"]["retrieval_lengths"] == [64, 96]
     assert a["config"]["mix"]["retrieval_fraction"] == b["config"]["mix"]["retrieval_fraction"] == 0.75
+    assert a["config"]["mix"]["distractors"] == b["config"]["mix"]["distractors"] == 2
 
 
 def test_bad_flags_exit_2_before_work(tmp_path, capsys):
@@ -37,6 +39,9 @@ def test_bad_flags_exit_2_before_work(tmp_path, capsys):
     assert main(["train", "--attention", "full", "--out", str(tmp_path / "x"), "--steps", "3",
                  "--head-dim", "40"]) == 2
     assert "--head-dim must be a multiple of 16" in capsys.readouterr().err
+    assert main(["train", "--attention", "full", "--out", str(tmp_path / "x"), "--steps", "3",
+                 "--distractors", "-1"]) == 2
+    assert "--distractors must be in [0, " in capsys.readouterr().err
 
 
 def test_nsa_geometry_flags_reach_the_model(tmp_path, tiny_corpus_dir):

@@ -8,6 +8,7 @@ from nsa_eval.train.data import (
     is_heldout,
     load_corpus,
     make_batch,
+    make_retrieval_doc,
     retrieval_segment,
 )
 
@@ -66,3 +67,27 @@ def test_corpus_round_trip(tiny_corpus, tmp_path):
     loaded = load_corpus(tmp_path)
     np.testing.assert_array_equal(loaded.heldout, again.heldout)
     assert loaded.tokenizer("x = 1234")["input_ids"] == again.tokenizer("x = 1234")["input_ids"]
+
+
+def test_distractors_add_needles_of_other_keys(tiny_corpus):
+    import re
+
+    tok = tiny_corpus.tokenizer
+    plain = make_retrieval_doc(tok, 512, 30.0, seed=5)
+    assert make_retrieval_doc(tok, 512, 30.0, seed=5, distractors=0) == plain
+    doc = make_retrieval_doc(tok, 512, 30.0, seed=5, distractors=3)
+    needles = re.findall(r"magic numbers for (\w+) is: (\d+)\.", doc["prompt"])
+    assert len(needles) == 4 and len({k for k, _ in needles}) == 4
+    assert (doc["key"], doc["answer"]) in needles  # the asked key's needle holds the answer
+    assert doc["prompt"].count(doc["key"]) == 3  # its needle, the question and the answer prefix
+    assert abs(len(tok(doc["prompt"])["input_ids"]) - 512) < 40
+
+
+def test_distractors_reach_the_batch(tiny_corpus):
+    from dataclasses import replace
+
+    mix = replace(MIX, retrieval_lengths=(400,), distractors=2)  # one sample per 512-token row
+    ids, w = make_batch(tiny_corpus, 0, 0, 2, 512, mix)
+    text = tiny_corpus.tokenizer.decode(ids[0])
+    assert text.count("special magic numbers for") == 3 and text.count("What is the special magic") == 1
+    assert (w[0] == 7.0).any() and (w[1] == 1.0).all()
