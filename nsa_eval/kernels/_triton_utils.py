@@ -323,7 +323,8 @@ BAND_CONFIGS = {
     # compression fwd: 64 x 64, 4 warps, 3 stages measured 13.6 ms at 64k against 15.0 for 128 x 64
     "cmp": dict(fwd=dict(BM=64, BN=64, num_warps=4, num_stages=3),
                 dq=dict(BM=64, BN=64, num_warps=4, num_stages=2),
-                # run 5: 64 x 128, 8 warps measured 59.9 ms fwd+bwd at 64k against 62.2 for 64 x 64
+                # 64 x 128, 8 warps: 59.9 ms fwd+bwd at 64k against 62.2 for 64 x 64 in run 5, 60.9
+                # against 59.9 in run 6 (within the noise)
                 dkv=dict(BM=64, BN=128, num_warps=8, num_stages=2)),
     "swa": dict(fwd=dict(BM=128, BN=64, num_warps=8, num_stages=2),
                 dq=dict(BM=64, BN=64, num_warps=4, num_stages=2),
