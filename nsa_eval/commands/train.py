@@ -206,13 +206,13 @@ def _resumed_config(args, out: Path):
 
 def _corpus_sources(args, data_dir: Path) -> tuple[str, ...]:
     """The corpus sources to build from; a UsageError when --corpus-sources cannot be honoured."""
-    from nsa_eval.train.data import DEFAULT_SOURCES, corpus_exists, source_root
+    from nsa_eval.train.data import DEFAULT_SOURCES, corpus_exists, corpus_manifest, source_root
 
     if args.corpus_sources is None:
         return DEFAULT_SOURCES
     sources = tuple(dict.fromkeys(args.corpus_sources))
     if corpus_exists(data_dir):
-        built = tuple(json.loads((data_dir / "manifest.json").read_text())["sources"])
+        built = tuple(corpus_manifest(data_dir)["sources"])
         if built != sources:
             raise UsageError(f"--corpus-sources {' '.join(sources)}: --data {data_dir} already holds a "
                              f"corpus of {' '.join(built)}; give another --data to build a new one")

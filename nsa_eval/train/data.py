@@ -147,8 +147,13 @@ def load_corpus(data_dir: str | Path) -> Corpus:
         train=tokens["train"],
         heldout=tokens["heldout"],
         tokenizer=load_tokenizer(data_dir / "tokenizer"),
-        manifest=json.loads((data_dir / "manifest.json").read_text()),
+        manifest=corpus_manifest(data_dir),
     )
+
+
+def corpus_manifest(data_dir: str | Path) -> dict:
+    """The manifest a built corpus records: sources, versions, token counts, sha256 of the ids."""
+    return json.loads((Path(data_dir) / "manifest.json").read_text())
 
 
 def corpus_exists(data_dir: str | Path) -> bool:
