@@ -46,6 +46,9 @@ def register(subparsers) -> None:
     p.add_argument("--distractors", type=int, metavar="N",
                    help="needles of other keys in each training retrieval sample (default 0)")
     p.add_argument("--head-dim", type=int, help="attention head dimension of both models (default 32)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads of both models; divides the 8 query heads "
+                                                 "(default 2: GQA groups of 4)")
+    p.add_argument("--layers", type=int, help="decoder layers of both models (default 6)")
     p.add_argument("--num-selected", type=int, help="NSA selection blocks per query, forced ones included")
     p.add_argument("--window", type=int, help="NSA sliding-window length in tokens")
     p.add_argument("--retrieval-lengths", type=int, nargs="+", metavar="TOKENS",
@@ -157,9 +160,15 @@ def _validated_config(args):
         raise UsageError(f"--window must be >= 1, got {args.window}")
     if args.head_dim is not None and (args.head_dim < 16 or args.head_dim % 16):
         raise UsageError(f"--head-dim must be a multiple of 16 (the kernels' tile), got {args.head_dim}")
-    for flag in ("head_dim", "num_selected", "window"):
+    heads = cfg.model.num_heads
+    if args.kv_heads is not None and (args.kv_heads < 1 or heads % args.kv_heads):
+        raise UsageError(f"--kv-heads must divide the {heads} query heads, got {args.kv_heads}")
+    if args.layers is not None and args.layers < 1:
+        raise UsageError(f"--layers must be >= 1, got {args.layers}")
+    for flag, field in (("head_dim", "head_dim"), ("num_selected", "num_selected"), ("window", "window"),
+                        ("kv_heads", "num_kv_heads"), ("layers", "num_layers")):
         if getattr(args, flag) is not None:
-            cfg = replace(cfg, model=replace(cfg.model, **{flag: getattr(args, flag)}))
+            cfg = replace(cfg, model=replace(cfg.model, **{field: getattr(args, flag)}))
     if args.retrieval_lengths:
         cfg = replace(cfg, mix=replace(cfg.mix, retrieval_lengths=_retrieval_lengths(args, cfg)))
     if args.retrieval_fraction is not None:
@@ -180,7 +189,8 @@ def _validated_config(args):
 
 
 CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "retrieval_lengths",
-                "retrieval_fraction", "distractors", "head_dim", "num_selected", "window")
+                "retrieval_fraction", "distractors", "head_dim", "kv_heads", "layers", "num_selected",
+                "window")
 
 
 def _resumed_config(args, out: Path):

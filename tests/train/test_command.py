@@ -42,15 +42,22 @@ def test_bad_flags_exit_2_before_work(tmp_path, capsys):
     assert main(["train", "--attention", "full", "--out", str(tmp_path / "x"), "--steps", "3",
                  "--distractors", "-1"]) == 2
     assert "--distractors must be in [0, " in capsys.readouterr().err
+    assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x"), "--steps", "3",
+                 "--kv-heads", "3"]) == 2
+    assert "--kv-heads must divide the 8 query heads, got 3" in capsys.readouterr().err
+    assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x"), "--steps", "3",
+                 "--layers", "0"]) == 2
+    assert "--layers must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_nsa_geometry_flags_reach_the_model(tmp_path, tiny_corpus_dir):
     out = tmp_path / "nsa"
     assert main(["train", "--attention", "nsa", "--out", str(out), "--tiny", "--steps", "1",
                  "--data", str(tiny_corpus_dir), "--num-selected", "4", "--window", "32",
-                 "--head-dim", "32"]) == 0
+                 "--head-dim", "32", "--kv-heads", "4", "--layers", "3"]) == 0
     config = json.loads((out / "checkpoint" / "config.json").read_text())
     assert (config["num_selected"], config["window"], config["head_dim"]) == (4, 32, 32)
+    assert (config["num_key_value_heads"], config["num_hidden_layers"]) == (4, 3)
     assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
 
