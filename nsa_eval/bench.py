@@ -215,7 +215,8 @@ def bench_ops(T, hq, hkv, d=128):
 def bench_variants(x, lse, idx):
     """Alternatives to the default kernels, timed beside them (ms): the other top-k (bitwise search),
     the first importance kernel (per-head tf32x3 overlap matmuls), launch configurations of the
-    selected-attention forward and of each part of the banded kernels (dq/dkv: forward+backward)."""
+    selected-attention forward and of each part of the banded kernels (dq/dkv: forward+backward), the
+    banded kernels' single masked loop (BAND_SPLIT_MASK=False) and the window's split backward."""
     import torch
 
     from nsa_eval.kernels import _triton_utils, selection
@@ -270,6 +271,19 @@ def bench_variants(x, lse, idx):
                         timed(name, _triton_utils, "BAND_CONFIGS", table, fn)
                 else:
                     timed(name, _triton_utils, "BAND_CONFIGS", table, _fwd_bwd(fn, x))
+    # the banded kernels' single masked loop against the default split (masked edge tiles, unmasked
+    # interior), and the window's backward split too (its default is masked); "[dq " files a row under
+    # forward+backward
+    from nsa_eval.kernels.window import sliding_window_attention
+
+    cmp = branches["cmp"][1]
+    swa = lambda: sliding_window_attention(x["q"], x["k"], x["v"])  # noqa: E731
+    with torch.no_grad():
+        timed("compressed_attention [masked loop]", _triton_utils, "BAND_SPLIT_MASK", False, cmp)
+        timed("sliding_window_attention [masked loop]", _triton_utils, "BAND_SPLIT_MASK", False, swa)
+    timed("compressed_attention [dq dkv masked loop]", _triton_utils, "BAND_SPLIT_MASK", False,
+          _fwd_bwd(cmp, x))
+    timed("sliding_window_attention [dq dkv split]", _triton_utils, "BAND_SPLIT_MASK", True, _fwd_bwd(swa, x))
     return out
 
 

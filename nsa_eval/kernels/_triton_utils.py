@@ -92,6 +92,18 @@ def online_softmax_step(s, valid, v, m_i, l_i, acc):
 
 
 @triton.jit
+def online_softmax_step_full(s, v, m_i, l_i, acc):
+    # online_softmax_step for a tile where every score is usable: every row of s has a finite max, so
+    # neither the -inf fill nor the empty-row guard is needed (same result bit for bit)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def softmax_result(m_i, l_i, acc):
     # output acc / l_i [M, BDV] (0 for rows with no usable key) and natural-log lse [M] (-inf for those)
     empty = l_i == 0.0
@@ -134,6 +146,99 @@ def row_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None = Non
 # ---------------------------------------------------------------------------------------------
 # banded FlashAttention-2
 # ---------------------------------------------------------------------------------------------
+# Split: each loop over tiles runs in three ranges, as in FlashAttention's Triton tutorial: the tiles
+# at the window's start and on the diagonal build the causal/window/bounds mask, the interior tiles
+# between them (every query sees every key, all in range) skip it. Otherwise one masked loop. The
+# tiles stay in ascending order either way, so the results are the same; the benchmark times both.
+# The kernels (per branch: "cmp", "swa") that split; True / False: all / none. Run 7 (H200, 64k, side
+# by side): compression forward 11.50 ms split / 13.46 masked, its forward+backward 54.81 / 60.07,
+# window forward 4.82 / 5.21. The window's forward+backward took 24.59 ms with its backward split,
+# against 17.91 masked in run 6 (not side by side), so the window's backward keeps the masked loop.
+BAND_SPLIT_MASK = {"cmp": ("fwd", "dq", "dkv"), "swa": ("fwd",)}
+
+
+def _split_mask(window, part: str) -> bool:
+    if isinstance(BAND_SPLIT_MASK, bool):
+        return BAND_SPLIT_MASK
+    return part in BAND_SPLIT_MASK["cmp" if window is None else "swa"]
+
+
+@triton.jit
+def load_in_range(ptrs, col_mask, PADDED: tl.constexpr):
+    # a tile whose rows are all in range: only padded head dims (PADDED: BD > D) need the mask
+    if PADDED:
+        x = tl.load(ptrs, mask=col_mask, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _key_interior(t0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr):
+    # Key tiles [mid_lo, mid_hi) (steps of BN from lo, inside [lo, hi)) where every query of
+    # [t0, t0 + BM) sees every key: all queries < T, all keys < TK, each key position <= t0 (the
+    # first query) and, with a window, > t0 + BM - 1 - window (the last query's window).
+    n_seen = tl.maximum(t0 - key_offset + key_stride, 0) // key_stride  # keys at positions <= t0
+    n_seen = tl.where(t0 + BM <= T, tl.minimum(n_seen, TK), 0)
+    mid_lo = lo
+    if HAS_WINDOW:
+        # first key whose position is > t0 + BM - 1 - window, rounded up to a tile start
+        first = tl.maximum(t0 + BM - 1 - window - key_offset + key_stride, 0) // key_stride
+        mid_lo = tl.minimum(tl.maximum((first + BN - 1) // BN * BN, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(n_seen // BN * BN, hi), mid_lo)
+    return mid_lo, mid_hi
+
+
+@triton.jit
+def _query_interior(k0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr):
+    # Query tiles [mid_lo, mid_hi) (steps of BM from lo, inside [lo, hi)) that see every key of
+    # [k0, k0 + BN): all keys < TK, all queries < T, each query >= the last key's position and, with a
+    # window, < the first key's position + window.
+    last_pos = (k0 + BN - 1) * key_stride + key_offset
+    mid_lo = tl.minimum(tl.maximum((last_pos + BM - 1) // BM * BM, lo), hi)
+    end = T
+    if HAS_WINDOW:
+        end = tl.minimum(end, k0 * key_stride + key_offset + window)
+    end = tl.where(k0 + BN <= TK, end, 0)
+    mid_hi = tl.maximum(tl.minimum(end // BM * BM, hi), mid_lo)
+    return mid_lo, mid_hi
+
+
+@triton.jit
+def _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK, scale_log2, key_stride,
+                   key_offset, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
+                   DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    # one key tile [start, start + BN) of the forward for queries o_t [BM]; q [BM, BDK]
+    o_k = start + tl.arange(0, BN)  # [BN] key indices
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    k_ptrs = k_base + o_k[None, :].to(tl.int64) * sk_t + o_dk[:, None]  # [BDK, BN]
+    v_ptrs = v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]  # [BN, BDV]
+    if MASKED:
+        m_k = o_k < TK
+        k = tl.load(k_ptrs, mask=m_k[None, :] & (o_dk < DK)[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)
+    else:
+        k = load_in_range(k_ptrs, (o_dk < DK)[:, None], BDK > DK)
+        v = load_in_range(v_ptrs, (o_dv < DV)[None, :], BDV > DV)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, k) * scale_log2  # [BM, BN]
+    if MASKED:
+        k_pos = o_k * key_stride + key_offset
+        valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
+        if HAS_WINDOW:
+            valid = valid & (k_pos[None, :] > o_t[:, None] - window)
+        m_i, l_i, acc = online_softmax_step(s, valid, v, m_i, l_i, acc)
+    else:
+        m_i, l_i, acc = online_softmax_step_full(s, v, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
 @triton.jit
 def _band_fwd_kernel(
     Q, K, V, O, LSE,
@@ -141,6 +246,7 @@ def _band_fwd_kernel(
     T, TK, HQ, G, scale_log2, key_stride, key_offset, window,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_MASK: tl.constexpr = True,
 ):
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -166,26 +272,64 @@ def _band_fwd_kernel(
         lo = tl.maximum(t0 - window + 1, 0) // BN * BN
 
     m_i, l_i, acc = softmax_start(BM, BDV)
-    for start in range(lo, hi, BN):
-        o_k = start + tl.arange(0, BN)  # [BN] key indices
-        m_k = o_k < TK
-        k = tl.load(k_base + o_k[None, :].to(tl.int64) * sk_t + o_dk[:, None],
-                    mask=m_k[None, :] & (o_dk < DK)[:, None], other=0.0)  # [BDK, BN]
-        v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
-                    mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k) * scale_log2  # [BM, BN]
-        k_pos = o_k * key_stride + key_offset
-        valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
-        if HAS_WINDOW:
-            valid = valid & (k_pos[None, :] > o_t[:, None] - window)
-        m_i, l_i, acc = online_softmax_step(s, valid, v, m_i, l_i, acc)
+    if SPLIT_MASK:
+        mid_lo, mid_hi = _key_interior(t0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
+        if HAS_WINDOW:  # tiles at the window's start
+            for start in range(lo, mid_lo, BN):
+                m_i, l_i, acc = _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
+                                               scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
+                                               DK, DV, BDK, BDV, BN, UPCAST)
+        for start in range(mid_lo, mid_hi, BN):  # interior: no mask
+            m_i, l_i, acc = _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
+                                           scale_log2, key_stride, key_offset, window, False, HAS_WINDOW,
+                                           DK, DV, BDK, BDV, BN, UPCAST)
+        for start in range(mid_hi, hi, BN):  # the diagonal (and the keys past TK)
+            m_i, l_i, acc = _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
+                                           scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
+                                           DK, DV, BDK, BDV, BN, UPCAST)
+    else:
+        for start in range(lo, hi, BN):
+            m_i, l_i, acc = _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
+                                           scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
+                                           DK, DV, BDK, BDV, BN, UPCAST)
     o, lse = softmax_result(m_i, l_i, acc)
     tl.store(O + i_b * so_b + i_h * so_h + o_t[:, None].to(tl.int64) * so_t + o_dv[None, :],
              o.to(O.dtype.element_ty), mask=m_t[:, None] & (o_dv < DV)[None, :])
     tl.store(LSE + (i_b * T + o_t) * HQ + i_h, lse, mask=m_t)
+
+
+@triton.jit
+def _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t, TK, scale_log2, key_stride,
+                  key_offset, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
+                  DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    # one key tile [start, start + BN) of dq [BM, BDK] for queries o_t [BM]
+    o_k = start + tl.arange(0, BN)
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    if MASKED:
+        m_k = o_k < TK
+        k, v = load_kv(k_base, v_base, o_k, m_k, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)  # [BN, BDK/BDV]
+    else:
+        k = load_in_range(k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :], (o_dk < DK)[None, :],
+                          BDK > DK)  # [BN, BDK]
+        v = load_in_range(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :], (o_dv < DV)[None, :],
+                          BDV > DV)  # [BN, BDV]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * scale_log2  # [BM, BN]
+    p = tl.exp2(s - lse[:, None])
+    if MASKED:
+        k_pos = o_k * key_stride + key_offset
+        valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
+        if HAS_WINDOW:
+            valid = valid & (k_pos[None, :] > o_t[:, None] - window)
+        p = tl.where(valid, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))  # [BM, BN]
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k)
+    return dq
 
 
 @triton.jit
@@ -195,6 +339,7 @@ def _band_bwd_dq_kernel(
     T, TK, HQ, G, scale, scale_log2, key_stride, key_offset, window,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_MASK: tl.constexpr = True,
 ):
     # DO and DQ are contiguous [B, T, HQ, DV] / [B, T, HQ, DK]
     i_m = tl.program_id(0)
@@ -226,21 +371,70 @@ def _band_bwd_dq_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(t0 - window + 1, 0) // BN * BN
     dq = tl.zeros([BM, BDK], tl.float32)
-    for start in range(lo, hi, BN):
-        o_k = start + tl.arange(0, BN)
-        m_k = o_k < TK
-        k, v = load_kv(k_base, v_base, o_k, m_k, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)  # [BN, BDK/BDV]
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BM, BN]
-        k_pos = o_k * key_stride + key_offset
-        valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
-        if HAS_WINDOW:
-            valid = valid & (k_pos[None, :] > o_t[:, None] - window)
-        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))  # [BM, BN]
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+    if SPLIT_MASK:
+        mid_lo, mid_hi = _key_interior(t0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
+        if HAS_WINDOW:  # tiles at the window's start
+            for start in range(lo, mid_lo, BN):
+                dq = _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t, TK,
+                                   scale_log2, key_stride, key_offset, window, True, HAS_WINDOW, DK, DV,
+                                   BDK, BDV, BN, UPCAST)
+        for start in range(mid_lo, mid_hi, BN):  # interior: no mask
+            dq = _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t, TK,
+                               scale_log2, key_stride, key_offset, window, False, HAS_WINDOW, DK, DV,
+                               BDK, BDV, BN, UPCAST)
+        for start in range(mid_hi, hi, BN):  # the diagonal (and the keys past TK)
+            dq = _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t, TK,
+                               scale_log2, key_stride, key_offset, window, True, HAS_WINDOW, DK, DV,
+                               BDK, BDV, BN, UPCAST)
+    else:
+        for start in range(lo, hi, BN):
+            dq = _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t, TK,
+                               scale_log2, key_stride, key_offset, window, True, HAS_WINDOW, DK, DV,
+                               BDK, BDV, BN, UPCAST)
     tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=m_t[:, None] & (o_dk < DK)[None, :])
+
+
+@triton.jit
+def _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start, sq_b, sq_t, sq_h, T, HQ,
+                   scale_log2, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
+                   DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    # one query tile [start, start + BM) of query head i_h for the key tile k [BN, BDK], v [BN, BDV]
+    # (key positions k_pos [BN], in range m_k): dk [BN, BDK], dv [BN, BDV]
+    o_t = start + tl.arange(0, BM)
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    row = (i_b * T + o_t.to(tl.int64)) * HQ + i_h  # [BM]
+    q_ptrs = Q + i_b * sq_b + i_h * sq_h + o_t[:, None].to(tl.int64) * sq_t + o_dk[None, :]  # [BM, BDK]
+    do_ptrs = DO + row[:, None] * DV + o_dv[None, :]  # [BM, BDV]
+    if MASKED:
+        m_t = o_t < T
+        q = tl.load(q_ptrs, mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)
+        do = tl.load(do_ptrs, mask=m_t[:, None] & (o_dv < DV)[None, :], other=0.0)
+        lse = tl.load(LSE + row, mask=m_t, other=0.0)
+        lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+        delta = tl.load(DELTA + row, mask=m_t, other=0.0)
+    else:  # every query < T and sees a key of this tile: lse is finite
+        q = load_in_range(q_ptrs, (o_dk < DK)[None, :], BDK > DK)
+        do = load_in_range(do_ptrs, (o_dv < DV)[None, :], BDV > DV)
+        lse = tl.load(LSE + row) * 1.4426950408889634
+        delta = tl.load(DELTA + row)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    s_t = tl.dot(k, tl.trans(q)) * scale_log2  # [BN, BM]
+    p_t = tl.exp2(s_t - lse[None, :])  # [BN, BM]
+    if MASKED:
+        valid = (k_pos[:, None] <= o_t[None, :]) & m_t[None, :] & m_k[:, None]
+        if HAS_WINDOW:
+            valid = valid & (k_pos[:, None] > o_t[None, :] - window)
+        p_t = tl.where(valid, p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do)
+    dp_t = tl.dot(v, tl.trans(do))  # [BN, BM]
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
 
 
 @triton.jit
@@ -250,6 +444,7 @@ def _band_bwd_dkv_kernel(
     T, TK, HQ, G, SPLIT, scale, scale_log2, key_stride, key_offset, window,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_MASK: tl.constexpr = True,
 ):
     # One program per (key tile, kv head, head split); it loops over G // SPLIT query heads.
     # DK_OUT / DV_OUT are contiguous [B, TK, HKV * SPLIT, D].
@@ -281,31 +476,28 @@ def _band_bwd_dkv_kernel(
         hi = tl.minimum((k0 + BN - 1) * key_stride + key_offset + window, T)
     dk = tl.zeros([BN, BDK], tl.float32)
     dv = tl.zeros([BN, BDV], tl.float32)
+    mid_lo, mid_hi = _query_interior(k0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW, BM,
+                                     BN)
     for j in range(0, heads):
         i_h = h_first + j
-        for start in range(lo, hi, BM):
-            o_t = start + tl.arange(0, BM)
-            m_t = o_t < T
-            row = (i_b * T + o_t.to(tl.int64)) * HQ + i_h
-            q = tl.load(Q + i_b * sq_b + i_h * sq_h + o_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
-                        mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BM, BDK]
-            do = tl.load(DO + row[:, None] * DV + o_dv[None, :],
-                         mask=m_t[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BM, BDV]
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(LSE + row, mask=m_t, other=0.0)
-            lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-            delta = tl.load(DELTA + row, mask=m_t, other=0.0)
-            s_t = tl.dot(k, tl.trans(q)) * scale_log2  # [BN, BM]
-            valid = (k_pos[:, None] <= o_t[None, :]) & m_t[None, :] & m_k[:, None]
-            if HAS_WINDOW:
-                valid = valid & (k_pos[:, None] > o_t[None, :] - window)
-            p_t = tl.where(valid, tl.exp2(s_t - lse[None, :]), 0.0)  # [BN, BM]
-            dv += tl.dot(p_t.to(do.dtype), do)
-            dp_t = tl.dot(v, tl.trans(do))  # [BN, BM]
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q)
+        if SPLIT_MASK:
+            for start in range(lo, mid_lo, BM):  # the diagonal
+                dk, dv = _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
+                                        sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True, HAS_WINDOW,
+                                        DK, DV, BDK, BDV, BM, UPCAST)
+            for start in range(mid_lo, mid_hi, BM):  # interior: no mask
+                dk, dv = _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
+                                        sq_b, sq_t, sq_h, T, HQ, scale_log2, window, False, HAS_WINDOW,
+                                        DK, DV, BDK, BDV, BM, UPCAST)
+            for start in range(mid_hi, hi, BM):  # the window's end and the queries past T
+                dk, dv = _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
+                                        sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True, HAS_WINDOW,
+                                        DK, DV, BDK, BDV, BM, UPCAST)
+        else:
+            for start in range(lo, hi, BM):
+                dk, dv = _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
+                                        sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True, HAS_WINDOW,
+                                        DK, DV, BDK, BDV, BM, UPCAST)
     out_row = (i_b * TK + o_k.to(tl.int64)) * NH + i_hs  # [BN]
     tl.store(DK_OUT + out_row[:, None] * DK + o_dk[None, :], (dk * scale).to(DK_OUT.dtype.element_ty),
              mask=m_k[:, None] & (o_dk < DK)[None, :])
@@ -356,7 +548,7 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0,
         HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
-        UPCAST=interpreting(), **cfg,
+        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "fwd"), **cfg,
     )
     return o, lse
 
@@ -377,6 +569,7 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     _band_bwd_dq_kernel[(triton.cdiv(T, cfg["BM"]), B * HQ)](
         q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
         T, TK, HQ, G, scale, scale * LOG2E, key_stride, key_offset, window or 0, **cfg, **common,
+        SPLIT_MASK=_split_mask(window, "dq"),
     )
     split = G if split_heads else 1
     buf_dtype = torch.float32 if split > 1 else k.dtype
@@ -386,6 +579,7 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     _band_bwd_dkv_kernel[(triton.cdiv(TK, cfg["BN"]), B * HKV * split)](
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
         T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0, **cfg, **common,
+        SPLIT_MASK=_split_mask(window, "dkv"),
     )
     if split > 1:
         dk = dk.view(B, TK, HKV, split, DK).sum(3).to(k.dtype)  # [B, TK, HKV, DK]

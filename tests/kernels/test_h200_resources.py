@@ -44,7 +44,8 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
     for branch in ("cmp", "swa"):
         cfg = u._band_config(None if branch == "cmp" else 512, "dkv", dtype)
         consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDV=128, BM=cfg.pop("BM"),
-                      BN=cfg.pop("BN"), UPCAST=False)
+                      BN=cfg.pop("BN"), UPCAST=False,
+                      SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "dkv"))
         pointers = [p] * 4 + ["*fp32"] * 4
         out[f"band dkv {branch} {name}"] = shared(u._band_bwd_dkv_kernel, pointers, consts, cfg)
     GP = 16

@@ -1,0 +1,151 @@
+"""BAND_SPLIT_MASK: the banded kernels (compression and sliding-window branches) with their key /
+query loops split into masked edge tiles and unmasked interior tiles, against the single masked loop
+(bit for bit: same tiles, same order) and the PyTorch reference, outputs, lse and gradients, on the
+CPU through Triton's interpreter (tiles of BM = BN = 16 there, so interior tiles appear from a few
+hundred tokens on); and the split kernels compiled for the H200 (sm_90) without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa_eval.kernels import _triton_utils as tu
+from nsa_eval.kernels import reference as ref
+from nsa_eval.kernels.compression import compressed_attention
+from nsa_eval.kernels.window import sliding_window_attention
+from tests.kernels.test_triton_kernels import TOL, grads, make, rel_err
+
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                                      reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+CASES = {  # name: (branch, (B, T, Hq, Hkv, Dk, Dv), params); interior tiles in all but the last of each
+    # odd T; compressed key tile 0 (tokens up to 271) is interior for the query blocks from 272 on
+    "cmp-T333": ("cmp", (1, 333, 4, 2, 16, 32), dict(block_len=32, stride=16)),
+    # fla layout: a tile of 16 keys ends at token 1023
+    "cmp-fla-T1093": ("cmp", (1, 1093, 2, 1, 16, 16), dict(block_len=64, stride=64)),
+    # one compressed key, queries 0..30 see none: masked tiles only
+    "cmp-T40": ("cmp", (2, 40, 2, 1, 16, 16), dict(block_len=32, stride=16)),
+    # per query block: a masked tile at the window's start, 3 interior tiles, the diagonal
+    "swa-T301-w64": ("swa", (1, 301, 4, 2, 32, 16), dict(window=64)),
+    "swa-T203-w40": ("swa", (1, 203, 2, 2, 16, 16), dict(window=40)),  # window not a tile multiple
+    "swa-T11": ("swa", (1, 11, 2, 1, 16, 16), dict(window=64)),  # T below one block
+}
+
+
+def interior_tiles(T, TK, key_stride, key_offset, window=None, tile=16):
+    """16 x 16 tiles of (query, key) pairs where every query sees every key, all in range: the tiles
+    the split runs unmasked (counted from the definition, not from the kernels' arithmetic)."""
+    t = torch.arange(T)[:, None]
+    pos = torch.arange(TK)[None, :] * key_stride + key_offset
+    ok = pos <= t
+    if window is not None:
+        ok &= pos > t - window
+    nq, nk = -(-T // tile), -(-TK // tile)
+    grid = torch.zeros(nq * tile, nk * tile, dtype=torch.bool)
+    grid[:T, :TK] = ok
+    return int(grid.view(nq, tile, nk, tile).all(3).all(1).sum())
+
+
+def run(branch, x, params, impl):
+    """Outputs ([o, lse] or [o]) and gradients [dq, dk, dv] of one branch."""
+    if branch == "cmp":
+        ins = (x["q"], x["k_cmp"], x["v_cmp"])
+        fn = compressed_attention if impl == "triton" else ref.compressed_attention
+        o, lse = fn(*ins, **params)
+        out = [o, torch.where(torch.isfinite(lse), lse, 0.0)]  # gradients through o and lse
+    else:
+        ins = (x["q"], x["k"], x["v"])
+        fn = sliding_window_attention if impl == "triton" else ref.sliding_window_attention
+        o = fn(*ins, **params)
+        lse = None
+        out = [o]
+    return [o.detach()] + ([] if lse is None else [lse.detach()]) + list(grads(out, ins))
+
+
+@interpreter_only
+@pytest.mark.parametrize("name", list(CASES))
+def test_split_matches_masked_loop_and_reference(monkeypatch, name):
+    branch, shape, params = CASES[name]
+    T = shape[1]
+    x = make(*shape, **{k: v for k, v in params.items() if k != "window"})
+    if branch == "cmp":
+        TK = x["k_cmp"].shape[1]
+        n = interior_tiles(T, TK, params["stride"], params["block_len"] - 1)
+    else:
+        n = interior_tiles(T, T, 1, 0, params["window"])
+    assert (n > 0) == (name not in ("cmp-T40", "swa-T11")), n  # the unmasked interior is exercised
+
+    monkeypatch.setattr(tu, "BAND_SPLIT_MASK", True)
+    split = run(branch, x, params, "triton")
+    monkeypatch.setattr(tu, "BAND_SPLIT_MASK", False)
+    masked = run(branch, x, params, "triton")
+    for a, b in zip(split, masked, strict=True):
+        assert torch.equal(a, b)
+
+    want = run(branch, x, params, "reference")
+    if branch == "cmp":
+        lse, lse_ref = split.pop(1), want.pop(1)
+        assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))  # queries that see no block
+        finite = torch.isfinite(lse_ref)
+        assert rel_err(lse[finite], lse_ref[finite]) < TOL
+    for a, b in zip(split, want, strict=True):
+        assert rel_err(a, b) < TOL
+
+
+COMPILE = r"""
+import json
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from nsa_eval.kernels import _triton_utils as u
+
+def build(kernel, pointers, consts, config):
+    sig, attrs, it = {}, {}, iter(pointers)
+    for i, name in enumerate(kernel.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif len(attrs) < len(pointers):
+            sig[name], attrs[(i,)] = next(it), [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name.startswith("scale") else "i32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    k = compile(src, target=GPUTarget("cuda", 90, 32), options=config)
+    return dict(shared=k.metadata.shared, loops=k.asm["ttgir"].count("scf.for"))
+
+out = {}
+for part, kernel, pointers in (("fwd", u._band_fwd_kernel, ["*bf16"] * 4 + ["*fp32"]),
+                               ("dkv", u._band_bwd_dkv_kernel, ["*bf16"] * 4 + ["*fp32"] * 4)):
+    for branch in ("cmp", "swa"):
+        cfg = u._band_config(None if branch == "cmp" else 512, part, torch.bfloat16)
+        consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDV=128, BM=cfg.pop("BM"),
+                      BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=True)
+        out[f"{part} {branch}"] = build(kernel, pointers, consts, cfg)
+print(json.dumps(out))
+"""
+
+
+def test_split_kernels_compile_for_h200():
+    """The default (split) forward and dk/dv launches compile for sm_90 at d = 128 in bf16, with
+    their separate loops (forward: interior + diagonal, + the window's start; dk/dv: the heads loop
+    around diagonal + interior + window's end) and within the H200's shared memory."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # compile only; the interpreter leaves triton.language patched
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    min_loops = {"fwd cmp": 2, "fwd swa": 3, "dkv cmp": 4, "dkv swa": 4}
+    for name, loops in min_loops.items():
+        assert got[name]["loops"] >= loops, (name, got[name])
+        assert got[name]["shared"] <= 232_448, (name, got[name])  # bytes per block on an H200
