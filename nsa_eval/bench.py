@@ -245,6 +245,13 @@ def bench_variants(x, lse, idx):
         timed("selected_attention [rows=32]", selection, "SELECTED_ROWS", 32, fwd)
         timed("select_blocks [importance 128 rows]", selection, "IMPORTANCE_CONFIG",
               dict(rows=128, num_warps=8, num_stages=3), sel)
+        timed("select_blocks [importance reshape]", selection, "IMPORTANCE_MAP", "reshape", sel)
+        old_config = selection.IMPORTANCE_CONFIG  # `timed` sets one flag: the launch is set around it
+        selection.IMPORTANCE_CONFIG = dict(rows=128, num_warps=8, num_stages=3)
+        try:
+            timed("select_blocks [importance reshape, 128 rows]", selection, "IMPORTANCE_MAP", "reshape", sel)
+        finally:
+            selection.IMPORTANCE_CONFIG = old_config
     fwd_bwd = _fwd_bwd(fwd, x)
     timed("selected_attention [dq union walk]", selection, "SELECTED_WALK", "union", fwd_bwd)
     timed("selected_attention [dq walk]", selection, "SELECTED_DQ", "walk", fwd_bwd)

@@ -55,6 +55,16 @@ IMPORTANCE_GROUP_FIRST = True
 # rows (positions x G') per importance program and its launch: more rows read each compressed key
 # for more positions (fewer bytes), at more registers and shared memory (the benchmark times both)
 IMPORTANCE_CONFIG = dict(rows=64, num_warps=4, num_stages=3)
+# How the group's probabilities pg [BT, BC] (IMPORTANCE_GROUP_FIRST) are mapped onto the chunk's BNS
+# selection blocks; the benchmark times both.
+#   "broadcast": products with the [BC, BNS] overlap weights, a [BT, BC, BNS] broadcast reduced across
+#       threads (or tf32x3 dots beyond 8192 products), twice (this chunk's blocks and the spill).
+#   "reshape": the weight of compressed block c = j * RATIO + r on selection block j + k depends only
+#       on (r, k), so x_k = sum_r a[r, k] * pg[:, j * RATIO + r] ([BT, BNS, RATIO] -> [BT, BNS]) and
+#       x_k lands k blocks later: a rotation (tl.gather) whose wrapped part is the spill. Used while
+#       the farthest block reached, K, is <= IMPORTANCE_RESHAPE_MAX_K (one rotation per k is unrolled).
+IMPORTANCE_MAP = "broadcast"  # "reshape" is untimed so far (no GPU in the session that wrote it)
+IMPORTANCE_RESHAPE_MAX_K = 2  # paper's 32/16/64: K = 1; fla's 64/64/64: K = 0
 # How a selected-attention program (forward and dq walk) walks its blocks; the benchmark times both.
 #   "pipelined": the distinct usable blocks of the program's lists are found once, vectorised over
 #       the preloaded [BT, n] lists, then walked by an unconditional loop that takes block i from
@@ -92,8 +102,10 @@ def _importance_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
     T, TC, HQ, G, NS, scale_log2, block_len, stride, select_size,
     DK: tl.constexpr, BDK: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BNS: tl.constexpr,
-    RATIO: tl.constexpr, GROUP_FIRST: tl.constexpr, UPCAST: tl.constexpr,
+    RATIO: tl.constexpr, GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
+    # RESHAPE: the "reshape" map of IMPORTANCE_MAP (with GROUP_FIRST), K: its farthest block ahead
     BC: tl.constexpr = BNS * RATIO  # compressed blocks per chunk of BNS selection blocks
     M: tl.constexpr = BT * GP
     i_t = tl.program_id(0)
@@ -117,7 +129,9 @@ def _importance_kernel(
 
     o_c = tl.arange(0, BC)
     o_j = tl.arange(0, BNS)
-    w_main, w_spill = overlap_weights(stride, block_len, select_size, BC, BNS)  # [BC, BNS] each
+    if not RESHAPE:
+        w_main, w_spill = overlap_weights(stride, block_len, select_size, BC, BNS)  # [BC, BNS] each
+    c_lo = tl.arange(0, RATIO) * stride  # [RATIO] start of compressed block r in its selection block
 
     t_last = tl.minimum(t0 + BT - 1, T - 1)
     ns_hi = t_last // select_size + 1
@@ -136,7 +150,23 @@ def _importance_kernel(
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
         if GROUP_FIRST:
             pg = tl.sum(tl.reshape(p, [BT, GP, BC]), 1)  # [BT, BC] summed over the group first
-            if BT * BC * BNS <= 8192:  # few positions: exact float32 products, no MMA
+            if RESHAPE:
+                p3 = tl.reshape(pg, [BT, BNS, RATIO])  # p of compressed block j * RATIO + r
+                main = tl.zeros([BT, BNS], tl.float32)
+                spill = tl.zeros([BT, BNS], tl.float32)
+                for k in tl.static_range(K + 1):
+                    # a[r, k] [RATIO]: tokens [r*stride, r*stride + block_len) in selection block k, / stride
+                    a_k = tl.maximum(tl.minimum(c_lo + block_len, (k + 1) * select_size)
+                                     - tl.maximum(c_lo, k * select_size), 0).to(tl.float32) / stride
+                    x = tl.sum(p3 * a_k[None, None, :], 2)  # [BT, BNS] weight from block j onto j + k
+                    if k == 0:
+                        main += x
+                    else:  # rot[:, j] = x[:, j - k], wrapping: blocks past the chunk's end spill
+                        shift = tl.broadcast_to(((o_j - k + BNS) % BNS)[None, :], [BT, BNS])
+                        rot = tl.gather(x, shift, 1)  # [BT, BNS], exact (a register/shared move)
+                        main += tl.where(o_j[None, :] >= k, rot, 0.0)
+                        spill += tl.where(o_j[None, :] < k, rot, 0.0)
+            elif BT * BC * BNS <= 8192:  # few positions: exact float32 products, no MMA
                 main = tl.sum(pg[:, :, None] * w_main[None, :, :], 1)  # [BT, BNS]
                 spill = tl.sum(pg[:, :, None] * w_spill[None, :, :], 1)  # [BT, BNS]
             else:
@@ -170,7 +200,14 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
         )
     if block_len - stride > 16 * select_size:
         raise ValueError(f"block_len - stride must be <= 16 * select_size, got {block_len}, {stride}")
+    if IMPORTANCE_MAP not in ("broadcast", "reshape"):
+        raise ValueError(f"IMPORTANCE_MAP must be 'broadcast' or 'reshape', got {IMPORTANCE_MAP!r}")
     ratio = select_size // stride
+    # K: selection blocks ahead of its own that a compressed block reaches (its last one, r = ratio - 1,
+    # ends at token select_size - stride + block_len - 1 of its selection block)
+    shifts = (select_size - stride + block_len - 1) // select_size
+    # the reshape map unrolls one rotation per k (and needs K < BNS): beyond the limit, broadcast
+    reshape = IMPORTANCE_GROUP_FIRST and IMPORTANCE_MAP == "reshape" and shifts <= IMPORTANCE_RESHAPE_MAX_K
     imp = torch.empty(B * T * HKV, ns, device=q.device, dtype=torch.float32)
     GP = pow2(G, 1)
     launch = dict(IMPORTANCE_CONFIG)
@@ -182,7 +219,7 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
         q, k_cmp, lse, imp, q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1),
         k_cmp.stride(2), T, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
         DK=DK, BDK=pow2(DK), GP=GP, BT=BT, BNS=BNS, RATIO=ratio, GROUP_FIRST=IMPORTANCE_GROUP_FIRST,
-        UPCAST=interpreting(), **launch,
+        RESHAPE=reshape, K=shifts if reshape else 0, UPCAST=interpreting(), **launch,
     )
     return imp
 

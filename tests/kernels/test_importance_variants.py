@@ -1,0 +1,175 @@
+"""The two ways the importance kernel maps probabilities onto selection blocks
+(`selection.IMPORTANCE_MAP`: "broadcast", "reshape"): equal importances up to float32 rounding and
+the same selected blocks (also against the PyTorch reference), on the CPU through Triton's
+interpreter; and both compile for sm_90 at the benchmark's launch (no GPU needed), with ptxas's
+register and spill counts."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa_eval.kernels import reference as ref
+from nsa_eval.kernels import selection
+from nsa_eval.kernels._triton_utils import interpreting, topk_blocks
+from tests.kernels.test_triton_kernels import assert_same_selection
+
+interpreted = pytest.mark.skipif(not interpreting(),
+                                 reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+GEOMETRIES = {  # (block_len, stride, select_size): K, the farthest selection block ahead reached
+    "paper": (32, 16, 64),  # K = 1
+    "fla": (64, 64, 64),  # K = 0
+    "l64-d16-s32": (64, 16, 32),  # K = 2
+}
+GROUPS = {"G1": (2, 2), "G4": (4, 1), "G16": (16, 1)}  # (Hq, Hkv)
+
+
+def shifts(block_len, stride, select_size):
+    """K by brute force: the largest k with a token of some compressed block in selection block k."""
+    ratio = select_size // stride
+    return max((r * stride + block_len - 1) // select_size for r in range(ratio))
+
+
+def importances(monkeypatch, mapping, q, k_cmp, lse, geometry):
+    block_len, stride, select_size = geometry
+    monkeypatch.setattr(selection, "IMPORTANCE_MAP", mapping)
+    return selection.block_importance(q, k_cmp, lse, block_len=block_len, stride=stride,
+                                      select_size=select_size, scale=q.shape[-1] ** -0.5)
+
+
+@interpreted
+@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_reshape_matches_broadcast(monkeypatch, geometry, group):
+    """Importances equal up to float32 rounding; the blocks chosen from them identical to each other
+    and, up to ties, to the reference's."""
+    block_len, stride, select_size = GEOMETRIES[geometry]
+    assert shifts(block_len, stride, select_size) <= selection.IMPORTANCE_RESHAPE_MAX_K  # reshape runs
+    (hq, hkv), T, d = GROUPS[group], 200, 16
+    g = torch.Generator().manual_seed(7)
+    tc = (T - block_len) // stride + 1
+    q = torch.randn(1, T, hq, d, generator=g)
+    k_cmp = torch.randn(1, tc, hkv, d, generator=g)
+    lse = ref.compressed_attention(q, k_cmp, torch.zeros(1, tc, hkv, 1), block_len=block_len,
+                                   stride=stride)[1].contiguous()  # [1, T, Hq]
+    imp = {m: importances(monkeypatch, m, q, k_cmp, lse, GEOMETRIES[geometry])
+           for m in ("broadcast", "reshape")}
+    # written entries: blocks up to each row's own ([T * Hkv, Ns] rows (t, h))
+    ns = imp["broadcast"].shape[1]
+    own = (torch.arange(ns)[None, :] <= (torch.arange(T) // select_size)[:, None]).repeat_interleave(hkv, 0)
+    torch.testing.assert_close(imp["reshape"][own], imp["broadcast"][own], rtol=1e-5, atol=1e-6)
+
+    params = dict(num_selected=2, num_init=0, num_local=1)  # blocks 0 .. own - 1 compete for one slot
+    idx = {m: topk_blocks(imp[m].masked_fill(~own, 0.0), T=T, num_kv_heads=hkv, select_size=select_size,
+                          **params).view(1, T, hkv, -1) for m in imp}
+    assert torch.equal(idx["reshape"], idx["broadcast"])
+    idx_ref = ref.select_blocks(q, k_cmp, block_len=block_len, stride=stride, select_size=select_size,
+                                **params)
+    assert_same_selection(idx["reshape"], idx_ref, q, k_cmp,
+                          dict(block_len=block_len, stride=stride, select_size=select_size))
+
+
+def test_shift_count():
+    """block_importance's closed form of K against brute force, over strides, ratios and lengths."""
+    for stride in (8, 16, 64):
+        for ratio in (1, 2, 4, 8):
+            select_size = stride * ratio
+            for block_len in range(stride, stride + 16 * select_size + 1, stride):
+                k = (select_size - stride + block_len - 1) // select_size  # as in block_importance
+                assert k == shifts(block_len, stride, select_size), (block_len, stride, select_size)
+
+
+@interpreted
+def test_reshape_falls_back_beyond_max_k(monkeypatch):
+    """K = 3 (l = 96, d = 16, l' = 32) is past IMPORTANCE_RESHAPE_MAX_K: the broadcast map runs, bit
+    for bit, and an unknown map is rejected."""
+    geometry = (96, 16, 32)
+    assert shifts(*geometry) > selection.IMPORTANCE_RESHAPE_MAX_K
+    T, tc = 150, (150 - 96) // 16 + 1
+    g = torch.Generator().manual_seed(3)
+    q, k_cmp = torch.randn(1, T, 4, 16, generator=g), torch.randn(1, tc, 2, 16, generator=g)
+    lse = ref.compressed_attention(q, k_cmp, torch.zeros(1, tc, 2, 1), block_len=96, stride=16)[1]
+    lse = lse.contiguous()
+    own = (torch.arange(-(-T // 32))[None, :] <= (torch.arange(T) // 32)[:, None]).repeat_interleave(2, 0)
+    a = importances(monkeypatch, "broadcast", q, k_cmp, lse, geometry)
+    b = importances(monkeypatch, "reshape", q, k_cmp, lse, geometry)
+    assert torch.equal(a[own], b[own])
+    with pytest.raises(ValueError, match="IMPORTANCE_MAP"):
+        importances(monkeypatch, "nope", q, k_cmp, lse, geometry)
+
+
+def compile_importance(mapping, rows, G=16, d=128, geometry=(32, 16, 64)):
+    """PTX of the importance kernel compiled ahead of time for sm_90 as the benchmark launches it
+    (T = 64k, Hq = 64, Hkv = 4: integer arguments divisible by 16 except Tc). Runs in the calling
+    process, which must not have run the interpreter (it leaves triton.language patched)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    block_len, stride, select_size = geometry
+    k = (select_size - stride + block_len - 1) // select_size
+    reshape = mapping == "reshape" and k <= selection.IMPORTANCE_RESHAPE_MAX_K
+    GP = selection.pow2(G, 1)
+    consts = dict(DK=d, BDK=d, GP=GP, BT=max(1, rows // GP), BNS=16, RATIO=select_size // stride,
+                  GROUP_FIRST=True, RESHAPE=reshape, K=k if reshape else 0, UPCAST=False)
+    types = ["*bf16", "*bf16", "*fp32", "*fp32"] + ["i32"] * 11 + ["fp32"] + ["i32"] * 3
+    names = selection._importance_kernel.arg_names
+    signature = dict(zip(names, types + ["constexpr"] * len(consts), strict=True))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names[:19])
+             if n not in ("TC", "scale_log2")}
+    src = ASTSource(fn=selection._importance_kernel, signature=signature, constexprs=consts, attrs=attrs)
+    launch = dict(num_warps=4 if rows <= 64 else 8, num_stages=3)
+    return compile(src, target=GPUTarget("cuda", 90, 32), options=launch).asm["ptx"]
+
+
+def ptxas_usage(ptx, workdir):
+    """(registers, spill store bytes, spill load bytes) from the bundled ptxas, or None without it."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        return None
+    src = Path(workdir) / "kernel.ptx"
+    src.write_text(ptx)
+    run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", os.devnull],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    info = run.stdout + run.stderr
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    stores, loads = int(spills.group(1)), int(spills.group(2))
+    return regs, stores, loads
+
+
+def test_importance_variants_compile_for_h200(tmp_path):
+    """G = 16, d = 128, the paper's blocks (BNS = 16, RATIO = 4) at 64 and 128 rows: both maps compile
+    for sm_90; ptxas's registers and spills are printed (-s shows them), and the reshape map spills
+    no more than the broadcast one."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    code = f"""
+import json
+from tests.kernels.test_importance_variants import compile_importance, ptxas_usage
+print(json.dumps({{f"{{m}} rows={{r}}": ptxas_usage(compile_importance(m, r), {str(tmp_path)!r})
+                  for m in ("broadcast", "reshape") for r in (64, 128)}}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # compile only, even where a GPU exists
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    usage = json.loads(out.stdout.strip().splitlines()[-1])
+    print("ptxas (registers, spill store bytes, spill load bytes):", usage)
+    assert len(usage) == 4
+    for rows in (64, 128):
+        b, r = usage[f"broadcast rows={rows}"], usage[f"reshape rows={rows}"]
+        if b is not None and r is not None:
+            assert r[1] <= b[1], (rows, usage)
