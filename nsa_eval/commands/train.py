@@ -47,7 +47,7 @@ def register(subparsers) -> None:
                    help="needles of other keys in each training retrieval sample (default 0)")
     p.add_argument("--head-dim", type=int, help="attention head dimension of both models (default 32)")
     p.add_argument("--kv-heads", type=int, help="key/value heads of both models; divides the 8 query heads "
-                                                 "(default 2: GQA groups of 4)")
+                                                 "(default 4: GQA groups of 2)")
     p.add_argument("--layers", type=int, help="decoder layers of both models (default 6)")
     p.add_argument("--num-selected", type=int, help="NSA selection blocks per query, forced ones included")
     p.add_argument("--window", type=int, help="NSA sliding-window length in tokens")
@@ -182,6 +182,9 @@ def _validated_config(args):
             raise UsageError(f"--distractors must be in [0, {len(_KEYS) - 1}], got {args.distractors}")
         cfg = replace(cfg, mix=replace(cfg.mix, distractors=args.distractors))
     if args.match is not None:
+        shape = [f"--{f.replace('_', '-')}" for f in ("head_dim", "kv_heads", "layers") if getattr(args, f)]
+        if shape:
+            raise UsageError(f"--match copies the model's shape from {args.match}: drop {', '.join(shape)}")
         cfg = _matched(cfg, Path(args.match))
     if cfg.steps is None and cfg.minutes is None:
         raise UsageError("give one of --minutes, --steps or --match (or --tiny)")
@@ -270,5 +273,11 @@ def _matched(cfg, run_dir: Path):
         raise UsageError(f"--match {run_dir} used --seed {theirs['seed']}, not {cfg.seed}: "
                          "the data would differ")
     mix = replace(cfg.mix, **{k: tuple(v) if isinstance(v, list) else v for k, v in theirs["mix"].items()})
+    # the shape both models share (the NSA-only fields and the kernels stay this run's)
+    model = replace(cfg.model, **{k: theirs["model"][k] for k in SHARED_SHAPE if k in theirs["model"]})
     return replace(cfg, steps=theirs["steps"], minutes=None, batch_size=theirs["batch_size"],
-                   seq_len=theirs["seq_len"], lr=theirs["lr"], mix=mix)
+                   seq_len=theirs["seq_len"], lr=theirs["lr"], mix=mix, model=model)
+
+
+SHARED_SHAPE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                "max_position_embeddings", "rope_theta", "tie_word_embeddings")

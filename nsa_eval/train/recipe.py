@@ -54,7 +54,9 @@ class ModelSpec:
     hidden_size: int = 256
     num_layers: int = 6
     num_heads: int = 8
-    num_kv_heads: int = 2
+    # 4 KV heads (G = 2): NSA selects per KV head, so each layer makes 4 independent selections
+    # (docs/training.md, run x2-6000-kv4)
+    num_kv_heads: int = 4
     head_dim: int = 32
     intermediate_size: int = 768
     max_position_embeddings: int = 8192

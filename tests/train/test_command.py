@@ -9,8 +9,11 @@ def test_tiny_run_then_matched_run(tmp_path, capsys, tiny_corpus_dir):
     out, data = str(tmp_path / "full"), str(tiny_corpus_dir)
     assert main(["train", "--attention", "full", "--out", out, "--tiny", "--steps", "2", "--data", data,
                  "--retrieval-lengths", "96", "64", "--retrieval-fraction", "0.75",
-                 "--distractors", "2"]) == 0
+                 "--distractors", "2", "--kv-heads", "4", "--layers", "1"]) == 0
     assert "done: full 2 steps" in capsys.readouterr().out
+    assert main(["train", "--attention", "full", "--out", str(tmp_path / "again"), "--tiny",
+                 "--match", str(tmp_path / "full"), "--data", data, "--layers", "2"]) == 2
+    assert "--match copies the model's shape from" in capsys.readouterr().err
     code = main(["train", "--attention", "full", "--out", str(tmp_path / "again"), "--tiny",
                  "--match", str(tmp_path / "full"), "--data", data])
     assert code == 0
@@ -20,6 +23,8 @@ def test_tiny_run_then_matched_run(tmp_path, capsys, tiny_corpus_dir):
     assert a["config"]["mix"]["retrieval_lengths"] == b["config"]["mix"]["retrieval_lengths"] == [64, 96]
     assert a["config"]["mix"]["retrieval_fraction"] == b["config"]["mix"]["retrieval_fraction"] == 0.75
     assert a["config"]["mix"]["distractors"] == b["config"]["mix"]["distractors"] == 2
+    assert a["config"]["model"] == b["config"]["model"]  # the shape too: 4 KV heads, 1 layer
+    assert (b["config"]["model"]["num_kv_heads"], b["config"]["model"]["num_layers"]) == (4, 1)
 
 
 def test_bad_flags_exit_2_before_work(tmp_path, capsys):
