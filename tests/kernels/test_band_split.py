@@ -6,11 +6,7 @@ hundred tokens on); and the split kernels compiled for the H200 (sm_90) without 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +15,7 @@ from nsa_eval.kernels import _triton_utils as tu
 from nsa_eval.kernels import reference as ref
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.window import sliding_window_attention
+from tests.kernels.sm90 import H200_SHARED_LIMIT, json_from_fresh_python
 from tests.kernels.test_triton_kernels import TOL, grads, make, rel_err
 
 interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
@@ -101,22 +98,8 @@ def test_split_matches_masked_loop_and_reference(monkeypatch, name):
 COMPILE = r"""
 import json
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
 from nsa_eval.kernels import _triton_utils as u
-
-def build(kernel, pointers, consts, config):
-    sig, attrs, it = {}, {}, iter(pointers)
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif len(attrs) < len(pointers):
-            sig[name], attrs[(i,)] = next(it), [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32" if name.startswith("scale") else "i32"
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    k = compile(src, target=GPUTarget("cuda", 90, 32), options=config)
-    return dict(shared=k.metadata.shared, loops=k.asm["ttgir"].count("scf.for"))
+from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
 
 out = {}
 for part, kernel, pointers in (("fwd", u._band_fwd_kernel, ["*bf16"] * 4 + ["*fp32"]),
@@ -125,7 +108,8 @@ for part, kernel, pointers in (("fwd", u._band_fwd_kernel, ["*bf16"] * 4 + ["*fp
         cfg = u._band_config(None if branch == "cmp" else 512, part, torch.bfloat16)
         consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDV=128, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=True)
-        out[f"{part} {branch}"] = build(kernel, pointers, consts, cfg)
+        k = compile_sm90(kernel, pointers_then_scalars(kernel, pointers, consts), consts, cfg)
+        out[f"{part} {branch}"] = dict(shared=k.metadata.shared, loops=k.asm["ttgir"].count("scf.for"))
 print(json.dumps(out))
 """
 
@@ -134,18 +118,8 @@ def test_split_kernels_compile_for_h200():
     """The default (split) forward and dk/dv launches compile for sm_90 at d = 128 in bf16, with
     their separate loops (forward: interior + diagonal, + the window's start; dk/dv: the heads loop
     around diagonal + interior + window's end) and within the H200's shared memory."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("Triton's NVIDIA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # compile only; the interpreter leaves triton.language patched
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = json_from_fresh_python(COMPILE, timeout=600)
     min_loops = {"fwd cmp": 2, "fwd swa": 3, "dkv cmp": 4, "dkv swa": 4}
     for name, loops in min_loops.items():
         assert got[name]["loops"] >= loops, (name, got[name])
-        assert got[name]["shared"] <= 232_448, (name, got[name])  # bytes per block on an H200
+        assert got[name]["shared"] <= H200_SHARED_LIMIT, (name, got[name])

@@ -9,34 +9,17 @@ kernel tests use, leaves triton.language patched.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-H200_SHARED_LIMIT = 232_448  # bytes per block (227 KB)
+from tests.kernels.sm90 import H200_SHARED_LIMIT, json_from_fresh_python
 
 COMPILE = r"""
-import json, sys
+import json
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
 from nsa_eval.kernels import _triton_utils as u, selection as s
+from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
 
 def shared(kernel, pointers, consts, config):
-    sig, attrs, it = {}, {}, iter(pointers)
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif len(attrs) < len(pointers):
-            sig[name], attrs[(i,)] = next(it), [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32" if name.startswith("scale") else "i32"
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return compile(src, target=GPUTarget("cuda", 90, 32), options=config).metadata.shared
+    types = pointers_then_scalars(kernel, pointers, consts)
+    return compile_sm90(kernel, types, consts, config).metadata.shared
 
 out = {}
 for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -60,17 +43,7 @@ print(json.dumps(out))
 
 def test_backward_kernels_fit_h200_shared_memory():
     """G = 16, d = 128, the paper's blocks: every default dk/dv launch fits in bf16 and float32."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("Triton's NVIDIA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    shared = json_from_fresh_python(COMPILE)
     assert len(shared) == 6
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"

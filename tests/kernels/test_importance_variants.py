@@ -4,11 +4,9 @@ the same selected blocks (also against the PyTorch reference), on the CPU throug
 interpreter; and both compile for sm_90 at the benchmark's launch (no GPU needed), with ptxas's
 register and spill counts."""
 
-import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import torch
 from nsa_eval.kernels import reference as ref
 from nsa_eval.kernels import selection
 from nsa_eval.kernels._triton_utils import interpreting, topk_blocks
+from tests.kernels.sm90 import compile_sm90, json_from_fresh_python
 from tests.kernels.test_triton_kernels import assert_same_selection
 
 interpreted = pytest.mark.skipif(not interpreting(),
@@ -108,9 +107,6 @@ def compile_importance(mapping, rows, G=16, d=128, geometry=(32, 16, 64)):
     """PTX of the importance kernel compiled ahead of time for sm_90 as the benchmark launches it
     (T = 64k, Hq = 64, Hkv = 4: integer arguments divisible by 16 except Tc). Runs in the calling
     process, which must not have run the interpreter (it leaves triton.language patched)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
     block_len, stride, select_size = geometry
     k = (select_size - stride + block_len - 1) // select_size
     reshape = mapping == "reshape" and k <= selection.IMPORTANCE_RESHAPE_MAX_K
@@ -119,12 +115,9 @@ def compile_importance(mapping, rows, G=16, d=128, geometry=(32, 16, 64)):
                   GROUP_FIRST=True, RESHAPE=reshape, K=k if reshape else 0, UPCAST=False)
     types = ["*bf16", "*bf16", "*fp32", "*fp32"] + ["i32"] * 11 + ["fp32"] + ["i32"] * 3
     names = selection._importance_kernel.arg_names
-    signature = dict(zip(names, types + ["constexpr"] * len(consts), strict=True))
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names[:19])
-             if n not in ("TC", "scale_log2")}
-    src = ASTSource(fn=selection._importance_kernel, signature=signature, constexprs=consts, attrs=attrs)
+    divisible = [i for i, n in enumerate(names[:19]) if n not in ("TC", "scale_log2")]
     launch = dict(num_warps=4 if rows <= 64 else 8, num_stages=3)
-    return compile(src, target=GPUTarget("cuda", 90, 32), options=launch).asm["ptx"]
+    return compile_sm90(selection._importance_kernel, types, consts, launch, divisible).asm["ptx"]
 
 
 def ptxas_usage(ptx, workdir):
@@ -150,23 +143,13 @@ def test_importance_variants_compile_for_h200(tmp_path):
     """G = 16, d = 128, the paper's blocks (BNS = 16, RATIO = 4) at 64 and 128 rows: both maps compile
     for sm_90; ptxas's registers and spills are printed (-s shows them), and the reshape map spills
     no more than the broadcast one."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("Triton's NVIDIA backend is not installed")
     code = f"""
 import json
 from tests.kernels.test_importance_variants import compile_importance, ptxas_usage
 print(json.dumps({{f"{{m}} rows={{r}}": ptxas_usage(compile_importance(m, r), {str(tmp_path)!r})
                   for m in ("broadcast", "reshape") for r in (64, 128)}}))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # compile only, even where a GPU exists
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    usage = json.loads(out.stdout.strip().splitlines()[-1])
+    usage = json_from_fresh_python(code)
     print("ptxas (registers, spill store bytes, spill load bytes):", usage)
     assert len(usage) == 4
     for rows in (64, 128):

@@ -4,11 +4,6 @@ program) and both dq paths (`SELECTED_DQ`: "walk", "fused"); outputs, the lse an
 and v, on the CPU through Triton's interpreter and (`-m gpu`) in bf16 on a CUDA GPU. Also: the
 pipelined walk compiles for sm_90 to asynchronous, double-buffered K/V copies (no GPU needed)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +11,7 @@ import torch
 from nsa_eval.kernels import reference as ref
 from nsa_eval.kernels import selection
 from nsa_eval.kernels._triton_utils import interpreting
+from tests.kernels.sm90 import compile_sm90, json_from_fresh_python
 from tests.kernels.test_triton_kernels import IDS, SHAPES, TOL, grads, make, rel_err
 
 interpreted = pytest.mark.skipif(not interpreting(),
@@ -128,18 +124,13 @@ def compile_for_h200(kernel, *, backward, config, G=16, d=128, select_size=64, n
     needed: Triton's NVIDIA backend and its bundled ptxas), with the integer arguments specialised
     as a launch at that shape would (all divisible by 16). Runs in the calling process, which must
     not have run the interpreter (it leaves triton.language patched): see `compiled_in_subprocess`."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
     GP, BT = selection.pow2(G, 1), max(1, selection.SELECTED_ROWS // G)
     consts = dict(DK=d, DV=d, BDK=d, BDV=d, GP=GP, BT=BT, BS=select_size, NP=n, BACKWARD=backward,
                   UPCAST=False)
     types = ["*bf16", "*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16"] + ["i32"] * 13
     types += ["fp32", "fp32"]
-    signature = dict(zip(kernel.arg_names, types + ["constexpr"] * len(consts), strict=True))
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(22)}  # pointers, strides, T, HQ, G, NSEL
-    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    return compile(src, target=GPUTarget("cuda", 90, 32), options=dict(config)).asm["ttgir"]
+    divisible = range(22)  # pointers, strides, T, HQ, G, NSEL
+    return compile_sm90(kernel, types, consts, config, divisible).asm["ttgir"]
 
 
 def compiled_in_subprocess():
@@ -156,24 +147,14 @@ print(json.dumps(dict(
     dq=c(s._selected_pipelined_kernel, backward=True, config=s.SELECTED_DQ_CONFIG),
     union=c(s._selected_kernel, backward=False, config=s.SELECTED_FWD_CONFIG))))
 """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # compile only, even where a GPU exists
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_from_fresh_python(code, timeout=600)
 
 
 def test_pipelined_walk_prefetches_on_h200():
     """Compiled for the H200 (G = 16, d = 128, blocks of 64, n = 16): the pipelined walk's K/V loads
     become asynchronous copies into multi-buffered shared memory (the next block is in flight during
     the current MMAs); the union walk's, inside an `if`, stay plain loads."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("Triton's NVIDIA backend is not installed")
-    ttgir = compiled_in_subprocess()
+    ttgir = compiled_in_subprocess()  # skips without Triton's NVIDIA backend
     for name in ("fwd", "dq", "fwd_g4"):  # fwd_g4: the default forward at G = 4 (4 positions a program)
         assert ttgir[name].count("ttg.async_copy_global_to_local") >= 2, name  # K and V
         assert "memdesc<2x64x128xbf16" in ttgir[name], name  # two buffers per operand: 3 stages
