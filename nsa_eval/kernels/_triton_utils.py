@@ -246,7 +246,7 @@ def _band_fwd_kernel(
     T, TK, HQ, G, scale_log2, key_stride, key_offset, window,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr = True,
+    SPLIT_MASK: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -339,7 +339,7 @@ def _band_bwd_dq_kernel(
     T, TK, HQ, G, scale, scale_log2, key_stride, key_offset, window,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr = True,
+    SPLIT_MASK: tl.constexpr,
 ):
     # DO and DQ are contiguous [B, T, HQ, DV] / [B, T, HQ, DK]
     i_m = tl.program_id(0)
@@ -444,7 +444,7 @@ def _band_bwd_dkv_kernel(
     T, TK, HQ, G, SPLIT, scale, scale_log2, key_stride, key_offset, window,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr = True,
+    SPLIT_MASK: tl.constexpr,
 ):
     # One program per (key tile, kv head, head split); it loops over G // SPLIT query heads.
     # DK_OUT / DV_OUT are contiguous [B, TK, HKV * SPLIT, D].
