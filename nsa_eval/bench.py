@@ -169,6 +169,14 @@ def bench_decode(T, batch, hq, hkv, d):
         out["nsa_v1"] = _time_graph(nsa)
     finally:
         decode.DECODE_VARIANT = default
+    # the same caches stored head-major ([B, Hkv, T, d] memory, same logical shape): a selected block
+    # of one head is then one contiguous 16 KB run instead of 64 rows 1 KB apart
+    hm = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v, k_cmp, v_cmp)]
+    try:
+        out["nsa_headmajor"] = _time_graph(lambda: nsa_decode(q, *hm, *gates, cache_seqlens=seqlens))
+        out.update(decode_floor(T, batch, hq, hkv, d, k, v))
+    except Exception as err:  # measurements beside the table's: keep going
+        print(f"decode floor / head-major failed: {str(err).splitlines()[0][:160]}")
     qt = q.transpose(1, 2)  # [B, Hq, 1, d]
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, d] views
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -182,6 +190,45 @@ def bench_decode(T, batch, hq, hkv, d):
             out[name] = None
             out[name + "_error"] = str(err).splitlines()[0][:120]
     return out
+
+
+def decode_floor(T, batch, hq, hkv, d, k, v):
+    """The decode's memory floor: the bytes NSA decode must read (all visible compressed keys and
+    values, n selected blocks and the window, per sequence and KV head) at the bandwidth measured by
+    reading the full caches `k` and `v` once (`floors.stream_sum`, the bytes SDPA decode reads).
+    Returns hbm_tb_s, nsa_bytes, floor_ms."""
+    from nsa_eval.kernels.floors import stream_sum
+
+    full_bytes = (k.numel() + v.numel()) * k.element_size()
+    t_stream = _time_graph(lambda: (stream_sum(k), stream_sum(v)))
+    p = PAPER
+    tc = (T - p["block_len"]) // p["stride"] + 1
+    tokens = tc + min(p["num_selected"] * p["select_size"], T) + min(p["window"], T)
+    nsa_bytes = batch * hkv * tokens * 2 * d * k.element_size()
+    bandwidth = full_bytes / (t_stream * 1e-3)  # bytes / s
+    return {"hbm_tb_s": bandwidth / 1e12, "nsa_bytes": nsa_bytes, "floor_ms": nsa_bytes / bandwidth * 1e3}
+
+
+def bench_selected_floor(T, hq, hkv, d=128):
+    """The selected-attention forward beside its reads alone (`floors.gather_blocks_sum`: the same
+    blocks, no math), on the block lists `select_blocks` makes from random inputs. Returns
+    (fwd ms, reads ms, GB read)."""
+    import torch
+
+    from nsa_eval.kernels.compression import compressed_attention
+    from nsa_eval.kernels.floors import gather_blocks_sum
+    from nsa_eval.kernels.selection import select_blocks, selected_attention
+
+    x = _inputs(1, T, hq, hkv, d, grad=False)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+        t_fwd = _time(lambda: selected_attention(x["q"], x["k"], x["v"], idx))
+        t_reads = _time(lambda: gather_blocks_sum(x["k"], x["v"], idx))
+    t = torch.arange(T, device=idx.device)[None, :, None, None]
+    blocks = ((idx >= 0) & (idx <= t // PAPER["select_size"])).sum().item()
+    gb = blocks * PAPER["select_size"] * 2 * d * x["k"].element_size() / 1e9
+    return t_fwd, t_reads, gb
 
 
 def bench_ops(T, hq, hkv, d=128):
@@ -238,7 +285,7 @@ def bench_variants(x, lse, idx):
         timed("select_blocks [bitwise top-k]", _triton_utils, "TOPK_RADIX", not _triton_utils.TOPK_RADIX, sel)
         timed("select_blocks [matmul importance]", selection, "IMPORTANCE_GROUP_FIRST", False, sel)
         fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
-        for warps, stages in ((4, 3), (8, 3)):
+        for warps, stages in ((4, 3), (8, 3), (2, 2)):
             timed(f"selected_attention [warps={warps} stages={stages}]", selection, "SELECTED_FWD_CONFIG",
                   dict(num_warps=warps, num_stages=stages), fwd)
         timed("selected_attention [union walk]", selection, "SELECTED_WALK", "union", fwd)
@@ -257,17 +304,22 @@ def bench_variants(x, lse, idx):
     timed("selected_attention [dq walk]", selection, "SELECTED_DQ", "walk", fwd_bwd)
     # banded kernels: one part's configuration changed at a time
     from nsa_eval.kernels.compression import compressed_attention
+    from nsa_eval.kernels.window import sliding_window_attention
 
-    branches = {  # the window branch is small (5 ms of 74 at 64k): only the compression is tuned here
+    branches = {
         "cmp": ("compressed_attention", lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0]),
+        "swa": ("sliding_window_attention", lambda: sliding_window_attention(x["q"], x["k"], x["v"])),
     }
-    alternatives = {  # (BM, BN, num_warps, num_stages)
-        "fwd": [(128, 64, 8, 2), (128, 64, 8, 3)],
-        "dq": [(128, 64, 8, 2), (64, 128, 8, 2)],
-        "dkv": [(32, 128, 8, 2), (64, 64, 4, 2)],
+    alternatives = {  # (BM, BN, num_warps, num_stages) per branch and part
+        "cmp": {"fwd": [(128, 64, 8, 2), (128, 64, 8, 3)],
+                "dq": [(128, 64, 8, 2), (64, 128, 8, 2)],
+                "dkv": [(32, 128, 8, 2), (64, 64, 4, 2)]},
+        "swa": {"fwd": [(64, 64, 4, 3), (128, 128, 8, 2)],
+                "dq": [(128, 64, 8, 2)],
+                "dkv": [(64, 128, 8, 2)]},
     }
     for branch, (op, fn) in branches.items():
-        for part, configs in alternatives.items():
+        for part, configs in alternatives[branch].items():
             for bm, bn, warps, stages in configs:
                 cfg = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
                 table = {b: dict(parts) for b, parts in _triton_utils.BAND_CONFIGS.items()}
@@ -281,10 +333,7 @@ def bench_variants(x, lse, idx):
     # the banded kernels' single masked loop against the default split (masked edge tiles, unmasked
     # interior), and the window's backward split too (its default is masked); "[dq " files a row under
     # forward+backward
-    from nsa_eval.kernels.window import sliding_window_attention
-
-    cmp = branches["cmp"][1]
-    swa = lambda: sliding_window_attention(x["q"], x["k"], x["v"])  # noqa: E731
+    cmp, swa = branches["cmp"][1], branches["swa"][1]
     with torch.no_grad():
         timed("compressed_attention [masked loop]", _triton_utils, "BAND_SPLIT_MASK", False, cmp)
         timed("sliding_window_attention [masked loop]", _triton_utils, "BAND_SPLIT_MASK", False, swa)
@@ -311,22 +360,28 @@ def profile_kernels(fn, log=print, iters=3, top=14):
         log(f"    {e.key[:70]:70s} {device_us(e) / iters / 1000:9.3f} ms/call  x{e.count // iters}")
 
 
-def profile_largest(T, hq, hkv, d, decode_batch, log=print):
-    """Per-kernel breakdown of the NSA prefill fwd+bwd and of the decode at length T."""
+def profile_prefill(T, hq, hkv, d, log=print):
+    """Per-kernel breakdown of the NSA prefill fwd+bwd at length T."""
+    x = _inputs(1, T, hq, hkv, d, grad=True)
+    log(f"kernels of NSA prefill forward+backward, T={T}:")
+    profile_kernels(_fwd_bwd(lambda: nsa_prefill(**x), x), log)
+
+
+def _profile_decode(T, hq, hkv, d, batch, log=print):
     import torch
 
     from nsa_eval.kernels.decode import nsa_decode
 
-    x = _inputs(1, T, hq, hkv, d, grad=True)
-    log(f"kernels of NSA prefill forward+backward, T={T}:")
-    profile_kernels(_fwd_bwd(lambda: nsa_prefill(**x), x), log)
     tc = (T - PAPER["block_len"]) // PAPER["stride"] + 1
     r = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    q, k, v = r(decode_batch, 1, hq, d), r(decode_batch, T, hkv, d), r(decode_batch, T, hkv, d)
-    kc, vc = r(decode_batch, tc, hkv, d), r(decode_batch, tc, hkv, d)
-    gates = [torch.rand(decode_batch, 1, hq, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    log(f"kernels of NSA decode, B={decode_batch}, T={T} (plain launches):")
-    profile_kernels(lambda: nsa_decode(q, k, v, kc, vc, *gates), log, iters=20)
+    q, k, v = r(batch, 1, hq, d), r(batch, T, hkv, d), r(batch, T, hkv, d)
+    kc, vc = r(batch, tc, hkv, d), r(batch, tc, hkv, d)
+    gates = [torch.rand(batch, 1, hq, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    log(f"kernels of NSA decode, B={batch}, T={T} (plain launches):")
+    try:
+        profile_kernels(lambda: nsa_decode(q, k, v, kc, vc, *gates), log, iters=20, top=4)
+    except Exception as err:  # the profiler is optional
+        log(f"profiling failed: {str(err).splitlines()[0][:160]}")
 
 
 def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_heads=4, dim=128,
@@ -378,13 +433,26 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
         add("decode", "nsa-triton", T, hs, decode_batch, dec["nsa"], "CUDA graph")
         add("decode", "nsa-triton-nograph", T, hs, decode_batch, dec["nsa_nograph"], "plain launches")
         add("decode", "nsa-triton [v1]", T, hs, decode_batch, dec["nsa_v1"], "CUDA graph, first version")
+        if "floor_ms" in dec:
+            add("decode", "nsa-triton [head-major cache]", T, hs, decode_batch, dec["nsa_headmajor"],
+                "CUDA graph, caches stored [B, Hkv, T, d]")
+            add("floor", "decode: NSA bytes at HBM bandwidth", T, hs, decode_batch, dec["floor_ms"],
+                f"{dec['nsa_bytes'] / 1e6:.0f} MB at {dec['hbm_tb_s']:.2f} TB/s (read of the full caches)")
+        try:
+            f, reads, gb = bench_selected_floor(T, heads, kv_heads, dim)
+            add("floor", "selected_attention fwd", T, hs, 1, f)
+            add("floor", "selected_attention fwd: its reads alone", T, hs, 1, reads,
+                f"{gb:.1f} GB: {gb / reads:.2f} TB/s")
+        except Exception as err:  # a measurement beside the table's: keep going
+            log(f"selected floor failed: {str(err).splitlines()[0][:160]}")
+        _profile_decode(T, heads, kv_heads, dim, decode_batch, log)
         for name in ("flash", "cudnn"):
             note = dec.get(name + "_error", "CUDA graph")
             add("decode", f"sdpa-{name}", T, hs, decode_batch, dec[name], note)
         torch.cuda.empty_cache()
     T = max(lengths)
     try:
-        profile_largest(T, heads, kv_heads, dim, decode_batch, log)
+        profile_prefill(T, heads, kv_heads, dim, log)
     except Exception as err:  # the profiler is optional
         log(f"profiling failed: {str(err).splitlines()[0][:160]}")
     torch.cuda.empty_cache()
@@ -482,13 +550,15 @@ def markdown_report(rows, *, heads=64, kv_heads=4, g4_heads=(16, 4), command="")
     batch = next((r.batch for r in rows if r.case == "decode"), 16)
     lines += ["", f"Decode, batch {batch}, one new token against a cache of T tokens ({hs} heads), "
               "CUDA graphs; SDPA reads the full cache (GQA, no expansion).", "",
-              "| T | NSA decode | NSA (plain launches) | SDPA flash | SDPA cuDNN | speed-up vs flash | "
-              "speed-up vs cuDNN |", "|---|---|---|---|---|---|---|"]
+              "| T | NSA decode | NSA (plain launches) | NSA, head-major caches | SDPA flash | SDPA cuDNN | "
+              "speed-up vs flash | speed-up vs cuDNN |", "|---|---|---|---|---|---|---|---|"]
     for T in lengths:
         n, p = _get(rows, "decode", "nsa-triton", T), _get(rows, "decode", "nsa-triton-nograph", T)
+        hm = _get(rows, "decode", "nsa-triton [head-major cache]", T)
         fl, cu = _get(rows, "decode", "sdpa-flash", T), _get(rows, "decode", "sdpa-cudnn", T)
-        lines.append(f"| {T} | {_fmt(n, 3)} | {_fmt(p, 3)} | {_fmt(fl, 3)} | {_fmt(cu, 3)} | "
+        lines.append(f"| {T} | {_fmt(n, 3)} | {_fmt(p, 3)} | {_fmt(hm, 3)} | {_fmt(fl, 3)} | {_fmt(cu, 3)} | "
                      f"{_fmt(_ratio(n, fl))}x | {_fmt(_ratio(n, cu))}x |")
+    lines += _floor_lines(rows, lengths, hs)
     ops = [r for r in rows if r.case.startswith("op-")]
     if ops:
         lines += ["", f"Where the time goes: each Triton op alone at T={ops[0].T} ({hs} heads), ms.", "",
@@ -500,6 +570,30 @@ def markdown_report(rows, *, heads=64, kv_heads=4, g4_heads=(16, 4), command="")
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _floor_lines(rows, lengths, hs):
+    floor_rows = {(r.impl, r.T): r for r in rows if r.case == "floor"}
+    if not floor_rows:
+        return []
+    lines = ["", "Memory floors, measured in the same run. Selected forward: the same block lists read "
+             "without the math (`floors.gather_blocks_sum`). Decode: the bytes NSA must read (visible "
+             "compressed keys and values, n selected blocks, the window; the paper's memory model) at the "
+             "bandwidth of one read of the full caches (`floors.stream_sum`); the best speed-up = SDPA cuDNN "
+             "/ that floor.", "",
+             "| T | selected fwd | its reads alone | reads / fwd | decode floor | decode bytes at | "
+             "NSA decode / floor | best decode speed-up vs cuDNN |", "|---|---|---|---|---|---|---|---|"]
+    for T in lengths:
+        f, reads, dec = (floor_rows.get((name, T)) for name in (
+            "selected_attention fwd", "selected_attention fwd: its reads alone",
+            "decode: NSA bytes at HBM bandwidth"))
+        ms = lambda r: None if r is None else r.ms  # noqa: E731
+        note = lambda r: "n/a" if r is None else r.note  # noqa: E731
+        n, cu = _get(rows, "decode", "nsa-triton", T), _get(rows, "decode", "sdpa-cudnn", T)
+        lines.append(f"| {T} | {_fmt(ms(f))} | {_fmt(ms(reads))} ({note(reads)}) | "
+                     f"{_fmt(_ratio(ms(f), ms(reads)))} | {_fmt(ms(dec), 3)} | {note(dec)} | "
+                     f"{_fmt(_ratio(ms(dec), n))} | {_fmt(_ratio(ms(dec), cu))}x |")
+    return lines
 
 
 def write_outputs(rows, out_dir, *, command="", **kw) -> tuple[Path, Path]:

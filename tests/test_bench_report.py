@@ -17,3 +17,17 @@ def test_report_ratios_g4_per_head_and_variant_line():
     assert "| 8192 | 1.00 | 2.00 | 2.00 | 3.00 | 8.00 | 1.50 |" in md
     assert "G=4 forward at T=8192 with [selected stages=2]: 1.20 ms (the default, above: 1.00 ms)." in md
     assert "4.00x |" in md.split("Decode")[1]  # 0.2 / 0.05 against cuDNN
+
+
+def test_report_memory_floors():
+    """The floors table: reads / fwd, NSA decode / its floor, SDPA cuDNN / floor (the best speed-up)."""
+    T, hs = 65536, "64/4"
+    rows = [Row("decode", "nsa-triton", T, hs, 16, 0.12), Row("decode", "sdpa-cudnn", T, hs, 16, 0.48),
+            Row("floor", "decode: NSA bytes at HBM bandwidth", T, hs, 16, 0.04, "185 MB at 4.60 TB/s"),
+            Row("floor", "selected_attention fwd", T, hs, 1, 16.0),
+            Row("floor", "selected_attention fwd: its reads alone", T, hs, 1, 12.0, "137.4 GB: 11.45 TB/s")]
+    md = markdown_report(rows)
+    line = next(x for x in md.splitlines() if x.startswith(f"| {T} | 16.00"))
+    assert line == ("| 65536 | 16.00 | 12.00 (137.4 GB: 11.45 TB/s) | 0.75 | 0.040 | 185 MB at 4.60 TB/s | "
+                    "3.00 | 12.00x |")
+    assert "Memory floors" not in markdown_report(rows[:2])  # no floor rows, no table

@@ -191,3 +191,13 @@ def test_gpu_fused_config_sweep(monkeypatch):
         print(f"fused decode {knobs or 'defaults'}: {us:.1f} us (CUDA graph)")
         graph.replay()
         assert base.rel_err(o, want) < 1e-3
+
+
+@interpreter_only
+def test_head_major_caches(variant):
+    """Caches stored head-major ([B, Hkv, S, d] memory, the same [B, S, Hkv, d] view; the benchmark
+    times this layout) give the reference's output: the kernels address every cache by its strides."""
+    q, kv, gates = _inputs(2, 300, 4, 2, 16, 16, seed=4)
+    kv = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in kv]
+    assert kv[0].stride(2) == 300 * 16  # one head's tokens are adjacent in memory
+    _check(q, kv, gates, [300, 170], select_size=16, num_selected=4, window=40)
