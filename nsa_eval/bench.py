@@ -169,6 +169,11 @@ def bench_decode(T, batch, hq, hkv, d):
         out["nsa_v1"] = _time_graph(nsa)
     finally:
         decode.DECODE_VARIANT = default
+    default, decode.MERGE_IN_ATTN = decode.MERGE_IN_ATTN, not decode.MERGE_IN_ATTN
+    try:
+        out["nsa_merge"] = _time_graph(nsa)
+    finally:
+        decode.MERGE_IN_ATTN = default
     # the same caches stored head-major ([B, Hkv, T, d] memory, same logical shape): a selected block
     # of one head is then one contiguous 16 KB run instead of 64 rows 1 KB apart
     hm = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v, k_cmp, v_cmp)]
@@ -285,23 +290,23 @@ def bench_variants(x, lse, idx):
         timed("select_blocks [bitwise top-k]", _triton_utils, "TOPK_RADIX", not _triton_utils.TOPK_RADIX, sel)
         timed("select_blocks [matmul importance]", selection, "IMPORTANCE_GROUP_FIRST", False, sel)
         fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
-        for warps, stages in ((4, 3), (8, 3), (2, 2)):
+        for warps, stages in ((4, 2), (1, 2), (2, 3)):
             timed(f"selected_attention [warps={warps} stages={stages}]", selection, "SELECTED_FWD_CONFIG",
                   dict(num_warps=warps, num_stages=stages), fwd)
         timed("selected_attention [union walk]", selection, "SELECTED_WALK", "union", fwd)
         timed("selected_attention [rows=32]", selection, "SELECTED_ROWS", 32, fwd)
-        timed("select_blocks [importance 128 rows]", selection, "IMPORTANCE_CONFIG",
-              dict(rows=128, num_warps=8, num_stages=3), sel)
-        timed("select_blocks [importance reshape]", selection, "IMPORTANCE_MAP", "reshape", sel)
-        old_config = selection.IMPORTANCE_CONFIG  # `timed` sets one flag: the launch is set around it
-        selection.IMPORTANCE_CONFIG = dict(rows=128, num_warps=8, num_stages=3)
-        try:
-            timed("select_blocks [importance reshape, 128 rows]", selection, "IMPORTANCE_MAP", "reshape", sel)
-        finally:
-            selection.IMPORTANCE_CONFIG = old_config
+        timed("select_blocks [importance broadcast]", selection, "IMPORTANCE_MAP", "broadcast", sel)
+        for rows, warps in ((64, 4), (128, 4), (256, 8)):
+            config = dict(selection.IMPORTANCE_CONFIG, reshape=dict(rows=rows, num_warps=warps, num_stages=3))
+            timed(f"select_blocks [importance {rows} rows, {warps} warps]", selection, "IMPORTANCE_CONFIG",
+                  config, sel)
     fwd_bwd = _fwd_bwd(fwd, x)
     timed("selected_attention [dq union walk]", selection, "SELECTED_WALK", "union", fwd_bwd)
     timed("selected_attention [dq walk]", selection, "SELECTED_DQ", "walk", fwd_bwd)
+    timed("selected_attention [dkv rows=32]", selection, "SELECTED_DKV_ROWS", 32, fwd_bwd)
+    for config in (dict(num_stages=3), dict(num_stages=2, num_warps=4)):
+        label = " ".join(f"{k[4:]}={v}" for k, v in config.items())
+        timed(f"selected_attention [dkv {label}]", selection, "SELECTED_DKV_CONFIG", config, fwd_bwd)
     # banded kernels: one part's configuration changed at a time
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.window import sliding_window_attention
@@ -377,11 +382,17 @@ def _profile_decode(T, hq, hkv, d, batch, log=print):
     q, k, v = r(batch, 1, hq, d), r(batch, T, hkv, d), r(batch, T, hkv, d)
     kc, vc = r(batch, tc, hkv, d), r(batch, tc, hkv, d)
     gates = [torch.rand(batch, 1, hq, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    log(f"kernels of NSA decode, B={batch}, T={T} (plain launches):")
-    try:
-        profile_kernels(lambda: nsa_decode(q, k, v, kc, vc, *gates), log, iters=20, top=4)
-    except Exception as err:  # the profiler is optional
-        log(f"profiling failed: {str(err).splitlines()[0][:160]}")
+    from nsa_eval.kernels import decode
+
+    for merge_in_attn in (decode.MERGE_IN_ATTN, not decode.MERGE_IN_ATTN):
+        default, decode.MERGE_IN_ATTN = decode.MERGE_IN_ATTN, merge_in_attn
+        log(f"kernels of NSA decode, B={batch}, T={T} (plain launches, MERGE_IN_ATTN={merge_in_attn}):")
+        try:
+            profile_kernels(lambda: nsa_decode(q, k, v, kc, vc, *gates), log, iters=20, top=5)
+        except Exception as err:  # the profiler is optional
+            log(f"profiling failed: {str(err).splitlines()[0][:160]}")
+        finally:
+            decode.MERGE_IN_ATTN = default
 
 
 def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_heads=4, dim=128,
@@ -433,6 +444,10 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
         add("decode", "nsa-triton", T, hs, decode_batch, dec["nsa"], "CUDA graph")
         add("decode", "nsa-triton-nograph", T, hs, decode_batch, dec["nsa_nograph"], "plain launches")
         add("decode", "nsa-triton [v1]", T, hs, decode_batch, dec["nsa_v1"], "CUDA graph, first version")
+        from nsa_eval.kernels.decode import MERGE_IN_ATTN
+
+        add("decode", f"nsa-triton [MERGE_IN_ATTN={not MERGE_IN_ATTN}]", T, hs, decode_batch,
+            dec["nsa_merge"], "CUDA graph")
         if "floor_ms" in dec:
             add("decode", "nsa-triton [head-major cache]", T, hs, decode_batch, dec["nsa_headmajor"],
                 "CUDA graph, caches stored [B, Hkv, T, d]")
@@ -463,23 +478,29 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
             add("op-fwd", name, T, hs, 1, f)
         if fb is not None:
             add("op-fwd+bwd", name, T, hs, 1, fb)
-    add("fwd", *_g4_other_stages(T, g4_heads, dim))
+    for row in _g4_variants(T, g4_heads, dim):
+        add("fwd", *row)
     return rows
 
 
-def _g4_other_stages(T, g4_heads, dim):
-    """The G=4 forward with the selected forward's other stage count (2 <-> 3), to set beside the
-    default G=4 row of the same run: (impl, T, heads, batch, ms)."""
+def _g4_variants(T, g4_heads, dim):
+    """The G=4 forward with other launches of the selected forward for several positions per program
+    (`SELECTED_FWD_CONFIG_MULTI`: the other stage count, 2 <-> 3; 2 warps), to set beside the default
+    G=4 row of the same run: [(impl, T, heads, batch, ms)]."""
     from nsa_eval.kernels import selection
 
     default = selection.SELECTED_FWD_CONFIG_MULTI
-    other = dict(default, num_stages=5 - default["num_stages"])
-    selection.SELECTED_FWD_CONFIG_MULTI = other
-    try:
-        ms, _ = bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim)
-    finally:
-        selection.SELECTED_FWD_CONFIG_MULTI = default
-    return f"nsa-triton [selected stages={other['num_stages']}]", T, f"{g4_heads[0]}/{g4_heads[1]}", 1, ms
+    rows = []
+    for other in (dict(default, num_stages=5 - default["num_stages"]), dict(default, num_warps=2)):
+        selection.SELECTED_FWD_CONFIG_MULTI = other
+        try:
+            ms, _ = bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim)
+        finally:
+            selection.SELECTED_FWD_CONFIG_MULTI = default
+        label = " ".join(f"{k[4:] if k.startswith('num_') else k}={v}" for k, v in other.items()
+                         if v != default[k])
+        rows.append((f"nsa-triton [selected {label}]", T, f"{g4_heads[0]}/{g4_heads[1]}", 1, ms))
+    return rows
 
 
 def _get(rows, case, impl, T, heads=None):

@@ -71,6 +71,9 @@ ATTN_WARPS = 4
 # fused: window chunks run in step 2's launch (beside the importances and the top-k, which leave the
 # memory bus idle) instead of step 3's
 WINDOW_IN_STEP2 = True
+# fused: the last program of step 3 merges the partials (True), or a fourth launch does, one program
+# per (32 output columns, sequence x KV head) (False; the benchmark times both)
+MERGE_IN_ATTN = True
 
 
 @triton.jit
@@ -520,7 +523,7 @@ def _decode_attn_fused_kernel(
     S, TC, HKV, G, NSELP, NWP, NCMP, NPART, CMP_TILE, scale_log2, window, block_len, stride, num_selected,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
     BS: tl.constexpr, SPP: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, NPB: tl.constexpr,
-    DVC: tl.constexpr, UPCAST: tl.constexpr,
+    DVC: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # programs 0 .. NSELP-1: SPP selected-block slots each; NSELP ..: window chunks of WT * BW keys
     # (if not done by step 2). Partials per i_bh: [0, NCMP) compression (step 1), then NSELP
@@ -546,30 +549,53 @@ def _decode_attn_fused_kernel(
                                         BW, WT, UPCAST)
     base = i_bh * NPART
     _store_partial(PM, PL, PO, base + NCMP + i_p, m_i, l_i, acc, o_r, o_dv, M, BDV)
+    if MERGE:  # the last program of this (sequence, KV head) to arrive merges every partial
+        tl.debug_barrier()  # all threads' stores before the release of the counter increment
+        arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            _merge_partials(PM, PL, PO, GC, GS, GW, O, i_b, i_hk, t, base, 0, TC, HKV, G, NSELP, NWP, NCMP,
+                            CMP_TILE, block_len, stride, o_r, DV, M, BDV, NPB, DVC, BDV // DVC)
 
-    # the last program of this (sequence, KV head) to arrive merges every partial
-    tl.debug_barrier()  # all threads' stores before the release of the counter increment
-    arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        n_cmp = tl.minimum(NCMP, tl.cdiv(_n_visible(t, TC, block_len, stride), CMP_TILE))
-        f_slc = base + NCMP
-        f_swa = f_slc + NSELP
-        head = (i_b * HKV + i_hk) * G + o_r  # [M] flat (b, h) since HQ = HKV * G
-        m_r = o_r < G
-        # gates folded into the merge weights [NPB, M]
-        w_cmp = _branch_weights(PM, PL, base, n_cmp, o_r, M, NPB)
-        w_cmp *= tl.load(GC + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
-        w_slc = _branch_weights(PM, PL, f_slc, NSELP, o_r, M, NPB)
-        w_slc *= tl.load(GS + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
-        w_swa = _branch_weights(PM, PL, f_swa, NWP, o_r, M, NPB)
-        w_swa *= tl.load(GW + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
-        for c in tl.static_range(BDV // DVC):  # unrolled: every partial load is independent
-            o_dc = c * DVC + tl.arange(0, DVC)
-            out = _branch_chunk(PO, base, n_cmp, w_cmp, o_r, o_dc, M, BDV, NPB)  # [M, DVC]
-            out += _branch_chunk(PO, f_slc, NSELP, w_slc, o_r, o_dc, M, BDV, NPB)
-            out += _branch_chunk(PO, f_swa, NWP, w_swa, o_r, o_dc, M, BDV, NPB)
-            tl.store(O + head[:, None].to(tl.int64) * DV + o_dc[None, :], out.to(O.dtype.element_ty),
-                     mask=m_r[:, None] & (o_dc < DV)[None, :])
+
+@triton.jit
+def _decode_merge_kernel(
+    POS, PM, PL, PO, GC, GS, GW, O, TC, HKV, G, NSELP, NWP, NCMP, NPART, CMP_TILE, block_len, stride,
+    DV: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr, NPB: tl.constexpr, DVC: tl.constexpr,
+):
+    # MERGE_IN_ATTN = False: one program per (chunk of DVC output columns, sequence x KV head)
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // HKV).to(tl.int64)
+    t = tl.load(POS + i_b)
+    _merge_partials(PM, PL, PO, GC, GS, GW, O, i_b, i_bh % HKV, t, i_bh * NPART, i_c, TC, HKV, G, NSELP, NWP,
+                    NCMP, CMP_TILE, block_len, stride, tl.arange(0, M), DV, M, BDV, NPB, DVC, 1)
+
+
+@triton.jit
+def _merge_partials(PM, PL, PO, GC, GS, GW, O, i_b, i_hk, t, base, c0, TC, HKV, G, NSELP, NWP, NCMP, CMP_TILE,
+                    block_len, stride, o_r, DV: tl.constexpr, M: tl.constexpr, BDV: tl.constexpr,
+                    NPB: tl.constexpr, DVC: tl.constexpr, CHUNKS: tl.constexpr):
+    # output columns of chunks c0 .. c0 + CHUNKS - 1 (DVC each) of one (sequence, KV head): the
+    # partials of the three branches (at base: compression, then NSELP selection, then NWP window)
+    # merged, with the gates folded into the merge weights
+    n_cmp = tl.minimum(NCMP, tl.cdiv(_n_visible(t, TC, block_len, stride), CMP_TILE))
+    f_slc = base + NCMP
+    f_swa = f_slc + NSELP
+    head = (i_b * HKV + i_hk) * G + o_r  # [M] flat (b, h) since HQ = HKV * G
+    m_r = o_r < G
+    w_cmp = _branch_weights(PM, PL, base, n_cmp, o_r, M, NPB)  # [NPB, M]
+    w_cmp *= tl.load(GC + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
+    w_slc = _branch_weights(PM, PL, f_slc, NSELP, o_r, M, NPB)
+    w_slc *= tl.load(GS + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
+    w_swa = _branch_weights(PM, PL, f_swa, NWP, o_r, M, NPB)
+    w_swa *= tl.load(GW + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
+    for c in tl.static_range(CHUNKS):  # unrolled: every partial load is independent
+        o_dc = (c0 + c) * DVC + tl.arange(0, DVC)
+        out = _branch_chunk(PO, base, n_cmp, w_cmp, o_r, o_dc, M, BDV, NPB)  # [M, DVC]
+        out += _branch_chunk(PO, f_slc, NSELP, w_slc, o_r, o_dc, M, BDV, NPB)
+        out += _branch_chunk(PO, f_swa, NWP, w_swa, o_r, o_dc, M, BDV, NPB)
+        tl.store(O + head[:, None].to(tl.int64) * DV + o_dc[None, :], out.to(O.dtype.element_ty),
+                 mask=m_r[:, None] & (o_dc < DV)[None, :])
 
 
 @functools.cache
@@ -698,8 +724,13 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
         S, TC, HKV, G, n_selp, n_winp, n_cmp, npart, BC, scale_log2, window, block_len, stride,
         num_selected, DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, NPB=npb,
-        DVC=dvc, UPCAST=interp, num_warps=warps,
+        DVC=dvc, MERGE=MERGE_IN_ATTN, UPCAST=interp, num_warps=warps,
     )
+    if not MERGE_IN_ATTN:  # 4. the merge, one program per (chunk of output columns, row)
+        _decode_merge_kernel[(BDV // dvc, BH)](
+            pos, pm, pl, po, g_cmp, g_slc, g_swa, o, TC, HKV, G, n_selp, n_winp, n_cmp, npart, BC, block_len,
+            stride, DV=DV, BDV=BDV, M=M, NPB=npb, DVC=dvc, num_warps=warps,
+        )
     return o, bi
 
 

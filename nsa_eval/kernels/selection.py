@@ -52,9 +52,12 @@ from nsa_eval.kernels._triton_utils import (
 # True: sum the probabilities over the group before mapping them onto selection blocks (BT rows, not
 # BT * G'); False: the first version, per-head tf32x3 matmuls (the benchmark times both)
 IMPORTANCE_GROUP_FIRST = True
-# rows (positions x G') per importance program and its launch: more rows read each compressed key
-# for more positions (fewer bytes), at more registers and shared memory (the benchmark times both)
-IMPORTANCE_CONFIG = dict(rows=64, num_warps=4, num_stages=3)
+# rows (positions x G') per importance program and its launch, per map (IMPORTANCE_MAP): more rows
+# read each compressed key for more positions (fewer bytes), at more registers and shared memory.
+# select_blocks at 64k (run 8): reshape 10.43 ms with 128 rows / 8 warps, 11.20 with 64 / 4;
+# broadcast 16.41 with 64 rows, 31.35 with 128.
+IMPORTANCE_CONFIG = {"reshape": dict(rows=128, num_warps=8, num_stages=3),
+                     "broadcast": dict(rows=64, num_warps=4, num_stages=3)}
 # How the group's probabilities pg [BT, BC] (IMPORTANCE_GROUP_FIRST) are mapped onto the chunk's BNS
 # selection blocks; the benchmark times both.
 #   "broadcast": products with the [BC, BNS] overlap weights, a [BT, BC, BNS] broadcast reduced across
@@ -63,7 +66,7 @@ IMPORTANCE_CONFIG = dict(rows=64, num_warps=4, num_stages=3)
 #       on (r, k), so x_k = sum_r a[r, k] * pg[:, j * RATIO + r] ([BT, BNS, RATIO] -> [BT, BNS]) and
 #       x_k lands k blocks later: a rotation (tl.gather) whose wrapped part is the spill. Used while
 #       the farthest block reached, K, is <= IMPORTANCE_RESHAPE_MAX_K (one rotation per k is unrolled).
-IMPORTANCE_MAP = "broadcast"  # "reshape" is untimed so far (no GPU in the session that wrote it)
+IMPORTANCE_MAP = "reshape"  # run 8, select_blocks at 64k: 10.43 ms against 16.41 for broadcast
 IMPORTANCE_RESHAPE_MAX_K = 2  # paper's 32/16/64: K = 1; fla's 64/64/64: K = 0
 # How a selected-attention program (forward and dq walk) walks its blocks; the benchmark times both.
 #   "pipelined": the distinct usable blocks of the program's lists are found once, vectorised over
@@ -82,7 +85,8 @@ SELECTED_ROWS = 16
 # The forward's depends on the positions per program: with one (G' >= SELECTED_ROWS, e.g. G = 16)
 # 2 stages (run 5: 16.2 ms at 64k, 17.9 with 3); with several (G = 4: 4 positions, up to 4n distinct
 # blocks to walk) 3 stages (the G = 4 forward at 64k: 26.5 ms in run 5 at 3 stages, 28.7 in run 6 at 2).
-SELECTED_FWD_CONFIG = dict(num_warps=4, num_stages=2)
+# Run 8 (G = 16, 64k): 2 warps 15.25 ms against 16.17 for 4 (one position's 16 rows per program).
+SELECTED_FWD_CONFIG = dict(num_warps=2, num_stages=2)
 SELECTED_FWD_CONFIG_MULTI = dict(num_warps=4, num_stages=3)
 SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
 # launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here) and its
@@ -210,7 +214,7 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     reshape = IMPORTANCE_GROUP_FIRST and IMPORTANCE_MAP == "reshape" and shifts <= IMPORTANCE_RESHAPE_MAX_K
     imp = torch.empty(B * T * HKV, ns, device=q.device, dtype=torch.float32)
     GP = pow2(G, 1)
-    launch = dict(IMPORTANCE_CONFIG)
+    launch = dict(IMPORTANCE_CONFIG["reshape" if reshape else "broadcast"])
     rows = launch.pop("rows")
     BT = max(1, (16 if interpreting() else rows) // GP)
     BNS = 16 if ratio <= 8 else pow2(max(1, 128 // ratio), 1)

@@ -92,12 +92,15 @@ def test_more_forced_blocks_than_slots(variant):
 
 @interpreter_only
 def test_fused_knobs(monkeypatch):
-    """One tile per split (many partials) and one split for everything; window chunks in step 3."""
+    """One tile per split (many partials) and one split for everything; window chunks in step 3; the
+    merge in a fourth launch."""
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
     q, kv, gates = _inputs(2, 400, 8, 2, 16, 16, seed=3)
-    for tiles, window_in_step2 in ((1, True), (64, True), (2, False)):
+    for tiles, window_in_step2, merge_in_attn in ((1, True, True), (64, True, True), (2, False, True),
+                                                  (2, True, False), (2, False, False)):
         monkeypatch.setattr(decode, "CMP_SPLIT_TILES", tiles)
         monkeypatch.setattr(decode, "WINDOW_IN_STEP2", window_in_step2)
+        monkeypatch.setattr(decode, "MERGE_IN_ATTN", merge_in_attn)
         _check(q, kv, gates, [400, 211], select_size=32, num_selected=4, window=48)
 
 
@@ -169,6 +172,10 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(ATTN_WARPS=8),
     dict(ATTN_WARPS=8, SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
     dict(WINDOW_IN_STEP2=False),
+    dict(MERGE_IN_ATTN=False),
+    dict(MERGE_IN_ATTN=False, SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
+    dict(MERGE_IN_ATTN=False, SEL_PER_PROGRAM=1),
+    dict(MERGE_IN_ATTN=False, SEL_PER_PROGRAM=16, WIN_TILES_PER_PROGRAM=8),
 ]
 
 

@@ -2,7 +2,7 @@
 
 Run 5 on the H200 caught a configuration that compiled in bf16 but not in float32 (the compression
 dk/dv with 128-key tiles needs 262,656 bytes of shared memory, the limit is 232,448). These tests
-compile the backward kernels the way the defaults launch them, for both dtypes, without a GPU
+compile the kernels the way the defaults launch them, for both dtypes, without a GPU
 (Triton's NVIDIA backend and its bundled ptxas), in a fresh process: the interpreter, which other
 kernel tests use, leaves triton.language patched.
 """
@@ -31,7 +31,19 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
                       SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "dkv"))
         pointers = [p] * 4 + ["*fp32"] * 4
         out[f"band dkv {branch} {name}"] = shared(u._band_bwd_dkv_kernel, pointers, consts, cfg)
+        cfg = u._band_config(None if branch == "cmp" else 512, "fwd", dtype)
+        consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDV=128, BM=cfg.pop("BM"),
+                      BN=cfg.pop("BN"), UPCAST=False,
+                      SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "fwd"))
+        out[f"band fwd {branch} {name}"] = shared(u._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
     GP = 16
+    launch = dict(s.IMPORTANCE_CONFIG["reshape"])
+    consts = dict(DK=128, BDK=128, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
+                  RESHAPE=True, K=1, UPCAST=False)
+    out[f"importance {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts, launch)
+    consts = dict(DK=128, DV=128, BDK=128, BDV=128, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False, UPCAST=False)
+    out[f"selected fwd {name}"] = shared(s._selected_pipelined_kernel, [p] * 3 + ["*i32", p, "*fp32"]
+                                         + [p, "*fp32", p], consts, s.SELECTED_FWD_CONFIG)
     consts = dict(DK=128, DV=128, BDK=128, BDV=128, GP=GP, BQ=max(1, s.SELECTED_DKV_ROWS // GP), BS=64,
                   FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False)
     config = dict(num_warps=8) | s.SELECTED_DKV_CONFIG
@@ -41,9 +53,10 @@ print(json.dumps(out))
 """
 
 
-def test_backward_kernels_fit_h200_shared_memory():
-    """G = 16, d = 128, the paper's blocks: every default dk/dv launch fits in bf16 and float32."""
+def test_default_launches_fit_h200_shared_memory():
+    """G = 16, d = 128, the paper's blocks: the banded forwards and dk/dv, the importance kernel, the
+    selected forward and dk/dv, each as its default launch, fit in bf16 and float32."""
     shared = json_from_fresh_python(COMPILE)
-    assert len(shared) == 6
+    assert len(shared) == 14
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"
