@@ -290,7 +290,7 @@ def bench_variants(x, lse, idx):
         timed("select_blocks [bitwise top-k]", _triton_utils, "TOPK_RADIX", not _triton_utils.TOPK_RADIX, sel)
         timed("select_blocks [matmul importance]", selection, "IMPORTANCE_GROUP_FIRST", False, sel)
         fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
-        for warps, stages in ((4, 2), (1, 2), (2, 3)):
+        for warps, stages in ((2, 2), (1, 3)):
             timed(f"selected_attention [warps={warps} stages={stages}]", selection, "SELECTED_FWD_CONFIG",
                   dict(num_warps=warps, num_stages=stages), fwd)
         timed("selected_attention [union walk]", selection, "SELECTED_WALK", "union", fwd)
@@ -485,13 +485,13 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
 
 def _g4_variants(T, g4_heads, dim):
     """The G=4 forward with other launches of the selected forward for several positions per program
-    (`SELECTED_FWD_CONFIG_MULTI`: the other stage count, 2 <-> 3; 2 warps), to set beside the default
+    (`SELECTED_FWD_CONFIG_MULTI`: the other stage count, 2 <-> 3; 4 warps), to set beside the default
     G=4 row of the same run: [(impl, T, heads, batch, ms)]."""
     from nsa_eval.kernels import selection
 
     default = selection.SELECTED_FWD_CONFIG_MULTI
     rows = []
-    for other in (dict(default, num_stages=5 - default["num_stages"]), dict(default, num_warps=2)):
+    for other in (dict(default, num_stages=5 - default["num_stages"]), dict(default, num_warps=4)):
         selection.SELECTED_FWD_CONFIG_MULTI = other
         try:
             ms, _ = bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim)

@@ -3,7 +3,7 @@
 The work is split over the blocks actually read (split-K), so the cost grows with the number of
 blocks, not with the cache size. Two implementations, chosen by the module flag `DECODE_VARIANT`:
 
-`"fused"` (default), three launches:
+`"fused"` (default), four launches (three with `MERGE_IN_ATTN`):
 1. `_decode_cmp_split_kernel`, one program per (split, sequence, KV head), all G query heads of the
    group as rows: split i walks tiles i, i + splits, ... of 64 compressed keys (pipelined loads; the
    visible tiles spread evenly over the splits whatever the query position) with an online softmax,
@@ -11,25 +11,27 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    splits fills the GPU (about `CMP_PROGRAMS_PER_SM` programs per SM, at most 32 splits), so each
    (sequence, KV head) has a few partials instead of one per 64 keys. Split 0 also zeroes the
    arrival counters of steps 2 and 3.
-2. `_decode_importance_split_kernel`, one program per (chunk of selection blocks, sequence, KV head):
-   the compression lse from the split partials in one vector load, then the chunk's selection-block
-   importances from the stored scores (same overlap weights and group sum as prefill; weight spilling
-   into the chunk from the compressed blocks just before it comes from a 16-wide tile). The program
-   that finishes last for its (sequence, KV head) takes the top-k of the whole row, like
-   `topk_blocks`: forced blocks taken at once, then one max reduction per pick over int64 keys
-   ordered like (importance, -block index), so ties go to the lower index. With `WINDOW_IN_STEP2`
-   (default) the same launch has one more program per window chunk (`WIN_TILES_PER_PROGRAM` tiles
-   of 64 keys): the window branch does not depend on the selection, and its loads fill the memory
-   bus while the top-k runs.
+2. `_decode_importance_split_kernel`, one program per (`IMP_CHUNKS_PER_PROGRAM` chunks of selection
+   blocks, sequence, KV head): the compression lse from the split partials in one vector load, then
+   each chunk's selection-block importances from the stored scores (same overlap weights and group
+   sum as prefill; weight spilling into the chunk from the compressed blocks just before it comes
+   from a 16-wide tile). The program that finishes last for its (sequence, KV head) takes the top-k
+   of the whole row, like `topk_blocks`: forced blocks taken at once, then one max reduction per pick
+   over int64 keys ordered like (importance, -block index), so ties go to the lower index. With
+   `WINDOW_IN_STEP2` (default) the same launch has one more program per window chunk
+   (`WIN_TILES_PER_PROGRAM` tiles of 64 keys): the window branch does not depend on the selection,
+   and its loads fill the memory bus while the top-k runs.
 3. `_decode_attn_fused_kernel`, one program per (`SEL_PER_PROGRAM` selected-block slots, or window
-   chunk if not done in step 2; sequence, KV head): a partial softmax. The
-   program that finishes last for its (sequence, KV head) merges the partials of the three
-   branches: merge weights per branch from one load of its (max, sum) rows, gates folded in, then
-   per chunk of output columns one load of all partials of each branch, and writes the output.
+   chunk if not done in step 2; sequence, KV head): a partial softmax.
+4. `_decode_merge_kernel`, one program per (32 output columns, sequence x KV head): the partials of
+   the three branches merged (merge weights per branch from one load of its (max, sum) rows, gates
+   folded in, then one load of all partials of each branch) and the output written. With
+   `MERGE_IN_ATTN` the program of step 3 that finishes last for its (sequence, KV head) does this for
+   all columns instead: one launch fewer, but a serial tail (run 9: 39 us for step 3 against 16 + 8).
 "Finishes last": every program stores its results, passes a CTA barrier and increments the row's
 counter with an acq_rel atomic (one thread); the one that sees `programs - 1` reads the others'
 results with L2 loads (`.cg`). The counters live in a per-call buffer zeroed by step 1, so the
-three launches replay from a CUDA graph.
+launches replay from a CUDA graph.
 
 `"v1"`, five launches, kept for comparison: compressed chunks of 64 keys, one program each
 (`_decode_cmp_kernel`); importances per chunk of 16 selection blocks, the lse merged serially from
@@ -72,8 +74,13 @@ ATTN_WARPS = 4
 # memory bus idle) instead of step 3's
 WINDOW_IN_STEP2 = True
 # fused: the last program of step 3 merges the partials (True), or a fourth launch does, one program
-# per (32 output columns, sequence x KV head) (False; the benchmark times both)
-MERGE_IN_ATTN = True
+# per (32 output columns, sequence x KV head) (False; the benchmark times both). Run 9, B=16 at 64k:
+# step 3 alone 16 us + the merge launch 8 us, against 39 us with the merge in step 3's last program
+# (a serial tail of one program per row); the whole decode 113 us against 127 (CUDA graph).
+MERGE_IN_ATTN = False
+# fused: chunks of selection blocks (32 blocks each on the GPU with the paper's sizes) per importance
+# program of step 2: fewer programs, each with one lse merge and several chunks
+IMP_CHUNKS_PER_PROGRAM = 1
 
 
 @triton.jit
@@ -356,9 +363,10 @@ def _decode_importance_split_kernel(
     num_local, NIMP, NCMP, NSELP, S, window, scale_log2,
     M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr, NPB: tl.constexpr,
     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-    BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, UPCAST: tl.constexpr,
+    BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, CPP: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # programs 0 .. NIMP-1: importances; NIMP ..: window chunks (partials NCMP + NSELP + i, as in step 3)
+    # programs 0 .. NIMP-1: importances of CPP chunks of BNS selection blocks each; NIMP ..: window
+    # chunks (partials NCMP + NSELP + i, as in step 3)
     # IMP [B*HKV, NS] float32; BI [B*HKV, num_selected] int32: written by the last program of the row
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -372,19 +380,19 @@ def _decode_importance_split_kernel(
     else:
         _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS,
                           block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
-                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2)
+                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP)
 
 
 @triton.jit
 def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS,
                       block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
                       M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr,
-                      NPB: tl.constexpr, BNS_ALL: tl.constexpr, NSEL2: tl.constexpr):
+                      NPB: tl.constexpr, BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, CPP: tl.constexpr):
     BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
     i_b = i_bh // HKV
     t = tl.load(POS + i_b)
-    j0 = i_c * BNS  # this program's first selection block
-    if j0 <= t // select_size:
+    j_first = i_c * (BNS * CPP)  # this program's first selection block
+    if j_first <= t // select_size:
         n_vis = _n_visible(t, TC, block_len, stride)
         o_r = tl.arange(0, M)
         m_r = o_r < G
@@ -412,18 +420,21 @@ def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPAR
         w_spill = _overlap(e_lo, e_lo + block_len, s_lo, s_lo + select_size).to(tl.float32) / stride
 
         sc_rows = SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN  # [M, 1]
-        o_k = j0 * RATIO + o_c  # [BC]
-        vis = (o_k < n_vis)[None, :] & m_r[:, None]  # [M, BC]
-        s = tl.load(sc_rows + o_k[None, :], mask=vis, other=float("-inf"), eviction_policy="evict_first")
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
-        imp = tl.sum(tl.dot(p, w_main, input_precision="tf32x3"), 0)  # [BNS] summed over the group
-        o_k = j0 * RATIO - SPILL + o_e  # [SPILL] the compressed blocks just before the chunk
-        vis = ((o_k < n_vis) & (o_k >= 0))[None, :] & m_r[:, None]
-        s = tl.load(sc_rows + o_k[None, :], mask=vis, other=float("-inf"))
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)  # [M, SPILL]
-        imp += tl.sum(tl.dot(p, w_spill, input_precision="tf32x3"), 0)
-        cols = j0 + o_j
-        tl.store(IMP + i_bh.to(tl.int64) * NS + cols, imp, mask=cols < NS)
+        # the program's CPP chunks, up to the one holding t's block
+        for cc in range(0, tl.minimum(CPP, tl.cdiv(t // select_size + 1 - j_first, BNS))):
+            j0 = j_first + cc * BNS
+            o_k = j0 * RATIO + o_c  # [BC]
+            vis = (o_k < n_vis)[None, :] & m_r[:, None]  # [M, BC]
+            s = tl.load(sc_rows + o_k[None, :], mask=vis, other=float("-inf"), eviction_policy="evict_first")
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
+            imp = tl.sum(tl.dot(p, w_main, input_precision="tf32x3"), 0)  # [BNS] summed over the group
+            o_k = j0 * RATIO - SPILL + o_e  # [SPILL] the compressed blocks just before the chunk
+            vis = ((o_k < n_vis) & (o_k >= 0))[None, :] & m_r[:, None]
+            s = tl.load(sc_rows + o_k[None, :], mask=vis, other=float("-inf"))
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)  # [M, SPILL]
+            imp += tl.sum(tl.dot(p, w_spill, input_precision="tf32x3"), 0)
+            cols = j0 + o_j
+            tl.store(IMP + i_bh.to(tl.int64) * NS + cols, imp, mask=cols < NS)
 
     # the last program of this (sequence, KV head) to arrive takes the top-k of the whole row
     tl.debug_barrier()  # all threads' stores before the release of the counter increment
@@ -704,14 +715,14 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     spill = pow2(max(1, triton.cdiv(block_len, stride) - 1))
     npb = pow2(max(n_cmp, n_selp, n_winp), 1)
     bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
-    n_imp = triton.cdiv(ns, bns)
+    n_imp = triton.cdiv(ns, bns * IMP_CHUNKS_PER_PROGRAM)
     win_in_step2 = WINDOW_IN_STEP2
     _decode_importance_split_kernel[(n_imp + (n_winp if win_in_step2 else 0), BH)](
         pos, scores, pm, pl, imp, bi, counter[0], q, k_swa, v_swa, po, q.stride(0), q.stride(2),
         *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, BC, sc_len, ns, block_len,
         stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp, S, window, scale_log2,
         M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, BNS_ALL=pow2(ns), NSEL2=pow2(num_selected, 1),
-        DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT, UPCAST=interp, num_warps=4,
+        DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT, CPP=IMP_CHUNKS_PER_PROGRAM, UPCAST=interp, num_warps=4,
     )
 
     # 3. selected blocks and window chunks, then the merge of all partials by the last program

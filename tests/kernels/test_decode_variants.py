@@ -104,6 +104,17 @@ def test_fused_knobs(monkeypatch):
         _check(q, kv, gates, [400, 211], select_size=32, num_selected=4, window=48)
 
 
+@interpreter_only
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_importance_chunks_per_program(monkeypatch, chunks):
+    """Several chunks of selection blocks per importance program (38 blocks: 3 chunks of 16 under the
+    interpreter), with ragged lengths whose last chunk ends early or holds no block at all."""
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    monkeypatch.setattr(decode, "IMP_CHUNKS_PER_PROGRAM", chunks)
+    q, kv, gates = _inputs(3, 600, 8, 2, 16, 16, seed=6)
+    _check(q, kv, gates, [600, 260, 40], select_size=16, num_selected=5, window=40)
+
+
 def _graph(fn):
     """fn captured in a CUDA graph (compiled first, outside the capture) -> (graph, its output)."""
     stream = torch.cuda.Stream()
@@ -172,10 +183,12 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(ATTN_WARPS=8),
     dict(ATTN_WARPS=8, SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
     dict(WINDOW_IN_STEP2=False),
-    dict(MERGE_IN_ATTN=False),
-    dict(MERGE_IN_ATTN=False, SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
-    dict(MERGE_IN_ATTN=False, SEL_PER_PROGRAM=1),
-    dict(MERGE_IN_ATTN=False, SEL_PER_PROGRAM=16, WIN_TILES_PER_PROGRAM=8),
+    dict(MERGE_IN_ATTN=True),
+    dict(MERGE_IN_ATTN=True, SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
+    dict(IMP_CHUNKS_PER_PROGRAM=2),
+    dict(IMP_CHUNKS_PER_PROGRAM=4),
+    dict(IMP_CHUNKS_PER_PROGRAM=8),
+    dict(IMP_CHUNKS_PER_PROGRAM=4, SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
 ]
 
 
