@@ -79,8 +79,10 @@ WINDOW_IN_STEP2 = True
 # (a serial tail of one program per row); the whole decode 113 us against 127 (CUDA graph).
 MERGE_IN_ATTN = False
 # fused: chunks of selection blocks (32 blocks each on the GPU with the paper's sizes) per importance
-# program of step 2: fewer programs, each with one lse merge and several chunks
-IMP_CHUNKS_PER_PROGRAM = 1
+# program of step 2: fewer programs, each with one lse merge and several chunks. Run 10, B=16 at 64k,
+# as a runtime loop: 4 chunks 121.9 us against 128.6 for 1 (CUDA graph); the loop itself slowed the
+# kernel (54 us against 38 in run 9), so the chunks are now unrolled.
+IMP_CHUNKS_PER_PROGRAM = 4
 
 
 @triton.jit
@@ -420,8 +422,9 @@ def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPAR
         w_spill = _overlap(e_lo, e_lo + block_len, s_lo, s_lo + select_size).to(tl.float32) / stride
 
         sc_rows = SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN  # [M, 1]
-        # the program's CPP chunks, up to the one holding t's block
-        for cc in range(0, tl.minimum(CPP, tl.cdiv(t // select_size + 1 - j_first, BNS))):
+        # the program's CPP chunks, unrolled so that their loads can all be issued early (a runtime
+        # loop cost 16 us at 64k in run 10); chunks past t's block read nothing (masked) and store 0
+        for cc in tl.static_range(CPP):
             j0 = j_first + cc * BNS
             o_k = j0 * RATIO + o_c  # [BC]
             vis = (o_k < n_vis)[None, :] & m_r[:, None]  # [M, BC]

@@ -82,14 +82,14 @@ SELECTED_ROWS = 16
 # buffers (72 KB shared, ~100 registers: 3 programs per SM) with the next block in flight during the
 # current MMAs; 2 stages one buffer (39 KB), refilled only after the MMAs. The union walk compiles to
 # plain loads at any num_stages (148 registers in the forward).
-# The forward's depends on the positions per program: with one (G' >= SELECTED_ROWS, e.g. G = 16)
-# 2 stages (run 5: 16.2 ms at 64k, 17.9 with 3); with several (G = 4: 4 positions, up to 4n distinct
-# blocks to walk) 3 stages (the G = 4 forward at 64k: 26.5 ms in run 5 at 3 stages, 28.7 in run 6 at 2).
-# G = 16 at 64k (one position's 16 rows per program): 2 warps 15.25 ms against 16.17 for 4 (run 8),
-# 1 warp 14.92 against 15.42 for 2 (run 9). G = 4 (several positions): 2 warps 23.47 ms for the whole
-# G = 4 forward against 24.07 for 4 (run 9).
+# The forward's depends on the positions per program: one (G' >= SELECTED_ROWS, e.g. G = 16) or
+# several (G = 4: 4 positions, up to 4n distinct blocks to walk). At 4 warps: G = 16 2 stages (run 5:
+# 16.2 ms at 64k, 17.9 with 3), G = 4 3 stages (its whole forward: 26.5 ms at 3 in run 5, 28.7 at 2 in
+# run 6). G = 16 at 64k (one position's 16 rows per program): 2 warps 15.25 ms against 16.17 for 4 (run 8),
+# 1 warp 14.92 against 15.42 for 2 (run 9). G = 4 (several positions), the whole G = 4 forward: 2
+# warps 23.47 ms against 24.07 for 4 (run 9); at 2 warps, 2 stages 22.51 against 23.70 for 3 (run 10).
 SELECTED_FWD_CONFIG = dict(num_warps=1, num_stages=2)
-SELECTED_FWD_CONFIG_MULTI = dict(num_warps=2, num_stages=3)
+SELECTED_FWD_CONFIG_MULTI = dict(num_warps=2, num_stages=2)
 SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
 # launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here) and its
 # rows (positions x G') per MMA; with SELECTED_DQ = "fused" at G = 16, d = 128, 64 rows compile to

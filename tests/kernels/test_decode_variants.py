@@ -105,7 +105,7 @@ def test_fused_knobs(monkeypatch):
 
 
 @interpreter_only
-@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("chunks", [1, 2, 3])
 def test_importance_chunks_per_program(monkeypatch, chunks):
     """Several chunks of selection blocks per importance program (38 blocks: 3 chunks of 16 under the
     interpreter), with ragged lengths whose last chunk ends early or holds no block at all."""
@@ -185,10 +185,10 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(WINDOW_IN_STEP2=False),
     dict(MERGE_IN_ATTN=True),
     dict(MERGE_IN_ATTN=True, SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
+    dict(IMP_CHUNKS_PER_PROGRAM=1),
     dict(IMP_CHUNKS_PER_PROGRAM=2),
-    dict(IMP_CHUNKS_PER_PROGRAM=4),
     dict(IMP_CHUNKS_PER_PROGRAM=8),
-    dict(IMP_CHUNKS_PER_PROGRAM=4, SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
+    dict(SEL_PER_PROGRAM=4, WIN_TILES_PER_PROGRAM=2),
 ]
 
 
