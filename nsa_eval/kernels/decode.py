@@ -58,15 +58,19 @@ from nsa_eval.kernels._triton_utils import (
     topk_blocks,
 )
 
-# "fused" (three launches, see the module docstring) or "v1" (the first split-K version, five launches)
+# "fused" (four launches, see the module docstring) or "v1" (the first split-K version, five launches)
 DECODE_VARIANT = "fused"
 # fused: compressed-key programs per SM the splits aim at (B * Hkv * splits ~ this * SMs)
 CMP_PROGRAMS_PER_SM = 2
 # fused: tiles of compressed keys per split at a full cache; None derives it from CMP_PROGRAMS_PER_SM
 CMP_SPLIT_TILES = None
-# fused: selected-block slots per program of the attention kernel; window keys per program = 64 * this
-SEL_PER_PROGRAM = 2
-WIN_TILES_PER_PROGRAM = 1
+# fused: compressed keys per tile of step 1 (16 under the interpreter)
+CMP_TILE_KEYS = 64
+# fused: selected-block slots per program of the attention kernel; window keys per program = 64 * this.
+# 4 and 2 against 2 and 1, B=16 at 64k (CUDA graph): 122.7 us against 126.2 (run 8), 123.8 against 127.4
+# (run 9), 126.6 against 128.6 (run 10)
+SEL_PER_PROGRAM = 4
+WIN_TILES_PER_PROGRAM = 2
 # fused: pipeline stages of the compressed-key loop; warps of the attention kernel
 CMP_STAGES = 3
 ATTN_WARPS = 4
@@ -677,7 +681,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     f32 = dict(device=dev, dtype=torch.float32)
 
     # splits of the compressed keys: about CMP_PROGRAMS_PER_SM programs per SM in all
-    BC = 16 if interp else 64
+    BC = 16 if interp else CMP_TILE_KEYS
     n_tiles = max(1, triton.cdiv(TC, BC))
     if CMP_SPLIT_TILES is not None:
         n_cmp = triton.cdiv(n_tiles, CMP_SPLIT_TILES)
