@@ -208,7 +208,9 @@ def test_gpu_fused_config_sweep(monkeypatch):
         us = triton.testing.do_bench(graph.replay) * 1e3
         print(f"fused decode {knobs or 'defaults'}: {us:.1f} us (CUDA graph)")
         graph.replay()
-        assert base.rel_err(o, want) < 1e-3
+        # the knobs change the float32 summation order (tile sizes, splits) before a bf16 output; run 11
+        # measured 1.01e-3 for 32-key tiles. A missing or stale partial gives errors near 1e-1.
+        assert base.rel_err(o, want) < 5e-3
 
 
 @interpreter_only
