@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 round of the kernel work (docs/kernels.md): the GPU tests, then the benchmark.
-#   OUT=/some/dir bash reports/kernels/gpu_kernels.sh [RUN_NAME]
+#   OUT=/some/dir [FLA_WHEELS=dir] bash reports/kernels/gpu_kernels.sh [RUN_NAME]
 # Writes $OUT/kernels.tar (gpu_tests_<run>.log, bench_<run>.log, kernels.csv, kernels.md).
 set -uo pipefail
 RUN=${1:-run}
@@ -11,6 +11,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$DIR/gpu_tests_$RUN.log"
 timeout 300 python3 -m pytest -m gpu tests/kernels -q -s -p no:cacheprovider 2>&1 \
   | tee -a "$DIR/gpu_tests_$RUN.log" | grep -E "passed|failed|error|Error|ms|x " | tail -n 40
-timeout 360 python3 -m nsa_eval.commands.bench kernels --lengths 8k 64k --no-fla --out "$DIR" 2>&1 \
+# flash-linear-attention's parallel_nsa joins the benchmark where its wheels are at $FLA_WHEELS (never
+# vendored: fla_core and flash_linear_attention 0.6.0, installed without dependencies)
+FLA_WHEELS=${FLA_WHEELS:-.whl}
+if ls "$FLA_WHEELS"/*.whl > /dev/null 2>&1; then
+  python3 -m pip install --no-deps -q "$FLA_WHEELS"/*.whl 2>&1 | grep -v WARNING
+fi
+timeout 360 python3 -m nsa_eval.commands.bench kernels --lengths 8k 64k --out "$DIR" 2>&1 \
   | tee "$DIR/bench_$RUN.log" | tail -n 60
 tar -C "$DIR" -cf "$OUT/kernels.tar" .
