@@ -384,15 +384,20 @@ def _profile_decode(T, hq, hkv, d, batch, log=print):
     gates = [torch.rand(batch, 1, hq, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     from nsa_eval.kernels import decode
 
-    for merge_in_attn in (decode.MERGE_IN_ATTN, not decode.MERGE_IN_ATTN):
-        default, decode.MERGE_IN_ATTN = decode.MERGE_IN_ATTN, merge_in_attn
-        log(f"kernels of NSA decode, B={batch}, T={T} (plain launches, MERGE_IN_ATTN={merge_in_attn}):")
+    # the defaults, then each of the decode's launch-structure flags flipped
+    for flag in (None, "MERGE_IN_ATTN", "TOPK_IN_STEP2"):
+        default = getattr(decode, flag) if flag else None
+        if flag:
+            setattr(decode, flag, not default)
+        label = f"{flag}={not default}" if flag else "defaults"
+        log(f"kernels of NSA decode, B={batch}, T={T} (plain launches, {label}):")
         try:
             profile_kernels(lambda: nsa_decode(q, k, v, kc, vc, *gates), log, iters=20, top=5)
         except Exception as err:  # the profiler is optional
             log(f"profiling failed: {str(err).splitlines()[0][:160]}")
         finally:
-            decode.MERGE_IN_ATTN = default
+            if flag:
+                setattr(decode, flag, default)
 
 
 def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_heads=4, dim=128,

@@ -17,7 +17,8 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    sum as prefill; weight spilling into the chunk from the compressed blocks just before it comes
    from a 16-wide tile). The program that finishes last for its (sequence, KV head) takes the top-k
    of the whole row, like `topk_blocks`: forced blocks taken at once, then one max reduction per pick
-   over int64 keys ordered like (importance, -block index), so ties go to the lower index. With
+   over int64 keys ordered like (importance, -block index), so ties go to the lower index (with
+   `TOPK_IN_STEP2 = False`, `topk_blocks` does it in a launch of its own). With
    `WINDOW_IN_STEP2` (default) the same launch has one more program per window chunk
    (`WIN_TILES_PER_PROGRAM` tiles of 64 keys): the window branch does not depend on the selection,
    and its loads fill the memory bus while the top-k runs.
@@ -87,6 +88,10 @@ MERGE_IN_ATTN = False
 # as a runtime loop: 4 chunks 121.9 us against 128.6 for 1 (CUDA graph); the loop itself slowed the
 # kernel (54 us against 38 in run 9), so the chunks are now unrolled.
 IMP_CHUNKS_PER_PROGRAM = 4
+# fused: the top-k by the last importance program of each row (True), or by `topk_blocks` in a
+# launch of its own (False: no serial tail in step 2; untimed so far, the benchmark's decode profile
+# shows both kernels' times)
+TOPK_IN_STEP2 = True
 
 
 @triton.jit
@@ -369,7 +374,8 @@ def _decode_importance_split_kernel(
     num_local, NIMP, NCMP, NSELP, S, window, scale_log2,
     M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr, NPB: tl.constexpr,
     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-    BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, CPP: tl.constexpr, UPCAST: tl.constexpr,
+    BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, CPP: tl.constexpr, TOPK: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # programs 0 .. NIMP-1: importances of CPP chunks of BNS selection blocks each; NIMP ..: window
     # chunks (partials NCMP + NSELP + i, as in step 3)
@@ -386,14 +392,15 @@ def _decode_importance_split_kernel(
     else:
         _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS,
                           block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
-                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP)
+                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP, TOPK)
 
 
 @triton.jit
 def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS,
                       block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
                       M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr,
-                      NPB: tl.constexpr, BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, CPP: tl.constexpr):
+                      NPB: tl.constexpr, BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, CPP: tl.constexpr,
+                      TOPK: tl.constexpr):
     BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
     i_b = i_bh // HKV
     t = tl.load(POS + i_b)
@@ -443,7 +450,14 @@ def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPAR
             cols = j0 + o_j
             tl.store(IMP + i_bh.to(tl.int64) * NS + cols, imp, mask=cols < NS)
 
-    # the last program of this (sequence, KV head) to arrive takes the top-k of the whole row
+    if TOPK:  # the last program of this (sequence, KV head) to arrive takes the top-k of the whole row
+        _last_takes_topk(IMP, BI, CNT, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
+                         BNS_ALL, NSEL2)
+
+
+@triton.jit
+def _last_takes_topk(IMP, BI, CNT, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
+                     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr):
     tl.debug_barrier()  # all threads' stores before the release of the counter increment
     arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
     if arrived == NIMP - 1:
@@ -729,8 +743,12 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
         *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, BC, sc_len, ns, block_len,
         stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp, S, window, scale_log2,
         M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, BNS_ALL=pow2(ns), NSEL2=pow2(num_selected, 1),
-        DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT, CPP=IMP_CHUNKS_PER_PROGRAM, UPCAST=interp, num_warps=4,
+        DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT, CPP=IMP_CHUNKS_PER_PROGRAM, TOPK=TOPK_IN_STEP2,
+        UPCAST=interp, num_warps=4,
     )
+    if not TOPK_IN_STEP2:  # 2b. the top-k in a launch of its own, one program per row
+        bi = topk_blocks(imp, T=1, num_kv_heads=HKV, select_size=select_size, num_selected=num_selected,
+                         num_init=num_init, num_local=num_local, positions=pos)
 
     # 3. selected blocks and window chunks, then the merge of all partials by the last program
     o = torch.empty(B, 1, HQ, DV, device=dev, dtype=q.dtype)

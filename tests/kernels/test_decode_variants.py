@@ -115,6 +115,17 @@ def test_importance_chunks_per_program(monkeypatch, chunks):
     _check(q, kv, gates, [600, 260, 40], select_size=16, num_selected=5, window=40)
 
 
+@interpreter_only
+def test_topk_in_its_own_launch(monkeypatch):
+    """TOPK_IN_STEP2 = False: `topk_blocks` after step 2 gives the reference's blocks and output, exact
+    ties across importance chunks included."""
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    monkeypatch.setattr(decode, "TOPK_IN_STEP2", False)
+    q, kv, gates = _inputs(3, 600, 8, 2, 16, 16, seed=6)
+    _check(q, kv, gates, [600, 260, 40], select_size=16, num_selected=5, window=40)
+    test_exact_ties_go_to_the_lower_block("fused")
+
+
 def _graph(fn):
     """fn captured in a CUDA graph (compiled first, outside the capture) -> (graph, its output)."""
     stream = torch.cuda.Stream()
@@ -187,6 +198,7 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(IMP_CHUNKS_PER_PROGRAM=1),
     dict(IMP_CHUNKS_PER_PROGRAM=2),
     dict(IMP_CHUNKS_PER_PROGRAM=8),
+    dict(TOPK_IN_STEP2=False),
 ]
 
 
