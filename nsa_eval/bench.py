@@ -164,24 +164,26 @@ def bench_decode(T, batch, hq, hkv, d):
     out = {"nsa": _time_graph(nsa), "nsa_nograph": _time(nsa)}
     from nsa_eval.kernels import decode
 
-    default, decode.DECODE_VARIANT = decode.DECODE_VARIANT, "v1"  # the first, five-launch decode
-    try:
-        out["nsa_v1"] = _time_graph(nsa)
-    finally:
-        decode.DECODE_VARIANT = default
-    default, decode.MERGE_IN_ATTN = decode.MERGE_IN_ATTN, not decode.MERGE_IN_ATTN
-    try:
-        out["nsa_merge"] = _time_graph(nsa)
-    finally:
-        decode.MERGE_IN_ATTN = default
     # the same caches stored head-major ([B, Hkv, T, d] memory, same logical shape): a selected block
     # of one head is then one contiguous 16 KB run instead of 64 rows 1 KB apart
     hm = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v, k_cmp, v_cmp)]
-    try:
-        out["nsa_headmajor"] = _time_graph(lambda: nsa_decode(q, *hm, *gates, cache_seqlens=seqlens))
-        out.update(decode_floor(T, batch, hq, hkv, d, k, v))
-    except Exception as err:  # measurements beside the table's: keep going
-        print(f"decode floor / head-major failed: {str(err).splitlines()[0][:160]}")
+    beside = {  # measurements beside the table's, each allowed to fail alone
+        "nsa_v1": lambda: _with_flag(decode, "DECODE_VARIANT", "v1", lambda: _time_graph(nsa)),
+        "nsa_merge": lambda: _with_flag(decode, "MERGE_IN_ATTN", not decode.MERGE_IN_ATTN,
+                                        lambda: _time_graph(nsa)),
+        "nsa_headmajor": lambda: _time_graph(lambda: nsa_decode(q, *hm, *gates, cache_seqlens=seqlens)),
+        "floor": lambda: decode_floor(T, batch, hq, hkv, d, k, v),
+    }
+    for name, measure in beside.items():
+        try:
+            value = measure()
+        except Exception as err:
+            print(f"decode {name} failed at T={T}: {str(err).splitlines()[0][:160]}")
+            continue
+        if isinstance(value, dict):
+            out.update(value)
+        else:
+            out[name] = value
     qt = q.transpose(1, 2)  # [B, Hq, 1, d]
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, d] views
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -195,6 +197,16 @@ def bench_decode(T, batch, hq, hkv, d):
             out[name] = None
             out[name + "_error"] = str(err).splitlines()[0][:120]
     return out
+
+
+def _with_flag(module, name, value, fn):
+    """fn() with module.name set to value, restored afterwards."""
+    default = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(module, name, default)
 
 
 def decode_floor(T, batch, hq, hkv, d, k, v):
@@ -304,7 +316,7 @@ def bench_variants(x, lse, idx):
     timed("selected_attention [dq union walk]", selection, "SELECTED_WALK", "union", fwd_bwd)
     timed("selected_attention [dq walk]", selection, "SELECTED_DQ", "walk", fwd_bwd)
     timed("selected_attention [dkv rows=32]", selection, "SELECTED_DKV_ROWS", 32, fwd_bwd)
-    for config in (dict(num_stages=3), dict(num_stages=2, num_warps=4)):
+    for config in (dict(num_stages=2),):
         label = " ".join(f"{k[4:]}={v}" for k, v in config.items())
         timed(f"selected_attention [dkv {label}]", selection, "SELECTED_DKV_CONFIG", config, fwd_bwd)
     # banded kernels: one part's configuration changed at a time
@@ -316,10 +328,10 @@ def bench_variants(x, lse, idx):
         "swa": ("sliding_window_attention", lambda: sliding_window_attention(x["q"], x["k"], x["v"])),
     }
     alternatives = {  # (BM, BN, num_warps, num_stages) per branch and part
-        "cmp": {"fwd": [(128, 64, 8, 2), (128, 64, 8, 3)],
+        "cmp": {"fwd": [(64, 64, 4, 3), (128, 64, 8, 2)],
                 "dq": [(128, 64, 8, 2), (64, 128, 8, 2)],
-                "dkv": [(32, 128, 8, 2), (64, 64, 4, 2)]},
-        "swa": {"fwd": [(64, 64, 4, 3), (128, 128, 8, 2)],
+                "dkv": [(32, 128, 8, 2), (64, 128, 8, 2)]},
+        "swa": {"fwd": [(128, 64, 8, 2), (128, 128, 8, 2)],
                 "dq": [(128, 64, 8, 2)],
                 "dkv": [(64, 128, 8, 2)]},
     }
@@ -448,14 +460,14 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
         dec = bench_decode(T, decode_batch, heads, kv_heads, dim)
         add("decode", "nsa-triton", T, hs, decode_batch, dec["nsa"], "CUDA graph")
         add("decode", "nsa-triton-nograph", T, hs, decode_batch, dec["nsa_nograph"], "plain launches")
-        add("decode", "nsa-triton [v1]", T, hs, decode_batch, dec["nsa_v1"], "CUDA graph, first version")
+        add("decode", "nsa-triton [v1]", T, hs, decode_batch, dec.get("nsa_v1"), "CUDA graph, first version")
         from nsa_eval.kernels.decode import MERGE_IN_ATTN
 
         add("decode", f"nsa-triton [MERGE_IN_ATTN={not MERGE_IN_ATTN}]", T, hs, decode_batch,
-            dec["nsa_merge"], "CUDA graph")
+            dec.get("nsa_merge"), "CUDA graph")
+        add("decode", "nsa-triton [head-major cache]", T, hs, decode_batch, dec.get("nsa_headmajor"),
+            "CUDA graph, caches stored [B, Hkv, T, d]")
         if "floor_ms" in dec:
-            add("decode", "nsa-triton [head-major cache]", T, hs, decode_batch, dec["nsa_headmajor"],
-                "CUDA graph, caches stored [B, Hkv, T, d]")
             add("floor", "decode: NSA bytes at HBM bandwidth", T, hs, decode_batch, dec["floor_ms"],
                 f"{dec['nsa_bytes'] / 1e6:.0f} MB at {dec['hbm_tb_s']:.2f} TB/s (read of the full caches)")
         try:
@@ -496,7 +508,8 @@ def _g4_variants(T, g4_heads, dim):
 
     default = selection.SELECTED_FWD_CONFIG_MULTI
     rows = []
-    for other in (dict(default, num_stages=5 - default["num_stages"]), dict(default, num_warps=4)):
+    others = [dict(default, num_stages=5 - default["num_stages"]), dict(default, num_warps=4)]
+    for other in (o for o in others if o != default):
         selection.SELECTED_FWD_CONFIG_MULTI = other
         try:
             ms, _ = bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim)

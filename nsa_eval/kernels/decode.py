@@ -24,9 +24,10 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    and its loads fill the memory bus while the top-k runs.
 3. `_decode_attn_fused_kernel`, one program per (`SEL_PER_PROGRAM` selected-block slots, or window
    chunk if not done in step 2; sequence, KV head): a partial softmax.
-4. `_decode_merge_kernel`, one program per (32 output columns, sequence x KV head): the partials of
-   the three branches merged (merge weights per branch from one load of its (max, sum) rows, gates
-   folded in, then one load of all partials of each branch) and the output written. With
+4. `_decode_merge_kernel`, one program per (DVC output columns, 64 at d = 128; sequence x KV
+   head): the partials of the three branches merged (merge weights per branch from one load of its
+   (max, sum) rows, gates folded in, then one load of all partials of each branch) and the output
+   written. With
    `MERGE_IN_ATTN` the program of step 3 that finishes last for its (sequence, KV head) does this for
    all columns instead: one launch fewer, but a serial tail (run 9: 39 us for step 3 against 16 + 8).
 "Finishes last": every program stores its results, passes a CTA barrier and increments the row's
@@ -68,8 +69,9 @@ CMP_SPLIT_TILES = None
 # fused: compressed keys per tile of step 1 (16 under the interpreter)
 CMP_TILE_KEYS = 64
 # fused: selected-block slots per program of the attention kernel; window keys per program = 64 * this.
-# 4 and 2 against 2 and 1, B=16 at 64k (CUDA graph): 122.7 us against 126.2 (run 8), 123.8 against 127.4
-# (run 9), 126.6 against 128.6 (run 10)
+# 4 and 2 against 2 and 1, B=16 at 64k (CUDA graph): with the merge in step 3, 122.7 us against 126.2
+# (run 8), 123.8 against 127.4 (run 9), 126.6 against 128.6 (run 10); with the merge launch, 114.6
+# against 113.3 (run 9) and 114.0 against 117.1 (run 12, the defaults)
 SEL_PER_PROGRAM = 4
 WIN_TILES_PER_PROGRAM = 2
 # fused: pipeline stages of the compressed-key loop; warps of the attention kernel
@@ -79,7 +81,7 @@ ATTN_WARPS = 4
 # memory bus idle) instead of step 3's
 WINDOW_IN_STEP2 = True
 # fused: the last program of step 3 merges the partials (True), or a fourth launch does, one program
-# per (32 output columns, sequence x KV head) (False; the benchmark times both). Run 9, B=16 at 64k:
+# per (DVC output columns, sequence x KV head) (False; the benchmark times both). Run 9, B=16 at 64k:
 # step 3 alone 16 us + the merge launch 8 us, against 39 us with the merge in step 3's last program
 # (a serial tail of one program per row); the whole decode 113 us against 127 (CUDA graph).
 MERGE_IN_ATTN = False

@@ -94,7 +94,9 @@ SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
 # launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here) and its
 # rows (positions x G') per MMA; with SELECTED_DQ = "fused" at G = 16, d = 128, 64 rows compile to
 # 255 registers with a small spill, 32 rows to 182 without
-SELECTED_DKV_CONFIG = dict(num_stages=2)
+# 3 stages against 2, the selected op's fwd+bwd at 64k: 54.03 / 55.07 ms (run 9), 53.99 / 54.71 (10),
+# 53.40 / 54.43 (11), 53.51 / 54.49 (12); float32 inputs keep 2 (see `selected_dkv_launch`)
+SELECTED_DKV_CONFIG = dict(num_stages=3)
 SELECTED_DKV_ROWS = 64
 # Where the selected backward computes dq. "walk": a second walk of every query's blocks, as the
 # forward. "fused": in the dk/dv kernel (per key block), which has ds already: one more MMA and a
@@ -627,9 +629,19 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, scale, scale * LOG2E, chunk,
         DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, FUSE_DQ=fuse_dq,
-        UPCAST=interpreting(), **(dict(num_warps=8 if max(DK, DV) >= 128 else 4) | SELECTED_DKV_CONFIG),
+        UPCAST=interpreting(), **selected_dkv_launch(q.dtype, DK, DV),
     )
     return dq.to(q.dtype), dk32.to(k.dtype), dv32.to(v.dtype)
+
+
+def selected_dkv_launch(dtype, dk: int, dv: int) -> dict:
+    """num_warps and num_stages of the dk/dv kernel: SELECTED_DKV_CONFIG over 8 warps for head dims
+    >= 128 (else 4). Float32 inputs run at most 2 stages: at d = 128 a third buffer overflows the
+    H200's shared memory (2 stages already take 230,144 of its 232,448 bytes)."""
+    config = dict(num_warps=8 if max(dk, dv) >= 128 else 4) | SELECTED_DKV_CONFIG
+    if dtype == torch.float32:
+        config["num_stages"] = min(config.get("num_stages", 2), 2)
+    return config
 
 
 class SelectedAttentionFunction(torch.autograd.Function):

@@ -76,6 +76,10 @@ def test_long_cache(variant, hq, hkv):
 def test_exact_ties_go_to_the_lower_block(variant):
     """Equal compressed keys give equal importances: the top-k must take the lower block indices,
     across importance chunks (16 selection blocks each under the interpreter)."""
+    _check_exact_ties()
+
+
+def _check_exact_ties():
     q, kv, gates = _inputs(1, 640, 4, 1, 16, 16, seed=2)
     kv[2] = torch.zeros_like(kv[2])  # every compressed score 0: interior blocks tie exactly
     _check(q, kv, gates, [640], select_size=16, num_selected=6, window=16)
@@ -123,7 +127,7 @@ def test_topk_in_its_own_launch(monkeypatch):
     monkeypatch.setattr(decode, "TOPK_IN_STEP2", False)
     q, kv, gates = _inputs(3, 600, 8, 2, 16, 16, seed=6)
     _check(q, kv, gates, [600, 260, 40], select_size=16, num_selected=5, window=40)
-    test_exact_ties_go_to_the_lower_block("fused")
+    _check_exact_ties()
 
 
 def _graph(fn):

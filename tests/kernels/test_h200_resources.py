@@ -42,11 +42,19 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
                   RESHAPE=True, K=1, UPCAST=False)
     out[f"importance {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts, launch)
     consts = dict(DK=128, DV=128, BDK=128, BDV=128, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False, UPCAST=False)
-    out[f"selected fwd {name}"] = shared(s._selected_pipelined_kernel, [p] * 3 + ["*i32", p, "*fp32"]
-                                         + [p, "*fp32", p], consts, s.SELECTED_FWD_CONFIG)
+    selected = [p] * 3 + ["*i32", p, "*fp32"] + [p, "*fp32", p]
+    fwd = s._selected_pipelined_kernel
+    out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG)
+    consts = dict(consts, GP=4, BT=4)  # G = 4: four positions a program
+    out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG_MULTI)
+    launch = dict(s.IMPORTANCE_CONFIG["broadcast"])
+    consts = dict(DK=128, BDK=128, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
+                  RESHAPE=False, K=0, UPCAST=False)
+    out[f"importance broadcast {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
+                                                 launch)
     consts = dict(DK=128, DV=128, BDK=128, BDV=128, GP=GP, BQ=max(1, s.SELECTED_DKV_ROWS // GP), BS=64,
                   FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False)
-    config = dict(num_warps=8) | s.SELECTED_DKV_CONFIG
+    config = s.selected_dkv_launch(dtype, 128, 128)
     out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + ["*i32"] * 4
                                          + ["*fp32"] * 3, consts, config)
 print(json.dumps(out))
@@ -54,9 +62,10 @@ print(json.dumps(out))
 
 
 def test_default_launches_fit_h200_shared_memory():
-    """G = 16, d = 128, the paper's blocks: the banded forwards and dk/dv, the importance kernel, the
-    selected forward and dk/dv, each as its default launch, fit in bf16 and float32."""
+    """G = 16, d = 128, the paper's blocks: the banded forwards and dk/dv, the importance kernel (both
+    maps), the selected forward (G = 16 and G = 4) and dk/dv, each as its default launch, fit in bf16
+    and float32."""
     shared = json_from_fresh_python(COMPILE)
-    assert len(shared) == 14
+    assert len(shared) == 18
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"
