@@ -396,20 +396,17 @@ def _profile_decode(T, hq, hkv, d, batch, log=print):
     gates = [torch.rand(batch, 1, hq, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     from nsa_eval.kernels import decode
 
-    # the defaults, then each of the decode's launch-structure flags flipped
-    for flag in (None, "MERGE_IN_ATTN", "TOPK_IN_STEP2"):
-        default = getattr(decode, flag) if flag else None
-        if flag:
-            setattr(decode, flag, not default)
-        label = f"{flag}={not default}" if flag else "defaults"
+    def profile(label):
         log(f"kernels of NSA decode, B={batch}, T={T} (plain launches, {label}):")
         try:
             profile_kernels(lambda: nsa_decode(q, k, v, kc, vc, *gates), log, iters=20, top=5)
         except Exception as err:  # the profiler is optional
             log(f"profiling failed: {str(err).splitlines()[0][:160]}")
-        finally:
-            if flag:
-                setattr(decode, flag, default)
+
+    profile("defaults")
+    for flag in ("MERGE_IN_ATTN", "TOPK_IN_STEP2"):  # each launch-structure flag flipped
+        value = not getattr(decode, flag)
+        _with_flag(decode, flag, value, lambda: profile(f"{flag}={value}"))  # noqa: B023
 
 
 def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_heads=4, dim=128,
@@ -510,11 +507,8 @@ def _g4_variants(T, g4_heads, dim):
     rows = []
     others = [dict(default, num_stages=5 - default["num_stages"]), dict(default, num_warps=4)]
     for other in (o for o in others if o != default):
-        selection.SELECTED_FWD_CONFIG_MULTI = other
-        try:
-            ms, _ = bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim)
-        finally:
-            selection.SELECTED_FWD_CONFIG_MULTI = default
+        ms, _ = _with_flag(selection, "SELECTED_FWD_CONFIG_MULTI", other,
+                           lambda: bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim))  # noqa: B023
         label = " ".join(f"{k[4:] if k.startswith('num_') else k}={v}" for k, v in other.items()
                          if v != default[k])
         rows.append((f"nsa-triton [selected {label}]", T, f"{g4_heads[0]}/{g4_heads[1]}", 1, ms))
