@@ -1,0 +1,70 @@
+"""Registers, spills and shared memory of the fused decode's kernels compiled for the H200, no GPU needed.
+
+    python scripts/ptxas_decode_kernels.py
+
+Compiles the four launches of `decode.DECODE_VARIANT = "fused"` ahead of time for sm_90 at the
+benchmark's decode (64 query heads over 4 KV heads, so 16 rows per program, d = 128, bf16, 64k
+cache) with the module's current knobs, and prints what Triton's bundled ptxas reports. At 255
+registers a kernel runs two 4-warp programs per SM at most, and spills go to local memory. Numbers
+depend on the Triton version (the H200 image runs Triton 3.6): read them side by side, not as
+absolutes. Run from the repository root.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # must be unset before triton is imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import triton  # noqa: E402
+from ptxas_band_kernels import ptxas_usage  # noqa: E402
+
+from nsa_eval.kernels import _triton_utils as u  # noqa: E402
+from nsa_eval.kernels import decode as dec  # noqa: E402
+from tests.kernels.sm90 import compile_sm90, pointers_then_scalars  # noqa: E402
+
+M, D, RATIO, NS = 16, 128, 4, 1024  # rows (G = 16), head dim, l' / d, selection blocks at 64k
+b, f, i = "*bf16", "*fp32", "*i32"
+
+
+def launches():
+    """(name, kernel, pointer types, constexprs, launch options) of each fused launch, as
+    `decode._decode_fused` would launch them at the benchmark's shape."""
+    n_cmp = 4  # compressed-key splits on a 132-SM H200 at batch 16 (CMP_PROGRAMS_PER_SM = 2)
+    n_selp, n_winp = triton.cdiv(16, dec.SEL_PER_PROGRAM), triton.cdiv(512, 64 * dec.WIN_TILES_PER_PROGRAM)
+    npb = u.pow2(max(n_cmp, n_selp, n_winp), 1)
+    warps = dec.ATTN_WARPS if npb * M <= 256 else 8
+    dvc = min(D, max(4, 1024 * warps // (npb * M)))
+    common = dict(DK=D, DV=D, BDK=D, BDV=D, M=M, UPCAST=False)
+    return [
+        ("1 compressed keys", dec._decode_cmp_split_kernel, [b, b, b, i, f, f, f, f, i, i],
+         dict(common, BC=dec.CMP_TILE_KEYS), dict(num_warps=4, num_stages=dec.CMP_STAGES)),
+        ("2 importance + top-k + window", dec._decode_importance_split_kernel,
+         [i, f, f, f, f, i, i, b, b, b, f],
+         dict(common, BNS=max(16, 128 // RATIO), RATIO=RATIO, SPILL=16, NPB=npb, BNS_ALL=NS, NSEL2=16, BW=64,
+              WT=dec.WIN_TILES_PER_PROGRAM, CPP=dec.IMP_CHUNKS_PER_PROGRAM, TOPK=dec.TOPK_IN_STEP2),
+         dict(num_warps=4)),
+        ("3 selected blocks", dec._decode_attn_fused_kernel, [b] * 5 + [i, i, f, f, f, i, b, b, b, b],
+         dict(common, BS=64, SPP=dec.SEL_PER_PROGRAM, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, NPB=npb, DVC=dvc,
+              MERGE=dec.MERGE_IN_ATTN), dict(num_warps=warps)),
+        ("4 merge", dec._decode_merge_kernel, [i, f, f, f, b, b, b, b],
+         dict(DV=D, BDV=D, M=M, NPB=npb, DVC=dvc), dict(num_warps=warps)),
+    ]
+
+
+def main() -> int:
+    print(f"triton {triton.__version__}; launch: registers, spill stores/loads (bytes), shared")
+    for name, kernel, pointers, consts, options in launches():
+        compiled = compile_sm90(kernel, pointers_then_scalars(kernel, pointers, consts), consts, options)
+        regs, stores, loads = ptxas_usage(compiled.asm["ptx"])
+        print(f"{name:30s}: {regs:3d} registers, spills {stores}/{loads}, shared {compiled.metadata.shared} "
+              f"({options})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
