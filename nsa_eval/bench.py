@@ -288,14 +288,10 @@ def bench_variants(x, lse, idx):
     out = {}
 
     def timed(name, module, attr, value, fn):
-        old = getattr(module, attr)
-        setattr(module, attr, value)
         try:
-            out[name] = (_time(fn), None)
+            out[name] = (_with_flag(module, attr, value, lambda: _time(fn)), None)
         except Exception as err:  # a configuration may not compile; keep going
             print(f"variant {name} failed: {str(err).splitlines()[0][:160]}")
-        finally:
-            setattr(module, attr, old)
 
     with torch.no_grad():
         sel = lambda: selection.select_blocks(x["q"], x["k_cmp"], lse=lse)  # noqa: E731

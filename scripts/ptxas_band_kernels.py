@@ -53,6 +53,14 @@ def ptxas_usage(ptx: str) -> tuple[int, int, int]:
     return int(re.search(r"Used (\d+) registers", info).group(1)), int(stores), int(loads)
 
 
+def compile_usage(kernel, pointers, consts, options, divisible=None) -> tuple[int, int, int, int]:
+    """`kernel` compiled for sm_90 (pointer types first, then i32/fp32 scalars): (registers, spill
+    store bytes, spill load bytes, shared memory bytes)."""
+    types = pointers_then_scalars(kernel, pointers, consts)
+    compiled = compile_sm90(kernel, types, consts, options, divisible)
+    return (*ptxas_usage(compiled.asm["ptx"]), compiled.metadata.shared)
+
+
 def main() -> int:
     print(f"triton {triton.__version__}; part branch split: registers, spill stores/loads (bytes), shared")
     for part, (kernel, pointers) in KERNELS.items():
@@ -64,11 +72,9 @@ def main() -> int:
                               BM=cfg.pop("BM"), BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=split)
                 divisible = [i for i, name in enumerate(kernel.arg_names) if name not in consts
                              and (i < len(pointers) or is_divisible_scalar(name))]
-                compiled = compile_sm90(kernel, pointers_then_scalars(kernel, pointers, consts), consts, cfg,
-                                        divisible)
-                regs, stores, loads = ptxas_usage(compiled.asm["ptx"])
+                regs, stores, loads, shared = compile_usage(kernel, pointers, consts, cfg, divisible)
                 print(f"{part:4s} {branch} split={split!s:5s}: {regs:3d} registers, spills {stores}/{loads}, "
-                      f"shared {compiled.metadata.shared} ({cfg})")
+                      f"shared {shared} ({cfg})")
     return 0
 
 

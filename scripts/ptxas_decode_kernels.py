@@ -21,11 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton  # noqa: E402
-from ptxas_band_kernels import ptxas_usage  # noqa: E402
+from ptxas_band_kernels import compile_usage  # noqa: E402
 
 from nsa_eval.kernels import _triton_utils as u  # noqa: E402
 from nsa_eval.kernels import decode as dec  # noqa: E402
-from tests.kernels.sm90 import compile_sm90, pointers_then_scalars  # noqa: E402
 
 M, D, RATIO, NS = 16, 128, 4, 1024  # rows (G = 16), head dim, l' / d, selection blocks at 64k
 b, f, i = "*bf16", "*fp32", "*i32"
@@ -59,10 +58,8 @@ def launches():
 def main() -> int:
     print(f"triton {triton.__version__}; launch: registers, spill stores/loads (bytes), shared")
     for name, kernel, pointers, consts, options in launches():
-        compiled = compile_sm90(kernel, pointers_then_scalars(kernel, pointers, consts), consts, options)
-        regs, stores, loads = ptxas_usage(compiled.asm["ptx"])
-        print(f"{name:30s}: {regs:3d} registers, spills {stores}/{loads}, shared {compiled.metadata.shared} "
-              f"({options})")
+        regs, stores, loads, shared = compile_usage(kernel, pointers, consts, options)
+        print(f"{name:30s}: {regs:3d} registers, spills {stores}/{loads}, shared {shared} ({options})")
     return 0
 
 
