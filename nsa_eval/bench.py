@@ -162,7 +162,7 @@ def bench_decode(T, batch, hq, hkv, d):
     seqlens = torch.full((batch,), T, device=dev, dtype=torch.int32)
     nsa = lambda: nsa_decode(q, k, v, k_cmp, v_cmp, *gates, cache_seqlens=seqlens)  # noqa: E731
     out = {"nsa": _time_graph(nsa), "nsa_nograph": _time(nsa)}
-    from nsa_eval.kernels import decode
+    from nsa_eval.kernels import _triton_utils, decode
 
     # the same caches stored head-major ([B, Hkv, T, d] memory, same logical shape): a selected block
     # of one head is then one contiguous 16 KB run instead of 64 rows 1 KB apart
@@ -172,6 +172,8 @@ def bench_decode(T, batch, hq, hkv, d):
         "nsa_merge": lambda: _with_flag(decode, "MERGE_IN_ATTN", not decode.MERGE_IN_ATTN,
                                         lambda: _time_graph(nsa)),
         "nsa_headmajor": lambda: _time_graph(lambda: nsa_decode(q, *hm, *gates, cache_seqlens=seqlens)),
+        "nsa_topk_other": lambda: _with_flag(_triton_utils, "TOPK_METHOD", _other_topk(),
+                                             lambda: _time_graph(nsa)),
         "floor": lambda: decode_floor(T, batch, hq, hkv, d, k, v),
     }
     for name, measure in beside.items():
@@ -197,6 +199,13 @@ def bench_decode(T, batch, hq, hkv, d):
             out[name] = None
             out[name + "_error"] = str(err).splitlines()[0][:120]
     return out
+
+
+def _other_topk():
+    """The top-k method the decode measures beside the default: bitonic, or arg-max if that is it."""
+    from nsa_eval.kernels import _triton_utils
+
+    return "argmax" if _triton_utils.TOPK_METHOD == "bitonic" else "bitonic"
 
 
 def _with_flag(module, name, value, fn):
@@ -295,7 +304,22 @@ def bench_variants(x, lse, idx):
 
     with torch.no_grad():
         sel = lambda: selection.select_blocks(x["q"], x["k_cmp"], lse=lse)  # noqa: E731
-        timed("select_blocks [bitwise top-k]", _triton_utils, "TOPK_RADIX", not _triton_utils.TOPK_RADIX, sel)
+        for method in (m for m in _triton_utils.TOPK_METHODS if m != _triton_utils.TOPK_METHOD):
+            timed(f"select_blocks [{method} top-k]", _triton_utils, "TOPK_METHOD", method, sel)
+        # the top-k alone, every method, on the importances of this input
+        T, hkv = x["q"].shape[1], x["k_cmp"].shape[2]
+        imp = selection.block_importance(x["q"], x["k_cmp"], lse, block_len=PAPER["block_len"],
+                                         stride=PAPER["stride"], select_size=PAPER["select_size"],
+                                         scale=x["q"].shape[-1] ** -0.5)
+        topk = lambda: _triton_utils.topk_blocks(  # noqa: E731
+            imp, T=T, num_kv_heads=hkv, select_size=PAPER["select_size"], num_selected=PAPER["num_selected"],
+            num_init=1, num_local=2)
+        for method in _triton_utils.TOPK_METHODS:
+            timed(f"topk_blocks [{method}]", _triton_utils, "TOPK_METHOD", method, topk)
+            for rows, warps in ((1, 1), (2, 1), (4, 1), (2, 2)):  # fewer warps per row
+                label = f"topk_blocks [{method}, {rows} rows, {warps} warps]"
+                timed(label, _triton_utils, "TOPK_CONFIG", dict(rows=rows, num_warps=warps),
+                      lambda: _with_flag(_triton_utils, "TOPK_METHOD", method, topk))  # noqa: B023
         timed("select_blocks [matmul importance]", selection, "IMPORTANCE_GROUP_FIRST", False, sel)
         fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
         for warps, stages in ((2, 2), (1, 3)):
@@ -373,11 +397,19 @@ def profile_kernels(fn, log=print, iters=3, top=14):
         log(f"    {e.key[:70]:70s} {device_us(e) / iters / 1000:9.3f} ms/call  x{e.count // iters}")
 
 
-def profile_prefill(T, hq, hkv, d, log=print):
-    """Per-kernel breakdown of the NSA prefill fwd+bwd at length T."""
+def profile_prefill(T, hq, hkv, d, log=print, g4_heads=None):
+    """Per-kernel breakdown of the NSA prefill fwd+bwd at length T; with g4_heads (hq, hkv), also of
+    that forward alone."""
+    import torch
+
     x = _inputs(1, T, hq, hkv, d, grad=True)
     log(f"kernels of NSA prefill forward+backward, T={T}:")
     profile_kernels(_fwd_bwd(lambda: nsa_prefill(**x), x), log)
+    if g4_heads:
+        x = _inputs(1, T, *g4_heads, d, grad=False)
+        log(f"kernels of NSA prefill forward, T={T}, {g4_heads[0]}/{g4_heads[1]} heads:")
+        with torch.no_grad():
+            profile_kernels(lambda: nsa_prefill(**x), log, top=10)
 
 
 def _profile_decode(T, hq, hkv, d, batch, log=print):
@@ -403,6 +435,16 @@ def _profile_decode(T, hq, hkv, d, batch, log=print):
     for flag in ("MERGE_IN_ATTN", "TOPK_IN_STEP2"):  # each launch-structure flag flipped
         value = not getattr(decode, flag)
         _with_flag(decode, flag, value, lambda: profile(f"{flag}={value}"))  # noqa: B023
+    from nsa_eval.kernels import _triton_utils
+
+    other = _other_topk()  # the other top-k, in step 2's last program and in a launch of its own
+
+    def profile_other(in_step2):
+        label = f"TOPK_METHOD={other}, TOPK_IN_STEP2={in_step2}"
+        _with_flag(decode, "TOPK_IN_STEP2", in_step2, lambda: profile(label))
+
+    for in_step2 in (True, False):
+        _with_flag(_triton_utils, "TOPK_METHOD", other, lambda: profile_other(in_step2))  # noqa: B023
 
 
 def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_heads=4, dim=128,
@@ -460,6 +502,8 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
             dec.get("nsa_merge"), "CUDA graph")
         add("decode", "nsa-triton [head-major cache]", T, hs, decode_batch, dec.get("nsa_headmajor"),
             "CUDA graph, caches stored [B, Hkv, T, d]")
+        add("decode", f"nsa-triton [{_other_topk()} top-k]", T, hs, decode_batch, dec.get("nsa_topk_other"),
+            "CUDA graph")
         if "floor_ms" in dec:
             add("floor", "decode: NSA bytes at HBM bandwidth", T, hs, decode_batch, dec["floor_ms"],
                 f"{dec['nsa_bytes'] / 1e6:.0f} MB at {dec['hbm_tb_s']:.2f} TB/s (read of the full caches)")
@@ -477,7 +521,7 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
         torch.cuda.empty_cache()
     T = max(lengths)
     try:
-        profile_prefill(T, heads, kv_heads, dim, log)
+        profile_prefill(T, heads, kv_heads, dim, log, g4_heads=g4_heads)
     except Exception as err:  # the profiler is optional
         log(f"profiling failed: {str(err).splitlines()[0][:160]}")
     torch.cuda.empty_cache()

@@ -593,16 +593,47 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
 # ---------------------------------------------------------------------------------------------
 # top-k of selection-block importances
 # ---------------------------------------------------------------------------------------------
-# True: the k-th largest by a bitwise search (31 counting passes); False: k arg-max passes. Measured
-# on the H200 at 64k (select_blocks 17.5 ms with the bitwise search, 16.3 ms with arg-max passes):
-# the arg-max passes stay the default; the benchmark times both.
-TOPK_RADIX = False
+# "argmax": one arg-max pass per pick (the default); "radix": the k-th largest by a bitwise search
+# (31 counting passes); "bitonic": `tl.topk` over int64 keys (importance, -index), a bitonic top-k,
+# then a sort of the k winners by index. The top-k alone at 64k (run 13, 4 rows over 4 warps): 2.89
+# ms arg-max, 3.96 radix, 4.32 bitonic; with one row per warp see TOPK_CONFIG. The benchmark times all.
+TOPK_METHOD = "argmax"
+TOPK_METHODS = ("argmax", "radix", "bitonic")
+# rows per program and warps of `topk_blocks` (rows: at most, for 4096 // Ns); decode-sized calls
+# (<= 128 rows) take one row per program. Run 14, the top-k alone at 64k (262,144 rows of 1,024
+# blocks): one row per 1-warp program 2.12 ms against 2.88 for 4 rows over 4 warps, which puts warps
+# along a row, so every arg-max pass reduced across warps through shared memory (2 rows / 1 warp 2.27,
+# 2 / 2 2.49; radix 2.18 and bitonic 3.08 at their best, one row per warp). The whole forward: 40.46
+# ms against 40.85 (G = 16), 21.79 against 22.32 (G = 4).
+TOPK_CONFIG = dict(rows=1, num_warps=1)
+
+
+@triton.jit
+def block_keys(imp, o_j, cur, num_init, num_local, BNS: tl.constexpr):
+    """int64 keys ordered like (importance, -block index), so that a larger key wins and ties go to
+    the lower index: forced blocks (the first num_init, the num_local up to cur) as importance +inf,
+    blocks after cur -1. imp float32 >= 0 `[.., BNS]`; o_j (block indices) and cur broadcast to it."""
+    forced = (o_j < num_init) | (o_j > cur - num_local)
+    imp = tl.where(forced, float("inf"), imp + 0.0)  # + 0.0: -0.0 -> +0.0
+    bits = imp.to(tl.int32, bitcast=True)  # >= 0 for non-negative floats, ordered like them
+    key = (bits.to(tl.int64) << 32) + (BNS - 1 - o_j).to(tl.int64)
+    return tl.where(o_j <= cur, key, -1)
+
+
+@triton.jit
+def top_blocks(key, num_selected, BNS: tl.constexpr, KP: tl.constexpr):
+    """The num_selected largest keys of `block_keys` `[.., BNS]` -> int32 block indices `[.., KP]`,
+    ascending, BNS in the empty slots (KP = a power of two >= num_selected, <= BNS)."""
+    top = tl.topk(key, KP)  # [.., KP], largest first
+    o_k = tl.arange(0, KP)
+    blk = tl.where((top >= 0) & (o_k < num_selected), BNS - 1 - (top & 0xFFFFFFFF).to(tl.int32), BNS)
+    return tl.sort(blk)
 
 
 @triton.jit
 def _topk_blocks_kernel(
     IMP, POS, OUT, N_ROWS, NS, T, HKV, select_size, num_selected, num_init, num_local,
-    HAS_POS: tl.constexpr, BR: tl.constexpr, BNS: tl.constexpr, NSEL: tl.constexpr, RADIX: tl.constexpr,
+    HAS_POS: tl.constexpr, BR: tl.constexpr, BNS: tl.constexpr, NSEL: tl.constexpr, METHOD: tl.constexpr,
 ):
     # IMP [N_ROWS, NS] float32 (rows ordered (b, t, h_kv)); OUT [N_ROWS, num_selected] int32.
     # Picks forced blocks, then the largest importances (ties: lower block index), writes the
@@ -617,40 +648,46 @@ def _topk_blocks_kernel(
     cur = t // select_size  # block holding t
     imp = tl.load(IMP + rows[:, None] * NS + o_j[None, :], mask=m_r[:, None] & (o_j < NS)[None, :],
                   other=0.0)  # [BR, BNS]
-    forced = (o_j[None, :] < num_init) | (o_j[None, :] > (cur - num_local)[:, None])
-    imp = tl.where(forced, float("inf"), imp)
-    imp = tl.where(o_j[None, :] > cur[:, None], float("-inf"), imp)
-    if RADIX:
-        # the k-th largest importance by a bitwise search over order-preserving int32 keys (31 counting
-        # passes instead of k arg-max passes), then every larger one and the lowest-index ties
-        k_eff = tl.minimum(tl.sum((imp > float("-inf")).to(tl.int32), 1), num_selected)  # [BR]
-        bits = imp.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BR, BNS] ordered like imp (no -0.0 here)
-        tau = tl.where(tl.sum((key >= 0).to(tl.int32), 1) >= k_eff, 0, -2147483648)  # [BR]
-        for i in range(31):
-            cand = tau | (1 << (30 - i))
-            tau = tl.where(tl.sum((key >= cand[:, None]).to(tl.int32), 1) >= k_eff, cand, tau)
-        gt = key > tau[:, None]
-        eq = key == tau[:, None]
-        need = k_eff - tl.sum(gt.to(tl.int32), 1)  # [BR] ties to take, lowest index first
-        take_eq = eq & (tl.cumsum(eq.to(tl.int32), 1) <= need[:, None])
-        chosen = (gt | take_eq).to(tl.int32)
-    else:
-        chosen = tl.zeros([BR, BNS], tl.int32)
-        for _ in range(num_selected):
-            best = tl.max(imp, 1)  # [BR]
-            is_best = imp == best[:, None]
-            first = tl.min(tl.where(is_best, o_j[None, :], BNS), 1)  # lowest index among ties
-            take = (o_j[None, :] == first[:, None]) & (best > float("-inf"))[:, None]
-            chosen = tl.where(take, 1, chosen)
-            imp = tl.where(o_j[None, :] == first[:, None], float("-inf"), imp)
-    rank = tl.cumsum(chosen, 1) - 1  # [BR, BNS] output slot of each chosen block
-    count = tl.sum(chosen, 1)  # [BR]
     o_s = tl.arange(0, NSEL)
-    tl.store(OUT + rows[:, None] * num_selected + o_s[None, :], tl.full([BR, NSEL], -1, tl.int32),
-             mask=m_r[:, None] & (o_s >= count[:, None]) & (o_s < num_selected)[None, :])
-    tl.store(OUT + rows[:, None] * num_selected + rank, o_j[None, :] + tl.zeros([BR, BNS], tl.int32),
-             mask=m_r[:, None] & (chosen > 0))
+    out_ptrs = OUT + rows[:, None] * num_selected + o_s[None, :]
+    if METHOD == "bitonic":
+        blk = top_blocks(block_keys(imp, o_j[None, :], cur[:, None], num_init, num_local, BNS), num_selected,
+                         BNS, NSEL)  # [BR, NSEL]
+        tl.store(out_ptrs, tl.where(blk < BNS, blk, -1), mask=m_r[:, None] & (o_s < num_selected)[None, :])
+    else:
+        forced = (o_j[None, :] < num_init) | (o_j[None, :] > (cur - num_local)[:, None])
+        imp = tl.where(forced, float("inf"), imp)
+        imp = tl.where(o_j[None, :] > cur[:, None], float("-inf"), imp)
+        if METHOD == "radix":
+            # the k-th largest importance by a bitwise search over order-preserving int32 keys (31 counting
+            # passes instead of k arg-max passes), then every larger one and the lowest-index ties
+            k_eff = tl.minimum(tl.sum((imp > float("-inf")).to(tl.int32), 1), num_selected)  # [BR]
+            bits = imp.to(tl.int32, bitcast=True)
+            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BR, BNS] ordered like imp (no -0.0 here)
+            tau = tl.where(tl.sum((key >= 0).to(tl.int32), 1) >= k_eff, 0, -2147483648)  # [BR]
+            for i in range(31):
+                cand = tau | (1 << (30 - i))
+                tau = tl.where(tl.sum((key >= cand[:, None]).to(tl.int32), 1) >= k_eff, cand, tau)
+            gt = key > tau[:, None]
+            eq = key == tau[:, None]
+            need = k_eff - tl.sum(gt.to(tl.int32), 1)  # [BR] ties to take, lowest index first
+            take_eq = eq & (tl.cumsum(eq.to(tl.int32), 1) <= need[:, None])
+            chosen = (gt | take_eq).to(tl.int32)
+        else:
+            chosen = tl.zeros([BR, BNS], tl.int32)
+            for _ in range(num_selected):
+                best = tl.max(imp, 1)  # [BR]
+                is_best = imp == best[:, None]
+                first = tl.min(tl.where(is_best, o_j[None, :], BNS), 1)  # lowest index among ties
+                take = (o_j[None, :] == first[:, None]) & (best > float("-inf"))[:, None]
+                chosen = tl.where(take, 1, chosen)
+                imp = tl.where(o_j[None, :] == first[:, None], float("-inf"), imp)
+        rank = tl.cumsum(chosen, 1) - 1  # [BR, BNS] output slot of each chosen block
+        count = tl.sum(chosen, 1)  # [BR]
+        tl.store(out_ptrs, tl.full([BR, NSEL], -1, tl.int32),
+                 mask=m_r[:, None] & (o_s >= count[:, None]) & (o_s < num_selected)[None, :])
+        tl.store(OUT + rows[:, None] * num_selected + rank, o_j[None, :] + tl.zeros([BR, BNS], tl.int32),
+                 mask=m_r[:, None] & (chosen > 0))
 
 
 def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, num_local, positions=None):
@@ -660,14 +697,17 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
     out = torch.empty(n_rows, num_selected, device=imp.device, dtype=torch.int32)
     if n_rows == 0:
         return out
-    BNS = pow2(ns)
-    BR = max(1, min(16, 4096 // BNS))
+    if TOPK_METHOD not in TOPK_METHODS:
+        raise ValueError(f"TOPK_METHOD must be one of {TOPK_METHODS}, got {TOPK_METHOD!r}")
+    NSEL = pow2(num_selected, 1)
+    BNS = max(pow2(ns), NSEL)  # the bitonic top-k takes at most BNS
+    BR = max(1, min(TOPK_CONFIG["rows"], 4096 // BNS))
     if n_rows <= 128 and not interpreting():  # decode: few rows, one per program
         BR = 1
     _topk_blocks_kernel[(triton.cdiv(n_rows, BR),)](
         imp, positions if positions is not None else imp, out, n_rows, ns, T, num_kv_heads, select_size,
         num_selected, num_init, num_local, HAS_POS=positions is not None, BR=BR, BNS=BNS,
-        NSEL=pow2(num_selected, 1), RADIX=TOPK_RADIX, num_warps=4,
+        NSEL=NSEL, METHOD=TOPK_METHOD, num_warps=TOPK_CONFIG["num_warps"],
     )
     return out
 

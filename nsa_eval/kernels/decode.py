@@ -18,12 +18,13 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    from a 16-wide tile). The program that finishes last for its (sequence, KV head) takes the top-k
    of the whole row, like `topk_blocks`: forced blocks taken at once, then one max reduction per pick
    over int64 keys ordered like (importance, -block index), so ties go to the lower index (with
-   `TOPK_IN_STEP2 = False`, `topk_blocks` does it in a launch of its own). With
-   `WINDOW_IN_STEP2` (default) the same launch has one more program per window chunk
-   (`WIN_TILES_PER_PROGRAM` tiles of 64 keys): the window branch does not depend on the selection,
-   and its loads fill the memory bus while the top-k runs.
+   `TOPK_IN_STEP2 = False`, `topk_blocks` does it in a launch of its own; with
+   `_triton_utils.TOPK_METHOD = "bitonic"`, `tl.topk` of the same keys). With `WINDOW_STEP = 2`
+   (default) the same launch has one more program per window chunk (`WIN_TILES_PER_PROGRAM` tiles
+   of 64 keys): the window branch does not depend on the selection, and its loads fill the memory
+   bus while the top-k runs (`WINDOW_STEP = 1` or 3 puts them in step 1 or 3 instead).
 3. `_decode_attn_fused_kernel`, one program per (`SEL_PER_PROGRAM` selected-block slots, or window
-   chunk if not done in step 2; sequence, KV head): a partial softmax.
+   chunk with `WINDOW_STEP = 3`; sequence, KV head): a partial softmax.
 4. `_decode_merge_kernel`, one program per (DVC output columns, 64 at d = 128; sequence x KV
    head): the partials of the three branches merged (merge weights per branch from one load of its
    (max, sum) rows, gates folded in, then one load of all partials of each branch) and the output
@@ -50,13 +51,16 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_eval.kernels import _triton_utils
 from nsa_eval.kernels._triton_utils import (
     LOG2E,
+    block_keys,
     default_scale,
     interpreting,
     overlap_weights,
     pow2,
     softmax_start,
+    top_blocks,
     topk_blocks,
 )
 
@@ -77,9 +81,10 @@ WIN_TILES_PER_PROGRAM = 2
 # fused: pipeline stages of the compressed-key loop; warps of the attention kernel
 CMP_STAGES = 3
 ATTN_WARPS = 4
-# fused: window chunks run in step 2's launch (beside the importances and the top-k, which leave the
-# memory bus idle) instead of step 3's
-WINDOW_IN_STEP2 = True
+# fused: the launch that holds the window chunks (the window branch depends on nothing): 2, beside
+# the importances and the top-k, which leave the memory bus idle (run 13, B=16 at 64k: 115.0 us against
+# 121.6 in step 3); 1, beside the compressed keys; or 3, beside the selected blocks
+WINDOW_STEP = 2
 # fused: the last program of step 3 merges the partials (True), or a fourth launch does, one program
 # per (DVC output columns, sequence x KV head) (False; the benchmark times both). Run 9, B=16 at 64k:
 # step 3 alone 16 us + the merge launch 8 us, against 39 us with the merge in step 3's last program
@@ -88,8 +93,9 @@ MERGE_IN_ATTN = False
 # fused: chunks of selection blocks (32 blocks each on the GPU with the paper's sizes) per importance
 # program of step 2: fewer programs, each with one lse merge and several chunks. Run 10, B=16 at 64k,
 # as a runtime loop: 4 chunks 121.9 us against 128.6 for 1 (CUDA graph); the loop itself slowed the
-# kernel (54 us against 38 in run 9), so the chunks are now unrolled.
-IMP_CHUNKS_PER_PROGRAM = 4
+# kernel (54 us against 38 in run 9), so the chunks are now unrolled. Unrolled, 2 chunks against 4:
+# 111.8 against 115.0 us (run 13's sweep), 111.8 against 113.6 (run 14's).
+IMP_CHUNKS_PER_PROGRAM = 2
 # fused: the top-k by the last importance program of each row (True), or by `topk_blocks` in a
 # launch of its own (False: no serial tail in step 2; untimed so far, the benchmark's decode profile
 # shows both kernels' times)
@@ -317,13 +323,15 @@ def _decode_combine_kernel(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_cmp_split_kernel(
-    Q, KC, VC, POS, SC, PM, PL, PO, CNT_IMP, CNT_ATTN,
-    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-    TC, HKV, G, NPART, SC_LEN, scale_log2, block_len, stride,
+    Q, KC, VC, POS, SC, PM, PL, PO, CNT_IMP, CNT_ATTN, KW, VW,
+    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
+    TC, HKV, G, NCMP, NSELP, NPART, SC_LEN, S, window, scale_log2, block_len, stride,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
-    BC: tl.constexpr, UPCAST: tl.constexpr,
+    BC: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # partials of split i_s sit at PM/PL/PO[i_bh, i_s] (PM, PL: [B*HKV, NPART, M]; PO: [.., M, BDV])
+    # programs 0 .. NCMP-1: compression splits, partials at PM/PL/PO[i_bh, i_s] (PM, PL:
+    # [B*HKV, NPART, M]; PO: [.., M, BDV]); NCMP ..: window chunks (WINDOW_STEP = 1), partials
+    # NCMP + NSELP + i as in steps 2 and 3
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1)
     if i_s == 0:
@@ -335,7 +343,16 @@ def _decode_cmp_split_kernel(
     t = tl.load(POS + i_b)
     n_vis = _n_visible(t, TC, block_len, stride)
     n_vis_tiles = tl.cdiv(n_vis, BC)
-    if i_s < n_vis_tiles:
+    if i_s >= NCMP:
+        o_r = tl.arange(0, M)
+        o_dk = tl.arange(0, BDK)
+        o_dv = tl.arange(0, BDV)
+        q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
+        m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_s - NCMP, skw_b, skw_t, skw_h,
+                                        svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
+                                        BW, WT, UPCAST)
+        _store_partial(PM, PL, PO, i_bh * NPART + NSELP + i_s, m_i, l_i, acc, o_r, o_dv, M, BDV)
+    elif i_s < n_vis_tiles:
         o_r = tl.arange(0, M)
         o_dk = tl.arange(0, BDK)
         o_dv = tl.arange(0, BDV)
@@ -345,7 +362,7 @@ def _decode_cmp_split_kernel(
         sc_rows = SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN  # [M, 1]
         m_i, l_i, acc = softmax_start(M, BDV)
         # tiles i_s, i_s + splits, ...: the visible tiles spread evenly over the splits at any t
-        for tile in range(i_s, n_vis_tiles, tl.num_programs(0)):
+        for tile in range(i_s, n_vis_tiles, NCMP):
             o_k = tile * BC + tl.arange(0, BC)  # [BC] compressed block indices
             m_k = o_k < n_vis
             k_ptrs = k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
@@ -377,7 +394,7 @@ def _decode_importance_split_kernel(
     M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr, NPB: tl.constexpr,
     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, CPP: tl.constexpr, TOPK: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BITONIC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # programs 0 .. NIMP-1: importances of CPP chunks of BNS selection blocks each; NIMP ..: window
     # chunks (partials NCMP + NSELP + i, as in step 3)
@@ -394,7 +411,7 @@ def _decode_importance_split_kernel(
     else:
         _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS,
                           block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
-                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP, TOPK)
+                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP, TOPK, BITONIC)
 
 
 @triton.jit
@@ -402,7 +419,7 @@ def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPAR
                       block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
                       M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr,
                       NPB: tl.constexpr, BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, CPP: tl.constexpr,
-                      TOPK: tl.constexpr):
+                      TOPK: tl.constexpr, BITONIC: tl.constexpr):
     BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
     i_b = i_bh // HKV
     t = tl.load(POS + i_b)
@@ -454,24 +471,32 @@ def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPAR
 
     if TOPK:  # the last program of this (sequence, KV head) to arrive takes the top-k of the whole row
         _last_takes_topk(IMP, BI, CNT, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
-                         BNS_ALL, NSEL2)
+                         BNS_ALL, NSEL2, BITONIC)
 
 
 @triton.jit
 def _last_takes_topk(IMP, BI, CNT, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
-                     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr):
+                     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, BITONIC: tl.constexpr):
     tl.debug_barrier()  # all threads' stores before the release of the counter increment
     arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
     if arrived == NIMP - 1:
-        chosen = _topk_row(IMP + i_bh.to(tl.int64) * NS, t, NS, select_size, num_selected, num_init,
-                           num_local, BNS_ALL)  # [BNS_ALL]
-        o_a = tl.arange(0, BNS_ALL)
-        rank = tl.cumsum(chosen, 0) - 1  # [BNS_ALL] output slot of each chosen block
         o_n = tl.arange(0, NSEL2)
         bi_row = BI + i_bh.to(tl.int64) * num_selected
-        tl.store(bi_row + o_n, tl.full([NSEL2], -1, tl.int32),
-                 mask=(o_n >= tl.sum(chosen, 0)) & (o_n < num_selected))
-        tl.store(bi_row + rank, o_a, mask=chosen > 0)
+        if BITONIC:  # `tl.topk` of the row's keys, as `topk_blocks` with TOPK_METHOD = "bitonic"
+            o_a = tl.arange(0, BNS_ALL)
+            imp = tl.load(IMP + i_bh.to(tl.int64) * NS + o_a, mask=o_a < NS, other=0.0, cache_modifier=".cg")
+            cur = t // select_size
+            blk = top_blocks(block_keys(imp, o_a, cur, num_init, num_local, BNS_ALL), num_selected, BNS_ALL,
+                             NSEL2)  # [NSEL2] ascending, BNS_ALL in empty slots
+            tl.store(bi_row + o_n, tl.where(blk < BNS_ALL, blk, -1), mask=o_n < num_selected)
+        else:
+            chosen = _topk_row(IMP + i_bh.to(tl.int64) * NS, t, NS, select_size, num_selected, num_init,
+                               num_local, BNS_ALL)  # [BNS_ALL]
+            o_a = tl.arange(0, BNS_ALL)
+            rank = tl.cumsum(chosen, 0) - 1  # [BNS_ALL] output slot of each chosen block
+            tl.store(bi_row + o_n, tl.full([NSEL2], -1, tl.int32),
+                     mask=(o_n >= tl.sum(chosen, 0)) & (o_n < num_selected))
+            tl.store(bi_row + rank, o_a, mask=chosen > 0)
 
 
 @triton.jit
@@ -577,7 +602,7 @@ def _decode_attn_fused_kernel(
             _, m, l, o = _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                                           o_r, o_dk, o_dv, G, scale_log2, DK, DV, UPCAST)
             m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
-    else:  # window chunks, unless step 2 took them (WINDOW_IN_STEP2: then the grid has NSELP programs)
+    else:  # window chunks (WINDOW_STEP = 3; otherwise the grid has NSELP programs)
         m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_p - NSELP, skw_b, skw_t, skw_h,
                                         svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
                                         BW, WT, UPCAST)
@@ -723,11 +748,14 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     scale_log2 = scale * LOG2E
 
     # 1. compression branch: scores + one partial softmax per split
-    _decode_cmp_split_kernel[(n_cmp, BH)](
-        q, k_cmp, v_cmp, pos, scores, pm, pl, po, counter[0], counter[1], q.stride(0), q.stride(2),
-        k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
-        TC, HKV, G, npart, sc_len, scale_log2, block_len, stride,
-        DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, UPCAST=interp, num_warps=4, num_stages=CMP_STAGES,
+    if WINDOW_STEP not in (1, 2, 3):
+        raise ValueError(f"WINDOW_STEP must be 1, 2 or 3, got {WINDOW_STEP!r}")
+    _decode_cmp_split_kernel[(n_cmp + (n_winp if WINDOW_STEP == 1 else 0), BH)](
+        q, k_cmp, v_cmp, pos, scores, pm, pl, po, counter[0], counter[1], k_swa, v_swa, q.stride(0),
+        q.stride(2), *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
+        TC, HKV, G, n_cmp, n_selp, npart, sc_len, S, window, scale_log2, block_len, stride,
+        DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, BW=BW, WT=WT, UPCAST=interp, num_warps=4,
+        num_stages=CMP_STAGES,
     )
 
     # 2. selection-block importances; the last program of each row takes its top-k
@@ -738,15 +766,15 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     spill = pow2(max(1, triton.cdiv(block_len, stride) - 1))
     npb = pow2(max(n_cmp, n_selp, n_winp), 1)
     bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
+    nsel2 = pow2(num_selected, 1)
     n_imp = triton.cdiv(ns, bns * IMP_CHUNKS_PER_PROGRAM)
-    win_in_step2 = WINDOW_IN_STEP2
-    _decode_importance_split_kernel[(n_imp + (n_winp if win_in_step2 else 0), BH)](
+    _decode_importance_split_kernel[(n_imp + (n_winp if WINDOW_STEP == 2 else 0), BH)](
         pos, scores, pm, pl, imp, bi, counter[0], q, k_swa, v_swa, po, q.stride(0), q.stride(2),
         *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, BC, sc_len, ns, block_len,
         stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp, S, window, scale_log2,
-        M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, BNS_ALL=pow2(ns), NSEL2=pow2(num_selected, 1),
+        M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, BNS_ALL=max(pow2(ns), nsel2), NSEL2=nsel2,
         DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT, CPP=IMP_CHUNKS_PER_PROGRAM, TOPK=TOPK_IN_STEP2,
-        UPCAST=interp, num_warps=4,
+        BITONIC=_triton_utils.TOPK_METHOD == "bitonic", UPCAST=interp, num_warps=4,
     )
     if not TOPK_IN_STEP2:  # 2b. the top-k in a launch of its own, one program per row
         bi = topk_blocks(imp, T=1, num_kv_heads=HKV, select_size=select_size, num_selected=num_selected,
@@ -757,7 +785,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     # the final merge loads [npb, M, DVC] partials per branch at once: about 4096 values per 4 warps
     warps = ATTN_WARPS if npb * M <= 256 else 8
     dvc = min(BDV, max(4, 1024 * warps // (npb * M)))
-    _decode_attn_fused_kernel[(n_selp + (0 if win_in_step2 else n_winp), BH)](
+    _decode_attn_fused_kernel[(n_selp + (n_winp if WINDOW_STEP == 3 else 0), BH)](
         q, k, v, k_swa, v_swa, pos, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
         S, TC, HKV, G, n_selp, n_winp, n_cmp, npart, BC, scale_log2, window, block_len, stride,

@@ -96,14 +96,14 @@ def test_more_forced_blocks_than_slots(variant):
 
 @interpreter_only
 def test_fused_knobs(monkeypatch):
-    """One tile per split (many partials) and one split for everything; window chunks in step 3; the
-    merge in a fourth launch."""
+    """One tile per split (many partials) and one split for everything; window chunks in step 1 or 3;
+    the merge in a fourth launch."""
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
     q, kv, gates = _inputs(2, 400, 8, 2, 16, 16, seed=3)
-    for tiles, window_in_step2, merge_in_attn in ((1, True, True), (64, True, True), (2, False, True),
-                                                  (2, True, False), (2, False, False)):
+    for tiles, window_step, merge_in_attn in ((1, 2, True), (64, 2, True), (2, 3, True), (2, 2, False),
+                                              (2, 3, False), (2, 1, False), (1, 1, True)):
         monkeypatch.setattr(decode, "CMP_SPLIT_TILES", tiles)
-        monkeypatch.setattr(decode, "WINDOW_IN_STEP2", window_in_step2)
+        monkeypatch.setattr(decode, "WINDOW_STEP", window_step)
         monkeypatch.setattr(decode, "MERGE_IN_ATTN", merge_in_attn)
         _check(q, kv, gates, [400, 211], select_size=32, num_selected=4, window=48)
 
@@ -128,6 +128,23 @@ def test_topk_in_its_own_launch(monkeypatch):
     q, kv, gates = _inputs(3, 600, 8, 2, 16, 16, seed=6)
     _check(q, kv, gates, [600, 260, 40], select_size=16, num_selected=5, window=40)
     _check_exact_ties()
+
+
+@interpreter_only
+@pytest.mark.parametrize("in_step2", [True, False], ids=["last-program", "own-launch"])
+def test_bitonic_topk(monkeypatch, in_step2):
+    """TOPK_METHOD = "bitonic" (`tl.topk` of int64 keys) in the last importance program and in
+    `topk_blocks`: the reference's blocks and output, exact ties and more forced blocks than slots."""
+    from nsa_eval.kernels import _triton_utils
+
+    monkeypatch.setattr(_triton_utils, "TOPK_METHOD", "bitonic")
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    monkeypatch.setattr(decode, "TOPK_IN_STEP2", in_step2)
+    q, kv, gates = _inputs(3, 600, 8, 2, 16, 16, seed=6)
+    _check(q, kv, gates, [600, 260, 40], select_size=16, num_selected=5, window=40)
+    _check_exact_ties()
+    q, kv, gates = _inputs(2, 300, 4, 2, 16, 16, seed=5)
+    _check(q, kv, gates, [300, 150], select_size=16, num_selected=2, num_init=1, num_local=3, window=16)
 
 
 def _graph(fn):
@@ -197,12 +214,15 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(SEL_PER_PROGRAM=2, WIN_TILES_PER_PROGRAM=1),
     dict(SEL_PER_PROGRAM=8, WIN_TILES_PER_PROGRAM=4),
     dict(ATTN_WARPS=8),
-    dict(WINDOW_IN_STEP2=False),
+    dict(WINDOW_STEP=3),
+    dict(WINDOW_STEP=1),
     dict(MERGE_IN_ATTN=True),
     dict(IMP_CHUNKS_PER_PROGRAM=1),
-    dict(IMP_CHUNKS_PER_PROGRAM=2),
+    dict(IMP_CHUNKS_PER_PROGRAM=4),
     dict(IMP_CHUNKS_PER_PROGRAM=8),
     dict(TOPK_IN_STEP2=False),
+    dict(TOPK_METHOD="bitonic"),
+    dict(TOPK_METHOD="bitonic", TOPK_IN_STEP2=False),
 ]
 
 
@@ -215,11 +235,14 @@ def test_gpu_fused_config_sweep(monkeypatch):
     q, kv, gates, seqlens = _gpu_inputs(65536)
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
     want = decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens)
-    defaults = {name: getattr(decode, name) for knobs in SWEEP for name in knobs}
+    from nsa_eval.kernels import _triton_utils
+
+    owner = lambda name: _triton_utils if name == "TOPK_METHOD" else decode  # noqa: E731
+    defaults = {name: getattr(owner(name), name) for knobs in SWEEP for name in knobs}
     print()
     for knobs in SWEEP:
         for name, value in {**defaults, **knobs}.items():
-            monkeypatch.setattr(decode, name, value)
+            monkeypatch.setattr(owner(name), name, value)
         graph, o = _graph(lambda: decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens))
         us = triton.testing.do_bench(graph.replay) * 1e3
         print(f"fused decode {knobs or 'defaults'}: {us:.1f} us (CUDA graph)")

@@ -202,13 +202,16 @@ def test_nsa_attention_triton_composition():
         assert rel_err(a, b) < TOL
 
 
-@pytest.mark.parametrize("radix", [True, False], ids=["radix", "argmax"])
-def test_topk_blocks_ties_and_forced(monkeypatch, radix):
-    """Both top-k variants: forced blocks, no block after t, largest importances with ties (many
-    equal values, zeros) going to the lower index, ascending output, -1 padding."""
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("method", ["radix", "argmax", "bitonic"])
+def test_topk_blocks_ties_and_forced(monkeypatch, method, rows):
+    """Every top-k method, one or several rows per program: forced blocks, no block after t, largest
+    importances with ties (many equal values, zeros) going to the lower index, ascending output, -1
+    padding."""
     from nsa_eval.kernels import _triton_utils as tu
 
-    monkeypatch.setattr(tu, "TOPK_RADIX", radix)
+    monkeypatch.setattr(tu, "TOPK_METHOD", method)
+    monkeypatch.setattr(tu, "TOPK_CONFIG", dict(rows=rows, num_warps=1))
     g = torch.Generator().manual_seed(21)
     T, hkv, ns, n, bs = 40, 2, 20, 5, 2
     imp = torch.randint(0, 4, (T * hkv, ns), generator=g).float() / 4  # many ties, zeros included
