@@ -48,7 +48,7 @@ def launches():
          dict(common, BNS=max(16, 128 // RATIO), RATIO=RATIO, SPILL=16, NPB=npb, BNS_ALL=NS, NSEL2=16, BW=64,
               WT=dec.WIN_TILES_PER_PROGRAM, CPP=dec.IMP_CHUNKS_PER_PROGRAM, TOPK=dec.TOPK_IN_STEP2,
               BITONIC=u.TOPK_METHOD == "bitonic"),
-         dict(num_warps=4)),
+         dict(dec.IMP_LAUNCH)),
         ("3 selected blocks", dec._decode_attn_fused_kernel, [b] * 5 + [i, i, f, f, f, i, b, b, b, b],
          dict(common, BS=64, SPP=dec.SEL_PER_PROGRAM, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, NPB=npb, DVC=dvc,
               MERGE=dec.MERGE_IN_ATTN), dict(num_warps=warps)),

@@ -96,6 +96,11 @@ MERGE_IN_ATTN = False
 # kernel (54 us against 38 in run 9), so the chunks are now unrolled. Unrolled, 2 chunks against 4:
 # 111.8 against 115.0 us (run 13's sweep), 111.8 against 113.6 (run 14's).
 IMP_CHUNKS_PER_PROGRAM = 2
+# fused: launch options of step 2. Compiled for sm_90 (scripts/ptxas_decode_kernels.py): 164
+# registers at 4 warps, so 3 programs per SM; maxnreg=128 fits 4 (188 bytes spilled). Run 16's
+# sweep, B=16 at 64k: 110.6 us at 4 warps, 115.2 with maxnreg=128, 115.5 at 2 warps, 144.4 at 8; so
+# the launch is not short of programs per SM.
+IMP_LAUNCH = dict(num_warps=4)
 # fused: the top-k by the last importance program of each row (True), or by `topk_blocks` in a
 # launch of its own (False: no serial tail in step 2; untimed so far, the benchmark's decode profile
 # shows both kernels' times)
@@ -774,7 +779,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
         stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp, S, window, scale_log2,
         M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, BNS_ALL=max(pow2(ns), nsel2), NSEL2=nsel2,
         DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT, CPP=IMP_CHUNKS_PER_PROGRAM, TOPK=TOPK_IN_STEP2,
-        BITONIC=_triton_utils.TOPK_METHOD == "bitonic", UPCAST=interp, num_warps=4,
+        BITONIC=_triton_utils.TOPK_METHOD == "bitonic", UPCAST=interp, **({} if interp else IMP_LAUNCH),
     )
     if not TOPK_IN_STEP2:  # 2b. the top-k in a launch of its own, one program per row
         bi = topk_blocks(imp, T=1, num_kv_heads=HKV, select_size=select_size, num_selected=num_selected,

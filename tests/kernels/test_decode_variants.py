@@ -223,6 +223,9 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(TOPK_IN_STEP2=False),
     dict(TOPK_METHOD="bitonic"),
     dict(TOPK_METHOD="bitonic", TOPK_IN_STEP2=False),
+    dict(IMP_LAUNCH=dict(num_warps=4, maxnreg=128)),
+    dict(IMP_LAUNCH=dict(num_warps=8)),
+    dict(IMP_LAUNCH=dict(num_warps=2)),
 ]
 
 
