@@ -36,20 +36,10 @@ class Row:
 
 
 def nsa_prefill(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, **params):
-    """NSA prefill through the Triton ops: [B,T,Hq,Dk] ... -> [B,T,Hq,Dv]."""
-    from nsa_eval.kernels._triton_utils import gated_sum
-    from nsa_eval.kernels.compression import compressed_attention
-    from nsa_eval.kernels.selection import select_blocks, selected_attention
-    from nsa_eval.kernels.window import sliding_window_attention
+    """NSA prefill through the Triton kernels (`kernels.prefill`): [B,T,Hq,Dk] ... -> [B,T,Hq,Dv]."""
+    from nsa_eval.kernels.prefill import nsa_attention
 
-    p = {**PAPER, **params}
-    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, block_len=p["block_len"], stride=p["stride"])
-    idx = select_blocks(q, k_cmp, block_len=p["block_len"], stride=p["stride"], select_size=p["select_size"],
-                        num_selected=p["num_selected"], num_init=p["num_init"], num_local=p["num_local"],
-                        lse=lse.detach())
-    o_slc = selected_attention(q, k, v, idx, select_size=p["select_size"])
-    o_swa = sliding_window_attention(q, k, v, window=p["window"])
-    return gated_sum(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)  # [B, T, Hq, Dv]
+    return nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, **{**PAPER, **params})
 
 
 def _inputs(B, T, hq, hkv, d, *, grad, device="cuda", dtype=None):
@@ -286,10 +276,12 @@ def bench_ops(T, hq, hkv, d=128):
 
 
 def bench_variants(x, lse, idx):
-    """Alternatives to the default kernels, timed beside them (ms): the other top-k (bitwise search),
+    """Alternatives to the default kernels, timed beside them (ms): the other top-k methods (and the
+    top-k alone at several launch shapes),
     the first importance kernel (per-head tf32x3 overlap matmuls), launch configurations of the
     selected-attention forward and of each part of the banded kernels (dq/dkv: forward+backward), the
-    banded kernels' single masked loop (BAND_SPLIT_MASK=False) and the window's split backward."""
+    banded kernels' single masked loop (BAND_SPLIT_MASK=False) and the window's split backward; the
+    whole NSA's forward+backward as one autograd op and composed from the branches' ops."""
     import torch
 
     from nsa_eval.kernels import _triton_utils, selection
@@ -377,6 +369,13 @@ def bench_variants(x, lse, idx):
     timed("compressed_attention [dq dkv masked loop]", _triton_utils, "BAND_SPLIT_MASK", False,
           _fwd_bwd(cmp, x))
     timed("sliding_window_attention [dq dkv split]", _triton_utils, "BAND_SPLIT_MASK", True, _fwd_bwd(swa, x))
+    # the whole NSA as one autograd op (deltas from the gate backward, one dq sum) and composed from
+    # the branches' ops, side by side
+    from nsa_eval.kernels import prefill
+
+    whole = _fwd_bwd(lambda: nsa_prefill(**x), x)
+    for fused, label in ((True, "fused"), (False, "composed")):
+        timed(f"nsa_attention [{label} backward]", prefill, "FUSED_BACKWARD", fused, whole)
     return out
 
 
@@ -526,7 +525,7 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
         log(f"profiling failed: {str(err).splitlines()[0][:160]}")
     torch.cuda.empty_cache()
     for name, (f, fb) in bench_ops(T, heads, kv_heads, dim).items():
-        if "[dq " in name or "[dkv " in name:  # backward variants: timed forward+backward
+        if "[dq " in name or "[dkv " in name or name.endswith("backward]"):  # timed forward+backward
             f, fb = None, f
         if f is not None:
             add("op-fwd", name, T, hs, 1, f)

@@ -41,7 +41,7 @@ def launches():
     common = dict(DK=D, DV=D, BDK=D, BDV=D, M=M, UPCAST=False)
     return [
         ("1 compressed keys", dec._decode_cmp_split_kernel, [b, b, b, i, f, f, f, f, i, i, b, b],
-         dict(common, BC=dec.CMP_TILE_KEYS, BW=64, WT=dec.WIN_TILES_PER_PROGRAM),
+         dict(common, BC=dec.CMP_TILE_KEYS, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, WIN=dec.WINDOW_STEP == 1),
          dict(num_warps=4, num_stages=dec.CMP_STAGES)),
         ("2 importance + top-k + window", dec._decode_importance_split_kernel,
          [i, f, f, f, f, i, i, b, b, b, f],

@@ -19,8 +19,9 @@ Shapes use the flash-attn layout; ``Hq = G * Hkv``; ``Dk`` (q/k) may differ from
   ``cache_seqlens[B]) -> o[B,1,Hq,Dv]``
 
 The Triton versions live in ``compression.py`` (``compressed_attention``), ``selection.py``
-(``select_blocks``, ``selected_attention``), ``window.py`` (``sliding_window_attention``) and
-``decode.py`` (``nsa_decode``), each with the reference's signature minus ``impl``.
+(``select_blocks``, ``selected_attention``), ``window.py`` (``sliding_window_attention``),
+``prefill.py`` (``nsa_attention``: the branches and gates as one autograd op) and ``decode.py``
+(``nsa_decode``), each with the reference's signature minus ``impl``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ _TRITON_MODULES = {
     "select_blocks": "nsa_eval.kernels.selection",
     "selected_attention": "nsa_eval.kernels.selection",
     "sliding_window_attention": "nsa_eval.kernels.window",
+    "nsa_attention": "nsa_eval.kernels.prefill",
     "nsa_decode": "nsa_eval.kernels.decode",
 }
 
@@ -165,29 +167,8 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_s
     if _validate.check_impl(impl, q) == "reference":
         return reference.nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa=k_swa, v_swa=v_swa,
                                        return_block_indices=return_block_indices, **params)
-    return _triton_nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa,
-                                 return_block_indices, **params)
-
-
-def _triton_nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa,
-                          return_block_indices, *, block_len, stride, select_size, num_selected,
-                          num_init, num_local, window, scale):
-    """Compose the three Triton branches with the gates (same result as ``reference.nsa_attention``)."""
-    k_swa = k if k_swa is None else k_swa
-    v_swa = v if v_swa is None else v_swa
-    from nsa_eval.kernels._triton_utils import gated_sum
-
-    o_cmp, lse = _triton("compressed_attention")(q, k_cmp, v_cmp, block_len=block_len, stride=stride,
-                                                 scale=scale)
-    # the selection reuses the compression lse instead of recomputing it
-    block_indices = _triton("select_blocks")(q, k_cmp, block_len=block_len, stride=stride,
-                                             select_size=select_size, num_selected=num_selected,
-                                             num_init=num_init, num_local=num_local, scale=scale,
-                                             lse=lse.detach())
-    o_slc = _triton("selected_attention")(q, k, v, block_indices, select_size=select_size, scale=scale)
-    o_swa = _triton("sliding_window_attention")(q, k_swa, v_swa, window=window, scale=scale)
-    o = gated_sum(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)  # [B, T, Hq, Dv], one fused pass
-    return (o, block_indices) if return_block_indices else o
+    return _triton("nsa_attention")(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa=k_swa, v_swa=v_swa,
+                                    return_block_indices=return_block_indices, **params)
 
 
 def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None, k_swa=None, v_swa=None,

@@ -143,6 +143,28 @@ def row_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None = Non
     return delta
 
 
+@triton.jit
+def _sum3_kernel(A, B, C, OUT, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    total = tl.load(A + offs, mask=m, other=0.0).to(tl.float32)
+    total += tl.load(B + offs, mask=m, other=0.0).to(tl.float32)
+    total += tl.load(C + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, total.to(OUT.dtype.element_ty), mask=m)
+
+
+def sum3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`(a + b + c).to(dtype)`, summed in float32 in one pass (one rounding); a, b, c of one shape,
+    any float dtypes. The reference: `(a.float() + b.float() + c.float()).to(dtype)`."""
+    a, b, c = contiguous(a, b, c)
+    out = torch.empty(a.shape, device=a.device, dtype=dtype)
+    n = a.numel()
+    if n:
+        BLOCK = 1024
+        _sum3_kernel[(triton.cdiv(n, BLOCK),)](a, b, c, out, n, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # banded FlashAttention-2
 # ---------------------------------------------------------------------------------------------
@@ -557,14 +579,16 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
 
 
 def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offset, window=None,
-                  split_heads=False):
+                  split_heads=False, delta=None):
     """Gradients of `band_forward`: (dq, dk, dv). `split_heads` runs one dk/dv program per query
-    head and sums the group afterwards (many keys seen by long query ranges: compression)."""
+    head and sums the group afterwards (many keys seen by long query ranges: compression). `delta`:
+    float32 `[B, T, Hq]` rowsum(o * do) where the caller has it (then `dlse` must be None)."""
     B, T, HQ, DK = q.shape
     TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
     G = HQ // HKV
     do = do.contiguous()
-    delta = row_delta(o.contiguous(), do, dlse)
+    if delta is None:
+        delta = row_delta(o.contiguous(), do, dlse)
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
     common = dict(HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
                   UPCAST=interpreting())
@@ -623,7 +647,8 @@ def block_keys(imp, o_j, cur, num_init, num_local, BNS: tl.constexpr):
 @triton.jit
 def top_blocks(key, num_selected, BNS: tl.constexpr, KP: tl.constexpr):
     """The num_selected largest keys of `block_keys` `[.., BNS]` -> int32 block indices `[.., KP]`,
-    ascending, BNS in the empty slots (KP = a power of two >= num_selected, <= BNS)."""
+    ascending, BNS in the empty slots (KP: a power of two, >= 2 (`tl.topk` of 1 does not compile),
+    >= num_selected and <= BNS)."""
     top = tl.topk(key, KP)  # [.., KP], largest first
     o_k = tl.arange(0, KP)
     blk = tl.where((top >= 0) & (o_k < num_selected), BNS - 1 - (top & 0xFFFFFFFF).to(tl.int32), BNS)
@@ -662,8 +687,8 @@ def _topk_blocks_kernel(
             # the k-th largest importance by a bitwise search over order-preserving int32 keys (31 counting
             # passes instead of k arg-max passes), then every larger one and the lowest-index ties
             k_eff = tl.minimum(tl.sum((imp > float("-inf")).to(tl.int32), 1), num_selected)  # [BR]
-            bits = imp.to(tl.int32, bitcast=True)
-            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BR, BNS] ordered like imp (no -0.0 here)
+            bits = (imp + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 -> +0.0, a tie with 0
+            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BR, BNS] ordered like imp
             tau = tl.where(tl.sum((key >= 0).to(tl.int32), 1) >= k_eff, 0, -2147483648)  # [BR]
             for i in range(31):
                 cand = tau | (1 << (30 - i))
@@ -699,15 +724,16 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
         return out
     if TOPK_METHOD not in TOPK_METHODS:
         raise ValueError(f"TOPK_METHOD must be one of {TOPK_METHODS}, got {TOPK_METHOD!r}")
-    NSEL = pow2(num_selected, 1)
+    NSEL = pow2(num_selected, 2)  # >= 2 for tl.topk
     BNS = max(pow2(ns), NSEL)  # the bitonic top-k takes at most BNS
     BR = max(1, min(TOPK_CONFIG["rows"], 4096 // BNS))
-    if n_rows <= 128 and not interpreting():  # decode: few rows, one per program
-        BR = 1
+    warps = TOPK_CONFIG["num_warps"]
+    if n_rows <= 128 and not interpreting():  # decode: few rows, one per program, 4 warps each
+        BR, warps = 1, 4
     _topk_blocks_kernel[(triton.cdiv(n_rows, BR),)](
         imp, positions if positions is not None else imp, out, n_rows, ns, T, num_kv_heads, select_size,
         num_selected, num_init, num_local, HAS_POS=positions is not None, BR=BR, BNS=BNS,
-        NSEL=NSEL, METHOD=TOPK_METHOD, num_warps=TOPK_CONFIG["num_warps"],
+        NSEL=NSEL, METHOD=TOPK_METHOD, num_warps=warps,
     )
     return out
 
@@ -733,9 +759,11 @@ def _gate_fwd_kernel(OC, OS, OW, GC, GS, GW, O, N, DV: tl.constexpr, BDV: tl.con
 
 
 @triton.jit
-def _gate_bwd_kernel(OC, OS, OW, GC, GS, GW, DO, DOC, DOS, DOW, DGC, DGS, DGW, N, DV: tl.constexpr,
-                     BDV: tl.constexpr, BR: tl.constexpr):
-    # d o_x = g_x * do, d g_x = rowsum(o_x * do); everything contiguous as in the forward
+def _gate_bwd_kernel(OC, OS, OW, GC, GS, GW, DO, DOC, DOS, DOW, DGC, DGS, DGW, DELTA, N, DV: tl.constexpr,
+                     BDV: tl.constexpr, BR: tl.constexpr, HAS_DELTA: tl.constexpr):
+    # d o_x = g_x * do, d g_x = rowsum(o_x * do); everything contiguous as in the forward.
+    # HAS_DELTA: also each branch's softmax-backward row term rowsum(o_x * d o_x) = g_x * d g_x,
+    # float32 DELTA [3, N] (cmp, slc, swa), so that the branches need no delta pass of their own
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
     cols = tl.arange(0, BDV)
     m_r = rows < N
@@ -748,12 +776,16 @@ def _gate_bwd_kernel(OC, OS, OW, GC, GS, GW, DO, DOC, DOS, DOW, DGC, DGS, DGW, N
     tl.store(DOC + offs, (gc[:, None] * do).to(DOC.dtype.element_ty), mask=mask)
     tl.store(DOS + offs, (gs[:, None] * do).to(DOS.dtype.element_ty), mask=mask)
     tl.store(DOW + offs, (gw[:, None] * do).to(DOW.dtype.element_ty), mask=mask)
-    oc = tl.load(OC + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DGC + rows, tl.sum(oc * do, 1).to(DGC.dtype.element_ty), mask=m_r)
-    os_ = tl.load(OS + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DGS + rows, tl.sum(os_ * do, 1).to(DGS.dtype.element_ty), mask=m_r)
-    ow = tl.load(OW + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DGW + rows, tl.sum(ow * do, 1).to(DGW.dtype.element_ty), mask=m_r)
+    dgc = tl.sum(tl.load(OC + offs, mask=mask, other=0.0).to(tl.float32) * do, 1)  # [BR]
+    tl.store(DGC + rows, dgc.to(DGC.dtype.element_ty), mask=m_r)
+    dgs = tl.sum(tl.load(OS + offs, mask=mask, other=0.0).to(tl.float32) * do, 1)
+    tl.store(DGS + rows, dgs.to(DGS.dtype.element_ty), mask=m_r)
+    dgw = tl.sum(tl.load(OW + offs, mask=mask, other=0.0).to(tl.float32) * do, 1)
+    tl.store(DGW + rows, dgw.to(DGW.dtype.element_ty), mask=m_r)
+    if HAS_DELTA:
+        tl.store(DELTA + rows, gc * dgc, mask=m_r)
+        tl.store(DELTA + N + rows, gs * dgs, mask=m_r)
+        tl.store(DELTA + 2 * N + rows, gw * dgw, mask=m_r)
 
 
 def _gate_rows(dv: int) -> int:
@@ -763,30 +795,44 @@ def _gate_rows(dv: int) -> int:
 class GatedSumFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
-        o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa = contiguous(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
-        dv = o_cmp.shape[-1]
-        n = o_cmp.numel() // max(dv, 1)
-        o = torch.empty_like(o_cmp)
-        if n:
-            BR = _gate_rows(dv)
-            _gate_fwd_kernel[(triton.cdiv(n, BR),)](o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, o, n, DV=dv,
-                                                    BDV=pow2(dv), BR=BR, num_warps=4)
-        ctx.save_for_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
-        return o
+        inputs = contiguous(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
+        ctx.save_for_backward(*inputs)
+        return gate_forward(*inputs)
 
     @staticmethod
     def backward(ctx, do):
-        o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa = ctx.saved_tensors
-        do = do.contiguous()
-        dv = o_cmp.shape[-1]
-        n = o_cmp.numel() // max(dv, 1)
-        d_o = [torch.empty_like(x) for x in (o_cmp, o_slc, o_swa)]
-        d_g = [torch.empty_like(g) for g in (g_cmp, g_slc, g_swa)]
-        if n:
-            BR = _gate_rows(dv)
-            _gate_bwd_kernel[(triton.cdiv(n, BR),)](o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *d_o, *d_g,
-                                                    n, DV=dv, BDV=pow2(dv), BR=BR, num_warps=4)
+        d_o, d_g, _ = gate_backward(*ctx.saved_tensors, do, with_delta=False)
         return (*d_o, *d_g)
+
+
+def gate_forward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
+    """`g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa` (contiguous inputs), no autograd."""
+    dv = o_cmp.shape[-1]
+    n = o_cmp.numel() // max(dv, 1)
+    o = torch.empty_like(o_cmp)
+    if n:
+        BR = _gate_rows(dv)
+        _gate_fwd_kernel[(triton.cdiv(n, BR),)](o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, o, n, DV=dv,
+                                                BDV=pow2(dv), BR=BR, num_warps=4)
+    return o
+
+
+def gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *, with_delta):
+    """Backward of `gated_sum` (contiguous inputs): ([do_cmp, do_slc, do_swa], [dg_cmp, dg_slc,
+    dg_swa], delta), with delta float32 `[3, B, T, Hq]`, each branch's rowsum(o_x * do_x), if asked
+    (else None)."""
+    do = do.contiguous()
+    dv = o_cmp.shape[-1]
+    n = o_cmp.numel() // max(dv, 1)
+    d_o = [torch.empty_like(x) for x in (o_cmp, o_slc, o_swa)]
+    d_g = [torch.empty_like(g) for g in (g_cmp, g_slc, g_swa)]
+    delta = torch.empty(3, *g_cmp.shape, device=do.device, dtype=torch.float32) if with_delta else None
+    if n:
+        BR = _gate_rows(dv)
+        _gate_bwd_kernel[(triton.cdiv(n, BR),)](o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *d_o, *d_g,
+                                                delta if with_delta else do, n, DV=dv, BDV=pow2(dv), BR=BR,
+                                                HAS_DELTA=with_delta, num_warps=4)
+    return d_o, d_g, delta
 
 
 def gated_sum(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):

@@ -102,8 +102,9 @@ IMP_CHUNKS_PER_PROGRAM = 2
 # the launch is not short of programs per SM.
 IMP_LAUNCH = dict(num_warps=4)
 # fused: the top-k by the last importance program of each row (True), or by `topk_blocks` in a
-# launch of its own (False: no serial tail in step 2; untimed so far, the benchmark's decode profile
-# shows both kernels' times)
+# launch of its own (False: no serial tail in step 2). Runs 13-16, B=16 at 64k: 113.2-115.7 us
+# against 110.6-115.0 (the launch alone 7-8 us). In step 2 the top-k is arg-max, or bitonic with
+# `_triton_utils.TOPK_METHOD = "bitonic"` ("radix" exists only in `topk_blocks`).
 TOPK_IN_STEP2 = True
 
 
@@ -332,11 +333,11 @@ def _decode_cmp_split_kernel(
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
     TC, HKV, G, NCMP, NSELP, NPART, SC_LEN, S, window, scale_log2, block_len, stride,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
-    BC: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, UPCAST: tl.constexpr,
+    BC: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, WIN: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # programs 0 .. NCMP-1: compression splits, partials at PM/PL/PO[i_bh, i_s] (PM, PL:
-    # [B*HKV, NPART, M]; PO: [.., M, BDV]); NCMP ..: window chunks (WINDOW_STEP = 1), partials
-    # NCMP + NSELP + i as in steps 2 and 3
+    # [B*HKV, NPART, M]; PO: [.., M, BDV]); with WIN (WINDOW_STEP = 1), programs NCMP ..: window
+    # chunks, partials NCMP + NSELP + i as in steps 2 and 3 (compiled only then: they need registers)
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1)
     if i_s == 0:
@@ -346,27 +347,41 @@ def _decode_cmp_split_kernel(
     i_b = (i_bh // HKV).to(tl.int64)
     i_hk = i_bh % HKV
     t = tl.load(POS + i_b)
+    o_r = tl.arange(0, M)
+    o_dk = tl.arange(0, BDK)
+    o_dv = tl.arange(0, BDV)
+    if WIN:
+        if i_s >= NCMP:
+            q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
+            m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_s - NCMP, skw_b,
+                                            skw_t, skw_h, svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2,
+                                            DK, DV, M, BDV, BW, WT, UPCAST)
+            _store_partial(PM, PL, PO, i_bh * NPART + NSELP + i_s, m_i, l_i, acc, o_r, o_dv, M, BDV)
+        else:
+            _cmp_split(Q, KC, VC, SC, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t, sk_h, sv_b,
+                       sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, scale_log2, block_len, stride, o_r, o_dk, o_dv,
+                       DK, DV, M, BDV, BC, UPCAST)
+    else:
+        _cmp_split(Q, KC, VC, SC, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t, sk_h, sv_b,
+                   sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, scale_log2, block_len, stride, o_r, o_dk, o_dv, DK,
+                   DV, M, BDV, BC, UPCAST)
+
+
+@triton.jit
+def _cmp_split(Q, KC, VC, SC, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t,
+               sv_h, TC, G, NCMP, NPART, SC_LEN, scale_log2, block_len, stride, o_r, o_dk, o_dv,
+               DK: tl.constexpr, DV: tl.constexpr, M: tl.constexpr, BDV: tl.constexpr, BC: tl.constexpr,
+               UPCAST: tl.constexpr):
+    # compression split i_s of row i_bh: tiles i_s, i_s + NCMP, ... of BC compressed keys (the visible
+    # tiles spread evenly over the splits at any t), their scores stored, one partial softmax
     n_vis = _n_visible(t, TC, block_len, stride)
     n_vis_tiles = tl.cdiv(n_vis, BC)
-    if i_s >= NCMP:
-        o_r = tl.arange(0, M)
-        o_dk = tl.arange(0, BDK)
-        o_dv = tl.arange(0, BDV)
-        q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
-        m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_s - NCMP, skw_b, skw_t, skw_h,
-                                        svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
-                                        BW, WT, UPCAST)
-        _store_partial(PM, PL, PO, i_bh * NPART + NSELP + i_s, m_i, l_i, acc, o_r, o_dv, M, BDV)
-    elif i_s < n_vis_tiles:
-        o_r = tl.arange(0, M)
-        o_dk = tl.arange(0, BDK)
-        o_dv = tl.arange(0, BDV)
+    if i_s < n_vis_tiles:
         q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
         k_base = KC + i_b * sk_b + i_hk * sk_h
         v_base = VC + i_b * sv_b + i_hk * sv_h
         sc_rows = SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN  # [M, 1]
         m_i, l_i, acc = softmax_start(M, BDV)
-        # tiles i_s, i_s + splits, ...: the visible tiles spread evenly over the splits at any t
         for tile in range(i_s, n_vis_tiles, NCMP):
             o_k = tile * BC + tl.arange(0, BC)  # [BC] compressed block indices
             m_k = o_k < n_vis
@@ -381,8 +396,7 @@ def _decode_cmp_split_kernel(
             s, m, l, o = _tile_softmax(q, k, v, valid, scale_log2, UPCAST)
             tl.store(sc_rows + o_k[None, :], s, eviction_policy="evict_last")
             m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
-        part = i_bh * NPART + i_s
-        _store_partial(PM, PL, PO, part, m_i, l_i, acc, o_r, o_dv, M, BDV)
+        _store_partial(PM, PL, PO, i_bh * NPART + i_s, m_i, l_i, acc, o_r, o_dv, M, BDV)
 
 
 @triton.jit
@@ -590,7 +604,7 @@ def _decode_attn_fused_kernel(
     DVC: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # programs 0 .. NSELP-1: SPP selected-block slots each; NSELP ..: window chunks of WT * BW keys
-    # (if not done by step 2). Partials per i_bh: [0, NCMP) compression (step 1), then NSELP
+    # (only with WINDOW_STEP = 3). Partials per i_bh: [0, NCMP) compression (step 1), then NSELP
     # selection, then NWP window.
     # BI [B*HKV, num_selected] from step 2; gates GC/GS/GW and output O contiguous [B, 1, HQ(, DV)].
     i_p = tl.program_id(0)
@@ -755,12 +769,15 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     # 1. compression branch: scores + one partial softmax per split
     if WINDOW_STEP not in (1, 2, 3):
         raise ValueError(f"WINDOW_STEP must be 1, 2 or 3, got {WINDOW_STEP!r}")
+    if _triton_utils.TOPK_METHOD not in _triton_utils.TOPK_METHODS:
+        raise ValueError(f"TOPK_METHOD must be one of {_triton_utils.TOPK_METHODS}, got "
+                         f"{_triton_utils.TOPK_METHOD!r}")
     _decode_cmp_split_kernel[(n_cmp + (n_winp if WINDOW_STEP == 1 else 0), BH)](
         q, k_cmp, v_cmp, pos, scores, pm, pl, po, counter[0], counter[1], k_swa, v_swa, q.stride(0),
         q.stride(2), *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
         TC, HKV, G, n_cmp, n_selp, npart, sc_len, S, window, scale_log2, block_len, stride,
-        DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, BW=BW, WT=WT, UPCAST=interp, num_warps=4,
-        num_stages=CMP_STAGES,
+        DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, BW=BW, WT=WT, WIN=WINDOW_STEP == 1, UPCAST=interp,
+        num_warps=4, num_stages=CMP_STAGES,
     )
 
     # 2. selection-block importances; the last program of each row takes its top-k
@@ -771,7 +788,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     spill = pow2(max(1, triton.cdiv(block_len, stride) - 1))
     npb = pow2(max(n_cmp, n_selp, n_winp), 1)
     bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
-    nsel2 = pow2(num_selected, 1)
+    nsel2 = pow2(num_selected, 2)  # >= 2 for tl.topk
     n_imp = triton.cdiv(ns, bns * IMP_CHUNKS_PER_PROGRAM)
     _decode_importance_split_kernel[(n_imp + (n_winp if WINDOW_STEP == 2 else 0), BH)](
         pos, scores, pm, pl, imp, bi, counter[0], q, k_swa, v_swa, po, q.stride(0), q.stride(2),

@@ -599,13 +599,16 @@ def selected_forward(q, k, v, bi, *, select_size, scale):
     return o, lse
 
 
-def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale):
-    """dq (one walk per query tile, as the forward) and dk/dv (per key block, inverted index)."""
+def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None, dq_float32=False):
+    """dq (one walk per query tile, as the forward) and dk/dv (per key block, inverted index).
+    `delta`: float32 `[B, T, Hq]` rowsum(o * do) where the caller has it. `dq_float32`: dq in float32
+    (with SELECTED_DQ = "fused", its accumulator as is), for a caller that adds more to it."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
     do = do.contiguous()
-    delta = row_delta(o, do)
+    if delta is None:
+        delta = row_delta(o, do)
     if SELECTED_DQ not in ("walk", "fused"):
         raise ValueError(f"SELECTED_DQ must be 'walk' or 'fused', got {SELECTED_DQ!r}")
     fuse_dq = SELECTED_DQ == "fused"
@@ -617,8 +620,9 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale):
                          backward=True)
     dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    dq_dtype = torch.float32 if dq_float32 else q.dtype
     if B * T * HKV * bi.shape[-1] == 0:
-        return dq.to(q.dtype), dk32.to(k.dtype), dv32.to(v.dtype)
+        return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
     GP = pow2(G, 1)
     BQ = max(1, (16 if interpreting() else SELECTED_DKV_ROWS) // GP)  # positions per MMA
     chunk = BQ * (4 if interpreting() else 64)  # positions per work item
@@ -631,7 +635,7 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale):
         DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, FUSE_DQ=fuse_dq,
         UPCAST=interpreting(), **selected_dkv_launch(q.dtype, DK, DV),
     )
-    return dq.to(q.dtype), dk32.to(k.dtype), dv32.to(v.dtype)
+    return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
 
 
 def selected_dkv_launch(dtype, dk: int, dv: int) -> dict:

@@ -145,6 +145,7 @@ def test_bitonic_topk(monkeypatch, in_step2):
     _check_exact_ties()
     q, kv, gates = _inputs(2, 300, 4, 2, 16, 16, seed=5)
     _check(q, kv, gates, [300, 150], select_size=16, num_selected=2, num_init=1, num_local=3, window=16)
+    _check(q, kv, gates, [300, 150], select_size=16, num_selected=1, num_init=0, num_local=0, window=16)
 
 
 def _graph(fn):

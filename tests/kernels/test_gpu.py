@@ -144,10 +144,15 @@ def test_decode_matches_prefill(hq, hkv):
             assert rel_err(o_dec, o_ref) < BF16_TOL
 
 
-def test_nsa_attention_triton_gradients():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-backward", "composed"])
+def test_nsa_attention_triton_gradients(monkeypatch, fused):
     """nsa_attention(impl="triton") (reused compression lse, fused gated sum, inverted-index selection
-    backward with work items split over long block lists) against the float32 reference, G = 16."""
+    backward with work items split over long block lists) against the float32 reference, G = 16, as
+    one autograd op (prefill.FUSED_BACKWARD) and composed from the branches' ops."""
     from nsa_eval import kernels
+    from nsa_eval.kernels import prefill
+
+    monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
 
     x = make(1, 4096, 16, 1, 128, grad=True)
     g = torch.Generator(device="cuda").manual_seed(10)

@@ -183,39 +183,75 @@ def test_decode_separate_window_cache():
     assert rel_err(o, ref.nsa_decode(q, *args, *gates, **kw)) < TOL
 
 
-def test_nsa_attention_triton_composition():
+@pytest.mark.parametrize("window_kv", ["shared", "own"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-backward", "composed"])
+def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv):
     """nsa_attention(impl="triton"): the three branches, the reused compression lse and the fused gated
-    sum, against the reference, outputs and gradients (gates included)."""
+    sum, against the reference, outputs and gradients (gates included), with the window sharing the
+    selection's keys/values or having its own; as one autograd op (prefill.FUSED_BACKWARD: deltas
+    from the gate backward, one dq sum) and composed from the branches' own ops."""
     from nsa_eval import kernels
+    from nsa_eval.kernels import prefill
 
+    monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
     B, T, hq, hkv, dk, dv = 1, 72, 4, 2, 16, 16
     x = make(B, T, hq, hkv, dk, dv, seed=11)
     g = torch.Generator().manual_seed(12)
     gates = [torch.rand(B, T, hq, generator=g).requires_grad_() for _ in range(3)]
     ins = (x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates)
     params = dict(select_size=16, num_selected=3, window=20)
+    if window_kv == "own":
+        y = make(B, T, hq, hkv, dk, dv, seed=13)
+        params.update(k_swa=y["k"], v_swa=y["v"])
     o, idx = kernels.nsa_attention(*ins, impl="triton", return_block_indices=True, **params)
     o_ref, idx_ref = kernels.nsa_attention(*ins, impl="reference", return_block_indices=True, **params)
     assert torch.equal(idx, idx_ref)
     assert rel_err(o, o_ref) < TOL
-    for a, b in zip(grads([o], ins), grads([o_ref], ins), strict=True):
+    wrt = ins + ((params["k_swa"], params["v_swa"]) if window_kv == "own" else ())
+    for a, b in zip(grads([o], wrt), grads([o_ref], wrt), strict=True):
         assert rel_err(a, b) < TOL
 
 
+def test_gate_backward_deltas_and_sum3():
+    """The gate backward's deltas equal each branch's rowsum(o_x * do_x); `sum3` equals its float32
+    reference, for mixed input dtypes, and rounds once to bf16."""
+    from nsa_eval.kernels import _triton_utils as tu
+
+    g = torch.Generator().manual_seed(3)
+    o = [torch.randn(2, 9, 3, 20, generator=g) for _ in range(3)]
+    gates = [torch.rand(2, 9, 3, generator=g) for _ in range(3)]
+    do = torch.randn(2, 9, 3, 20, generator=g)
+    d_o, d_g, delta = tu.gate_backward(*o, *gates, do, with_delta=True)
+    for i in range(3):
+        assert torch.allclose(d_o[i], gates[i][..., None] * do, atol=1e-6)
+        assert torch.allclose(d_g[i], (o[i] * do).sum(-1), atol=1e-5)
+        assert torch.allclose(delta[i], tu.row_delta(o[i], d_o[i]), atol=1e-5)
+    a, b, c = (torch.randn(5, 37, generator=g) for _ in range(3))
+    b16 = b.to(torch.bfloat16)
+    want = a + b16.float() + c  # the same order of float32 adds
+    assert torch.equal(tu.sum3(a, b16, c, torch.float32), want)
+    # one rounding to bf16 (the interpreter truncates where the GPU rounds to nearest: 1 ulp apart)
+    got = tu.sum3(a, b16, c, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("n", [5, 1])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("method", ["radix", "argmax", "bitonic"])
-def test_topk_blocks_ties_and_forced(monkeypatch, method, rows):
-    """Every top-k method, one or several rows per program: forced blocks, no block after t, largest
-    importances with ties (many equal values, zeros) going to the lower index, ascending output, -1
-    padding."""
+def test_topk_blocks_ties_and_forced(monkeypatch, method, rows, n):
+    """Every top-k method, one or several rows per program, 5 blocks or 1: forced blocks, no block
+    after t, largest importances with ties (many equal values, zeros and -0.0) going to the lower
+    index, ascending output, -1 padding."""
     from nsa_eval.kernels import _triton_utils as tu
 
     monkeypatch.setattr(tu, "TOPK_METHOD", method)
     monkeypatch.setattr(tu, "TOPK_CONFIG", dict(rows=rows, num_warps=1))
     g = torch.Generator().manual_seed(21)
-    T, hkv, ns, n, bs = 40, 2, 20, 5, 2
+    T, hkv, ns, bs = 40, 2, 20, 2
     imp = torch.randint(0, 4, (T * hkv, ns), generator=g).float() / 4  # many ties, zeros included
     imp[::3] = torch.rand(imp[::3].shape, generator=g)
+    imp[1::4, 3::5] = -0.0  # ties with +0.0
     out = tu.topk_blocks(imp, T=T, num_kv_heads=hkv, select_size=bs, num_selected=n, num_init=1, num_local=2)
     for r in range(T * hkv):
         cur = (r // hkv) // bs

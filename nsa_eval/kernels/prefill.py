@@ -1,0 +1,100 @@
+"""Triton NSA for prefill and training: the three branches and their gated sum as one autograd op.
+
+Forward: the compression branch (its lse also feeds the selection), `select_blocks`, the selected
+branch, the sliding window, then `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa` in one pass.
+
+Backward (`FUSED_BACKWARD`, the default): the gate backward also writes each branch's softmax row
+term delta_x = rowsum(o_x * do_x) = g_x * dg_x (it sums o_x * do for dg_x anyway), so no branch runs
+its own delta pass over o_x and do_x; and the three branches' dq, the selected one still in its
+float32 accumulator, are summed in one pass with one rounding (`sum3`) instead of a cast and two
+adds. With `FUSED_BACKWARD = False` the branches are composed from their own autograd functions
+(`compressed_attention`, `selected_attention`, `sliding_window_attention`, `gated_sum`), as before;
+the benchmark times both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_eval.kernels._triton_utils import (
+    band_backward,
+    band_forward,
+    contiguous,
+    default_scale,
+    gate_backward,
+    gate_forward,
+    gated_sum,
+    sum3,
+)
+from nsa_eval.kernels.compression import compressed_attention
+from nsa_eval.kernels.selection import select_blocks, selected_attention, selected_backward, selected_forward
+from nsa_eval.kernels.window import sliding_window_attention
+
+FUSED_BACKWARD = True
+
+
+class NSAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, params):
+        block_len, stride, select_size, num_selected, num_init, num_local, window, scale = params
+        q, k, v, k_cmp, v_cmp, k_swa, v_swa = contiguous(q, k, v, k_cmp, v_cmp, k_swa, v_swa)
+        o_cmp, lse_cmp = band_forward(q, k_cmp, v_cmp, scale=scale, key_stride=stride,
+                                      key_offset=block_len - 1)
+        bi = select_blocks(q, k_cmp, block_len=block_len, stride=stride, select_size=select_size,
+                           num_selected=num_selected, num_init=num_init, num_local=num_local, scale=scale,
+                           lse=lse_cmp)
+        bi = bi.to(torch.int32).contiguous()
+        o_slc, lse_slc = selected_forward(q, k, v, bi, select_size=select_size, scale=scale)
+        o_swa, lse_swa = band_forward(q, k_swa, v_swa, scale=scale, key_stride=1, key_offset=0, window=window)
+        g_cmp, g_slc, g_swa = contiguous(g_cmp, g_slc, g_swa)
+        o = gate_forward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
+        ctx.save_for_backward(q, k, v, k_cmp, v_cmp, k_swa, v_swa, g_cmp, g_slc, g_swa, bi,
+                              o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa)
+        ctx.params = params
+        ctx.mark_non_differentiable(bi)
+        return o, bi
+
+    @staticmethod
+    def backward(ctx, do, _dbi):
+        (q, k, v, k_cmp, v_cmp, k_swa, v_swa, g_cmp, g_slc, g_swa, bi,
+         o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa) = ctx.saved_tensors
+        block_len, stride, select_size, _, _, _, window, scale = ctx.params
+        (do_cmp, do_slc, do_swa), d_g, delta = gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do,
+                                                            with_delta=True)
+        dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, do_slc, select_size=select_size,
+                                           scale=scale, delta=delta[1], dq_float32=True)
+        dq_cmp, dk_cmp, dv_cmp = band_backward(q, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp, scale=scale,
+                                               key_stride=stride, key_offset=block_len - 1, split_heads=True,
+                                               delta=delta[0])
+        dq_swa, dk_swa, dv_swa = band_backward(q, k_swa, v_swa, o_swa, lse_swa, do_swa, scale=scale,
+                                               key_stride=1, key_offset=0, window=window, delta=delta[2])
+        dq = sum3(dq_slc, dq_cmp, dq_swa, q.dtype)
+        return (dq, dk, dv, dk_cmp, dv_cmp, *d_g, dk_swa, dv_swa, None)
+
+
+def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_swa=None, block_len=32,
+                  stride=16, select_size=64, num_selected=16, num_init=1, num_local=2, window=512, scale=None,
+                  return_block_indices=False):
+    """NSA prefill/training, `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa`, through the Triton
+    kernels (inputs already validated; see `nsa_eval.kernels.nsa_attention`).
+
+    q `[B, T, Hq, Dk]`; k, v (and k_swa, v_swa, default k, v) `[B, T, Hkv, Dk/Dv]`; k_cmp, v_cmp
+    `[B, Tc, Hkv, Dk/Dv]`; gates `[B, T, Hq]`. Returns o `[B, T, Hq, Dv]` (and the int32
+    `[B, T, Hkv, num_selected]` block indices if asked).
+    """
+    k_swa = k if k_swa is None else k_swa
+    v_swa = v if v_swa is None else v_swa
+    scale = default_scale(scale, q.shape[-1])
+    if FUSED_BACKWARD:
+        params = (block_len, stride, select_size, num_selected, num_init, num_local, window, scale)
+        o, bi = NSAFunction.apply(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, params)
+    else:
+        o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, block_len=block_len, stride=stride, scale=scale)
+        # the selection reuses the compression lse instead of recomputing it
+        bi = select_blocks(q, k_cmp, block_len=block_len, stride=stride, select_size=select_size,
+                           num_selected=num_selected, num_init=num_init, num_local=num_local, scale=scale,
+                           lse=lse.detach())
+        o_slc = selected_attention(q, k, v, bi, select_size=select_size, scale=scale)
+        o_swa = sliding_window_attention(q, k_swa, v_swa, window=window, scale=scale)
+        o = gated_sum(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)  # [B, T, Hq, Dv], one fused pass
+    return (o, bi) if return_block_indices else o
