@@ -155,7 +155,8 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_s
         block_len, stride, select_size, num_selected, num_init, num_local, window: NSA parameters
             (paper defaults). scale: default ``1 / sqrt(Dk)``.
         return_block_indices: also return the int32 ``[B, T, Hkv, num_selected]`` selected blocks.
-        impl: ``auto``, ``reference`` or ``triton`` (composes the Triton branches).
+        impl: ``auto``, ``reference`` or ``triton`` (``prefill.nsa_attention``: the Triton branches
+            and gates as one autograd op).
 
     Returns:
         o ``[B, T, Hq, Dv]`` (and the block indices if asked).

@@ -153,11 +153,17 @@ def _sum3_kernel(A, B, C, OUT, N, BLOCK: tl.constexpr):
     tl.store(OUT + offs, total.to(OUT.dtype.element_ty), mask=m)
 
 
-def sum3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def sum3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dtype: torch.dtype,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """`(a + b + c).to(dtype)`, summed in float32 in one pass (one rounding); a, b, c of one shape,
-    any float dtypes. The reference: `(a.float() + b.float() + c.float()).to(dtype)`."""
+    any float dtypes. `out`: a contiguous tensor of that shape and dtype to write (it may be one of
+    the inputs: each element is read before it is written). The reference:
+    `(a.float() + b.float() + c.float()).to(dtype)`."""
     a, b, c = contiguous(a, b, c)
-    out = torch.empty(a.shape, device=a.device, dtype=dtype)
+    if out is None:
+        out = torch.empty(a.shape, device=a.device, dtype=dtype)
+    elif out.shape != a.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"sum3: out must be a contiguous {dtype} tensor of shape {tuple(a.shape)}")
     n = a.numel()
     if n:
         BLOCK = 1024

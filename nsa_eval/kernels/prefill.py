@@ -7,14 +7,17 @@ Backward (`FUSED_BACKWARD`, the default): the gate backward also writes each bra
 term delta_x = rowsum(o_x * do_x) = g_x * dg_x (it sums o_x * do for dg_x anyway), so no branch runs
 its own delta pass over o_x and do_x; and the three branches' dq, the selected one still in its
 float32 accumulator, are summed in one pass with one rounding (`sum3`) instead of a cast and two
-adds. With `FUSED_BACKWARD = False` the branches are composed from their own autograd functions
-(`compressed_attention`, `selected_attention`, `sliding_window_attention`, `gated_sum`), as before;
-the benchmark times both.
+adds. Each branch's copy of the output gradient is freed once that branch is done, and the dq sum
+goes into the compression branch's dq buffer, so the backward holds no more than the composed one.
+Once differentiable (no double backward). With `FUSED_BACKWARD = False` the branches are composed
+from their own autograd functions (`compressed_attention`, `selected_attention`,
+`sliding_window_attention`, `gated_sum`), as before; the benchmark times both.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from nsa_eval.kernels._triton_utils import (
     band_backward,
@@ -52,23 +55,25 @@ class NSAFunction(torch.autograd.Function):
                               o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa)
         ctx.params = params
         ctx.mark_non_differentiable(bi)
+        ctx.set_materialize_grads(False)  # no zeros for the block indices' gradient
         return o, bi
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, _dbi):
         (q, k, v, k_cmp, v_cmp, k_swa, v_swa, g_cmp, g_slc, g_swa, bi,
          o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa) = ctx.saved_tensors
         block_len, stride, select_size, _, _, _, window, scale = ctx.params
-        (do_cmp, do_slc, do_swa), d_g, delta = gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do,
-                                                            with_delta=True)
-        dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, do_slc, select_size=select_size,
+        d_o, d_g, delta = gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, with_delta=True)
+        # each branch's do_x is dropped as soon as that branch is done
+        dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, d_o.pop(1), select_size=select_size,
                                            scale=scale, delta=delta[1], dq_float32=True)
-        dq_cmp, dk_cmp, dv_cmp = band_backward(q, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp, scale=scale,
+        dq_cmp, dk_cmp, dv_cmp = band_backward(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_o.pop(0), scale=scale,
                                                key_stride=stride, key_offset=block_len - 1, split_heads=True,
                                                delta=delta[0])
-        dq_swa, dk_swa, dv_swa = band_backward(q, k_swa, v_swa, o_swa, lse_swa, do_swa, scale=scale,
+        dq_swa, dk_swa, dv_swa = band_backward(q, k_swa, v_swa, o_swa, lse_swa, d_o.pop(0), scale=scale,
                                                key_stride=1, key_offset=0, window=window, delta=delta[2])
-        dq = sum3(dq_slc, dq_cmp, dq_swa, q.dtype)
+        dq = sum3(dq_slc, dq_cmp, dq_swa, q.dtype, out=dq_cmp)  # dq_cmp: q's dtype and shape
         return (dq, dk, dv, dk_cmp, dv_cmp, *d_g, dk_swa, dv_swa, None)
 
 

@@ -601,8 +601,9 @@ def selected_forward(q, k, v, bi, *, select_size, scale):
 
 def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None, dq_float32=False):
     """dq (one walk per query tile, as the forward) and dk/dv (per key block, inverted index).
-    `delta`: float32 `[B, T, Hq]` rowsum(o * do) where the caller has it. `dq_float32`: dq in float32
-    (with SELECTED_DQ = "fused", its accumulator as is), for a caller that adds more to it."""
+    `delta`: float32 `[B, T, Hq]` rowsum(o * do) where the caller has it. `dq_float32`: with
+    SELECTED_DQ = "fused", dq as its float32 accumulator (no cast), for a caller that adds more to
+    it; with "walk" dq stays in q's dtype either way."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
@@ -620,7 +621,7 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
                          backward=True)
     dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    dq_dtype = torch.float32 if dq_float32 else q.dtype
+    dq_dtype = torch.float32 if dq_float32 and fuse_dq else q.dtype
     if B * T * HKV * bi.shape[-1] == 0:
         return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
     GP = pow2(G, 1)

@@ -183,17 +183,22 @@ def test_decode_separate_window_cache():
     assert rel_err(o, ref.nsa_decode(q, *args, *gates, **kw)) < TOL
 
 
-@pytest.mark.parametrize("window_kv", ["shared", "own"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-backward", "composed"])
-def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv):
+@pytest.mark.parametrize("fused, window_kv, selected_dq", [
+    (True, "shared", "fused"), (True, "own", "fused"), (True, "shared", "walk"),
+    (False, "shared", "fused"), (False, "own", "fused"),
+], ids=["fused-backward-shared", "fused-backward-own", "fused-backward-dq-walk", "composed-shared",
+        "composed-own"])
+def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv, selected_dq):
     """nsa_attention(impl="triton"): the three branches, the reused compression lse and the fused gated
     sum, against the reference, outputs and gradients (gates included), with the window sharing the
     selection's keys/values or having its own; as one autograd op (prefill.FUSED_BACKWARD: deltas
-    from the gate backward, one dq sum) and composed from the branches' own ops."""
+    from the gate backward, one dq sum; also with the selected dq walked instead of fused) and
+    composed from the branches' own ops."""
     from nsa_eval import kernels
-    from nsa_eval.kernels import prefill
+    from nsa_eval.kernels import prefill, selection
 
     monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
+    monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
     B, T, hq, hkv, dk, dv = 1, 72, 4, 2, 16, 16
     x = make(B, T, hq, hkv, dk, dv, seed=11)
     g = torch.Generator().manual_seed(12)
@@ -234,6 +239,10 @@ def test_gate_backward_deltas_and_sum3():
     got = tu.sum3(a, b16, c, torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=0)
+    into = b16.clone()  # written in place, as the fused backward does with a branch's dq
+    assert tu.sum3(a, into, c, torch.bfloat16, out=into) is into and torch.equal(into, got)
+    with pytest.raises(ValueError, match="out must be"):
+        tu.sum3(a, b16, c, torch.float32, out=b16.clone())
 
 
 @pytest.mark.parametrize("n", [5, 1])
