@@ -45,8 +45,7 @@ class NSAFunction(torch.autograd.Function):
                                       key_offset=block_len - 1)
         bi = select_blocks(q, k_cmp, block_len=block_len, stride=stride, select_size=select_size,
                            num_selected=num_selected, num_init=num_init, num_local=num_local, scale=scale,
-                           lse=lse_cmp)
-        bi = bi.to(torch.int32).contiguous()
+                           lse=lse_cmp)  # int32 [B, T, Hkv, n], contiguous
         o_slc, lse_slc = selected_forward(q, k, v, bi, select_size=select_size, scale=scale)
         o_swa, lse_swa = band_forward(q, k_swa, v_swa, scale=scale, key_stride=1, key_offset=0, window=window)
         g_cmp, g_slc, g_swa = contiguous(g_cmp, g_slc, g_swa)
