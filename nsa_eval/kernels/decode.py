@@ -525,27 +525,22 @@ def _topk_row(IMP_ROW, t, NS, select_size, num_selected, num_init, num_local, BN
     # IMP_ROW was written by other programs of this launch: .cg loads (L2), after the acquire.
     o_j = tl.arange(0, BNS)
     cur = t // select_size  # block holding t
-    imp = tl.load(IMP_ROW + o_j, mask=o_j < NS, other=0.0, cache_modifier=".cg") + 0.0  # -0.0 -> +0.0
-    eligible = o_j <= cur
-    forced = ((o_j < num_init) | (o_j > cur - num_local)) & eligible
+    imp = tl.load(IMP_ROW + o_j, mask=o_j < NS, other=0.0, cache_modifier=".cg")
+    # int64 keys ordered like (importance, -index), forced blocks +inf, blocks after t -1: one max
+    # reduction per pick
+    key = block_keys(imp, o_j, cur, num_init, num_local, BNS)  # [BNS]
+    forced = ((o_j < num_init) | (o_j > cur - num_local)) & (o_j <= cur)
     n_forced = tl.sum(forced.to(tl.int32), 0)
     if n_forced <= num_selected:  # take the forced blocks at once, pick the rest
         chosen = forced.to(tl.int32)
-        eligible = eligible & (forced == 0)
+        key = tl.where(forced, -1, key)
         picks = num_selected - n_forced
     else:  # more forced blocks than slots: the lowest-index ones, as +inf ties
         chosen = tl.zeros([BNS], tl.int32)
-        imp = tl.where(forced, float("inf"), imp)
         picks = num_selected + 0 * n_forced
-    # int64 keys ordered like (importance, -index): one max reduction per pick. Importances are >= 0,
-    # so eligible keys are >= 0 and the rest are set to -1.
-    bits = imp.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BNS] int32 ordered like imp
-    key = (ordered.to(tl.int64) << 32) + (BNS - 1 - o_j).to(tl.int64)  # [BNS]
-    key = tl.where(eligible, key, -1)
     for _ in range(picks):
         best = tl.max(key, 0)
-        first = BNS - 1 - (best - ((best >> 32) << 32)).to(tl.int32)
+        first = BNS - 1 - (best & 0xFFFFFFFF).to(tl.int32)  # the index in the low 32 bits
         hit = (o_j == first) & (best >= 0)
         chosen = tl.where(hit, 1, chosen)
         key = tl.where(hit, -1, key)
