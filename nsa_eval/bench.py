@@ -278,7 +278,8 @@ def bench_ops(T, hq, hkv, d=128):
 def bench_variants(x, lse, idx):
     """Alternatives to the default kernels, timed beside them (ms): the other top-k methods (and the
     top-k alone at several launch shapes),
-    the first importance kernel (per-head tf32x3 overlap matmuls), launch configurations of the
+    the first importance kernel (per-head tf32x3 overlap matmuls), the importance kernel with every
+    chunk masked and with the plain map, launch configurations of the
     selected-attention forward and of each part of the banded kernels (dq/dkv: forward+backward), the
     banded kernels' single masked loop (BAND_SPLIT_MASK=False) and the window's split backward; the
     whole NSA's forward+backward as one autograd op and composed from the branches' ops."""
@@ -313,6 +314,8 @@ def bench_variants(x, lse, idx):
                 timed(label, _triton_utils, "TOPK_CONFIG", dict(rows=rows, num_warps=warps),
                       lambda: _with_flag(_triton_utils, "TOPK_METHOD", method, topk))  # noqa: B023
         timed("select_blocks [matmul importance]", selection, "IMPORTANCE_GROUP_FIRST", False, sel)
+        timed("select_blocks [importance, all masked]", selection, "IMPORTANCE_SPLIT_MASK", False, sel)
+        timed("select_blocks [importance, plain map]", selection, "IMPORTANCE_LANE_MAP", False, sel)
         fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
         for warps, stages in ((2, 2), (1, 3)):
             timed(f"selected_attention [warps={warps} stages={stages}]", selection, "SELECTED_FWD_CONFIG",

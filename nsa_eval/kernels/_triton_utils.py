@@ -623,12 +623,17 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
 # ---------------------------------------------------------------------------------------------
 # top-k of selection-block importances
 # ---------------------------------------------------------------------------------------------
-# "argmax": one arg-max pass per pick (the default); "radix": the k-th largest by a bitwise search
-# (31 counting passes); "bitonic": `tl.topk` over int64 keys (importance, -index), a bitonic top-k,
-# then a sort of the k winners by index. The top-k alone at 64k (run 13, 4 rows over 4 warps): 2.89
-# ms arg-max, 3.96 radix, 4.32 bitonic; with one row per warp see TOPK_CONFIG. The benchmark times all.
-TOPK_METHOD = "argmax"
-TOPK_METHODS = ("argmax", "radix", "bitonic")
+# "filter" (the default since run 19): a bound from 32 group maxima keeps ~22 candidate blocks of a
+# row, compacted, then one arg-max pass per pick over those (`_filtered_top`); "argmax": one arg-max
+# pass per pick over the whole row; "radix": the k-th largest by a bitwise search (31 counting
+# passes); "bitonic": `tl.topk` over int64 keys (importance, -index), a bitonic top-k, then a sort of
+# the k winners by index. The top-k alone at 64k, one row per 1-warp program (run 19): 1.55 ms filter,
+# 2.12 arg-max, 2.18 radix, 3.08 bitonic. The benchmark times all.
+TOPK_METHOD = "filter"
+TOPK_METHODS = ("argmax", "radix", "bitonic", "filter")
+# "filter": candidates per row (the blocks at or above the filter's bound, ~22 on random inputs) that
+# fit its compacted slots; a row with more takes the arg-max passes over the whole row instead
+TOPK_FILTER_CAP = 64
 # rows per program and warps of `topk_blocks` (rows: at most, for 4096 // Ns); decode-sized calls
 # (<= 128 rows) take one row per program. Run 14, the top-k alone at 64k (262,144 rows of 1,024
 # blocks): one row per 1-warp program 2.12 ms against 2.88 for 4 rows over 4 warps, which puts warps
@@ -662,13 +667,83 @@ def top_blocks(key, num_selected, BNS: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
+def _argmax_chosen(imp, forced, o_j, num_selected, BNS: tl.constexpr):
+    """imp float32 [BR, BNS] (forced blocks +inf, blocks after the row's own -inf), forced [BR, BNS]
+    (the forced blocks at or before it) -> chosen int32 [BR, BNS] (0/1): the forced blocks at once
+    (unless there are more than slots: then the lowest-index ones, as +inf ties), then one arg-max per
+    remaining slot, ties to the lowest index."""
+    n_forced = tl.sum(forced.to(tl.int32), 1)  # [BR]
+    few = (n_forced <= num_selected)[:, None]
+    chosen = (few & forced).to(tl.int32)
+    imp = tl.where(few & forced, float("-inf"), imp)
+    picks = tl.where(n_forced <= num_selected, num_selected - n_forced, num_selected)  # [BR]
+    for i in range(tl.max(picks, 0)):
+        # a max, then the lowest index holding it: faster than one (value, index) reduction
+        # (run 18, the top-k alone at 64k: 2.38 ms with tl.max(return_indices=True))
+        best = tl.max(imp, 1)  # [BR]
+        first = tl.min(tl.where(imp == best[:, None], o_j[None, :], BNS), 1)  # lowest index among ties
+        take = (o_j[None, :] == first[:, None]) & ((best > float("-inf")) & (i < picks))[:, None]
+        chosen = tl.where(take, 1, chosen)
+        imp = tl.where(take, float("-inf"), imp)
+    return chosen
+
+
+@triton.jit
+def _filtered_top(imp, o_j, cur, SCR, row, num_selected, num_init, num_local, NS, BNS: tl.constexpr,
+                  NSEL: tl.constexpr, CAP: tl.constexpr):
+    """One row's blocks through a candidate filter -> (done, blocks int32 [NSEL] ascending). imp float32
+    [BNS] with forced blocks +inf and blocks after `cur` -inf. The NSEL-th largest of the maxima of 32
+    groups of the row is a lower bound of the num_selected-th largest importance (NSEL >= num_selected
+    groups hold a value at least that large), so every block the row keeps is at or above it. On random
+    inputs ~22 of 1,024 blocks are; they are compacted, in index order, into the row's CAP slots of
+    SCR (int64 keys ordered like (importance, -index)), and the arg-max passes run on those. Not done
+    (the caller takes the full pass instead) when the row has at most num_selected blocks, more forced
+    blocks than slots, or more than CAP candidates."""
+    n_init = tl.minimum(num_init, cur + 1)
+    lo_local = tl.maximum(num_init, cur - num_local + 1)  # the first forced local block after the initial
+    n_local = tl.maximum(cur - lo_local + 1, 0)
+    picks = num_selected - n_init - n_local
+    o_s = tl.arange(0, NSEL)
+    blocks = tl.zeros([NSEL], tl.int32)
+    done = (tl.minimum(cur + 1, NS) > num_selected) & (picks >= 1)
+    if done:
+        x = tl.where(imp == float("inf"), float("-inf"), imp)  # forced blocks are placed, not picked
+        # group maxima: with one warp a thread holds 4 adjacent blocks every 128 (Triton's layout of
+        # a float32 row), so the groups are its 32 registers and their maxima need no shuffles
+        group_max = tl.max(tl.max(tl.reshape(x, [BNS // 128, 32, 4]), 2), 0)  # [32]
+        tau = tl.min(tl.topk(group_max, NSEL), 0)
+        cand = (x >= tau) & (x > float("-inf"))
+        n_cand = tl.sum(cand.to(tl.int32), 0)
+        done = n_cand <= CAP
+        if done:
+            bits = (x + 0.0).to(tl.int32, bitcast=True).to(tl.int64)  # + 0.0: -0.0 -> +0.0, a tie with 0
+            key = (bits << 32) + (BNS - 1 - o_j).to(tl.int64)
+            tl.store(SCR + row * CAP + tl.cumsum(cand.to(tl.int32), 0) - 1, key, mask=cand)
+            tl.debug_barrier()  # the compacted keys, stored by other threads, before they are read
+            o_c = tl.arange(0, CAP)
+            key = tl.load(SCR + row * CAP + o_c, mask=o_c < n_cand, other=-1)  # [CAP]
+            picked = tl.full([NSEL], BNS, tl.int32)
+            for i in range(picks):
+                best = tl.max(key, 0)
+                picked = tl.where(o_s == i, BNS - 1 - (best & 0xFFFFFFFF).to(tl.int32), picked)
+                key = tl.where(key == best, -1, key)
+            picked = tl.sort(picked)  # ascending, BNS in the empty slots
+            # initial blocks, the picked ones (all between), the local blocks: ascending
+            mid = tl.gather(picked, tl.minimum(tl.maximum(o_s - n_init, 0), NSEL - 1), 0)
+            local = lo_local + o_s - n_init - picks
+            blocks = tl.where(o_s < n_init, o_s, tl.where(o_s < n_init + picks, mid, local))
+    return done, blocks
+
+
+@triton.jit
 def _topk_blocks_kernel(
-    IMP, POS, OUT, N_ROWS, NS, T, HKV, select_size, num_selected, num_init, num_local,
+    IMP, POS, OUT, SCR, N_ROWS, NS, T, HKV, select_size, num_selected, num_init, num_local,
     HAS_POS: tl.constexpr, BR: tl.constexpr, BNS: tl.constexpr, NSEL: tl.constexpr, METHOD: tl.constexpr,
+    CAP: tl.constexpr,
 ):
     # IMP [N_ROWS, NS] float32 (rows ordered (b, t, h_kv)); OUT [N_ROWS, num_selected] int32.
     # Picks forced blocks, then the largest importances (ties: lower block index), writes the
-    # chosen indices ascending, -1 after them.
+    # chosen indices ascending, -1 after them. SCR [N_ROWS, CAP] int64: the "filter" method's scratch.
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
     m_r = rows < N_ROWS
     if HAS_POS:
@@ -689,36 +764,39 @@ def _topk_blocks_kernel(
         forced = (o_j[None, :] < num_init) | (o_j[None, :] > (cur - num_local)[:, None])
         imp = tl.where(forced, float("inf"), imp)
         imp = tl.where(o_j[None, :] > cur[:, None], float("-inf"), imp)
-        if METHOD == "radix":
-            # the k-th largest importance by a bitwise search over order-preserving int32 keys (31 counting
-            # passes instead of k arg-max passes), then every larger one and the lowest-index ties
-            k_eff = tl.minimum(tl.sum((imp > float("-inf")).to(tl.int32), 1), num_selected)  # [BR]
-            bits = (imp + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 -> +0.0, a tie with 0
-            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BR, BNS] ordered like imp
-            tau = tl.where(tl.sum((key >= 0).to(tl.int32), 1) >= k_eff, 0, -2147483648)  # [BR]
-            for i in range(31):
-                cand = tau | (1 << (30 - i))
-                tau = tl.where(tl.sum((key >= cand[:, None]).to(tl.int32), 1) >= k_eff, cand, tau)
-            gt = key > tau[:, None]
-            eq = key == tau[:, None]
-            need = k_eff - tl.sum(gt.to(tl.int32), 1)  # [BR] ties to take, lowest index first
-            take_eq = eq & (tl.cumsum(eq.to(tl.int32), 1) <= need[:, None])
-            chosen = (gt | take_eq).to(tl.int32)
-        else:
-            chosen = tl.zeros([BR, BNS], tl.int32)
-            for _ in range(num_selected):
-                best = tl.max(imp, 1)  # [BR]
-                is_best = imp == best[:, None]
-                first = tl.min(tl.where(is_best, o_j[None, :], BNS), 1)  # lowest index among ties
-                take = (o_j[None, :] == first[:, None]) & (best > float("-inf"))[:, None]
-                chosen = tl.where(take, 1, chosen)
-                imp = tl.where(o_j[None, :] == first[:, None], float("-inf"), imp)
-        rank = tl.cumsum(chosen, 1) - 1  # [BR, BNS] output slot of each chosen block
-        count = tl.sum(chosen, 1)  # [BR]
-        tl.store(out_ptrs, tl.full([BR, NSEL], -1, tl.int32),
-                 mask=m_r[:, None] & (o_s >= count[:, None]) & (o_s < num_selected)[None, :])
-        tl.store(OUT + rows[:, None] * num_selected + rank, o_j[None, :] + tl.zeros([BR, BNS], tl.int32),
-                 mask=m_r[:, None] & (chosen > 0))
+        forced = forced & (o_j[None, :] <= cur[:, None])
+        rest = 1  # whether the row still needs the full pass
+        if METHOD == "filter":  # BR = 1
+            done, blocks = _filtered_top(tl.reshape(imp, [BNS]), o_j, tl.sum(cur, 0), SCR, tl.sum(rows, 0),
+                                         num_selected, num_init, num_local, NS, BNS, NSEL, CAP)
+            if done:  # every slot filled (the row has more than num_selected blocks)
+                tl.store(OUT + tl.sum(rows, 0) * num_selected + o_s, blocks, mask=o_s < num_selected)
+            rest = 1 - done.to(tl.int32)
+        if rest > 0:
+            if METHOD == "radix":
+                # the k-th largest importance by a bitwise search over order-preserving int32 keys (31
+                # counting passes instead of k arg-max passes), then every larger one and the
+                # lowest-index ties
+                k_eff = tl.minimum(tl.sum((imp > float("-inf")).to(tl.int32), 1), num_selected)  # [BR]
+                bits = (imp + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 -> +0.0, a tie with 0
+                key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BR, BNS] ordered like imp
+                tau = tl.where(tl.sum((key >= 0).to(tl.int32), 1) >= k_eff, 0, -2147483648)  # [BR]
+                for i in range(31):
+                    cand = tau | (1 << (30 - i))
+                    tau = tl.where(tl.sum((key >= cand[:, None]).to(tl.int32), 1) >= k_eff, cand, tau)
+                gt = key > tau[:, None]
+                eq = key == tau[:, None]
+                need = k_eff - tl.sum(gt.to(tl.int32), 1)  # [BR] ties to take, lowest index first
+                take_eq = eq & (tl.cumsum(eq.to(tl.int32), 1) <= need[:, None])
+                chosen = (gt | take_eq).to(tl.int32)
+            else:
+                chosen = _argmax_chosen(imp, forced, o_j, num_selected, BNS)
+            rank = tl.cumsum(chosen, 1) - 1  # [BR, BNS] output slot of each chosen block
+            count = tl.sum(chosen, 1)  # [BR]
+            tl.store(out_ptrs, tl.full([BR, NSEL], -1, tl.int32),
+                     mask=m_r[:, None] & (o_s >= count[:, None]) & (o_s < num_selected)[None, :])
+            tl.store(OUT + rows[:, None] * num_selected + rank, o_j[None, :] + tl.zeros([BR, BNS], tl.int32),
+                     mask=m_r[:, None] & (chosen > 0))
 
 
 def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, num_local, positions=None):
@@ -736,10 +814,17 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
     warps = TOPK_CONFIG["num_warps"]
     if n_rows <= 128 and not interpreting():  # decode: few rows, one per program, 4 warps each
         BR, warps = 1, 4
+    method, scratch = TOPK_METHOD, out
+    if method == "filter":
+        if NSEL <= 32 and BNS >= 128:  # the filter's 32 groups of the row hold NSEL candidates at least
+            BR = 1
+            scratch = torch.empty(n_rows, TOPK_FILTER_CAP, device=imp.device, dtype=torch.int64)
+        else:
+            method = "argmax"
     _topk_blocks_kernel[(triton.cdiv(n_rows, BR),)](
-        imp, positions if positions is not None else imp, out, n_rows, ns, T, num_kv_heads, select_size,
-        num_selected, num_init, num_local, HAS_POS=positions is not None, BR=BR, BNS=BNS,
-        NSEL=NSEL, METHOD=TOPK_METHOD, num_warps=warps,
+        imp, positions if positions is not None else imp, out, scratch, n_rows, ns, T, num_kv_heads,
+        select_size, num_selected, num_init, num_local, HAS_POS=positions is not None, BR=BR, BNS=BNS,
+        NSEL=NSEL, METHOD=method, CAP=TOPK_FILTER_CAP, num_warps=warps,
     )
     return out
 

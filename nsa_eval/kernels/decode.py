@@ -103,8 +103,8 @@ IMP_CHUNKS_PER_PROGRAM = 2
 IMP_LAUNCH = dict(num_warps=4)
 # fused: the top-k by the last importance program of each row (True), or by `topk_blocks` in a
 # launch of its own (False: no serial tail in step 2). Runs 13-16, B=16 at 64k: 113.2-115.7 us
-# against 110.6-115.0 (the launch alone 7-8 us). In step 2 the top-k is arg-max, or bitonic with
-# `_triton_utils.TOPK_METHOD = "bitonic"` ("radix" exists only in `topk_blocks`).
+# against 110.6-115.0 (the launch alone 7-8 us). In step 2 the top-k is arg-max over int64 keys, or
+# bitonic with `_triton_utils.TOPK_METHOD = "bitonic"` (the other methods exist only in `topk_blocks`).
 TOPK_IN_STEP2 = True
 
 

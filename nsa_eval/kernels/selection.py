@@ -68,6 +68,13 @@ IMPORTANCE_CONFIG = {"reshape": dict(rows=128, num_warps=8, num_stages=3),
 #       the farthest block reached, K, is <= IMPORTANCE_RESHAPE_MAX_K (one rotation per k is unrolled).
 IMPORTANCE_MAP = "reshape"  # run 8, select_blocks at 64k: 10.43 ms against 16.41 for broadcast
 IMPORTANCE_RESHAPE_MAX_K = 2  # paper's 32/16/64: K = 1; fla's 64/64/64: K = 0
+# Chunks that every row of a program sees whole (all but the last one or two of each program) run
+# without the visibility mask: no compare and select per probability (True); False masks every chunk.
+IMPORTANCE_SPLIT_MASK = True
+# The reshape map with 4 compressed blocks per selection block (the paper's sizes): the compressed keys
+# of a chunk are loaded in an order that puts whole selection blocks in each thread's accumulator
+# columns, so the map runs in registers before the group sum, which then shuffles 4x fewer values.
+IMPORTANCE_LANE_MAP = True
 # How a selected-attention program (forward and dq walk) walks its blocks; the benchmark times both.
 #   "pipelined": the distinct usable blocks of the program's lists are found once, vectorised over
 #       the preloaded [BT, n] lists, then walked by an unconditional loop that takes block i from
@@ -111,9 +118,10 @@ def _importance_kernel(
     T, TC, HQ, G, NS, scale_log2, block_len, stride, select_size,
     DK: tl.constexpr, BDK: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BNS: tl.constexpr,
     RATIO: tl.constexpr, GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SPLIT_MASK: tl.constexpr, LANES: tl.constexpr,
 ):
-    # RESHAPE: the "reshape" map of IMPORTANCE_MAP (with GROUP_FIRST), K: its farthest block ahead
+    # RESHAPE: the "reshape" map of IMPORTANCE_MAP (with GROUP_FIRST), K: its farthest block ahead;
+    # SPLIT_MASK: chunks that every row sees whole skip the visibility mask (IMPORTANCE_SPLIT_MASK)
     BC: tl.constexpr = BNS * RATIO  # compressed blocks per chunk of BNS selection blocks
     M: tl.constexpr = BT * GP
     i_t = tl.program_id(0)
@@ -135,60 +143,112 @@ def _importance_kernel(
     lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634  # [M]
     k_base = KC + i_b * sk_b + i_hk * sk_h
 
-    o_c = tl.arange(0, BC)
-    o_j = tl.arange(0, BNS)
-    if not RESHAPE:
+    if RESHAPE:
+        w_main = 0.0
+        w_spill = 0.0
+    else:
         w_main, w_spill = overlap_weights(stride, block_len, select_size, BC, BNS)  # [BC, BNS] each
-    c_lo = tl.arange(0, RATIO) * stride  # [RATIO] start of compressed block r in its selection block
 
     t_last = tl.minimum(t0 + BT - 1, T - 1)
     ns_hi = t_last // select_size + 1
     carry = tl.zeros([BT, BNS], tl.float32)
     r_rows = (i_b * T + t0 + tl.arange(0, BT)) * HKV + i_hk  # [BT] rows of IMP
     m_rows = (t0 + tl.arange(0, BT)) < T
-    for j0 in range(0, ns_hi, BNS):
-        o_k = j0 * RATIO + o_c  # [BC] compressed block indices
-        m_k = o_k < TC
-        k = tl.load(k_base + o_k[None, :].to(tl.int64) * sk_t + o_dk[:, None],
-                    mask=m_k[None, :] & (o_dk < DK)[:, None], other=0.0)  # [BDK, BC]
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k) * scale_log2  # [M, BC]
+    j_full = 0
+    if SPLIT_MASK:
+        # chunks whose compressed blocks are all visible to the program's first position, so to every
+        # row: no mask, and padding rows (past T, or heads past G) drop out through lse = +inf
+        n_full = tl.minimum(tl.maximum(t0 - block_len + 1 + stride, 0) // stride, TC)  # blocks t0 sees
+        j_full = (n_full // BC) * BNS
+        lse_full = tl.where(m_r, lse, float("inf"))
+        for j0 in range(0, j_full, BNS):
+            carry = _importance_chunk(q, k_base, sk_t, o_dk, lse_full, r_t, m_r, j0, TC, stride, block_len,
+                                      scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS,
+                                      select_size, DK, BT, GP, BNS, RATIO, GROUP_FIRST, RESHAPE, K, UPCAST,
+                                      LANES, False)
+    for j0 in range(j_full, ns_hi, BNS):
+        carry = _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride, block_len, scale_log2,
+                                  carry, w_main, w_spill, IMP, r_rows, m_rows, NS, select_size, DK, BT, GP,
+                                  BNS, RATIO, GROUP_FIRST, RESHAPE, K, UPCAST, LANES, True)
+
+
+@triton.jit
+def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride, block_len, scale_log2, carry,
+                      w_main, w_spill, IMP, r_rows, m_rows, NS, select_size, DK: tl.constexpr,
+                      BT: tl.constexpr, GP: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr,
+                      GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
+                      UPCAST: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr):
+    # importances of selection blocks j0 .. j0 + BNS - 1 (plus `carry`, the weight spilled into them by
+    # the previous chunk) stored; returns what spills into the next chunk. MASKED: the chunk may hold
+    # blocks some row does not see (or past TC); unmasked chunks are visible to every row.
+    BC: tl.constexpr = BNS * RATIO
+    o_j = tl.arange(0, BNS)
+    if LANES:
+        # column n = 16*i + 8*h + 2*l + e holds compressed block r = 2*h + e of selection block 4*i + l.
+        # An sm_90 MMA accumulator gives each thread columns 2*(lane % 4) + e + 8*(0, 1, ..): so each
+        # thread holds whole selection blocks, and the map over r needs no shuffles. (Any column order
+        # gives the same sums; this one only places them.)
+        o_n = tl.arange(0, BC)
+        o_k = j0 * RATIO + ((o_n // 16) * 4 + (o_n // 2) % 4) * RATIO + ((o_n // 8) % 2) * 2 + o_n % 2
+    else:
+        o_k = j0 * RATIO + tl.arange(0, BC)  # [BC] compressed block indices
+    m_k = o_k < TC
+    k_ptrs = k_base + o_k[None, :].to(tl.int64) * sk_t + o_dk[:, None]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=m_k[None, :] & (o_dk < DK)[:, None], other=0.0)  # [BDK, BC]
+    else:
+        k = tl.load(k_ptrs, mask=(o_dk < DK)[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k) * scale_log2  # [M, BC]
+    if MASKED:
         visible = ((o_k * stride + block_len - 1)[None, :] <= r_t[:, None]) & m_k[None, :] & m_r[:, None]
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
-        if GROUP_FIRST:
-            pg = tl.sum(tl.reshape(p, [BT, GP, BC]), 1)  # [BT, BC] summed over the group first
-            if RESHAPE:
-                p3 = tl.reshape(pg, [BT, BNS, RATIO])  # p of compressed block j * RATIO + r
-                main = tl.zeros([BT, BNS], tl.float32)
-                spill = tl.zeros([BT, BNS], tl.float32)
-                for k in tl.static_range(K + 1):
-                    # a[r, k] [RATIO]: tokens [r*stride, r*stride + block_len) in selection block k, / stride
-                    a_k = tl.maximum(tl.minimum(c_lo + block_len, (k + 1) * select_size)
-                                     - tl.maximum(c_lo, k * select_size), 0).to(tl.float32) / stride
-                    x = tl.sum(p3 * a_k[None, None, :], 2)  # [BT, BNS] weight from block j onto j + k
-                    if k == 0:
-                        main += x
-                    else:  # rot[:, j] = x[:, j - k], wrapping: blocks past the chunk's end spill
-                        shift = tl.broadcast_to(((o_j - k + BNS) % BNS)[None, :], [BT, BNS])
-                        rot = tl.gather(x, shift, 1)  # [BT, BNS], exact (a register/shared move)
-                        main += tl.where(o_j[None, :] >= k, rot, 0.0)
-                        spill += tl.where(o_j[None, :] < k, rot, 0.0)
-            elif BT * BC * BNS <= 8192:  # few positions: exact float32 products, no MMA
-                main = tl.sum(pg[:, :, None] * w_main[None, :, :], 1)  # [BT, BNS]
-                spill = tl.sum(pg[:, :, None] * w_spill[None, :, :], 1)  # [BT, BNS]
-            else:
-                main = tl.dot(pg, w_main, input_precision="tf32x3")  # [BT, BNS]
-                spill = tl.dot(pg, w_spill, input_precision="tf32x3")  # [BT, BNS]
+    else:
+        p = tl.exp2(s - lse[:, None])
+    if GROUP_FIRST:
+        if LANES:  # the map over r first, in registers, then the group sum on 4x fewer values
+            p6 = tl.reshape(p, [BT, GP, BNS // 4, 2, 4, 2])  # (position, head, i, h, l, e)
         else:
-            main = tl.dot(p, w_main, input_precision="tf32x3")  # [M, BNS]
-            spill = tl.dot(p, w_spill, input_precision="tf32x3")  # [M, BNS]
-            main = tl.sum(tl.reshape(main, [BT, GP, BNS]), 1)  # [BT, BNS] summed over the group
-            spill = tl.sum(tl.reshape(spill, [BT, GP, BNS]), 1)
-        imp = main + carry
-        carry = spill
-        cols = j0 + o_j
-        tl.store(IMP + r_rows[:, None] * NS + cols[None, :], imp, mask=m_rows[:, None] & (cols < NS)[None, :])
+            pg = tl.sum(tl.reshape(p, [BT, GP, BC]), 1)  # [BT, BC] summed over the group first
+        if RESHAPE:
+            if not LANES:
+                p3 = tl.reshape(pg, [BT, BNS, RATIO])  # p of compressed block j * RATIO + r
+            main = tl.zeros([BT, BNS], tl.float32)
+            spill = tl.zeros([BT, BNS], tl.float32)
+            c_lo = tl.arange(0, RATIO) * stride  # [RATIO] start of compressed block r in its selection block
+            for k in tl.static_range(K + 1):
+                # a[r, k] [RATIO]: tokens [r*stride, r*stride + block_len) in selection block k, / stride
+                a_k = tl.maximum(tl.minimum(c_lo + block_len, (k + 1) * select_size)
+                                 - tl.maximum(c_lo, k * select_size), 0).to(tl.float32) / stride
+                if LANES:
+                    a6 = tl.reshape(a_k, [2, 1, 2])  # [h, 1, e]
+                    x = tl.sum(tl.sum(p6 * a6[None, None, None, :, :, :], 5), 3)  # [BT, GP, BNS // 4, 4]
+                    x = tl.reshape(tl.sum(x, 1), [BT, BNS])  # [BT, BNS] block 4*i + l, summed over the group
+                else:
+                    x = tl.sum(p3 * a_k[None, None, :], 2)  # [BT, BNS] weight from block j onto j + k
+                if k == 0:
+                    main += x
+                else:  # rot[:, j] = x[:, j - k], wrapping: blocks past the chunk's end spill
+                    shift = tl.broadcast_to(((o_j - k + BNS) % BNS)[None, :], [BT, BNS])
+                    rot = tl.gather(x, shift, 1)  # [BT, BNS], exact (a register/shared move)
+                    main += tl.where(o_j[None, :] >= k, rot, 0.0)
+                    spill += tl.where(o_j[None, :] < k, rot, 0.0)
+        elif BT * BC * BNS <= 8192:  # few positions: exact float32 products, no MMA
+            main = tl.sum(pg[:, :, None] * w_main[None, :, :], 1)  # [BT, BNS]
+            spill = tl.sum(pg[:, :, None] * w_spill[None, :, :], 1)  # [BT, BNS]
+        else:
+            main = tl.dot(pg, w_main, input_precision="tf32x3")  # [BT, BNS]
+            spill = tl.dot(pg, w_spill, input_precision="tf32x3")  # [BT, BNS]
+    else:
+        main = tl.dot(p, w_main, input_precision="tf32x3")  # [M, BNS]
+        spill = tl.dot(p, w_spill, input_precision="tf32x3")  # [M, BNS]
+        main = tl.sum(tl.reshape(main, [BT, GP, BNS]), 1)  # [BT, BNS] summed over the group
+        spill = tl.sum(tl.reshape(spill, [BT, GP, BNS]), 1)
+    cols = j0 + o_j
+    tl.store(IMP + r_rows[:, None] * NS + cols[None, :], main + carry,
+             mask=m_rows[:, None] & (cols < NS)[None, :])
+    return spill
 
 
 def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
@@ -227,7 +287,8 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
         q, k_cmp, lse, imp, q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1),
         k_cmp.stride(2), T, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
         DK=DK, BDK=pow2(DK), GP=GP, BT=BT, BNS=BNS, RATIO=ratio, GROUP_FIRST=IMPORTANCE_GROUP_FIRST,
-        RESHAPE=reshape, K=shifts if reshape else 0, UPCAST=interpreting(), **launch,
+        RESHAPE=reshape, K=shifts if reshape else 0, UPCAST=interpreting(), SPLIT_MASK=IMPORTANCE_SPLIT_MASK,
+        LANES=reshape and IMPORTANCE_LANE_MAP and ratio == 4, **launch,
     )
     return imp
 

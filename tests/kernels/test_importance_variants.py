@@ -74,6 +74,33 @@ def test_reshape_matches_broadcast(monkeypatch, geometry, group):
                           dict(block_len=block_len, stride=stride, select_size=select_size))
 
 
+@interpreted
+@pytest.mark.parametrize("geometry,group", [("paper", "G3"), ("paper", "G8"), ("fla", "G1")])
+def test_split_mask_and_lane_map(monkeypatch, geometry, group):
+    """Chunks seen whole by every row without the mask (IMPORTANCE_SPLIT_MASK) and the lane-ordered map
+    (IMPORTANCE_LANE_MAP, paper's sizes) give the importances of the masked, plain kernel up to float32
+    rounding. T is long enough for unmasked chunks (64 compressed blocks a chunk at the paper's sizes);
+    G = 3 has padding heads (G' = 4), which the unmasked chunks drop through lse = +inf."""
+    block_len, stride, select_size = GEOMETRIES[geometry]
+    hq, hkv = {"G1": (2, 2), "G3": (3, 1), "G8": (8, 1)}[group]
+    T, d = 1300 if geometry == "paper" else 1100, 16
+    g = torch.Generator().manual_seed(11)
+    tc = (T - block_len) // stride + 1
+    q = torch.randn(1, T, hq, d, generator=g)
+    k_cmp = torch.randn(1, tc, hkv, d, generator=g)
+    lse = ref.compressed_attention(q, k_cmp, torch.zeros(1, tc, hkv, 1), block_len=block_len,
+                                   stride=stride)[1].contiguous()
+    ns = -(-T // select_size)
+    own = (torch.arange(ns)[None, :] <= (torch.arange(T) // select_size)[:, None]).repeat_interleave(hkv, 0)
+    imp = {}
+    for fast in (False, True):
+        monkeypatch.setattr(selection, "IMPORTANCE_SPLIT_MASK", fast)
+        monkeypatch.setattr(selection, "IMPORTANCE_LANE_MAP", fast)
+        imp[fast] = importances(monkeypatch, "reshape", q, k_cmp, lse, GEOMETRIES[geometry])[own]
+    torch.testing.assert_close(imp[True], imp[False], rtol=1e-5, atol=1e-7)
+    assert imp[True].abs().sum() > 0
+
+
 def test_shift_count():
     """block_importance's closed form of K against brute force, over strides, ratios and lengths."""
     for stride in (8, 16, 64):
@@ -111,8 +138,11 @@ def compile_importance(mapping, rows, G=16, d=128, geometry=(32, 16, 64)):
     k = (select_size - stride + block_len - 1) // select_size
     reshape = mapping == "reshape" and k <= selection.IMPORTANCE_RESHAPE_MAX_K
     GP = selection.pow2(G, 1)
-    consts = dict(DK=d, BDK=d, GP=GP, BT=max(1, rows // GP), BNS=16, RATIO=select_size // stride,
-                  GROUP_FIRST=True, RESHAPE=reshape, K=k if reshape else 0, UPCAST=False)
+    ratio = select_size // stride
+    consts = dict(DK=d, BDK=d, GP=GP, BT=max(1, rows // GP), BNS=16, RATIO=ratio, GROUP_FIRST=True,
+                  RESHAPE=reshape, K=k if reshape else 0, UPCAST=False,
+                  SPLIT_MASK=selection.IMPORTANCE_SPLIT_MASK,
+                  LANES=reshape and selection.IMPORTANCE_LANE_MAP and ratio == 4)
     types = ["*bf16", "*bf16", "*fp32", "*fp32"] + ["i32"] * 11 + ["fp32"] + ["i32"] * 3
     names = selection._importance_kernel.arg_names
     divisible = [i for i, n in enumerate(names[:19]) if n not in ("TC", "scale_log2")]

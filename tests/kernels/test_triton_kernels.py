@@ -245,9 +245,42 @@ def test_gate_backward_deltas_and_sum3():
         tu.sum3(a, b16, c, torch.float32, out=b16.clone())
 
 
+def reference_topk(imp, r, hkv, bs, n, t=None):
+    """The blocks of row r of `topk_blocks`' input by the rule (at position t, by default the row's),
+    ascending, -1 padded."""
+    cur = (r // hkv if t is None else t) // bs
+    score = imp[r, : cur + 1].clone()
+    score[0] = float("inf")
+    score[max(0, cur - 1):] = float("inf")
+    order = sorted(range(cur + 1), key=lambda j: (-score[j].item(), j))[:n]  # ties: lower index
+    return sorted(order) + [-1] * (n - len(order))
+
+
+@pytest.mark.parametrize("n", [16, 5])
+def test_topk_filter(monkeypatch, n):
+    """The filter top-k (TOPK_METHOD = "filter") on rows of up to 200 blocks: random importances (its
+    compacted path), many exact ties and -0.0 (ties to the lower index, whichever path), equal
+    importances everywhere (more candidates than TOPK_FILTER_CAP: the full pass), and the short rows
+    at the start (all blocks kept)."""
+    from nsa_eval.kernels import _triton_utils as tu
+
+    monkeypatch.setattr(tu, "TOPK_METHOD", "filter")
+    g = torch.Generator().manual_seed(5)
+    T, rows, ns, bs = 400, 48, 200, 2
+    pos = torch.cat([torch.arange(0, 40, 5), torch.randint(40, T, (rows - 8,), generator=g)]).int()
+    imp = torch.rand(rows, ns, generator=g)
+    imp[1::5] = torch.randint(0, 8, imp[1::5].shape, generator=g).float() / 8  # many ties, zeros
+    imp[2::7, 3::5] = -0.0
+    imp[3::9] = 0.5  # every block ties
+    out = tu.topk_blocks(imp, T=T, num_kv_heads=1, select_size=bs, num_selected=n, num_init=1, num_local=2,
+                         positions=pos)
+    for r in range(rows):
+        assert out[r].tolist() == reference_topk(imp, r, 1, bs, n, t=pos[r].item()), r
+
+
 @pytest.mark.parametrize("n", [5, 1])
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("method", ["radix", "argmax", "bitonic"])
+@pytest.mark.parametrize("method", ["radix", "argmax", "bitonic", "filter"])
 def test_topk_blocks_ties_and_forced(monkeypatch, method, rows, n):
     """Every top-k method, one or several rows per program, 5 blocks or 1: forced blocks, no block
     after t, largest importances with ties (many equal values, zeros and -0.0) going to the lower
@@ -263,10 +296,4 @@ def test_topk_blocks_ties_and_forced(monkeypatch, method, rows, n):
     imp[1::4, 3::5] = -0.0  # ties with +0.0
     out = tu.topk_blocks(imp, T=T, num_kv_heads=hkv, select_size=bs, num_selected=n, num_init=1, num_local=2)
     for r in range(T * hkv):
-        cur = (r // hkv) // bs
-        score = imp[r, : cur + 1].clone()
-        score[0] = float("inf")
-        score[max(0, cur - 1):] = float("inf")
-        order = sorted(range(cur + 1), key=lambda j: (-score[j].item(), j))[:n]  # ties: lower index
-        want = sorted(order) + [-1] * (n - len(order))
-        assert out[r].tolist() == want, r
+        assert out[r].tolist() == reference_topk(imp, r, hkv, bs, n), r

@@ -1,0 +1,75 @@
+"""The importance kernel's unmasked chunks and lane-ordered map, and the top-k, timed side by side (H200).
+
+    PYTHONPATH=. python3 scripts/probe_importance.py
+
+At 64k (64/4 and 16/4 heads, random inputs): `block_importance` alone with
+`IMPORTANCE_SPLIT_MASK` and `IMPORTANCE_LANE_MAP` each on and off (and a check that all four give
+the same importances up to float32 rounding), `topk_blocks` alone for every method, then the NSA
+forward with both importance flags on (the defaults) and off, each with the arg-max and the filter
+top-k.
+"""
+
+import torch
+
+from nsa_eval.bench import _inputs, _time, _with_flag, bench_nsa_prefill
+from nsa_eval.kernels import _triton_utils as u
+from nsa_eval.kernels import selection
+from nsa_eval.kernels.compression import compressed_attention
+
+T = 65536
+
+
+def with_flags(split, lanes, fn):
+    return _with_flag(selection, "IMPORTANCE_SPLIT_MASK", split,
+                      lambda: _with_flag(selection, "IMPORTANCE_LANE_MAP", lanes, fn))
+
+
+def probe(hq):
+    x = _inputs(1, T, hq, 4, 128, grad=False)
+    q, k_cmp = x["q"], x["k_cmp"]
+    with torch.no_grad():
+        _, lse = compressed_attention(q, k_cmp, x["v_cmp"])
+
+        def importance():
+            return selection.block_importance(q, k_cmp, lse, block_len=32, stride=16, select_size=64,
+                                              scale=128 ** -0.5)
+
+        ns = T // 64
+        own = (torch.arange(ns, device="cuda")[None, :] <= (torch.arange(T, device="cuda") // 64)[:, None])
+        own = own.repeat_interleave(4, 0)
+        want = with_flags(False, False, importance)[own]
+        for split in (False, True):
+            for lanes in (False, True):
+                got = with_flags(split, lanes, importance)[own]
+                err = ((got - want).abs() / want.abs().clamp_min(1e-6)).max().item()
+                ms = with_flags(split, lanes, lambda: _time(importance))
+                print(f"hq={hq} importance split_mask={split!s:5s} lane_map={lanes!s:5s}: {ms:.3f} ms, "
+                      f"max rel diff {err:.1e}", flush=True)
+        imp = importance()
+
+        def topk():
+            return u.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
+                                 num_local=2)
+
+        want = topk()
+        for method in u.TOPK_METHODS:
+            got = _with_flag(u, "TOPK_METHOD", method, topk)
+            ms = _with_flag(u, "TOPK_METHOD", method, lambda: _time(topk))
+            print(f"hq={hq} topk {method:8s}: {ms:.3f} ms, same={torch.equal(got, want)}", flush=True)
+    torch.cuda.empty_cache()
+
+
+def main():
+    for hq in (64, 16):
+        probe(hq)
+    for hq in (64, 16):
+        for split, lanes in ((True, True), (False, False)):
+            for method in ("argmax", "filter"):
+                fwd, _ = with_flags(split, lanes, lambda: _with_flag(  # noqa: B023
+                    u, "TOPK_METHOD", method, lambda: bench_nsa_prefill(T, hq, 4, 128)))  # noqa: B023
+                print(f"prefill fwd hq={hq} split_mask={split} lane_map={lanes} top-k {method}: {fwd:.2f} ms",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
