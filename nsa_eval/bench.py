@@ -379,6 +379,13 @@ def bench_variants(x, lse, idx):
     whole = _fwd_bwd(lambda: nsa_prefill(**x), x)
     for fused, label in ((True, "fused"), (False, "composed")):
         timed(f"nsa_attention [{label} backward]", prefill, "FUSED_BACKWARD", fused, whole)
+    # the window branch on its own stream (the default) or in line with the others; "[dq " files the
+    # forward+backward rows under forward+backward
+    forward = lambda: nsa_prefill(**x)  # noqa: E731
+    for on, label in ((True, "side stream"), (False, "one stream")):
+        with torch.no_grad():
+            timed(f"nsa_attention [window on {label}]", prefill, "WINDOW_STREAM", on, forward)
+        timed(f"nsa_attention [dq window on {label}]", prefill, "WINDOW_STREAM", on, whole)
     return out
 
 

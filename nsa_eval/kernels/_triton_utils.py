@@ -268,16 +268,29 @@ def _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
 
 
 @triton.jit
+def _query_tile_and_head(longest_first):
+    """(query tile, batch x head) of a forward or dq program. longest_first: the grid is (heads, query
+    tiles) and runs the last query tiles, which see the most keys, first (without a window), so the
+    GPU is not left waiting on a few long programs at the end; else (query tiles, heads)."""
+    if longest_first:
+        i_bh = tl.program_id(0)
+        i_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        i_m = tl.program_id(0)
+        i_bh = tl.program_id(1)
+    return i_m, i_bh
+
+
+@triton.jit
 def _band_fwd_kernel(
     Q, K, V, O, LSE,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
-    T, TK, HQ, G, scale_log2, key_stride, key_offset, window,
+    T, TK, HQ, G, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
 ):
-    i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_m, i_bh = _query_tile_and_head(longest_first)
     i_b = (i_bh // HQ).to(tl.int64)
     i_h = i_bh % HQ
     i_hk = i_h // G
@@ -364,14 +377,13 @@ def _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t,
 def _band_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-    T, TK, HQ, G, scale, scale_log2, key_stride, key_offset, window,
+    T, TK, HQ, G, scale, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
 ):
     # DO and DQ are contiguous [B, T, HQ, DV] / [B, T, HQ, DK]
-    i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_m, i_bh = _query_tile_and_head(longest_first)
     i_b = (i_bh // HQ).to(tl.int64)
     i_h = i_bh % HQ
     i_hk = i_h // G
@@ -469,15 +481,19 @@ def _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
 def _band_bwd_dkv_kernel(
     Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-    T, TK, HQ, G, SPLIT, scale, scale_log2, key_stride, key_offset, window,
+    T, TK, HQ, G, SPLIT, scale, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
 ):
     # One program per (key tile, kv head, head split); it loops over G // SPLIT query heads.
     # DK_OUT / DV_OUT are contiguous [B, TK, HKV * SPLIT, D].
-    i_n = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    if longest_first:  # grid (heads, key tiles): the first key tiles, which see the most queries, first
+        i_bh = tl.program_id(0)
+        i_n = tl.program_id(1)
+    else:
+        i_n = tl.program_id(0)
+        i_bh = tl.program_id(1)
     HKV = HQ // G
     NH = HKV * SPLIT
     i_b = (i_bh // NH).to(tl.int64)
@@ -554,6 +570,17 @@ BAND_CONFIGS = {
 }
 
 
+# Launch order of the banded kernels' programs: True, heads fastest and the longest tiles first (the
+# last query tiles of the forward and dq, the first key tiles of dk/dv: with the compression's causal
+# band they do up to 64x the work of the shortest, and a long program launched last keeps its SM busy
+# after the others are done); False, tiles fastest in index order (the first versions).
+BAND_LONGEST_FIRST = True
+
+
+def _grid(tiles: int, heads: int) -> tuple[int, int]:
+    return (heads, tiles) if BAND_LONGEST_FIRST else (tiles, heads)
+
+
 def _band_config(window, part, dtype=torch.bfloat16):
     cfg = dict(BAND_CONFIGS["cmp" if window is None else "swa"][part])
     if interpreting():
@@ -574,10 +601,10 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     cfg = _band_config(window, "fwd", q.dtype)
     BM = cfg["BM"]
-    grid = (triton.cdiv(T, BM), B * HQ)
+    grid = _grid(triton.cdiv(T, BM), B * HQ)
     _band_fwd_kernel[grid](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0,
+        T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0, int(BAND_LONGEST_FIRST),
         HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
         UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "fwd"), **cfg,
     )
@@ -599,9 +626,10 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     common = dict(HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
                   UPCAST=interpreting())
     cfg = _band_config(window, "dq", q.dtype)
-    _band_bwd_dq_kernel[(triton.cdiv(T, cfg["BM"]), B * HQ)](
+    _band_bwd_dq_kernel[_grid(triton.cdiv(T, cfg["BM"]), B * HQ)](
         q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
-        T, TK, HQ, G, scale, scale * LOG2E, key_stride, key_offset, window or 0, **cfg, **common,
+        T, TK, HQ, G, scale, scale * LOG2E, key_stride, key_offset, window or 0, int(BAND_LONGEST_FIRST),
+        **cfg, **common,
         SPLIT_MASK=_split_mask(window, "dq"),
     )
     split = G if split_heads else 1
@@ -609,9 +637,10 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     dk = torch.empty(B, TK, HKV * split, DK, device=q.device, dtype=buf_dtype)
     dv = torch.empty(B, TK, HKV * split, DV, device=q.device, dtype=buf_dtype)
     cfg = _band_config(window, "dkv", q.dtype)
-    _band_bwd_dkv_kernel[(triton.cdiv(TK, cfg["BN"]), B * HKV * split)](
+    _band_bwd_dkv_kernel[_grid(triton.cdiv(TK, cfg["BN"]), B * HKV * split)](
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
-        T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0, **cfg, **common,
+        T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0,
+        int(BAND_LONGEST_FIRST), **cfg, **common,
         SPLIT_MASK=_split_mask(window, "dkv"),
     )
     if split > 1:

@@ -12,9 +12,16 @@ goes into the compression branch's dq buffer, so the backward holds no more than
 Once differentiable (no double backward). With `FUSED_BACKWARD = False` the branches are composed
 from their own autograd functions (`compressed_attention`, `selected_attention`,
 `sliding_window_attention`, `gated_sum`), as before; the benchmark times both.
+
+`WINDOW_STREAM`: the window branch depends on no other branch, so its forward (once the compression
+forward is queued) and its backward run on a second CUDA stream, beside the selection's top-k and
+selected walks, which leave the tensor cores idle (they wait on L2 reads, atomics and reductions).
+The streams join before the op returns.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -27,6 +34,7 @@ from nsa_eval.kernels._triton_utils import (
     gate_backward,
     gate_forward,
     gated_sum,
+    interpreting,
     sum3,
 )
 from nsa_eval.kernels.compression import compressed_attention
@@ -34,6 +42,37 @@ from nsa_eval.kernels.selection import select_blocks, selected_attention, select
 from nsa_eval.kernels.window import sliding_window_attention
 
 FUSED_BACKWARD = True
+# the window branch on a second CUDA stream (with FUSED_BACKWARD), beside the other branches
+WINDOW_STREAM = True
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
+    """The second stream of x's device (None on the CPU, under the interpreter or without
+    WINDOW_STREAM), made to wait for the work queued so far on the current stream."""
+    if not (WINDOW_STREAM and x.is_cuda and not interpreting()):
+        return None
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def _no_stream():
+    return contextlib.nullcontext()
+
+
+def _join(side: torch.cuda.Stream | None, *made_there: torch.Tensor) -> None:
+    """The current stream waits for `side`; tensors allocated there are marked as used here, so the
+    allocator does not hand their memory out again before this stream is done with them."""
+    if side is None:
+        return
+    main = torch.cuda.current_stream(side.device)
+    main.wait_stream(side)
+    for t in made_there:
+        t.record_stream(main)
 
 
 class NSAFunction(torch.autograd.Function):
@@ -43,11 +82,15 @@ class NSAFunction(torch.autograd.Function):
         q, k, v, k_cmp, v_cmp, k_swa, v_swa = contiguous(q, k, v, k_cmp, v_cmp, k_swa, v_swa)
         o_cmp, lse_cmp = band_forward(q, k_cmp, v_cmp, scale=scale, key_stride=stride,
                                       key_offset=block_len - 1)
+        side = _side_stream(q)  # the window after the compression forward, beside the selection
+        with torch.cuda.stream(side) if side is not None else _no_stream():
+            o_swa, lse_swa = band_forward(q, k_swa, v_swa, scale=scale, key_stride=1, key_offset=0,
+                                          window=window)
         bi = select_blocks(q, k_cmp, block_len=block_len, stride=stride, select_size=select_size,
                            num_selected=num_selected, num_init=num_init, num_local=num_local, scale=scale,
                            lse=lse_cmp)  # int32 [B, T, Hkv, n], contiguous
         o_slc, lse_slc = selected_forward(q, k, v, bi, select_size=select_size, scale=scale)
-        o_swa, lse_swa = band_forward(q, k_swa, v_swa, scale=scale, key_stride=1, key_offset=0, window=window)
+        _join(side, o_swa, lse_swa)
         g_cmp, g_slc, g_swa = contiguous(g_cmp, g_slc, g_swa)
         o = gate_forward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
         ctx.save_for_backward(q, k, v, k_cmp, v_cmp, k_swa, v_swa, g_cmp, g_slc, g_swa, bi,
@@ -64,14 +107,20 @@ class NSAFunction(torch.autograd.Function):
          o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa) = ctx.saved_tensors
         block_len, stride, select_size, _, _, _, window, scale = ctx.params
         d_o, d_g, delta = gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, with_delta=True)
+        side = _side_stream(q)  # the window beside the selected branch
+        do_swa = d_o.pop(2)  # held until the streams join: the side stream reads it
+        with torch.cuda.stream(side) if side is not None else _no_stream():
+            dq_swa, dk_swa, dv_swa = band_backward(q, k_swa, v_swa, o_swa, lse_swa, do_swa, scale=scale,
+                                                   key_stride=1, key_offset=0, window=window, delta=delta[2])
+        if side is None:
+            del do_swa
         # each branch's do_x is dropped as soon as that branch is done
         dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, d_o.pop(1), select_size=select_size,
                                            scale=scale, delta=delta[1], dq_float32=True)
         dq_cmp, dk_cmp, dv_cmp = band_backward(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_o.pop(0), scale=scale,
                                                key_stride=stride, key_offset=block_len - 1, split_heads=True,
                                                delta=delta[0])
-        dq_swa, dk_swa, dv_swa = band_backward(q, k_swa, v_swa, o_swa, lse_swa, d_o.pop(0), scale=scale,
-                                               key_stride=1, key_offset=0, window=window, delta=delta[2])
+        _join(side, dq_swa, dk_swa, dv_swa)
         dq = sum3(dq_slc, dq_cmp, dq_swa, q.dtype, out=dq_cmp)  # dq_cmp: q's dtype and shape
         return (dq, dk, dv, dk_cmp, dv_cmp, *d_g, dk_swa, dv_swa, None)
 

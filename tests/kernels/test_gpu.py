@@ -171,3 +171,27 @@ def test_nsa_attention_triton_gradients(monkeypatch, fused):
     want = torch.autograd.grad(o_ref, [x32[n] for n in order], do)
     for n, a, b in zip(order, got, want, strict=True):
         assert rel_err(a, b) < 3e-2, n
+
+
+def test_window_side_stream_matches_one_stream(monkeypatch):
+    """prefill.WINDOW_STREAM: the window branch on a second stream gives the output of the single
+    stream bit for bit, and the same gradients up to the order of the selected branch's float32
+    atomics; 20 calls in a row with fresh inputs (the allocator reusing memory across the streams)."""
+    from nsa_eval import kernels
+    from nsa_eval.kernels import prefill
+
+    order = ["q", "k", "v", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa"]
+    for seed in range(20):
+        x = make(1, 4096, 16, 1, 128, grad=True, seed=seed)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for name in ("g_cmp", "g_slc", "g_swa"):
+            x[name] = torch.rand(1, 4096, 16, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+        do = torch.randn(1, 4096, 16, 128, generator=g, device="cuda").to(torch.bfloat16)
+        out = {}
+        for on in (False, True):
+            monkeypatch.setattr(prefill, "WINDOW_STREAM", on)
+            o = kernels.nsa_attention(*[x[n] for n in order], impl="triton")
+            out[on] = (o, torch.autograd.grad(o, [x[n] for n in order], do))
+        assert torch.equal(out[True][0], out[False][0])
+        for n, a, b in zip(order, out[True][1], out[False][1], strict=True):
+            assert rel_err(a, b) < 1e-3, (seed, n)
