@@ -277,12 +277,11 @@ def bench_ops(T, hq, hkv, d=128):
 
 def bench_variants(x, lse, idx):
     """Alternatives to the default kernels, timed beside them (ms): the other top-k methods (and the
-    top-k alone at several launch shapes),
-    the first importance kernel (per-head tf32x3 overlap matmuls), the importance kernel with every
-    chunk masked and with the plain map, launch configurations of the
-    selected-attention forward and of each part of the banded kernels (dq/dkv: forward+backward), the
-    banded kernels' single masked loop (BAND_SPLIT_MASK=False) and the window's split backward; the
-    whole NSA's forward+backward as one autograd op and composed from the branches' ops."""
+    top-k alone at several launch shapes), the importance kernel with every chunk masked and with the
+    plain map, launch configurations of the selected-attention forward and of each part of the banded
+    kernels (dq/dkv: forward+backward), the banded kernels' single masked loop (BAND_SPLIT_MASK=False)
+    and the window's split backward; the whole NSA as one autograd op and composed from the branches'
+    ops, with the window on the main stream, and with the banded tiles in index order."""
     import torch
 
     from nsa_eval.kernels import _triton_utils, selection
@@ -313,24 +312,19 @@ def bench_variants(x, lse, idx):
                 label = f"topk_blocks [{method}, {rows} rows, {warps} warps]"
                 timed(label, _triton_utils, "TOPK_CONFIG", dict(rows=rows, num_warps=warps),
                       lambda: _with_flag(_triton_utils, "TOPK_METHOD", method, topk))  # noqa: B023
-        timed("select_blocks [matmul importance]", selection, "IMPORTANCE_GROUP_FIRST", False, sel)
         timed("select_blocks [importance, all masked]", selection, "IMPORTANCE_SPLIT_MASK", False, sel)
         timed("select_blocks [importance, plain map]", selection, "IMPORTANCE_LANE_MAP", False, sel)
         fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
         for warps, stages in ((2, 2), (1, 3)):
             timed(f"selected_attention [warps={warps} stages={stages}]", selection, "SELECTED_FWD_CONFIG",
                   dict(num_warps=warps, num_stages=stages), fwd)
-        timed("selected_attention [union walk]", selection, "SELECTED_WALK", "union", fwd)
-        timed("selected_attention [rows=32]", selection, "SELECTED_ROWS", 32, fwd)
         timed("select_blocks [importance broadcast]", selection, "IMPORTANCE_MAP", "broadcast", sel)
-        for rows, warps in ((64, 4), (128, 4), (256, 8)):
+        for rows, warps in ((128, 8), (128, 4), (256, 16)):
             config = dict(selection.IMPORTANCE_CONFIG, reshape=dict(rows=rows, num_warps=warps, num_stages=3))
             timed(f"select_blocks [importance {rows} rows, {warps} warps]", selection, "IMPORTANCE_CONFIG",
                   config, sel)
     fwd_bwd = _fwd_bwd(fwd, x)
-    timed("selected_attention [dq union walk]", selection, "SELECTED_WALK", "union", fwd_bwd)
     timed("selected_attention [dq walk]", selection, "SELECTED_DQ", "walk", fwd_bwd)
-    timed("selected_attention [dkv rows=32]", selection, "SELECTED_DKV_ROWS", 32, fwd_bwd)
     for config in (dict(num_stages=2),):
         label = " ".join(f"{k[4:]}={v}" for k, v in config.items())
         timed(f"selected_attention [dkv {label}]", selection, "SELECTED_DKV_CONFIG", config, fwd_bwd)
@@ -377,15 +371,19 @@ def bench_variants(x, lse, idx):
     from nsa_eval.kernels import prefill
 
     whole = _fwd_bwd(lambda: nsa_prefill(**x), x)
+    forward = lambda: nsa_prefill(**x)  # noqa: E731
     for fused, label in ((True, "fused"), (False, "composed")):
         timed(f"nsa_attention [{label} backward]", prefill, "FUSED_BACKWARD", fused, whole)
-    # the window branch on its own stream (the default) or in line with the others; "[dq " files the
+    # the window branch in line with the others (its default: a second stream) and the banded kernels'
+    # tiles in index order (default: the longest first), beside the defaults; "[dq " files the
     # forward+backward rows under forward+backward
-    forward = lambda: nsa_prefill(**x)  # noqa: E731
-    for on, label in ((True, "side stream"), (False, "one stream")):
-        with torch.no_grad():
-            timed(f"nsa_attention [window on {label}]", prefill, "WINDOW_STREAM", on, forward)
-        timed(f"nsa_attention [dq window on {label}]", prefill, "WINDOW_STREAM", on, whole)
+    with torch.no_grad():
+        timed("nsa_attention [defaults]", prefill, "FUSED_BACKWARD", True, forward)  # the forward again
+        timed("nsa_attention [window on one stream]", prefill, "WINDOW_STREAM", False, forward)
+        timed("nsa_attention [band tiles in index order]", _triton_utils, "BAND_LONGEST_FIRST", False,
+              forward)
+    timed("nsa_attention [dq window on one stream]", prefill, "WINDOW_STREAM", False, whole)
+    timed("nsa_attention [dq band tiles in index order]", _triton_utils, "BAND_LONGEST_FIRST", False, whole)
     return out
 
 

@@ -5,7 +5,7 @@
 Forward+backward of the compression and window branches (64/4 heads, random inputs) with the
 default configuration, with the tiles launched in index order (`BAND_LONGEST_FIRST = False`) and
 with other dk/dv launches, masked or split (`BAND_SPLIT_MASK`); then the whole NSA with each launch
-order.
+order. Run 21: reports/kernels/band_run21.log.
 """
 
 import torch

@@ -6,7 +6,7 @@ At 64k (64/4 and 16/4 heads, random inputs): `block_importance` alone with
 `IMPORTANCE_SPLIT_MASK` and `IMPORTANCE_LANE_MAP` each on and off (and a check that all four give
 the same importances up to float32 rounding), `topk_blocks` alone for every method, then the NSA
 forward with both importance flags on (the defaults) and off, each with the arg-max and the filter
-top-k.
+top-k. Runs 18, 19 and 22: reports/kernels/probe_run18.log, probe_run19.log, probe_run22.log.
 """
 
 import torch

@@ -50,13 +50,15 @@ from nsa_eval.kernels._triton_utils import (
 # importance of selection blocks
 # ---------------------------------------------------------------------------------------------
 # True: sum the probabilities over the group before mapping them onto selection blocks (BT rows, not
-# BT * G'); False: the first version, per-head tf32x3 matmuls (the benchmark times both)
+# BT * G'); False: the first version, per-head tf32x3 matmuls (run 17, select_blocks at 64k: 20.3 ms
+# against 9.8)
 IMPORTANCE_GROUP_FIRST = True
 # rows (positions x G') per importance program and its launch, per map (IMPORTANCE_MAP): more rows
 # read each compressed key for more positions (fewer bytes), at more registers and shared memory.
 # select_blocks at 64k (run 8): reshape 10.43 ms with 128 rows / 8 warps, 11.20 with 64 / 4;
-# broadcast 16.41 with 64 rows, 31.35 with 128.
-IMPORTANCE_CONFIG = {"reshape": dict(rows=128, num_warps=8, num_stages=3),
+# broadcast 16.41 with 64 rows, 31.35 with 128. With the lane map and unmasked chunks (80 registers at
+# 128 rows, 119 at 256), run 23: 256 rows / 8 warps 6.83 ms against 7.27 for 128 / 8.
+IMPORTANCE_CONFIG = {"reshape": dict(rows=256, num_warps=8, num_stages=3),
                      "broadcast": dict(rows=64, num_warps=4, num_stages=3)}
 # How the group's probabilities pg [BT, BC] (IMPORTANCE_GROUP_FIRST) are mapped onto the chunk's BNS
 # selection blocks; the benchmark times both.
@@ -115,7 +117,7 @@ SELECTED_DQ = "fused"  # run 5: 57.4 ms fwd+bwd at 64k, 59.6 with the dq walk
 def _importance_kernel(
     Q, KC, LSE, IMP,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
-    T, TC, HQ, G, NS, scale_log2, block_len, stride, select_size,
+    T, TC, HQ, G, NS, scale_log2, block_len: tl.constexpr, stride: tl.constexpr, select_size: tl.constexpr,
     DK: tl.constexpr, BDK: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BNS: tl.constexpr,
     RATIO: tl.constexpr, GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
     UPCAST: tl.constexpr, SPLIT_MASK: tl.constexpr, LANES: tl.constexpr,
@@ -173,8 +175,22 @@ def _importance_kernel(
 
 
 @triton.jit
-def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride, block_len, scale_log2, carry,
-                      w_main, w_spill, IMP, r_rows, m_rows, NS, select_size, DK: tl.constexpr,
+def _overlap_weight(r: tl.constexpr, k: tl.constexpr, block_len: tl.constexpr, stride: tl.constexpr,
+                    select_size: tl.constexpr):
+    """a[r, k], a constant: tokens of compressed block r of a selection block (tokens [r*stride,
+    r*stride + block_len)) that fall in the selection block k ahead, / stride."""
+    lo: tl.constexpr = r * stride
+    hi: tl.constexpr = lo + block_len
+    end: tl.constexpr = (k + 1) * select_size
+    start: tl.constexpr = k * select_size
+    tokens: tl.constexpr = (hi if hi < end else end) - (lo if lo > start else start)
+    return tokens / stride if tokens > 0 else 0.0
+
+
+@triton.jit
+def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: tl.constexpr,
+                      block_len: tl.constexpr, scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS,
+                      select_size: tl.constexpr, DK: tl.constexpr,
                       BT: tl.constexpr, GP: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr,
                       GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
                       UPCAST: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr):
@@ -208,7 +224,11 @@ def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride, bloc
         p = tl.exp2(s - lse[:, None])
     if GROUP_FIRST:
         if LANES:  # the map over r first, in registers, then the group sum on 4x fewer values
-            p6 = tl.reshape(p, [BT, GP, BNS // 4, 2, 4, 2])  # (position, head, i, h, l, e)
+            p5 = tl.reshape(p, [BT, GP, BNS // 4, 2, 4, 2])  # (position, head, i, h, l, e)
+            p5 = tl.permute(p5, (0, 1, 2, 4, 3, 5))  # (.., i, l, h, e)
+            p_e0, p_e1 = tl.split(p5)  # [BT, GP, BNS // 4, 4, 2] (.., i, l, h)
+            p_r0, p_r2 = tl.split(p_e0)  # [BT, GP, BNS // 4, 4]: p of compressed block r = 2*h + e
+            p_r1, p_r3 = tl.split(p_e1)
         else:
             pg = tl.sum(tl.reshape(p, [BT, GP, BC]), 1)  # [BT, BC] summed over the group first
         if RESHAPE:
@@ -221,9 +241,16 @@ def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride, bloc
                 # a[r, k] [RATIO]: tokens [r*stride, r*stride + block_len) in selection block k, / stride
                 a_k = tl.maximum(tl.minimum(c_lo + block_len, (k + 1) * select_size)
                                  - tl.maximum(c_lo, k * select_size), 0).to(tl.float32) / stride
-                if LANES:
-                    a6 = tl.reshape(a_k, [2, 1, 2])  # [h, 1, e]
-                    x = tl.sum(tl.sum(p6 * a6[None, None, None, :, :, :], 5), 3)  # [BT, GP, BNS // 4, 4]
+                if LANES:  # the weights are constants: zero terms drop out, ones cost no multiply
+                    x = tl.zeros([BT, GP, BNS // 4, 4], tl.float32)
+                    if _overlap_weight(0, k, block_len, stride, select_size) != 0:
+                        x += p_r0 * _overlap_weight(0, k, block_len, stride, select_size)
+                    if _overlap_weight(1, k, block_len, stride, select_size) != 0:
+                        x += p_r1 * _overlap_weight(1, k, block_len, stride, select_size)
+                    if _overlap_weight(2, k, block_len, stride, select_size) != 0:
+                        x += p_r2 * _overlap_weight(2, k, block_len, stride, select_size)
+                    if _overlap_weight(3, k, block_len, stride, select_size) != 0:
+                        x += p_r3 * _overlap_weight(3, k, block_len, stride, select_size)
                     x = tl.reshape(tl.sum(x, 1), [BT, BNS])  # [BT, BNS] block 4*i + l, summed over the group
                 else:
                     x = tl.sum(p3 * a_k[None, None, :], 2)  # [BT, BNS] weight from block j onto j + k

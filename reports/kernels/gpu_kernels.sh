@@ -24,6 +24,6 @@ FLA_WHEELS=${FLA_WHEELS:-.whl}
 if ls "$FLA_WHEELS"/*.whl > /dev/null 2>&1; then
   python3 -m pip install --no-deps -q "$FLA_WHEELS"/*.whl 2>&1 | grep -v WARNING
 fi
-timeout 420 python3 -m nsa_eval.commands.bench kernels --lengths 8k 64k --out "$DIR" 2>&1 \
+timeout 500 python3 -m nsa_eval.commands.bench kernels --lengths 8k 64k --out "$DIR" 2>&1 \
   | tee "$DIR/bench_$RUN.log" | tail -n 60
 tar -C "$DIR" -cf "$OUT/kernels.tar" .

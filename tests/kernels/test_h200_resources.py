@@ -40,7 +40,7 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
     launch = dict(s.IMPORTANCE_CONFIG["reshape"])
     consts = dict(DK=128, BDK=128, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
                   RESHAPE=True, K=1, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
-                  LANES=s.IMPORTANCE_LANE_MAP)
+                  LANES=s.IMPORTANCE_LANE_MAP, block_len=32, stride=16, select_size=64)
     out[f"importance {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts, launch)
     consts = dict(DK=128, DV=128, BDK=128, BDV=128, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False, UPCAST=False)
     selected = [p] * 3 + ["*i32", p, "*fp32"] + [p, "*fp32", p]
@@ -50,7 +50,8 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG_MULTI)
     launch = dict(s.IMPORTANCE_CONFIG["broadcast"])
     consts = dict(DK=128, BDK=128, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
-                  RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK, LANES=False)
+                  RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK, LANES=False,
+                  block_len=32, stride=16, select_size=64)
     out[f"importance broadcast {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                  launch)
     consts = dict(DK=128, DV=128, BDK=128, BDV=128, GP=GP, BQ=max(1, s.SELECTED_DKV_ROWS // GP), BS=64,

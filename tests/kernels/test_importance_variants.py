@@ -143,9 +143,10 @@ def compile_importance(mapping, rows, G=16, d=128, geometry=(32, 16, 64)):
                   RESHAPE=reshape, K=k if reshape else 0, UPCAST=False,
                   SPLIT_MASK=selection.IMPORTANCE_SPLIT_MASK,
                   LANES=reshape and selection.IMPORTANCE_LANE_MAP and ratio == 4)
-    types = ["*bf16", "*bf16", "*fp32", "*fp32"] + ["i32"] * 11 + ["fp32"] + ["i32"] * 3
+    consts.update(block_len=block_len, stride=stride, select_size=select_size)
+    types = ["*bf16", "*bf16", "*fp32", "*fp32"] + ["i32"] * 11 + ["fp32"]
     names = selection._importance_kernel.arg_names
-    divisible = [i for i, n in enumerate(names[:19]) if n not in ("TC", "scale_log2")]
+    divisible = [i for i, n in enumerate(names[:16]) if n not in ("TC", "scale_log2")]
     launch = dict(num_warps=4 if rows <= 64 else 8, num_stages=3)
     return compile_sm90(selection._importance_kernel, types, consts, launch, divisible).asm["ptx"]
 
