@@ -577,8 +577,11 @@ BAND_CONFIGS = {
 BAND_LONGEST_FIRST = True
 
 
-def _grid(tiles: int, heads: int) -> tuple[int, int]:
-    return (heads, tiles) if BAND_LONGEST_FIRST else (tiles, heads)
+def _launch(tiles: int, heads: int) -> tuple[tuple[int, int], int]:
+    """(grid, longest_first) of a banded launch. The longest-first grid puts the tiles on CUDA's grid
+    y, which holds at most 65,535 (4M tokens in 64-token tiles): beyond that, index order."""
+    longest_first = BAND_LONGEST_FIRST and tiles <= 65535
+    return ((heads, tiles) if longest_first else (tiles, heads)), int(longest_first)
 
 
 def _band_config(window, part, dtype=torch.bfloat16):
@@ -601,10 +604,10 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     cfg = _band_config(window, "fwd", q.dtype)
     BM = cfg["BM"]
-    grid = _grid(triton.cdiv(T, BM), B * HQ)
+    grid, longest_first = _launch(triton.cdiv(T, BM), B * HQ)
     _band_fwd_kernel[grid](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0, int(BAND_LONGEST_FIRST),
+        T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
         HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
         UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "fwd"), **cfg,
     )
@@ -626,9 +629,10 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     common = dict(HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
                   UPCAST=interpreting())
     cfg = _band_config(window, "dq", q.dtype)
-    _band_bwd_dq_kernel[_grid(triton.cdiv(T, cfg["BM"]), B * HQ)](
+    grid, longest_first = _launch(triton.cdiv(T, cfg["BM"]), B * HQ)
+    _band_bwd_dq_kernel[grid](
         q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
-        T, TK, HQ, G, scale, scale * LOG2E, key_stride, key_offset, window or 0, int(BAND_LONGEST_FIRST),
+        T, TK, HQ, G, scale, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
         **cfg, **common,
         SPLIT_MASK=_split_mask(window, "dq"),
     )
@@ -637,10 +641,11 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     dk = torch.empty(B, TK, HKV * split, DK, device=q.device, dtype=buf_dtype)
     dv = torch.empty(B, TK, HKV * split, DV, device=q.device, dtype=buf_dtype)
     cfg = _band_config(window, "dkv", q.dtype)
-    _band_bwd_dkv_kernel[_grid(triton.cdiv(TK, cfg["BN"]), B * HKV * split)](
+    grid, longest_first = _launch(triton.cdiv(TK, cfg["BN"]), B * HKV * split)
+    _band_bwd_dkv_kernel[grid](
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
         T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0,
-        int(BAND_LONGEST_FIRST), **cfg, **common,
+        longest_first, **cfg, **common,
         SPLIT_MASK=_split_mask(window, "dkv"),
     )
     if split > 1:
@@ -829,8 +834,9 @@ def _topk_blocks_kernel(
 
 
 def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, num_local, positions=None):
-    """imp [N_ROWS, NS] float32 (rows (b, t, h_kv)) -> int32 [N_ROWS, num_selected], ascending, -1
-    padded. `positions` (int32 [N_ROWS // num_kv_heads]) overrides t = row's sequence position."""
+    """imp [N_ROWS, NS] float32 (rows (b, t, h_kv)), importances >= 0 (sums of probabilities: the
+    filter and bitonic methods order their bit patterns) -> int32 [N_ROWS, num_selected], ascending,
+    -1 padded. `positions` (int32 [N_ROWS // num_kv_heads]) overrides t = row's sequence position."""
     n_rows, ns = imp.shape
     out = torch.empty(n_rows, num_selected, device=imp.device, dtype=torch.int32)
     if n_rows == 0:

@@ -57,7 +57,8 @@ IMPORTANCE_GROUP_FIRST = True
 # read each compressed key for more positions (fewer bytes), at more registers and shared memory.
 # select_blocks at 64k (run 8): reshape 10.43 ms with 128 rows / 8 warps, 11.20 with 64 / 4;
 # broadcast 16.41 with 64 rows, 31.35 with 128. With the lane map and unmasked chunks (80 registers at
-# 128 rows, 119 at 256), run 23: 256 rows / 8 warps 6.83 ms against 7.27 for 128 / 8.
+# 128 rows, 119 at 256), run 23: 256 rows / 8 warps 6.83 ms against 7.27 for 128 / 8. The 256 rows
+# apply where `importance_rows` allows them (16-bit inputs, G' >= 16); elsewhere 128.
 IMPORTANCE_CONFIG = {"reshape": dict(rows=256, num_warps=8, num_stages=3),
                      "broadcast": dict(rows=64, num_warps=4, num_stages=3)}
 # How the group's probabilities pg [BT, BC] (IMPORTANCE_GROUP_FIRST) are mapped onto the chunk's BNS
@@ -278,6 +279,17 @@ def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: tl.c
     return spill
 
 
+def importance_rows(rows: int, GP: int, dtype: torch.dtype) -> int:
+    """Rows (positions x G') of an importance program: the configured rows, but at most 128 for
+    float32 inputs or groups below 16 heads. With fewer heads a program holds more positions, and at
+    256 rows float32 needs more shared memory than the H200 has (233,472-245,760 bytes at G' <= 4
+    against 232,448); G = 4 in bf16 ran slower at 256 rows (importance 1.91 ms in run 24's profile
+    against 1.66 at 128 in run 22)."""
+    if dtype == torch.float32 or GP < 16:
+        return min(rows, 128)
+    return rows
+
+
 def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     """Importance of every selection block for every (query, KV head), summed over the group.
 
@@ -306,7 +318,7 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     imp = torch.empty(B * T * HKV, ns, device=q.device, dtype=torch.float32)
     GP = pow2(G, 1)
     launch = dict(IMPORTANCE_CONFIG["reshape" if reshape else "broadcast"])
-    rows = launch.pop("rows")
+    rows = importance_rows(launch.pop("rows"), GP, q.dtype)
     BT = max(1, (16 if interpreting() else rows) // GP)
     BNS = 16 if ratio <= 8 else pow2(max(1, 128 // ratio), 1)
     BNS = max(BNS, 16)

@@ -128,3 +128,13 @@ def test_split_kernels_compile_for_h200():
     for name, loops in min_loops.items():
         assert got[name]["loops"] >= loops, (name, got[name])
         assert got[name]["shared"] <= H200_SHARED_LIMIT, (name, got[name])
+
+
+def test_launch_order_falls_back_beyond_grid_y(monkeypatch):
+    """The longest-first grid puts the tiles on CUDA's grid y (at most 65,535): beyond that, and with
+    BAND_LONGEST_FIRST off, the tiles go on x in index order, and the kernels are told which."""
+    monkeypatch.setattr(tu, "BAND_LONGEST_FIRST", True)
+    assert tu._launch(65535, 64) == ((64, 65535), 1)
+    assert tu._launch(65536, 64) == ((65536, 64), 0)
+    monkeypatch.setattr(tu, "BAND_LONGEST_FIRST", False)
+    assert tu._launch(10, 64) == ((10, 64), 0)

@@ -36,12 +36,15 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
                       BN=cfg.pop("BN"), UPCAST=False,
                       SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "fwd"))
         out[f"band fwd {branch} {name}"] = shared(u._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
+    for GP in (16, 4, 1):  # fewer heads: more positions a program
+        launch = dict(s.IMPORTANCE_CONFIG["reshape"])
+        rows = s.importance_rows(launch.pop("rows"), GP, dtype)
+        consts = dict(DK=128, BDK=128, GP=GP, BT=rows // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
+                      RESHAPE=True, K=1, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
+                      LANES=s.IMPORTANCE_LANE_MAP, block_len=32, stride=16, select_size=64)
+        out[f"importance G'={GP} {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
+                                                   launch)
     GP = 16
-    launch = dict(s.IMPORTANCE_CONFIG["reshape"])
-    consts = dict(DK=128, BDK=128, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
-                  RESHAPE=True, K=1, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
-                  LANES=s.IMPORTANCE_LANE_MAP, block_len=32, stride=16, select_size=64)
-    out[f"importance {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts, launch)
     consts = dict(DK=128, DV=128, BDK=128, BDV=128, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False, UPCAST=False)
     selected = [p] * 3 + ["*i32", p, "*fp32"] + [p, "*fp32", p]
     fwd = s._selected_pipelined_kernel
@@ -65,9 +68,9 @@ print(json.dumps(out))
 
 def test_default_launches_fit_h200_shared_memory():
     """G = 16, d = 128, the paper's blocks: the banded forwards and dk/dv, the importance kernel (both
-    maps), the selected forward (G = 16 and G = 4) and dk/dv, each as its default launch, fit in bf16
-    and float32."""
+    maps; the reshape map also at G' = 4 and 1, whose programs hold more positions), the selected
+    forward (G = 16 and G = 4) and dk/dv, each as its default launch, fit in bf16 and float32."""
     shared = json_from_fresh_python(COMPILE)
-    assert len(shared) == 18
+    assert len(shared) == 22
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"

@@ -245,19 +245,20 @@ def test_gate_backward_deltas_and_sum3():
         tu.sum3(a, b16, c, torch.float32, out=b16.clone())
 
 
-def reference_topk(imp, r, hkv, bs, n, t=None):
+def reference_topk(imp, r, hkv, bs, n, t=None, num_init=1, num_local=2):
     """The blocks of row r of `topk_blocks`' input by the rule (at position t, by default the row's),
     ascending, -1 padded."""
     cur = (r // hkv if t is None else t) // bs
     score = imp[r, : cur + 1].clone()
-    score[0] = float("inf")
-    score[max(0, cur - 1):] = float("inf")
+    score[:num_init] = float("inf")
+    if num_local > 0:
+        score[max(0, cur - num_local + 1):] = float("inf")
     order = sorted(range(cur + 1), key=lambda j: (-score[j].item(), j))[:n]  # ties: lower index
     return sorted(order) + [-1] * (n - len(order))
 
 
-@pytest.mark.parametrize("n", [16, 5])
-def test_topk_filter(monkeypatch, n):
+@pytest.mark.parametrize("n,num_init,num_local", [(16, 1, 2), (5, 1, 2), (8, 0, 0), (8, 3, 1)])
+def test_topk_filter(monkeypatch, n, num_init, num_local):
     """The filter top-k (TOPK_METHOD = "filter") on rows of up to 200 blocks: random importances (its
     compacted path), many exact ties and -0.0 (ties to the lower index, whichever path), equal
     importances everywhere (more candidates than TOPK_FILTER_CAP: the full pass), and the short rows
@@ -272,10 +273,11 @@ def test_topk_filter(monkeypatch, n):
     imp[1::5] = torch.randint(0, 8, imp[1::5].shape, generator=g).float() / 8  # many ties, zeros
     imp[2::7, 3::5] = -0.0
     imp[3::9] = 0.5  # every block ties
-    out = tu.topk_blocks(imp, T=T, num_kv_heads=1, select_size=bs, num_selected=n, num_init=1, num_local=2,
-                         positions=pos)
+    out = tu.topk_blocks(imp, T=T, num_kv_heads=1, select_size=bs, num_selected=n, num_init=num_init,
+                         num_local=num_local, positions=pos)
     for r in range(rows):
-        assert out[r].tolist() == reference_topk(imp, r, 1, bs, n, t=pos[r].item()), r
+        want = reference_topk(imp, r, 1, bs, n, t=pos[r].item(), num_init=num_init, num_local=num_local)
+        assert out[r].tolist() == want, r
 
 
 @pytest.mark.parametrize("n", [5, 1])
