@@ -21,8 +21,6 @@ The streams join before the op returns.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -60,10 +58,6 @@ def _side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
     return side
 
 
-def _no_stream():
-    return contextlib.nullcontext()
-
-
 def _join(side: torch.cuda.Stream | None, *made_there: torch.Tensor) -> None:
     """The current stream waits for `side`; tensors allocated there are marked as used here, so the
     allocator does not hand their memory out again before this stream is done with them."""
@@ -83,7 +77,7 @@ class NSAFunction(torch.autograd.Function):
         o_cmp, lse_cmp = band_forward(q, k_cmp, v_cmp, scale=scale, key_stride=stride,
                                       key_offset=block_len - 1)
         side = _side_stream(q)  # the window after the compression forward, beside the selection
-        with torch.cuda.stream(side) if side is not None else _no_stream():
+        with torch.cuda.stream(side):  # no-op for None
             o_swa, lse_swa = band_forward(q, k_swa, v_swa, scale=scale, key_stride=1, key_offset=0,
                                           window=window)
         bi = select_blocks(q, k_cmp, block_len=block_len, stride=stride, select_size=select_size,
@@ -109,7 +103,7 @@ class NSAFunction(torch.autograd.Function):
         d_o, d_g, delta = gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, with_delta=True)
         side = _side_stream(q)  # the window beside the selected branch
         do_swa = d_o.pop(2)  # held until the streams join: the side stream reads it
-        with torch.cuda.stream(side) if side is not None else _no_stream():
+        with torch.cuda.stream(side):  # no-op for None
             dq_swa, dk_swa, dv_swa = band_backward(q, k_swa, v_swa, o_swa, lse_swa, do_swa, scale=scale,
                                                    key_stride=1, key_offset=0, window=window, delta=delta[2])
         if side is None:
