@@ -164,6 +164,8 @@ def bench_decode(T, batch, hq, hkv, d):
         "nsa_headmajor": lambda: _time_graph(lambda: nsa_decode(q, *hm, *gates, cache_seqlens=seqlens)),
         "nsa_topk_other": lambda: _with_flag(_triton_utils, "TOPK_METHOD", _other_topk(),
                                              lambda: _time_graph(nsa)),
+        "nsa_scores": lambda: _with_flag(decode, "DECODE_IMPORTANCE", "scores", lambda: _time_graph(nsa)),
+        "nsa_tf32": lambda: _with_flag(decode, "TILE_MAP", "tf32x3", lambda: _time_graph(nsa)),
         "floor": lambda: decode_floor(T, batch, hq, hkv, d, k, v),
     }
     for name, measure in beside.items():
@@ -511,6 +513,10 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
             "CUDA graph, caches stored [B, Hkv, T, d]")
         add("decode", f"nsa-triton [{_other_topk()} top-k]", T, hs, decode_batch, dec.get("nsa_topk_other"),
             "CUDA graph")
+        add("decode", "nsa-triton [importance from stored scores]", T, hs, decode_batch,
+            dec.get("nsa_scores"), "CUDA graph, DECODE_IMPORTANCE='scores'")
+        add("decode", "nsa-triton [tile map in tf32x3]", T, hs, decode_batch, dec.get("nsa_tf32"),
+            "CUDA graph, TILE_MAP='tf32x3'")
         if "floor_ms" in dec:
             add("floor", "decode: NSA bytes at HBM bandwidth", T, hs, decode_batch, dec["floor_ms"],
                 f"{dec['nsa_bytes'] / 1e6:.0f} MB at {dec['hbm_tb_s']:.2f} TB/s (read of the full caches)")
@@ -638,6 +644,10 @@ def markdown_report(rows, *, heads=64, kv_heads=4, g4_heads=(16, 4), command="")
         fl, cu = _get(rows, "decode", "sdpa-flash", T), _get(rows, "decode", "sdpa-cudnn", T)
         lines.append(f"| {T} | {_fmt(n, 3)} | {_fmt(p, 3)} | {_fmt(hm, 3)} | {_fmt(fl, 3)} | {_fmt(cu, 3)} | "
                      f"{_fmt(_ratio(n, fl))}x | {_fmt(_ratio(n, cu))}x |")
+    for r in rows:
+        if r.case == "decode" and r.impl.startswith("nsa-triton [") and "head-major" not in r.impl:
+            lines += ["", f"Decode at T={r.T} with {r.impl[len('nsa-triton '):]}: {_fmt(r.ms, 3)} ms "
+                      f"(the default, above: {_fmt(_get(rows, 'decode', 'nsa-triton', r.T), 3)} ms)."]
     lines += _floor_lines(rows, lengths, hs)
     ops = [r for r in rows if r.case.startswith("op-")]
     if ops:

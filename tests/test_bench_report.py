@@ -10,13 +10,15 @@ def test_report_ratios_g4_per_head_and_variant_line():
             Row("fwd+bwd", "sdpa-cudnn", T, hs, 1, 4.0), Row("fwd+bwd", "sdpa-flash", T, hs, 1, 16.0),
             Row("fwd", "nsa-triton", T, g4, 1, 1.0), Row("fwd+bwd", "nsa-triton", T, g4, 1, 3.0),
             Row("fwd", "nsa-triton [selected stages=2]", T, g4, 1, 1.2),
-            Row("decode", "nsa-triton", T, hs, 16, 0.05), Row("decode", "sdpa-cudnn", T, hs, 16, 0.2)]
+            Row("decode", "nsa-triton", T, hs, 16, 0.05), Row("decode", "sdpa-cudnn", T, hs, 16, 0.2),
+            Row("decode", "nsa-triton [tile map in tf32x3]", T, hs, 16, 0.06)]
     md = markdown_report(rows)
     assert "| 8192 | 2.00 | 3.00 | 5.00 | 1.50x | 2.50x | 8.00 | 4.00 | 16.00 | 0.50x | 2.00x |" in md
     # per query head: G=4 1.0 ms / 16 heads against G=16 2.0 ms / 64 heads -> 2x; fwd+bwd 3/16 : 8/64
     assert "| 8192 | 1.00 | 2.00 | 2.00 | 3.00 | 8.00 | 1.50 |" in md
     assert "G=4 forward at T=8192 with [selected stages=2]: 1.20 ms (the default, above: 1.00 ms)." in md
     assert "4.00x |" in md.split("Decode")[1]  # 0.2 / 0.05 against cuDNN
+    assert "Decode at T=8192 with [tile map in tf32x3]: 0.060 ms (the default, above: 0.050 ms)." in md
 
 
 def test_report_memory_floors():

@@ -7,17 +7,22 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
 1. `_decode_cmp_split_kernel`, one program per (split, sequence, KV head), all G query heads of the
    group as rows: split i walks tiles i, i + splits, ... of 64 compressed keys (pipelined loads; the
    visible tiles spread evenly over the splits whatever the query position) with an online softmax,
-   stores the scores for step 2 (L2 evict-last) and one partial (max, sum, p @ v). The number of
+   and stores one partial (max, sum, p @ v). For step 2 it stores, per tile, the tile's probabilities
+   (relative to the tile's max) summed onto the selection blocks they overlap, and that max
+   (`DECODE_IMPORTANCE = "tiles"`), or every score ("scores", L2 evict-last). The number of
    splits fills the GPU (about `CMP_PROGRAMS_PER_SM` programs per SM, at most 32 splits), so each
    (sequence, KV head) has a few partials instead of one per 64 keys. Split 0 also zeroes the
    arrival counters of steps 2 and 3.
-2. `_decode_importance_split_kernel`, one program per (`IMP_CHUNKS_PER_PROGRAM` chunks of selection
+2. `_decode_importance_split_kernel`, one program per (`IMP_TILES_PER_PROGRAM` tiles' selection
    blocks, sequence, KV head): the compression lse from the split partials in one vector load, then
-   each chunk's selection-block importances from the stored scores (same overlap weights and group
-   sum as prefill; weight spilling into the chunk from the compressed blocks just before it comes
-   from a 16-wide tile). The program that finishes last for its (sequence, KV head) takes the top-k
-   of the whole row, like `topk_blocks`: forced blocks taken at once, then one max reduction per pick
-   over int64 keys ordered like (importance, -block index), so ties go to the lower index (with
+   the importances: each tile's block sums times exp(tile max - lse), plus the previous tile's
+   spill into its first blocks, summed over the group's heads. With "scores", one program per
+   `IMP_CHUNKS_PER_PROGRAM` chunks of selection blocks recomputes the probabilities from the stored
+   scores and maps them (same overlap weights and group sum as prefill; weight spilling into the
+   chunk from the compressed blocks just before it comes from a 16-wide tile). The program that
+   finishes last for its (sequence, KV head) takes the top-k of the whole row, like `topk_blocks`:
+   forced blocks taken at once, then one max reduction per pick over int64 keys ordered like
+   (importance, -block index), so ties go to the lower index (with
    `TOPK_IN_STEP2 = False`, `topk_blocks` does it in a launch of its own; with
    `_triton_utils.TOPK_METHOD = "bitonic"`, `tl.topk` of the same keys). With `WINDOW_STEP = 2`
    (default) the same launch has one more program per window chunk (`WIN_TILES_PER_PROGRAM` tiles
@@ -96,6 +101,24 @@ MERGE_IN_ATTN = False
 # kernel (54 us against 38 in run 9), so the chunks are now unrolled. Unrolled, 2 chunks against 4:
 # 111.8 against 115.0 us (run 13's sweep), 111.8 against 113.6 (run 14's).
 IMP_CHUNKS_PER_PROGRAM = 2
+# fused: where step 2's importances come from. "tiles": step 1 maps each tile's probabilities
+# (relative to the tile's max) onto the selection blocks it overlaps, [M, BC] x [BC, JW] (`TILE_MAP`),
+# and stores those sums and the max (17 + 1 values per row and tile against 64 scores); step 2 rescales
+# them by exp(max - lse) and sums the group's heads, no MMA. "scores": step 1 stores every compressed
+# score; step 2 turns them into probabilities and maps them (`_importance_chunk`). "tiles" falls back
+# to "scores" where a tile does not hold whole selection blocks.
+DECODE_IMPORTANCE = "tiles"
+# fused, "tiles": how step 1's map runs. "bf16x2": the probabilities split into a bfloat16 part and
+# the bfloat16 remainder, two bfloat16 MMAs against the token counts (integers up to 256, exact in
+# bfloat16), ~2^-17 relative error per probability. "tf32x3": one float32 MMA in three tf32 passes.
+# The map sits in each tile's chain of dependent MMAs, so its cost adds to step 1's time: 38 us at 64k
+# with bf16x2 against 44 with tf32x3 and 39 for the stored scores (run 27). Taken as "tf32x3" where
+# a block pair shares more than 256 tokens; under the interpreter one float32 product.
+TILE_MAP = "bf16x2"
+# fused, "tiles": tiles of compressed keys (JT = 16 selection blocks each with the paper's sizes) per
+# importance program of step 2. B=16 at 64k (scripts/probe_decode.py, run 27; CUDA graph): 32 tiles
+# 78.0 us, 16 tiles 80.3 and 79.6, 8 tiles 83.1; "scores" 104.0; the map in tf32x3 86.6.
+IMP_TILES_PER_PROGRAM = 32
 # fused: launch options of step 2. Compiled for sm_90 (scripts/ptxas_decode_kernels.py): 164
 # registers at 4 warps, so 3 programs per SM; maxnreg=128 fits 4 (188 bytes spilled). Run 16's
 # sweep, B=16 at 64k: 110.6 us at 4 warps, 115.2 with maxnreg=128, 115.5 at 2 warps, 144.4 at 8; so
@@ -140,12 +163,13 @@ def _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t,
     valid = m_k[None, :] & (o_r < G)[:, None]
     k = tl.load(k_ptrs, mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BN, BDK]
     v = tl.load(v_ptrs, mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
-    return _tile_softmax(q, k, v, valid, scale_log2, UPCAST)
+    s, m, l, acc, _ = _tile_softmax(q, k, v, valid, scale_log2, UPCAST)
+    return s, m, l, acc
 
 
 @triton.jit
 def _tile_softmax(q, k, v, valid, scale_log2, UPCAST: tl.constexpr):
-    # q [M, BDK], k [BN, BDK], v [BN, BDV] -> s [M, BN], m [M], l [M], acc [M, BDV]
+    # q [M, BDK], k [BN, BDK], v [BN, BDV] -> s [M, BN], m [M], l [M], acc [M, BDV], p [M, BN] (exp2(s - m))
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -154,7 +178,7 @@ def _tile_softmax(q, k, v, valid, scale_log2, UPCAST: tl.constexpr):
     m = tl.max(s, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp2(s - m_safe[:, None])
-    return s, m, tl.sum(p, 1), tl.dot(p.to(v.dtype), v)
+    return s, m, tl.sum(p, 1), tl.dot(p.to(v.dtype), v), p
 
 
 @triton.jit
@@ -329,15 +353,19 @@ def _decode_combine_kernel(
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_cmp_split_kernel(
-    Q, KC, VC, POS, SC, PM, PL, PO, CNT_IMP, CNT_ATTN, KW, VW,
+    Q, KC, VC, POS, SC, TI, TS, TM, PM, PL, PO, CNT_IMP, CNT_ATTN, KW, VW,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
-    TC, HKV, G, NCMP, NSELP, NPART, SC_LEN, S, window, scale_log2, block_len, stride,
+    TC, HKV, G, NCMP, NSELP, NPART, SC_LEN, NTILES, S, window, scale_log2, block_len, stride, select_size,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
-    BC: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, WIN: tl.constexpr, UPCAST: tl.constexpr,
+    BC: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, WIN: tl.constexpr, TILE_IMP: tl.constexpr,
+    JT: tl.constexpr, JW: tl.constexpr, NSP: tl.constexpr, MAP_BF16: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # programs 0 .. NCMP-1: compression splits, partials at PM/PL/PO[i_bh, i_s] (PM, PL:
     # [B*HKV, NPART, M]; PO: [.., M, BDV]); with WIN (WINDOW_STEP = 1), programs NCMP ..: window
-    # chunks, partials NCMP + NSELP + i as in steps 2 and 3 (compiled only then: they need registers)
+    # chunks, partials NCMP + NSELP + i as in steps 2 and 3 (compiled only then: they need registers).
+    # TILE_IMP (DECODE_IMPORTANCE = "tiles"): per tile, TI [B*HKV, NTILES, M, JT] / TS [.., M, NSP] the
+    # probabilities (relative to the tile max TM [B*HKV, NTILES, M]) mapped onto the tile's JT selection
+    # blocks / the NSP blocks after them; otherwise SC [B*HKV, M, SC_LEN] the scores.
     i_s = tl.program_id(0)
     i_bh = tl.program_id(1)
     if i_s == 0:
@@ -358,22 +386,25 @@ def _decode_cmp_split_kernel(
                                             DK, DV, M, BDV, BW, WT, UPCAST)
             _store_partial(PM, PL, PO, i_bh * NPART + NSELP + i_s, m_i, l_i, acc, o_r, o_dv, M, BDV)
         else:
-            _cmp_split(Q, KC, VC, SC, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t, sk_h, sv_b,
-                       sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, scale_log2, block_len, stride, o_r, o_dk, o_dv,
-                       DK, DV, M, BDV, BC, UPCAST)
+            _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b,
+                       sk_t, sk_h, sv_b, sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, NTILES, scale_log2,
+                       block_len, stride, select_size, o_r, o_dk, o_dv, DK, DV, M, BDV, BC, TILE_IMP, JT, JW,
+                       NSP, MAP_BF16, UPCAST)
     else:
-        _cmp_split(Q, KC, VC, SC, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t, sk_h, sv_b,
-                   sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, scale_log2, block_len, stride, o_r, o_dk, o_dv, DK,
-                   DV, M, BDV, BC, UPCAST)
+        _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t,
+                   sk_h, sv_b, sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, NTILES, scale_log2, block_len, stride,
+                   select_size, o_r, o_dk, o_dv, DK, DV, M, BDV, BC, TILE_IMP, JT, JW, NSP, MAP_BF16, UPCAST)
 
 
 @triton.jit
-def _cmp_split(Q, KC, VC, SC, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t,
-               sv_h, TC, G, NCMP, NPART, SC_LEN, scale_log2, block_len, stride, o_r, o_dk, o_dv,
-               DK: tl.constexpr, DV: tl.constexpr, M: tl.constexpr, BDV: tl.constexpr, BC: tl.constexpr,
-               UPCAST: tl.constexpr):
+def _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t,
+               sk_h, sv_b, sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, NTILES, scale_log2, block_len, stride,
+               select_size, o_r, o_dk, o_dv, DK: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
+               BDV: tl.constexpr, BC: tl.constexpr, TILE_IMP: tl.constexpr, JT: tl.constexpr,
+               JW: tl.constexpr, NSP: tl.constexpr, MAP_BF16: tl.constexpr, UPCAST: tl.constexpr):
     # compression split i_s of row i_bh: tiles i_s, i_s + NCMP, ... of BC compressed keys (the visible
-    # tiles spread evenly over the splits at any t), their scores stored, one partial softmax
+    # tiles spread evenly over the splits at any t), one partial softmax; per tile its scores (SC) or,
+    # with TILE_IMP, its selection-block sums (TI, TS) and max (TM)
     n_vis = _n_visible(t, TC, block_len, stride)
     n_vis_tiles = tl.cdiv(n_vis, BC)
     if i_s < n_vis_tiles:
@@ -381,6 +412,17 @@ def _cmp_split(Q, KC, VC, SC, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, s
         k_base = KC + i_b * sk_b + i_hk * sk_h
         v_base = VC + i_b * sv_b + i_hk * sv_h
         sc_rows = SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN  # [M, 1]
+        if TILE_IMP:
+            # tokens shared by compressed block c of a tile and selection block j counted from the
+            # tile's first one (JT per tile, then the NSP the tile's last blocks reach)
+            o_c = tl.arange(0, BC)[:, None] * stride
+            o_w = tl.arange(0, JW)
+            s_lo = o_w[None, :] * select_size
+            w = _overlap(o_c, o_c + block_len, s_lo, s_lo + select_size).to(tl.float32)  # [BC, JW]
+            if MAP_BF16:
+                w = w.to(tl.bfloat16)
+            own = (o_w < JT)[None, :]
+            spill = ((o_w >= JT) & (o_w < JT + NSP))[None, :]
         m_i, l_i, acc = softmax_start(M, BDV)
         for tile in range(i_s, n_vis_tiles, NCMP):
             o_k = tile * BC + tl.arange(0, BC)  # [BC] compressed block indices
@@ -393,8 +435,20 @@ def _cmp_split(Q, KC, VC, SC, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, s
                         eviction_policy="evict_first")  # [BC, BDK]
             v = tl.load(v_ptrs, mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0,
                         eviction_policy="evict_first")  # [BC, BDV]
-            s, m, l, o = _tile_softmax(q, k, v, valid, scale_log2, UPCAST)
-            tl.store(sc_rows + o_k[None, :], s, eviction_policy="evict_last")
+            s, m, l, o, p = _tile_softmax(q, k, v, valid, scale_log2, UPCAST)
+            if TILE_IMP:  # [M, JW] probabilities times shared tokens over stride
+                if MAP_BF16:
+                    p_hi = p.to(tl.bfloat16)
+                    u = tl.dot(p_hi, w) + tl.dot((p - p_hi.to(tl.float32)).to(tl.bfloat16), w)
+                else:
+                    u = tl.dot(p, w, input_precision="tf32x3")
+                u = u / stride
+                rows = ((i_bh * NTILES + tile) * M + o_r).to(tl.int64)  # [M]
+                tl.store(TI + rows[:, None] * JT + o_w[None, :], u, mask=own)
+                tl.store(TS + rows[:, None] * NSP + (o_w - JT)[None, :], u, mask=spill)
+                tl.store(TM + rows, m)
+            else:
+                tl.store(sc_rows + o_k[None, :], s, eviction_policy="evict_last")
             m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
         _store_partial(PM, PL, PO, i_bh * NPART + i_s, m_i, l_i, acc, o_r, o_dv, M, BDV)
 
@@ -406,16 +460,18 @@ def _overlap(c_lo, c_hi, s_lo, s_hi):
 
 @triton.jit
 def _decode_importance_split_kernel(
-    POS, SC, PM, PL, IMP, BI, CNT, Q, KW, VW, PO,
+    POS, SC, TI, TS, TM, PM, PL, IMP, BI, CNT, Q, KW, VW, PO,
     sq_b, sq_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
-    TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS, block_len, stride, select_size, num_selected, num_init,
+    TC, HKV, G, NPART, CMP_TILE, SC_LEN, NTILES, NS, block_len, stride, select_size, num_selected, num_init,
     num_local, NIMP, NCMP, NSELP, S, window, scale_log2,
     M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr, NPB: tl.constexpr,
     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-    BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, CPP: tl.constexpr, TOPK: tl.constexpr,
+    BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, CPP: tl.constexpr, TILE_IMP: tl.constexpr,
+    CT: tl.constexpr, JT: tl.constexpr, NSP: tl.constexpr, NSPP: tl.constexpr, TOPK: tl.constexpr,
     BITONIC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # programs 0 .. NIMP-1: importances of CPP chunks of BNS selection blocks each; NIMP ..: window
+    # programs 0 .. NIMP-1: importances of CPP chunks of BNS selection blocks each (from the scores SC)
+    # or, with TILE_IMP, of the JT blocks of CT tiles each (from TI, TS, TM of step 1); NIMP ..: window
     # chunks (partials NCMP + NSELP + i, as in step 3)
     # IMP [B*HKV, NS] float32; BI [B*HKV, num_selected] int32: written by the last program of the row
     i_c = tl.program_id(0)
@@ -427,10 +483,62 @@ def _decode_importance_split_kernel(
                                         svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
                                         BW, WT, UPCAST)
         _store_partial(PM, PL, PO, i_bh * NPART + NCMP + NSELP + i_c - NIMP, m_i, l_i, acc, o_r, o_dv, M, BDV)
+    elif TILE_IMP:
+        _tile_importance(POS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CMP_TILE, NTILES, NS,
+                         block_len, stride, select_size, NCMP, M, NPB, CT, JT, NSP, NSPP)
+        if TOPK:
+            _last_takes_topk(IMP, BI, CNT, i_bh, tl.load(POS + i_bh // HKV), NS, select_size, num_selected,
+                             num_init, num_local, NIMP, BNS_ALL, NSEL2, BITONIC)
     else:
         _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS,
                           block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
                           M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP, TOPK, BITONIC)
+
+
+@triton.jit
+def _row_lse(PM, PL, i_bh, NPART, n_parts, o_r, M: tl.constexpr, NPB: tl.constexpr):
+    # lse [M] (log2 units; 0 for a row with no visible key) of every head of row i_bh from the first
+    # n_parts split partials of step 1, one vector load
+    o_p = tl.arange(0, NPB)
+    offs = (i_bh * NPART + o_p[:, None]) * M + o_r[None, :]  # [NPB, M]
+    m = tl.load(PM + offs, mask=(o_p < n_parts)[:, None], other=float("-inf"))
+    l = tl.load(PL + offs, mask=(o_p < n_parts)[:, None], other=0.0)
+    m_max = tl.max(m, 0)  # [M]
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.sum(l * tl.exp2(m - m_safe[None, :]), 0)  # [M]
+    return tl.where(l_sum > 0, m_safe + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), 0.0)
+
+
+@triton.jit
+def _tile_importance(POS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CMP_TILE, NTILES, NS, block_len,
+                     stride, select_size, NCMP, M: tl.constexpr, NPB: tl.constexpr, CT: tl.constexpr,
+                     JT: tl.constexpr, NSP: tl.constexpr, NSPP: tl.constexpr):
+    # importances of the selection blocks of tiles i_c * CT .. + CT - 1: each tile's sums rescaled
+    # from its max to the head's lse, plus the previous tile's spill into the first NSP blocks, summed
+    # over the group's heads (rows of absent heads hold zeros and a -inf max)
+    t = tl.load(POS + i_bh // HKV)
+    o_t = i_c * CT + tl.arange(0, CT)  # [CT] tiles
+    if i_c * CT * JT <= t // select_size:
+        n_tiles = tl.cdiv(_n_visible(t, TC, block_len, stride), CMP_TILE)  # tiles step 1 wrote
+        o_r = tl.arange(0, M)
+        lse = _row_lse(PM, PL, i_bh, NPART, tl.minimum(NCMP, n_tiles), o_r, M, NPB)
+        rows = (i_bh * NTILES + o_t[:, None]).to(tl.int64) * M + o_r[None, :]  # [CT, M]
+        o_j = tl.arange(0, JT)
+        has = (o_t < n_tiles)[:, None]
+        scale = tl.exp2(tl.load(TM + rows, mask=has, other=float("-inf")) - lse[None, :])  # [CT, M]
+        u = tl.load(TI + rows[:, :, None] * JT + o_j[None, None, :], mask=has[:, :, None], other=0.0)
+        imp = tl.sum(u * scale[:, :, None], 1)  # [CT, JT]
+        if NSP > 0:
+            o_e = tl.arange(0, NSPP)
+            prev = rows - M  # the previous tile
+            has = ((o_t >= 1) & (o_t <= n_tiles))[:, None]
+            scale = tl.exp2(tl.load(TM + prev, mask=has, other=float("-inf")) - lse[None, :])
+            u = tl.load(TS + prev[:, :, None] * NSP + o_e[None, None, :],
+                        mask=has[:, :, None] & (o_e < NSP)[None, None, :], other=0.0)  # [CT, M, NSPP]
+            spill = tl.sum(u * scale[:, :, None], 1)  # [CT, NSPP]
+            imp += tl.sum(tl.where(o_j[None, :, None] == o_e[None, None, :], spill[:, None, :], 0.0), 2)
+        cols = tl.reshape(o_t[:, None] * JT + o_j[None, :], [CT * JT])
+        tl.store(IMP + i_bh.to(tl.int64) * NS + cols, tl.reshape(imp, [CT * JT]), mask=cols < NS)
 
 
 @triton.jit
@@ -447,16 +555,7 @@ def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPAR
         n_vis = _n_visible(t, TC, block_len, stride)
         o_r = tl.arange(0, M)
         m_r = o_r < G
-        # lse of every head (log2 units) from the split partials, one vector load
-        o_p = tl.arange(0, NPB)
-        m_p = (o_p < tl.minimum(NCMP, tl.cdiv(n_vis, CMP_TILE)))[:, None]  # splits with visible tiles
-        offs = (i_bh * NPART + o_p[:, None]) * M + o_r[None, :]  # [NPB, M]
-        m = tl.load(PM + offs, mask=m_p, other=float("-inf"))
-        l = tl.load(PL + offs, mask=m_p, other=0.0)
-        m_max = tl.max(m, 0)  # [M]
-        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        l_sum = tl.sum(l * tl.exp2(m - m_safe[None, :]), 0)  # [M]
-        lse = tl.where(l_sum > 0, m_safe + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), 0.0)  # [M]
+        lse = _row_lse(PM, PL, i_bh, NPART, tl.minimum(NCMP, tl.cdiv(n_vis, CMP_TILE)), o_r, M, NPB)  # [M]
 
         # token overlap of compressed blocks with the chunk's selection blocks, in units of stride,
         # positions relative to the chunk start j0 * select_size (= j0 * RATIO * stride)
@@ -734,6 +833,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     interp = interpreting()
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
+    dev_index = dev.index if dev.index is not None else (0 if interp else torch.cuda.current_device())
 
     # splits of the compressed keys: about CMP_PROGRAMS_PER_SM programs per SM in all
     BC = 16 if interp else CMP_TILE_KEYS
@@ -744,9 +844,15 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
         n_cmp = triton.cdiv(n_tiles, 2)
     else:
         # at most 32 splits: the final merge loads all partials of a branch at once
-        sms = _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        sms = _num_sms(dev_index)
         n_cmp = min(n_tiles, 32, max(1, CMP_PROGRAMS_PER_SM * sms // BH))
     sc_len = n_tiles * BC
+    # importances from per-tile selection-block sums (JT blocks per tile, NSP reached past them) where
+    # tiles hold whole selection blocks and reach no further than the next tile
+    ratio = select_size // stride
+    jt = BC // ratio if BC % ratio == 0 else 0
+    nsp = max(0, triton.cdiv((BC - 1) * stride + block_len, select_size) - jt)
+    tile_imp = DECODE_IMPORTANCE == "tiles" and jt > 0 and nsp <= jt
     # attention programs: SPP selected-block slots, or WT window tiles of BW keys
     SPP = SEL_PER_PROGRAM
     BW, WT = (16, 2) if interp else (64, WIN_TILES_PER_PROGRAM)
@@ -754,7 +860,18 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     n_winp = max(1, triton.cdiv(window, WT * BW))
     npart = n_cmp + n_selp + n_winp
 
-    scores = torch.empty(BH, M, sc_len, **f32)
+    if DECODE_IMPORTANCE not in ("tiles", "scores"):
+        raise ValueError(f"DECODE_IMPORTANCE must be 'tiles' or 'scores', got {DECODE_IMPORTANCE!r}")
+    if TILE_MAP not in ("bf16x2", "tf32x3"):
+        raise ValueError(f"TILE_MAP must be 'bf16x2' or 'tf32x3', got {TILE_MAP!r}")
+    if tile_imp:
+        scores = torch.empty(1, **f32)
+        tile_sums = torch.empty(BH, n_tiles, M, jt, **f32)
+        tile_spill = torch.empty(BH, n_tiles, M, max(nsp, 1), **f32)
+        tile_max = torch.empty(BH, n_tiles, M, **f32)
+    else:
+        scores = torch.empty(BH, M, sc_len, **f32)
+        tile_sums = tile_spill = tile_max = torch.empty(1, **f32)
     pm = torch.empty(BH, npart, M, **f32)
     pl = torch.empty(BH, npart, M, **f32)
     po = torch.empty(BH, npart, M, BDV, **f32)
@@ -768,30 +885,37 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
         raise ValueError(f"TOPK_METHOD must be one of {_triton_utils.TOPK_METHODS}, got "
                          f"{_triton_utils.TOPK_METHOD!r}")
     _decode_cmp_split_kernel[(n_cmp + (n_winp if WINDOW_STEP == 1 else 0), BH)](
-        q, k_cmp, v_cmp, pos, scores, pm, pl, po, counter[0], counter[1], k_swa, v_swa, q.stride(0),
-        q.stride(2), *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
-        TC, HKV, G, n_cmp, n_selp, npart, sc_len, S, window, scale_log2, block_len, stride,
-        DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, BW=BW, WT=WT, WIN=WINDOW_STEP == 1, UPCAST=interp,
+        q, k_cmp, v_cmp, pos, scores, tile_sums, tile_spill, tile_max, pm, pl, po, counter[0], counter[1],
+        k_swa, v_swa, q.stride(0), q.stride(2), *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_swa.stride()[:3],
+        *v_swa.stride()[:3], TC, HKV, G, n_cmp, n_selp, npart, sc_len, n_tiles, S, window, scale_log2,
+        block_len, stride, select_size, DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, BW=BW, WT=WT,
+        WIN=WINDOW_STEP == 1, TILE_IMP=tile_imp, JT=jt, JW=pow2(jt + nsp), NSP=nsp,
+        MAP_BF16=TILE_MAP == "bf16x2" and min(block_len, select_size) <= 256 and not interp, UPCAST=interp,
         num_warps=4, num_stages=CMP_STAGES,
     )
 
     # 2. selection-block importances; the last program of each row takes its top-k
     ns = triton.cdiv(S, select_size)
     imp = torch.empty(BH, ns, **f32)
-    ratio = select_size // stride
     bns = 16 if interp else max(16, 128 // ratio)
     spill = pow2(max(1, triton.cdiv(block_len, stride) - 1))
     npb = pow2(max(n_cmp, n_selp, n_winp), 1)
     bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
     nsel2 = pow2(num_selected, 2)  # >= 2 for tl.topk
-    n_imp = triton.cdiv(ns, bns * IMP_CHUNKS_PER_PROGRAM)
+    ct = pow2(IMP_TILES_PER_PROGRAM, 1)
+    if tile_imp:
+        n_imp = triton.cdiv(triton.cdiv(ns, jt), ct)
+    else:
+        n_imp = triton.cdiv(ns, bns * IMP_CHUNKS_PER_PROGRAM)
     _decode_importance_split_kernel[(n_imp + (n_winp if WINDOW_STEP == 2 else 0), BH)](
-        pos, scores, pm, pl, imp, bi, counter[0], q, k_swa, v_swa, po, q.stride(0), q.stride(2),
-        *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, BC, sc_len, ns, block_len,
-        stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp, S, window, scale_log2,
-        M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb, BNS_ALL=max(pow2(ns), nsel2), NSEL2=nsel2,
-        DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT, CPP=IMP_CHUNKS_PER_PROGRAM, TOPK=TOPK_IN_STEP2,
-        BITONIC=_triton_utils.TOPK_METHOD == "bitonic", UPCAST=interp, **({} if interp else IMP_LAUNCH),
+        pos, scores, tile_sums, tile_spill, tile_max, pm, pl, imp, bi, counter[0], q, k_swa, v_swa, po,
+        q.stride(0), q.stride(2), *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, BC, sc_len,
+        n_tiles, ns, block_len, stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp,
+        S, window, scale_log2, M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb,
+        BNS_ALL=max(pow2(ns), nsel2), NSEL2=nsel2, DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT,
+        CPP=IMP_CHUNKS_PER_PROGRAM, TILE_IMP=tile_imp, CT=ct, JT=max(jt, 1), NSP=nsp, NSPP=pow2(nsp, 1),
+        TOPK=TOPK_IN_STEP2, BITONIC=_triton_utils.TOPK_METHOD == "bitonic", UPCAST=interp,
+        **({} if interp else IMP_LAUNCH),
     )
     if not TOPK_IN_STEP2:  # 2b. the top-k in a launch of its own, one program per row
         bi = topk_blocks(imp, T=1, num_kv_heads=HKV, select_size=select_size, num_selected=num_selected,

@@ -95,6 +95,29 @@ def test_more_forced_blocks_than_slots(variant):
 
 
 @interpreter_only
+@pytest.mark.parametrize("source", ["tiles", "scores"])
+@pytest.mark.parametrize("block_len,stride,select_size", [
+    (32, 16, 64), (64, 64, 64), (32, 16, 16), (80, 16, 32)], ids=["paper", "fla", "select16", "spill2"])
+def test_importance_sources(monkeypatch, source, block_len, stride, select_size):
+    """Step 2's importances from step 1's per-tile block sums ("tiles": 16-key tiles under the
+    interpreter, 2 tiles per program) or from the stored scores, at the paper's ratio (4 tiles' worth
+    of blocks, one spilling block), fla's layout (no spill), select_size = stride (16 blocks a tile)
+    and 80-token blocks over 32-token selection blocks (two spilling blocks); ragged lengths, one
+    before the first compressed block."""
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    monkeypatch.setattr(decode, "DECODE_IMPORTANCE", source)
+    monkeypatch.setattr(decode, "IMP_TILES_PER_PROGRAM", 2)
+    S = 1500
+    g = torch.Generator().manual_seed(9)
+    tc = (S - block_len) // stride + 1
+    q = torch.randn(3, 1, 8, 16, generator=g)
+    kv = [torch.randn(3, n, 2, 16, generator=g) for n in (S, S, tc, tc)]
+    gates = [torch.rand(3, 1, 8, generator=g) for _ in range(3)]
+    params = dict(block_len=block_len, stride=stride, select_size=select_size, num_selected=5, window=32)
+    _check(q, kv, gates, [S, 777, block_len - 3], **params)
+
+
+@interpreter_only
 def test_fused_knobs(monkeypatch):
     """One tile per split (many partials) and one split for everything; window chunks in step 1 or 3;
     the merge in a fourth launch."""
@@ -227,6 +250,12 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(IMP_LAUNCH=dict(num_warps=4, maxnreg=128)),
     dict(IMP_LAUNCH=dict(num_warps=8)),
     dict(IMP_LAUNCH=dict(num_warps=2)),
+    dict(DECODE_IMPORTANCE="scores"),
+    dict(TILE_MAP="tf32x3"),
+    dict(IMP_TILES_PER_PROGRAM=4),
+    dict(IMP_TILES_PER_PROGRAM=16),
+    dict(IMP_TILES_PER_PROGRAM=64),
+    dict(WINDOW_STEP=1, IMP_TILES_PER_PROGRAM=16),
 ]
 
 
