@@ -39,14 +39,18 @@ def launches():
     warps = dec.ATTN_WARPS if npb * M <= 256 else 8
     dvc = min(D, max(4, 1024 * warps // (npb * M)))
     common = dict(DK=D, DV=D, BDK=D, BDV=D, M=M, UPCAST=False)
+    tiles = dec.DECODE_IMPORTANCE == "tiles"
+    jt = dec.CMP_TILE_KEYS // RATIO  # selection blocks per tile; the paper's sizes spill into 1 more
     return [
-        ("1 compressed keys", dec._decode_cmp_split_kernel, [b, b, b, i, f, f, f, f, i, i, b, b],
-         dict(common, BC=dec.CMP_TILE_KEYS, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, WIN=dec.WINDOW_STEP == 1),
+        ("1 compressed keys", dec._decode_cmp_split_kernel, [b, b, b, i] + [f] * 7 + [i, i, b, b],
+         dict(common, BC=dec.CMP_TILE_KEYS, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, WIN=dec.WINDOW_STEP == 1,
+              TILE_IMP=tiles, JT=jt, JW=u.pow2(jt + 1), NSP=1, MAP_BF16=dec.TILE_MAP == "bf16x2"),
          dict(num_warps=4, num_stages=dec.CMP_STAGES)),
         ("2 importance + top-k + window", dec._decode_importance_split_kernel,
-         [i, f, f, f, f, i, i, b, b, b, f],
+         [i] + [f] * 7 + [i, i, b, b, b, f],
          dict(common, BNS=max(16, 128 // RATIO), RATIO=RATIO, SPILL=16, NPB=npb, BNS_ALL=NS, NSEL2=16, BW=64,
-              WT=dec.WIN_TILES_PER_PROGRAM, CPP=dec.IMP_CHUNKS_PER_PROGRAM, TOPK=dec.TOPK_IN_STEP2,
+              WT=dec.WIN_TILES_PER_PROGRAM, CPP=dec.IMP_CHUNKS_PER_PROGRAM, TILE_IMP=tiles,
+              CT=u.pow2(dec.IMP_TILES_PER_PROGRAM, 1), JT=jt, NSP=1, NSPP=1, TOPK=dec.TOPK_IN_STEP2,
               BITONIC=u.TOPK_METHOD == "bitonic"),
          dict(dec.IMP_LAUNCH)),
         ("3 selected blocks", dec._decode_attn_fused_kernel, [b] * 5 + [i, i, f, f, f, i, b, b, b, b],
