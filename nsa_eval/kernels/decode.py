@@ -622,6 +622,19 @@ def _merge_partials(PM, PL, PO, GC, GS, GW, O, i_b, i_hk, t, base, c0, TC, HKV, 
                  mask=m_r[:, None] & (o_dc < DV)[None, :])
 
 
+def tile_layout(tile_keys: int, block_len: int, stride: int, select_size: int) -> tuple[int, int] | None:
+    """(JT, NSP) of `DECODE_IMPORTANCE = "tiles"` for tiles of `tile_keys` compressed keys: the
+    selection blocks a tile holds, and those past them that its last compressed blocks reach. None
+    where the per-tile sums do not apply (a tile holds no whole number of selection blocks, or its
+    blocks reach past the next tile): the decode then maps the stored scores."""
+    ratio = select_size // stride
+    if select_size % stride or tile_keys % ratio:
+        return None
+    jt = tile_keys // ratio
+    nsp = max(0, triton.cdiv((tile_keys - 1) * stride + block_len, select_size) - jt)
+    return (jt, nsp) if nsp <= jt else None
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -702,12 +715,10 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
         sms = _num_sms(dev_index)
         n_cmp = min(n_tiles, 32, max(1, CMP_PROGRAMS_PER_SM * sms // BH))
     sc_len = n_tiles * BC
-    # importances from per-tile selection-block sums (JT blocks per tile, NSP reached past them) where
-    # tiles hold whole selection blocks and reach no further than the next tile
     ratio = select_size // stride
-    jt = BC // ratio if BC % ratio == 0 else 0
-    nsp = max(0, triton.cdiv((BC - 1) * stride + block_len, select_size) - jt)
-    tile_imp = DECODE_IMPORTANCE == "tiles" and jt > 0 and nsp <= jt
+    layout = tile_layout(BC, block_len, stride, select_size)
+    tile_imp = DECODE_IMPORTANCE == "tiles" and layout is not None
+    jt, nsp = layout if tile_imp else (0, 0)
     # attention programs: SPP selected-block slots, or WT window tiles of BW keys
     SPP = SEL_PER_PROGRAM
     BW, WT = (16, 2) if interp else (64, WIN_TILES_PER_PROGRAM)

@@ -117,6 +117,59 @@ def test_importance_sources(monkeypatch, source, block_len, stride, select_size)
     _check(q, kv, gates, [S, 777, block_len - 3], **params)
 
 
+def _reference_importance(q, k_cmp, lengths, block_len, stride, select_size, ns):
+    """[B * Hkv, ns] float64: softmax over the visible compressed keys, mapped onto selection blocks by
+    shared tokens / stride, summed over each group's heads (the reference's rule, directly)."""
+    B, _, hq, d = q.shape
+    tc, hkv = k_cmp.shape[1], k_cmp.shape[2]
+    w = ref._overlap_weights(tc, ns, block_len, stride, select_size, "cpu").double()  # [Tc, ns]
+    rows = []
+    for b in range(B):
+        visible = torch.arange(tc) * stride + block_len - 1 <= lengths[b] - 1
+        s = torch.einsum("hd,chd->hc", q[b, 0].double(), k_cmp[b].double().repeat_interleave(hq // hkv, 1))
+        p = torch.softmax((s * d ** -0.5).masked_fill(~visible, float("-inf")), -1).nan_to_num()
+        rows.append((p @ w).view(hkv, hq // hkv, ns).sum(1))
+    return torch.cat(rows)
+
+
+@interpreter_only
+@pytest.mark.parametrize("block_len,stride,select_size", [
+    (32, 16, 64), (64, 64, 64), (80, 16, 32), (272, 16, 64), (273, 16, 64)],
+    ids=["paper", "fla", "spill2", "spill-equals-tile", "falls-back"])
+def test_tile_importances_match_reference(monkeypatch, block_len, stride, select_size):
+    """The importances step 2 hands to the top-k (`TOPK_IN_STEP2 = False` exposes them), compared
+    directly with the reference rule on every block up to each row's own: where the blocks that only
+    the forced slots would take (the newest, reached by the spill of a partly visible tile) count too.
+    272-token blocks spill into as many blocks as a 16-key tile holds; 273 need more, so the scores
+    path runs instead."""
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    monkeypatch.setattr(decode, "TOPK_IN_STEP2", False)
+    monkeypatch.setattr(decode, "IMP_TILES_PER_PROGRAM", 2)
+    layout = decode.tile_layout(16, block_len, stride, select_size)  # 16-key tiles under the interpreter
+    assert (layout is None) == (block_len == 273)
+    captured, topk_blocks = {}, decode.topk_blocks
+
+    def spy(imp, **kwargs):
+        captured["imp"] = imp.clone()
+        return topk_blocks(imp, **kwargs)
+
+    monkeypatch.setattr(decode, "topk_blocks", spy)
+    S = 1400
+    g = torch.Generator().manual_seed(12)
+    tc = (S - block_len) // stride + 1
+    q = torch.randn(3, 1, 8, 16, generator=g)
+    kv = [torch.randn(3, n, 2, 16, generator=g) for n in (S, S, tc, tc)]
+    gates = [torch.rand(3, 1, 8, generator=g) for _ in range(3)]
+    lengths = [S, 901, block_len + 40]
+    _check(q, kv, gates, lengths, block_len=block_len, stride=stride, select_size=select_size, num_selected=4,
+           window=32)
+    ns = -(-S // select_size)
+    want = _reference_importance(q, kv[2], lengths, block_len, stride, select_size, ns)
+    own = torch.arange(ns)[None, :] <= (torch.tensor(lengths) - 1)[:, None] // select_size  # [B, ns]
+    own = own.repeat_interleave(2, 0)  # rows (b, h_kv)
+    torch.testing.assert_close(captured["imp"].double()[own], want[own], rtol=1e-5, atol=1e-7)
+
+
 @interpreter_only
 def test_fused_knobs(monkeypatch):
     """One tile per split (many partials) and one split for everything; window chunks in step 1 or 3;
