@@ -108,13 +108,18 @@ def test_importance_sources(monkeypatch, source, block_len, stride, select_size)
     monkeypatch.setattr(decode, "DECODE_IMPORTANCE", source)
     monkeypatch.setattr(decode, "IMP_TILES_PER_PROGRAM", 2)
     S = 1500
-    g = torch.Generator().manual_seed(9)
+    q, kv, gates = _geometry_inputs(S, block_len, stride, seed=9)
+    params = dict(block_len=block_len, stride=stride, select_size=select_size, num_selected=5, window=32)
+    _check(q, kv, gates, [S, 777, block_len - 3], **params)
+
+
+def _geometry_inputs(S, block_len, stride, seed):
+    """3 sequences of S tokens, 8/2 heads, d = 16, and the compressed caches of that geometry."""
+    g = torch.Generator().manual_seed(seed)
     tc = (S - block_len) // stride + 1
     q = torch.randn(3, 1, 8, 16, generator=g)
     kv = [torch.randn(3, n, 2, 16, generator=g) for n in (S, S, tc, tc)]
-    gates = [torch.rand(3, 1, 8, generator=g) for _ in range(3)]
-    params = dict(block_len=block_len, stride=stride, select_size=select_size, num_selected=5, window=32)
-    _check(q, kv, gates, [S, 777, block_len - 3], **params)
+    return q, kv, [torch.rand(3, 1, 8, generator=g) for _ in range(3)]
 
 
 def _reference_importance(q, k_cmp, lengths, block_len, stride, select_size, ns):
@@ -155,11 +160,7 @@ def test_tile_importances_match_reference(monkeypatch, block_len, stride, select
 
     monkeypatch.setattr(decode, "topk_blocks", spy)
     S = 1400
-    g = torch.Generator().manual_seed(12)
-    tc = (S - block_len) // stride + 1
-    q = torch.randn(3, 1, 8, 16, generator=g)
-    kv = [torch.randn(3, n, 2, 16, generator=g) for n in (S, S, tc, tc)]
-    gates = [torch.rand(3, 1, 8, generator=g) for _ in range(3)]
+    q, kv, gates = _geometry_inputs(S, block_len, stride, seed=12)
     lengths = [S, 901, block_len + 40]
     _check(q, kv, gates, lengths, block_len=block_len, stride=stride, select_size=select_size, num_selected=4,
            window=32)
