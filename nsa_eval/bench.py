@@ -166,6 +166,7 @@ def bench_decode(T, batch, hq, hkv, d):
                                              lambda: _time_graph(nsa)),
         "nsa_scores": lambda: _with_flag(decode, "DECODE_IMPORTANCE", "scores", lambda: _time_graph(nsa)),
         "nsa_tf32": lambda: _with_flag(decode, "TILE_MAP", "tf32x3", lambda: _time_graph(nsa)),
+        "nsa_unrolled": lambda: _with_flag(decode, "SEL_STAGES", 0, lambda: _time_graph(nsa)),
         "floor": lambda: decode_floor(T, batch, hq, hkv, d, k, v),
     }
     for name, measure in beside.items():
@@ -517,6 +518,8 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
             dec.get("nsa_scores"), "CUDA graph, DECODE_IMPORTANCE='scores'")
         add("decode", "nsa-triton [tile map in tf32x3]", T, hs, decode_batch, dec.get("nsa_tf32"),
             "CUDA graph, TILE_MAP='tf32x3'")
+        add("decode", "nsa-triton [step 3 unrolled]", T, hs, decode_batch, dec.get("nsa_unrolled"),
+            "CUDA graph, SEL_STAGES=0")
         if "floor_ms" in dec:
             add("floor", "decode: NSA bytes at HBM bandwidth", T, hs, decode_batch, dec["floor_ms"],
                 f"{dec['nsa_bytes'] / 1e6:.0f} MB at {dec['hbm_tb_s']:.2f} TB/s (read of the full caches)")

@@ -55,8 +55,8 @@ def launches():
          dict(dec.IMP_LAUNCH)),
         ("3 selected blocks", dec._decode_attn_fused_kernel, [b] * 5 + [i, i, f, f, f, i, b, b, b, b],
          dict(common, BS=64, SPP=dec.SEL_PER_PROGRAM, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, NPB=npb, DVC=dvc,
-              MERGE=dec.MERGE_IN_ATTN), dict(num_warps=warps)),
-        ("4 merge", dec._decode_merge_kernel, [i, f, f, f, b, b, b, b],
+              MERGE=dec.MERGE_IN_ATTN, SEL_STAGES=dec.SEL_STAGES), dict(num_warps=warps)),
+        ("4 merge", dec._decode_merge_kernel, [f, f, f, b, b, b, b],
          dict(DV=D, BDV=D, M=M, NPB=npb, DVC=dvc), dict(num_warps=warps)),
     ]
 

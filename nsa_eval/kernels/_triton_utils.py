@@ -78,6 +78,19 @@ def softmax_start(M: tl.constexpr, BDV: tl.constexpr):
 
 
 @triton.jit
+def score_dot(a, b):
+    # a @ b for attention scores. float32 operands (float32 inputs; any input under the interpreter,
+    # which ignores the precision) take three tf32 passes, ~float32 accuracy: Triton's default, one
+    # tf32 pass (10-bit mantissa), moves scores by ~1e-3, enough to reorder nearly tied block
+    # importances against the float32 reference. 16-bit operands multiply exactly either way.
+    if a.dtype == tl.float32:
+        out = tl.dot(a, b, input_precision="tf32x3")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def online_softmax_step(s, valid, v, m_i, l_i, acc):
     # one tile of an online softmax in log2 units: scores s [M, BN] (valid: usable), values v [BN, BDV];
     # running max m_i [M], sum l_i [M] and acc [M, BDV] -> their new values
@@ -255,7 +268,7 @@ def _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, k) * scale_log2  # [BM, BN]
+    s = score_dot(q, k) * scale_log2  # [BM, BN]
     if MASKED:
         k_pos = o_k * key_stride + key_offset
         valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
@@ -588,10 +601,14 @@ def _band_config(window, part, dtype=torch.bfloat16):
     cfg = dict(BAND_CONFIGS["cmp" if window is None else "swa"][part])
     if interpreting():
         cfg.update(BM=16, BN=16)
-    elif dtype == torch.float32 and cfg["BM"] * cfg["BN"] > 64 * 64:
+    elif dtype == torch.float32:
         # float32 tiles beyond 64 x 64 can overflow shared memory (the dk/dv's 64 x 128 needed 262 KB of
-        # the H200's 227 KB in run 5); tests/kernels/test_h200_resources.py compiles every default
-        cfg.update(BM=64, BN=64, num_warps=4)
+        # the H200's 227 KB in run 5), and so can the forward's three tf32 passes (`score_dot`) at 3
+        # stages (295 KB); tests/kernels/test_h200_resources.py compiles every default
+        if cfg["BM"] * cfg["BN"] > 64 * 64:
+            cfg.update(BM=64, BN=64, num_warps=4)
+        if part == "fwd":
+            cfg["num_stages"] = min(cfg["num_stages"], 2)
     return cfg
 
 

@@ -59,6 +59,7 @@ from nsa_eval.kernels._triton_utils import (
     default_scale,
     interpreting,
     pow2,
+    score_dot,
     softmax_start,
     top_blocks,
     topk_blocks,
@@ -78,6 +79,10 @@ CMP_TILE_KEYS = 64
 # against 113.3 (run 9) and 114.0 against 117.1 (run 12, the defaults)
 SEL_PER_PROGRAM = 4
 WIN_TILES_PER_PROGRAM = 2
+# fused: step 3's loop over a program's selected blocks: 0 unrolled, or a loop software-pipelined over
+# this many stages (the next blocks' loads in flight during this block's math). B=16, CUDA graph (run
+# 31): 74.1 us at 64k with 3 stages against 74.9 with 2 and 75.4 unrolled; 39.3 / 39.8 / 40.6 at 8k.
+SEL_STAGES = 3
 # fused: pipeline stages of the compressed-key loop; warps of the attention kernel
 CMP_STAGES = 3
 ATTN_WARPS = 4
@@ -168,7 +173,7 @@ def _tile_softmax(q, k, v, valid, scale_log2, UPCAST: tl.constexpr):
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BN]
+    s = score_dot(q, tl.trans(k)) * scale_log2  # [M, BN]
     s = tl.where(valid, s, float("-inf"))
     m = tl.max(s, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -255,8 +260,9 @@ def _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, s
                BDV: tl.constexpr, BC: tl.constexpr, TILE_IMP: tl.constexpr, JT: tl.constexpr,
                JW: tl.constexpr, NSP: tl.constexpr, MAP_BF16: tl.constexpr, UPCAST: tl.constexpr):
     # compression split i_s of row i_bh: tiles i_s, i_s + NCMP, ... of BC compressed keys (the visible
-    # tiles spread evenly over the splits at any t), one partial softmax; per tile its scores (SC) or,
-    # with TILE_IMP, its selection-block sums (TI, TS) and max (TM)
+    # tiles spread evenly over the splits at any t), one partial softmax (empty where the split has no
+    # visible tile); per tile its scores (SC) or, with TILE_IMP, its selection-block sums (TI, TS) and
+    # max (TM)
     n_vis = _n_visible(t, TC, block_len, stride)
     n_vis_tiles = tl.cdiv(n_vis, BC)
     if i_s < n_vis_tiles:
@@ -303,6 +309,9 @@ def _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, s
                 tl.store(sc_rows + o_k[None, :], s, eviction_policy="evict_last")
             m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
         _store_partial(PM, PL, PO, i_bh * NPART + i_s, m_i, l_i, acc, o_r, o_dv, M, BDV)
+    else:  # no visible tile: an empty partial, so that steps 2 and 4 merge all NCMP without t
+        m_i, l_i, acc = softmax_start(M, BDV)
+        _store_partial(PM, PL, PO, i_bh * NPART + i_s, m_i, l_i, acc, o_r, o_dv, M, BDV)
 
 
 @triton.jit
@@ -348,13 +357,13 @@ def _decode_importance_split_kernel(
 
 
 @triton.jit
-def _row_lse(PM, PL, i_bh, NPART, n_parts, o_r, M: tl.constexpr, NPB: tl.constexpr):
-    # lse [M] (log2 units; 0 for a row with no visible key) of every head of row i_bh from the first
-    # n_parts split partials of step 1, one vector load
+def _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M: tl.constexpr, NPB: tl.constexpr):
+    # lse [M] (log2 units; 0 for a row with no visible key) of every head of row i_bh from the NCMP
+    # split partials of step 1, one vector load
     o_p = tl.arange(0, NPB)
     offs = (i_bh * NPART + o_p[:, None]) * M + o_r[None, :]  # [NPB, M]
-    m = tl.load(PM + offs, mask=(o_p < n_parts)[:, None], other=float("-inf"))
-    l = tl.load(PL + offs, mask=(o_p < n_parts)[:, None], other=0.0)
+    m = tl.load(PM + offs, mask=(o_p < NCMP)[:, None], other=float("-inf"))
+    l = tl.load(PL + offs, mask=(o_p < NCMP)[:, None], other=0.0)
     m_max = tl.max(m, 0)  # [M]
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_sum = tl.sum(l * tl.exp2(m - m_safe[None, :]), 0)  # [M]
@@ -371,23 +380,25 @@ def _tile_importance(POS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CM
     t = tl.load(POS + i_bh // HKV)
     o_t = i_c * CT + tl.arange(0, CT)  # [CT] tiles
     if i_c * CT * JT <= t // select_size:
+        # every load first, the lse's reductions after: the loads' latencies overlap
         n_tiles = tl.cdiv(_n_visible(t, TC, block_len, stride), CMP_TILE)  # tiles step 1 wrote
         o_r = tl.arange(0, M)
-        lse = _row_lse(PM, PL, i_bh, NPART, tl.minimum(NCMP, n_tiles), o_r, M, NPB)
         rows = (i_bh * NTILES + o_t[:, None]).to(tl.int64) * M + o_r[None, :]  # [CT, M]
         o_j = tl.arange(0, JT)
         has = (o_t < n_tiles)[:, None]
-        scale = tl.exp2(tl.load(TM + rows, mask=has, other=float("-inf")) - lse[None, :])  # [CT, M]
+        tile_max = tl.load(TM + rows, mask=has, other=float("-inf"))  # [CT, M]
         u = tl.load(TI + rows[:, :, None] * JT + o_j[None, None, :], mask=has[:, :, None], other=0.0)
-        imp = tl.sum(u * scale[:, :, None], 1)  # [CT, JT]
         if NSP > 0:
             o_e = tl.arange(0, NSPP)
             prev = rows - M  # the previous tile
-            has = ((o_t >= 1) & (o_t <= n_tiles))[:, None]
-            scale = tl.exp2(tl.load(TM + prev, mask=has, other=float("-inf")) - lse[None, :])
-            u = tl.load(TS + prev[:, :, None] * NSP + o_e[None, None, :],
-                        mask=has[:, :, None] & (o_e < NSP)[None, None, :], other=0.0)  # [CT, M, NSPP]
-            spill = tl.sum(u * scale[:, :, None], 1)  # [CT, NSPP]
+            has_prev = ((o_t >= 1) & (o_t <= n_tiles))[:, None]
+            prev_max = tl.load(TM + prev, mask=has_prev, other=float("-inf"))
+            u_prev = tl.load(TS + prev[:, :, None] * NSP + o_e[None, None, :],  # [CT, M, NSPP]
+                             mask=has_prev[:, :, None] & (o_e < NSP)[None, None, :], other=0.0)
+        lse = _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M, NPB)
+        imp = tl.sum(u * tl.exp2(tile_max - lse[None, :])[:, :, None], 1)  # [CT, JT]
+        if NSP > 0:
+            spill = tl.sum(u_prev * tl.exp2(prev_max - lse[None, :])[:, :, None], 1)  # [CT, NSPP]
             imp += tl.sum(tl.where(o_j[None, :, None] == o_e[None, None, :], spill[:, None, :], 0.0), 2)
         cols = tl.reshape(o_t[:, None] * JT + o_j[None, :], [CT * JT])
         tl.store(IMP + i_bh.to(tl.int64) * NS + cols, tl.reshape(imp, [CT * JT]), mask=cols < NS)
@@ -407,7 +418,7 @@ def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPAR
         n_vis = _n_visible(t, TC, block_len, stride)
         o_r = tl.arange(0, M)
         m_r = o_r < G
-        lse = _row_lse(PM, PL, i_bh, NPART, tl.minimum(NCMP, tl.cdiv(n_vis, CMP_TILE)), o_r, M, NPB)  # [M]
+        lse = _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M, NPB)  # [M]
 
         # token overlap of compressed blocks with the chunk's selection blocks, in units of stride,
         # positions relative to the chunk start j0 * select_size (= j0 * RATIO * stride)
@@ -516,12 +527,11 @@ def _branch_weights(PM, PL, first, n, o_r, M: tl.constexpr, NPB: tl.constexpr):
 
 
 @triton.jit
-def _branch_chunk(PO, first, n, w, o_r, o_dc, M: tl.constexpr, BDV: tl.constexpr, NPB: tl.constexpr):
-    # columns o_dc [DVC] of the merged branch output -> [M, DVC]: one load of all its partials
+def _branch_partials(PO, first, n, o_r, o_dc, M: tl.constexpr, BDV: tl.constexpr, NPB: tl.constexpr):
+    # columns o_dc [DVC] of the n partials first .. first + n - 1 -> [NPB, M, DVC] (0 for absent ones)
     o_p = tl.arange(0, NPB)
-    a = tl.load(PO + ((first + o_p[:, None, None]) * M + o_r[None, :, None]) * BDV + o_dc[None, None, :],
-                mask=(o_p < n)[:, None, None], other=0.0, cache_modifier=".cg")  # [NPB, M, DVC]
-    return tl.sum(w[:, :, None] * a, 0)
+    return tl.load(PO + ((first + o_p[:, None, None]) * M + o_r[None, :, None]) * BDV + o_dc[None, None, :],
+                   mask=(o_p < n)[:, None, None], other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
@@ -541,13 +551,26 @@ def _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_w, skw_b, skw_t, skw_h
 
 
 @triton.jit
+def _selected_slot(q, K, V, BI, i_bh, slot, i_b, i_hk, t, S, m_i, l_i, acc, sk_b, sk_t, sk_h, sv_b, sv_t,
+                   sv_h, o_r, o_dk, o_dv, G, scale_log2, num_selected, DK: tl.constexpr, DV: tl.constexpr,
+                   BS: tl.constexpr, UPCAST: tl.constexpr):
+    # the running softmax (m_i, l_i, acc) merged with the block in selection slot `slot` (none for -1)
+    blk = tl.load(BI + i_bh * num_selected + slot, mask=slot < num_selected, other=-1)
+    o_k = tl.maximum(blk, 0) * BS + tl.arange(0, BS)
+    m_k = (o_k <= t) & (o_k < S) & (tl.zeros([BS], tl.int32) + blk >= 0)
+    _, m, l, o = _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk,
+                                  o_dv, G, scale_log2, DK, DV, UPCAST)
+    return _merge(m_i, l_i, acc, m, l, o)
+
+
+@triton.jit
 def _decode_attn_fused_kernel(
     Q, K, V, KW, VW, POS, BI, PM, PL, PO, CNT, GC, GS, GW, O,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
-    S, TC, HKV, G, NSELP, NWP, NCMP, NPART, CMP_TILE, scale_log2, window, block_len, stride, num_selected,
+    S, HKV, G, NSELP, NWP, NCMP, NPART, scale_log2, window, num_selected,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
     BS: tl.constexpr, SPP: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, NPB: tl.constexpr,
-    DVC: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr,
+    DVC: tl.constexpr, MERGE: tl.constexpr, SEL_STAGES: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # programs 0 .. NSELP-1: SPP selected-block slots each; NSELP ..: window chunks of WT * BW keys
     # (only with WINDOW_STEP = 3). Partials per i_bh: [0, NCMP) compression (step 1), then NSELP
@@ -559,14 +582,16 @@ def _decode_attn_fused_kernel(
     q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
     m_i, l_i, acc = softmax_start(M, BDV)
     if i_p < NSELP:
-        for j in tl.static_range(SPP):
-            slot = i_p * SPP + j
-            blk = tl.load(BI + i_bh * num_selected + slot, mask=slot < num_selected, other=-1)
-            o_k = tl.maximum(blk, 0) * BS + tl.arange(0, BS)
-            m_k = (o_k <= t) & (o_k < S) & (tl.zeros([BS], tl.int32) + blk >= 0)
-            _, m, l, o = _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-                                          o_r, o_dk, o_dv, G, scale_log2, DK, DV, UPCAST)
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m, l, o)
+        if SEL_STAGES > 0:  # a loop Triton software-pipelines: the next blocks' loads in flight
+            for j in tl.range(0, SPP, num_stages=SEL_STAGES):
+                m_i, l_i, acc = _selected_slot(q, K, V, BI, i_bh, i_p * SPP + j, i_b, i_hk, t, S, m_i, l_i,
+                                               acc, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk, o_dv, G,
+                                               scale_log2, num_selected, DK, DV, BS, UPCAST)
+        else:
+            for j in tl.static_range(SPP):
+                m_i, l_i, acc = _selected_slot(q, K, V, BI, i_bh, i_p * SPP + j, i_b, i_hk, t, S, m_i, l_i,
+                                               acc, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk, o_dv, G,
+                                               scale_log2, num_selected, DK, DV, BS, UPCAST)
     else:  # window chunks (WINDOW_STEP = 3; otherwise the grid has NSELP programs)
         m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_p - NSELP, skw_b, skw_t, skw_h,
                                         svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
@@ -577,47 +602,51 @@ def _decode_attn_fused_kernel(
         tl.debug_barrier()  # all threads' stores before the release of the counter increment
         arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
         if arrived == tl.num_programs(0) - 1:
-            _merge_partials(PM, PL, PO, GC, GS, GW, O, i_b, i_hk, t, base, 0, TC, HKV, G, NSELP, NWP, NCMP,
-                            CMP_TILE, block_len, stride, o_r, DV, M, BDV, NPB, DVC, BDV // DVC)
+            _merge_partials(PM, PL, PO, GC, GS, GW, O, i_b, i_hk, base, 0, HKV, G, NSELP, NWP, NCMP, o_r, DV,
+                            M, BDV, NPB, DVC, BDV // DVC)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    POS, PM, PL, PO, GC, GS, GW, O, TC, HKV, G, NSELP, NWP, NCMP, NPART, CMP_TILE, block_len, stride,
+    PM, PL, PO, GC, GS, GW, O, HKV, G, NSELP, NWP, NCMP, NPART,
     DV: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr, NPB: tl.constexpr, DVC: tl.constexpr,
 ):
     # MERGE_IN_ATTN = False: one program per (chunk of DVC output columns, sequence x KV head)
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b = (i_bh // HKV).to(tl.int64)
-    t = tl.load(POS + i_b)
-    _merge_partials(PM, PL, PO, GC, GS, GW, O, i_b, i_bh % HKV, t, i_bh * NPART, i_c, TC, HKV, G, NSELP, NWP,
-                    NCMP, CMP_TILE, block_len, stride, tl.arange(0, M), DV, M, BDV, NPB, DVC, 1)
+    _merge_partials(PM, PL, PO, GC, GS, GW, O, (i_bh // HKV).to(tl.int64), i_bh % HKV, i_bh * NPART, i_c, HKV,
+                    G, NSELP, NWP, NCMP, tl.arange(0, M), DV, M, BDV, NPB, DVC, 1)
 
 
 @triton.jit
-def _merge_partials(PM, PL, PO, GC, GS, GW, O, i_b, i_hk, t, base, c0, TC, HKV, G, NSELP, NWP, NCMP, CMP_TILE,
-                    block_len, stride, o_r, DV: tl.constexpr, M: tl.constexpr, BDV: tl.constexpr,
-                    NPB: tl.constexpr, DVC: tl.constexpr, CHUNKS: tl.constexpr):
+def _merge_partials(PM, PL, PO, GC, GS, GW, O, i_b, i_hk, base, c0, HKV, G, NSELP, NWP, NCMP, o_r,
+                    DV: tl.constexpr, M: tl.constexpr, BDV: tl.constexpr, NPB: tl.constexpr,
+                    DVC: tl.constexpr, CHUNKS: tl.constexpr):
     # output columns of chunks c0 .. c0 + CHUNKS - 1 (DVC each) of one (sequence, KV head): the
-    # partials of the three branches (at base: compression, then NSELP selection, then NWP window)
-    # merged, with the gates folded into the merge weights
-    n_cmp = tl.minimum(NCMP, tl.cdiv(_n_visible(t, TC, block_len, stride), CMP_TILE))
+    # partials of the three branches (at base: NCMP compression, then NSELP selection, then NWP
+    # window; absent ones empty) merged, with the gates folded into the merge weights. No load waits
+    # for another: the first chunk's partials load before the weights' reductions.
     f_slc = base + NCMP
     f_swa = f_slc + NSELP
     head = (i_b * HKV + i_hk) * G + o_r  # [M] flat (b, h) since HQ = HKV * G
     m_r = o_r < G
-    w_cmp = _branch_weights(PM, PL, base, n_cmp, o_r, M, NPB)  # [NPB, M]
+    o_dc = c0 * DVC + tl.arange(0, DVC)
+    a_cmp = _branch_partials(PO, base, NCMP, o_r, o_dc, M, BDV, NPB)  # [NPB, M, DVC]
+    a_slc = _branch_partials(PO, f_slc, NSELP, o_r, o_dc, M, BDV, NPB)
+    a_swa = _branch_partials(PO, f_swa, NWP, o_r, o_dc, M, BDV, NPB)
+    w_cmp = _branch_weights(PM, PL, base, NCMP, o_r, M, NPB)  # [NPB, M]
     w_cmp *= tl.load(GC + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
     w_slc = _branch_weights(PM, PL, f_slc, NSELP, o_r, M, NPB)
     w_slc *= tl.load(GS + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
     w_swa = _branch_weights(PM, PL, f_swa, NWP, o_r, M, NPB)
     w_swa *= tl.load(GW + head, mask=m_r, other=0.0).to(tl.float32)[None, :]
-    for c in tl.static_range(CHUNKS):  # unrolled: every partial load is independent
-        o_dc = (c0 + c) * DVC + tl.arange(0, DVC)
-        out = _branch_chunk(PO, base, n_cmp, w_cmp, o_r, o_dc, M, BDV, NPB)  # [M, DVC]
-        out += _branch_chunk(PO, f_slc, NSELP, w_slc, o_r, o_dc, M, BDV, NPB)
-        out += _branch_chunk(PO, f_swa, NWP, w_swa, o_r, o_dc, M, BDV, NPB)
+    for c in tl.static_range(CHUNKS):
+        if c > 0:
+            o_dc = (c0 + c) * DVC + tl.arange(0, DVC)
+            a_cmp = _branch_partials(PO, base, NCMP, o_r, o_dc, M, BDV, NPB)
+            a_slc = _branch_partials(PO, f_slc, NSELP, o_r, o_dc, M, BDV, NPB)
+            a_swa = _branch_partials(PO, f_swa, NWP, o_r, o_dc, M, BDV, NPB)
+        out = tl.sum(w_cmp[:, :, None] * a_cmp + w_slc[:, :, None] * a_slc + w_swa[:, :, None] * a_swa, 0)
         tl.store(O + head[:, None].to(tl.int64) * DV + o_dc[None, :], out.to(O.dtype.element_ty),
                  mask=m_r[:, None] & (o_dc < DV)[None, :])
 
@@ -795,13 +824,13 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     _decode_attn_fused_kernel[(n_selp + (n_winp if WINDOW_STEP == 3 else 0), BH)](
         q, k, v, k_swa, v_swa, pos, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
-        S, TC, HKV, G, n_selp, n_winp, n_cmp, npart, BC, scale_log2, window, block_len, stride,
-        num_selected, DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, NPB=npb,
-        DVC=dvc, MERGE=MERGE_IN_ATTN, UPCAST=interp, num_warps=warps,
+        S, HKV, G, n_selp, n_winp, n_cmp, npart, scale_log2, window, num_selected, DK=DK, DV=DV, BDK=BDK,
+        BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, NPB=npb, DVC=dvc, MERGE=MERGE_IN_ATTN,
+        SEL_STAGES=SEL_STAGES, UPCAST=interp, num_warps=warps,
     )
     if not MERGE_IN_ATTN:  # 4. the merge, one program per (chunk of output columns, row)
         _decode_merge_kernel[(BDV // dvc, BH)](
-            pos, pm, pl, po, g_cmp, g_slc, g_swa, o, TC, HKV, G, n_selp, n_winp, n_cmp, npart, BC, block_len,
-            stride, DV=DV, BDV=BDV, M=M, NPB=npb, DVC=dvc, num_warps=warps,
+            pm, pl, po, g_cmp, g_slc, g_swa, o, HKV, G, n_selp, n_winp, n_cmp, npart, DV=DV, BDV=BDV, M=M,
+            NPB=npb, DVC=dvc, num_warps=warps,
         )
     return o, bi

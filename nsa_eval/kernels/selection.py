@@ -41,6 +41,7 @@ from nsa_eval.kernels._triton_utils import (
     overlap_weights,
     pow2,
     row_delta,
+    score_dot,
     softmax_result,
     softmax_start,
     topk_blocks,
@@ -58,7 +59,7 @@ IMPORTANCE_GROUP_FIRST = True
 # select_blocks at 64k (run 8): reshape 10.43 ms with 128 rows / 8 warps, 11.20 with 64 / 4;
 # broadcast 16.41 with 64 rows, 31.35 with 128. With the lane map and unmasked chunks (80 registers at
 # 128 rows, 119 at 256), run 23: 256 rows / 8 warps 6.83 ms against 7.27 for 128 / 8. The 256 rows
-# apply where `importance_rows` allows them (16-bit inputs, G' >= 16); elsewhere 128.
+# apply where `importance_launch` allows them (16-bit inputs, G' >= 16); elsewhere 128.
 IMPORTANCE_CONFIG = {"reshape": dict(rows=256, num_warps=8, num_stages=3),
                      "broadcast": dict(rows=64, num_warps=4, num_stages=3)}
 # How the group's probabilities pg [BT, BC] (IMPORTANCE_GROUP_FIRST) are mapped onto the chunk's BNS
@@ -217,7 +218,7 @@ def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: tl.c
         k = tl.load(k_ptrs, mask=(o_dk < DK)[:, None], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
-    s = tl.dot(q, k) * scale_log2  # [M, BC]
+    s = score_dot(q, k) * scale_log2  # [M, BC]
     if MASKED:
         visible = ((o_k * stride + block_len - 1)[None, :] <= r_t[:, None]) & m_k[None, :] & m_r[:, None]
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
@@ -279,15 +280,20 @@ def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: tl.c
     return spill
 
 
-def importance_rows(rows: int, GP: int, dtype: torch.dtype) -> int:
-    """Rows (positions x G') of an importance program: the configured rows, but at most 128 for
-    float32 inputs or groups below 16 heads. With fewer heads a program holds more positions, and at
-    256 rows float32 needs more shared memory than the H200 has (233,472-245,760 bytes at G' <= 4
-    against 232,448); G = 4 in bf16 ran slower at 256 rows (importance 1.91 ms in run 24's profile
-    against 1.66 at 128 in run 22)."""
+def importance_launch(map_name: str, GP: int, dtype: torch.dtype) -> dict:
+    """The importance kernel's launch, `IMPORTANCE_CONFIG[map_name]` fitted to G' and the dtype: rows
+    (positions x G') at most 128 for float32 inputs or groups below 16 heads. With fewer heads a
+    program holds more positions, and at 256 rows float32 needs more shared memory than the H200 has
+    (233,472-245,760 bytes at G' <= 4 against 232,448); G = 4 in bf16 ran slower at 256 rows
+    (importance 1.91 ms in run 24's profile against 1.66 at 128 in run 22). Float32 inputs also keep
+    at most 2 stages: their scores multiply in three tf32 passes (`score_dot`), which at 3 stages
+    needs 262,144 bytes."""
+    launch = dict(IMPORTANCE_CONFIG[map_name])
     if dtype == torch.float32 or GP < 16:
-        return min(rows, 128)
-    return rows
+        launch["rows"] = min(launch["rows"], 128)
+    if dtype == torch.float32:
+        launch["num_stages"] = min(launch["num_stages"], 2)
+    return launch
 
 
 def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
@@ -317,8 +323,8 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     reshape = IMPORTANCE_GROUP_FIRST and IMPORTANCE_MAP == "reshape" and shifts <= IMPORTANCE_RESHAPE_MAX_K
     imp = torch.empty(B * T * HKV, ns, device=q.device, dtype=torch.float32)
     GP = pow2(G, 1)
-    launch = dict(IMPORTANCE_CONFIG["reshape" if reshape else "broadcast"])
-    rows = importance_rows(launch.pop("rows"), GP, q.dtype)
+    launch = importance_launch("reshape" if reshape else "broadcast", GP, q.dtype)
+    rows = launch.pop("rows")
     BT = max(1, (16 if interpreting() else rows) // GP)
     BNS = 16 if ratio <= 8 else pow2(max(1, 128 // ratio), 1)
     BNS = max(BNS, 16)
@@ -412,7 +418,7 @@ def _dq_block(q, k, v, do, lse, delta, valid, scale_log2, dq):
 @triton.jit
 def _softmax_block(q, k, v, valid, scale_log2, m_i, l_i, acc):
     # online softmax over one block: running max m_i [M], sum l_i [M] and acc [M, BDV] (log2 units)
-    s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
+    s = score_dot(q, tl.trans(k)) * scale_log2  # [M, BS]
     return online_softmax_step(s, valid, v, m_i, l_i, acc)
 
 

@@ -291,6 +291,8 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(CMP_TILE_KEYS=32),
     dict(SEL_PER_PROGRAM=2, WIN_TILES_PER_PROGRAM=1),
     dict(SEL_PER_PROGRAM=8, WIN_TILES_PER_PROGRAM=4),
+    dict(SEL_STAGES=0),
+    dict(SEL_STAGES=2),
     dict(ATTN_WARPS=8),
     dict(WINDOW_STEP=3),
     dict(WINDOW_STEP=1),

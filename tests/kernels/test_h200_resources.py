@@ -37,8 +37,8 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
                       SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "fwd"))
         out[f"band fwd {branch} {name}"] = shared(u._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
     for GP in (16, 4, 1):  # fewer heads: more positions a program
-        launch = dict(s.IMPORTANCE_CONFIG["reshape"])
-        rows = s.importance_rows(launch.pop("rows"), GP, dtype)
+        launch = s.importance_launch("reshape", GP, dtype)
+        rows = launch.pop("rows")
         consts = dict(DK=128, BDK=128, GP=GP, BT=rows // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
                       RESHAPE=True, K=1, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
                       LANES=s.IMPORTANCE_LANE_MAP, block_len=32, stride=16, select_size=64)
@@ -51,7 +51,7 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG)
     consts = dict(consts, GP=4, BT=4)  # G = 4: four positions a program
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG_MULTI)
-    launch = dict(s.IMPORTANCE_CONFIG["broadcast"])
+    launch = s.importance_launch("broadcast", GP, dtype)
     consts = dict(DK=128, BDK=128, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
                   RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK, LANES=False,
                   block_len=32, stride=16, select_size=64)
