@@ -1,28 +1,29 @@
-"""The fused decode's importance source and step 1's map, timed side by side (H200).
+"""Knobs of the fused decode timed side by side on one GPU (run 34 on the H200).
 
     PYTHONPATH=. python3 scripts/probe_decode.py
 
-Batch 16, 64/4 heads, d = 128, bf16, full caches at 8k and 64k (the benchmark's decode shape):
-CUDA-graph times of the fused decode with `DECODE_IMPORTANCE` "tiles" (the map in bf16x2 or tf32x3,
-`TILE_MAP`) or "scores", a few program sizes of step 2 and of step 1; each output against the
-defaults'. Then the kernels of the defaults, of the tf32x3 map and of the stored scores by device
-time (plain launches).
+Batch 16, 64/4 heads, d = 128, bf16, caches at 8k and 64k (the benchmark's decode shape, lengths
+T - 97 b): the CUDA-graph time of the fused decode under each setting in CONFIGS (keys name
+`decode` attributes, or `_triton_utils.NAME`), each output against the defaults', the defaults
+first and last (their spread is the noise); then the defaults' kernels by device time (plain
+launches).
 """
 
 import torch
 
 from nsa_eval.bench import PAPER, _time_graph, _with_flag, profile_kernels
-from nsa_eval.kernels import decode
+from nsa_eval.kernels import _triton_utils, decode
 
 B, HQ, HKV, D = 16, 64, 4, 128
 CONFIGS = [
     dict(),
-    dict(TILE_MAP="tf32x3"),
-    dict(DECODE_IMPORTANCE="scores"),
-    dict(IMP_TILES_PER_PROGRAM=8),
-    dict(IMP_TILES_PER_PROGRAM=32),
-    dict(CMP_STAGES=2, CMP_PROGRAMS_PER_SM=3),
-    dict(CMP_STAGES=4),
+    dict(CMP_WARPS=2),
+    dict(CMP_WARPS=2, CMP_PROGRAMS_PER_SM=4),
+    dict(CMP_WARPS=8),
+    dict(CMP_PROGRAMS_PER_SM=3),
+    {"_triton_utils.TOPK_METHOD": "bitonic"},
+    dict(SEL_PER_PROGRAM=8, WIN_TILES_PER_PROGRAM=4),
+    dict(SEL_PER_PROGRAM=8),
     dict(),
 ]
 
@@ -31,7 +32,8 @@ def with_knobs(knobs, fn):
     if not knobs:
         return fn()
     (name, value), rest = next(iter(knobs.items())), dict(list(knobs.items())[1:])
-    return _with_flag(decode, name, value, lambda: with_knobs(rest, fn))
+    module = _triton_utils if name.startswith("_triton_utils.") else decode
+    return _with_flag(module, name.split(".")[-1], value, lambda: with_knobs(rest, fn))
 
 
 def inputs(T):
@@ -55,9 +57,8 @@ def probe(T):
         us = with_knobs(knobs, lambda: _time_graph(run)) * 1e3
         print(f"T={T} {knobs or 'defaults'}: {us:.1f} us (CUDA graph), rel. err against defaults "
               f"{err:.1e}", flush=True)
-    for knobs in (dict(), dict(TILE_MAP="tf32x3"), dict(DECODE_IMPORTANCE="scores")):
-        print(f"kernels at T={T}, {knobs or 'defaults'} (plain launches):")
-        with_knobs(knobs, lambda: profile_kernels(run, iters=20, top=5))
+    print(f"kernels at T={T}, defaults (plain launches):")
+    profile_kernels(run, iters=20, top=6)
 
 
 def main():

@@ -45,7 +45,7 @@ def launches():
         ("1 compressed keys", dec._decode_cmp_split_kernel, [b, b, b, i] + [f] * 7 + [i, i, b, b],
          dict(common, BC=dec.CMP_TILE_KEYS, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, WIN=dec.WINDOW_STEP == 1,
               TILE_IMP=tiles, JT=jt, JW=u.pow2(jt + 1), NSP=1, MAP_BF16=dec.TILE_MAP == "bf16x2"),
-         dict(num_warps=4, num_stages=dec.CMP_STAGES)),
+         dict(num_warps=dec.CMP_WARPS, num_stages=dec.CMP_STAGES)),
         ("2 importance + top-k + window", dec._decode_importance_split_kernel,
          [i] + [f] * 7 + [i, i, b, b, b, f],
          dict(common, BNS=max(16, 128 // RATIO), RATIO=RATIO, SPILL=16, NPB=npb, BNS_ALL=NS, NSEL2=16, BW=64,

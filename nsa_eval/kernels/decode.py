@@ -31,9 +31,8 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
 3. `_decode_attn_fused_kernel`, one program per (`SEL_PER_PROGRAM` selected-block slots, or window
    chunk with `WINDOW_STEP = 3`; sequence, KV head): a partial softmax.
 4. `_decode_merge_kernel`, one program per (DVC output columns, 64 at d = 128; sequence x KV
-   head): the partials of the three branches merged (merge weights per branch from one load of its
-   (max, sum) rows, gates folded in, then one load of all partials of each branch) and the output
-   written. With
+   head): the partials of the three branches merged (one load of all partials of each branch, then
+   its merge weights from one load of its (max, sum) rows, gates folded in) and the output written. With
    `MERGE_IN_ATTN` the program of step 3 that finishes last for its (sequence, KV head) does this for
    all columns instead: one launch fewer, but a serial tail (run 9: 39 us for step 3 against 16 + 8).
 "Finishes last": every program stores its results, passes a CTA barrier and increments the row's
@@ -83,8 +82,11 @@ WIN_TILES_PER_PROGRAM = 2
 # this many stages (the next blocks' loads in flight during this block's math). B=16, CUDA graph (run
 # 31): 74.1 us at 64k with 3 stages against 74.9 with 2 and 75.4 unrolled; 39.3 / 39.8 / 40.6 at 8k.
 SEL_STAGES = 3
-# fused: pipeline stages of the compressed-key loop; warps of the attention kernel
+# fused: pipeline stages and warps of the compressed-key loop; warps of the attention kernel. Step 1
+# at B=16, 64k (run 34, CUDA graph): 4 warps 71.9 us, 2 warps 75.9 (86.2 with 4 programs per SM), 8
+# warps 74.2
 CMP_STAGES = 3
+CMP_WARPS = 4
 ATTN_WARPS = 4
 # fused: the launch that holds the window chunks (the window branch depends on nothing): 2, beside
 # the importances and the top-k, which leave the memory bus idle (run 13, B=16 at 64k: 115.0 us against
@@ -141,12 +143,19 @@ def _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK: tl.constexpr, UPCAST: tl
 
 
 @triton.jit
-def _program_rows(POS, i_bh, HKV, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr):
+def _query_pos(LENS, i_b):
+    # position of sequence i_b's query: its cache length (int32 or int64) - 1. Read in the kernels, so
+    # that the decode launches no kernel of its own for it (one node fewer in a CUDA graph)
+    return tl.load(LENS + i_b).to(tl.int32) - 1
+
+
+@triton.jit
+def _program_rows(LENS, i_bh, HKV, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr):
     # sequence i_b, KV head i_hk and query position t of program row i_bh; offsets of the group's M
     # rows and of the key and value columns
     i_b = (i_bh // HKV).to(tl.int64)
     i_hk = i_bh % HKV
-    t = tl.load(POS + i_b)
+    t = _query_pos(LENS, i_b)
     o_r = tl.arange(0, M)
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
@@ -210,7 +219,7 @@ def _store_partial(PM, PL, PO, part, m, l, acc, o_r, o_dv, M: tl.constexpr, BDV:
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_cmp_split_kernel(
-    Q, KC, VC, POS, SC, TI, TS, TM, PM, PL, PO, CNT_IMP, CNT_ATTN, KW, VW,
+    Q, KC, VC, LENS, SC, TI, TS, TM, PM, PL, PO, CNT_IMP, CNT_ATTN, KW, VW,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
     TC, HKV, G, NCMP, NSELP, NPART, SC_LEN, NTILES, S, window, scale_log2, block_len, stride, select_size,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
@@ -231,7 +240,7 @@ def _decode_cmp_split_kernel(
         tl.store(CNT_ATTN + i_bh, 0)
     i_b = (i_bh // HKV).to(tl.int64)
     i_hk = i_bh % HKV
-    t = tl.load(POS + i_b)
+    t = _query_pos(LENS, i_b)
     o_r = tl.arange(0, M)
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
@@ -321,7 +330,7 @@ def _overlap(c_lo, c_hi, s_lo, s_hi):
 
 @triton.jit
 def _decode_importance_split_kernel(
-    POS, SC, TI, TS, TM, PM, PL, IMP, BI, CNT, Q, KW, VW, PO,
+    LENS, SC, TI, TS, TM, PM, PL, IMP, BI, CNT, Q, KW, VW, PO,
     sq_b, sq_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
     TC, HKV, G, NPART, CMP_TILE, SC_LEN, NTILES, NS, block_len, stride, select_size, num_selected, num_init,
     num_local, NIMP, NCMP, NSELP, S, window, scale_log2,
@@ -338,20 +347,20 @@ def _decode_importance_split_kernel(
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     if i_c >= NIMP:
-        i_b, i_hk, t, o_r, o_dk, o_dv = _program_rows(POS, i_bh, HKV, BDK, BDV, M)
+        i_b, i_hk, t, o_r, o_dk, o_dv = _program_rows(LENS, i_bh, HKV, BDK, BDV, M)
         q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
         m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_c - NIMP, skw_b, skw_t, skw_h,
                                         svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
                                         BW, WT, UPCAST)
         _store_partial(PM, PL, PO, i_bh * NPART + NCMP + NSELP + i_c - NIMP, m_i, l_i, acc, o_r, o_dv, M, BDV)
     elif TILE_IMP:
-        _tile_importance(POS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CMP_TILE, NTILES, NS,
+        _tile_importance(LENS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CMP_TILE, NTILES, NS,
                          block_len, stride, select_size, NCMP, M, NPB, CT, JT, NSP, NSPP)
         if TOPK:
-            _last_takes_topk(IMP, BI, CNT, i_bh, tl.load(POS + i_bh // HKV), NS, select_size, num_selected,
+            _last_takes_topk(IMP, BI, CNT, i_bh, _query_pos(LENS, i_bh // HKV), NS, select_size, num_selected,
                              num_init, num_local, NIMP, BNS_ALL, NSEL2, BITONIC)
     else:
-        _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS,
+        _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, SC_LEN, NS,
                           block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
                           M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP, TOPK, BITONIC)
 
@@ -371,13 +380,13 @@ def _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M: tl.constexpr, NPB: tl.constexpr)
 
 
 @triton.jit
-def _tile_importance(POS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CMP_TILE, NTILES, NS, block_len,
-                     stride, select_size, NCMP, M: tl.constexpr, NPB: tl.constexpr, CT: tl.constexpr,
-                     JT: tl.constexpr, NSP: tl.constexpr, NSPP: tl.constexpr):
+def _tile_importance(LENS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CMP_TILE, NTILES, NS,
+                     block_len, stride, select_size, NCMP, M: tl.constexpr, NPB: tl.constexpr,
+                     CT: tl.constexpr, JT: tl.constexpr, NSP: tl.constexpr, NSPP: tl.constexpr):
     # importances of the selection blocks of tiles i_c * CT .. + CT - 1: each tile's sums rescaled
     # from its max to the head's lse, plus the previous tile's spill into the first NSP blocks, summed
     # over the group's heads (rows of absent heads hold zeros and a -inf max)
-    t = tl.load(POS + i_bh // HKV)
+    t = _query_pos(LENS, i_bh // HKV)
     o_t = i_c * CT + tl.arange(0, CT)  # [CT] tiles
     if i_c * CT * JT <= t // select_size:
         # every load first, the lse's reductions after: the loads' latencies overlap
@@ -405,14 +414,14 @@ def _tile_importance(POS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CM
 
 
 @triton.jit
-def _importance_chunk(POS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, CMP_TILE, SC_LEN, NS,
+def _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, SC_LEN, NS,
                       block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
                       M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr,
                       NPB: tl.constexpr, BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, CPP: tl.constexpr,
                       TOPK: tl.constexpr, BITONIC: tl.constexpr):
     BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
     i_b = i_bh // HKV
-    t = tl.load(POS + i_b)
+    t = _query_pos(LENS, i_b)
     j_first = i_c * (BNS * CPP)  # this program's first selection block
     if j_first <= t // select_size:
         n_vis = _n_visible(t, TC, block_len, stride)
@@ -565,7 +574,7 @@ def _selected_slot(q, K, V, BI, i_bh, slot, i_b, i_hk, t, S, m_i, l_i, acc, sk_b
 
 @triton.jit
 def _decode_attn_fused_kernel(
-    Q, K, V, KW, VW, POS, BI, PM, PL, PO, CNT, GC, GS, GW, O,
+    Q, K, V, KW, VW, LENS, BI, PM, PL, PO, CNT, GC, GS, GW, O,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
     S, HKV, G, NSELP, NWP, NCMP, NPART, scale_log2, window, num_selected,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
@@ -578,7 +587,7 @@ def _decode_attn_fused_kernel(
     # BI [B*HKV, num_selected] from step 2; gates GC/GS/GW and output O contiguous [B, 1, HQ(, DV)].
     i_p = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b, i_hk, t, o_r, o_dk, o_dv = _program_rows(POS, i_bh, HKV, BDK, BDV, M)
+    i_b, i_hk, t, o_r, o_dk, o_dv = _program_rows(LENS, i_bh, HKV, BDK, BDV, M)
     q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
     m_i, l_i, acc = softmax_start(M, BDV)
     if i_p < NSELP:
@@ -699,9 +708,11 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
     k_swa = k if k_swa is None else k_swa
     v_swa = v if v_swa is None else v_swa
     if cache_seqlens is None:
-        pos = torch.full((B,), S - 1, dtype=torch.int32, device=q.device)
+        lens = torch.full((B,), S, dtype=torch.int32, device=q.device)
+    elif cache_seqlens.dtype in (torch.int32, torch.int64):
+        lens = cache_seqlens.contiguous()
     else:
-        pos = (cache_seqlens.to(torch.int32) - 1).contiguous()
+        lens = cache_seqlens.to(torch.int32)
     for x in (k, v, k_cmp, v_cmp, k_swa, v_swa):
         if x.stride(-1) != 1:
             raise ValueError("nsa_decode needs caches with a contiguous last dimension")
@@ -712,13 +723,13 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
     else:  # imported here: decode_v1 builds on this module's helpers
         from nsa_eval.kernels.decode_v1 import decode_v1 as run
     o, bi = run(q.contiguous(), k, v, k_cmp, v_cmp, g_cmp.contiguous(), g_slc.contiguous(),
-                g_swa.contiguous(), k_swa, v_swa, pos, **params)  # [B, 1, Hq, Dv], [B*Hkv, n]
+                g_swa.contiguous(), k_swa, v_swa, lens, **params)  # [B, 1, Hq, Dv], [B*Hkv, n]
     if return_block_indices:
         return o, bi.view(B, 1, k.shape[2], num_selected)
     return o
 
 
-def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos, *, block_len, stride,
+def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens, *, block_len, stride,
                   select_size, num_selected, num_init, num_local, window, scale):
     B, _, HQ, DK = q.shape
     S, HKV = k.shape[1], k.shape[2]
@@ -780,13 +791,13 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
         raise ValueError(f"TOPK_METHOD must be one of {_triton_utils.TOPK_METHODS}, got "
                          f"{_triton_utils.TOPK_METHOD!r}")
     _decode_cmp_split_kernel[(n_cmp + (n_winp if WINDOW_STEP == 1 else 0), BH)](
-        q, k_cmp, v_cmp, pos, scores, tile_sums, tile_spill, tile_max, pm, pl, po, counter[0], counter[1],
+        q, k_cmp, v_cmp, lens, scores, tile_sums, tile_spill, tile_max, pm, pl, po, counter[0], counter[1],
         k_swa, v_swa, q.stride(0), q.stride(2), *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_swa.stride()[:3],
         *v_swa.stride()[:3], TC, HKV, G, n_cmp, n_selp, npart, sc_len, n_tiles, S, window, scale_log2,
         block_len, stride, select_size, DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, BW=BW, WT=WT,
         WIN=WINDOW_STEP == 1, TILE_IMP=tile_imp, JT=jt, JW=pow2(jt + nsp), NSP=nsp,
         MAP_BF16=TILE_MAP == "bf16x2" and min(block_len, select_size) <= 256 and not interp, UPCAST=interp,
-        num_warps=4, num_stages=CMP_STAGES,
+        num_warps=CMP_WARPS, num_stages=CMP_STAGES,
     )
 
     # 2. selection-block importances; the last program of each row takes its top-k
@@ -803,7 +814,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     else:
         n_imp = triton.cdiv(ns, bns * IMP_CHUNKS_PER_PROGRAM)
     _decode_importance_split_kernel[(n_imp + (n_winp if WINDOW_STEP == 2 else 0), BH)](
-        pos, scores, tile_sums, tile_spill, tile_max, pm, pl, imp, bi, counter[0], q, k_swa, v_swa, po,
+        lens, scores, tile_sums, tile_spill, tile_max, pm, pl, imp, bi, counter[0], q, k_swa, v_swa, po,
         q.stride(0), q.stride(2), *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, BC, sc_len,
         n_tiles, ns, block_len, stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp,
         S, window, scale_log2, M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb,
@@ -814,7 +825,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     )
     if not TOPK_IN_STEP2:  # 2b. the top-k in a launch of its own, one program per row
         bi = topk_blocks(imp, T=1, num_kv_heads=HKV, select_size=select_size, num_selected=num_selected,
-                         num_init=num_init, num_local=num_local, positions=pos)
+                         num_init=num_init, num_local=num_local, positions=(lens - 1).int())
 
     # 3. selected blocks and window chunks, then the merge of all partials by the last program
     o = torch.empty(B, 1, HQ, DV, device=dev, dtype=q.dtype)
@@ -822,7 +833,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos,
     warps = ATTN_WARPS if npb * M <= 256 else 8
     dvc = min(BDV, max(4, 1024 * warps // (npb * M)))
     _decode_attn_fused_kernel[(n_selp + (n_winp if WINDOW_STEP == 3 else 0), BH)](
-        q, k, v, k_swa, v_swa, pos, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
+        q, k, v, k_swa, v_swa, lens, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
         S, HKV, G, n_selp, n_winp, n_cmp, npart, scale_log2, window, num_selected, DK=DK, DV=DV, BDK=BDK,
         BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, NPB=npb, DVC=dvc, MERGE=MERGE_IN_ATTN,

@@ -27,13 +27,14 @@ from nsa_eval.kernels.decode import (
     _n_visible,
     _partial_softmax,
     _program_rows,
+    _query_pos,
     _store_partial,
 )
 
 
 @triton.jit
 def _decode_cmp_kernel(
-    Q, KC, VC, POS, SC, PM, PL, PO,
+    Q, KC, VC, LENS, SC, PM, PL, PO,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     TC, HKV, G, NCH, SC_LEN, scale_log2, block_len, stride,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
@@ -43,7 +44,7 @@ def _decode_cmp_kernel(
     i_bh = tl.program_id(1)
     i_b = (i_bh // HKV).to(tl.int64)
     i_hk = i_bh % HKV
-    t = tl.load(POS + i_b)
+    t = _query_pos(LENS, i_b)
     n_vis = _n_visible(t, TC, block_len, stride)
     if i_c * BC < n_vis:
         o_r = tl.arange(0, M)
@@ -61,13 +62,13 @@ def _decode_cmp_kernel(
 
 @triton.jit
 def _decode_importance_kernel(
-    POS, SC, PM, PL, IMP, TC, HKV, G, NCH, SC_LEN, NS, block_len, stride, select_size,
+    LENS, SC, PM, PL, IMP, TC, HKV, G, NCH, SC_LEN, NS, block_len, stride, select_size,
     M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, BC1: tl.constexpr,
 ):
     BC: tl.constexpr = BNS * RATIO  # compressed blocks per chunk of BNS selection blocks
     i_bh = tl.program_id(1)
     i_b = i_bh // HKV
-    t = tl.load(POS + i_b)
+    t = _query_pos(LENS, i_b)
     n_vis = _n_visible(t, TC, block_len, stride)
     o_r = tl.arange(0, M)
     m_r = o_r < G
@@ -108,7 +109,7 @@ def _decode_importance_kernel(
 
 @triton.jit
 def _decode_attn_kernel(
-    Q, K, V, KW, VW, POS, BI, PM, PL, PO,
+    Q, K, V, KW, VW, LENS, BI, PM, PL, PO,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
     S, HKV, G, NSEL, NPART, scale_log2, window,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
@@ -117,7 +118,7 @@ def _decode_attn_kernel(
     # programs 0 .. NSEL-1: selected block slots; NSEL ..: window chunks of BW keys
     i_p = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b, i_hk, t, o_r, o_dk, o_dv = _program_rows(POS, i_bh, HKV, BDK, BDV, M)
+    i_b, i_hk, t, o_r, o_dk, o_dv = _program_rows(LENS, i_bh, HKV, BDK, BDV, M)
     part = i_bh * NPART + i_p
     q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
     if i_p < NSEL:
@@ -149,7 +150,7 @@ def _combine(PM, PL, PO, first, count, o_r, o_dv, M: tl.constexpr, BDV: tl.const
 
 @triton.jit
 def _decode_combine_kernel(
-    POS, CPM, CPL, CPO, APM, APL, APO, GC, GS, GW, O,
+    LENS, CPM, CPL, CPO, APM, APL, APO, GC, GS, GW, O,
     TC, HKV, G, NCH, NSEL, NPART, block_len, stride,
     DV: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr, BC1: tl.constexpr,
 ):
@@ -157,7 +158,7 @@ def _decode_combine_kernel(
     i_bh = tl.program_id(0)
     i_b = i_bh // HKV
     i_hk = i_bh % HKV
-    t = tl.load(POS + i_b)
+    t = _query_pos(LENS, i_b)
     n_vis = _n_visible(t, TC, block_len, stride)
     o_r = tl.arange(0, M)
     o_dv = tl.arange(0, BDV)
@@ -174,7 +175,7 @@ def _decode_combine_kernel(
              mask=m_r[:, None] & (o_dv < DV)[None, :])
 
 
-def decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos, *, block_len, stride,
+def decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens, *, block_len, stride,
                select_size, num_selected, num_init, num_local, window, scale):
     B, _, HQ, DK = q.shape
     S, HKV = k.shape[1], k.shape[2]
@@ -198,7 +199,7 @@ def decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos, *, 
     cpo = torch.empty(B * HKV, nch, M, BDV, **f32)
     if TC > 0:
         _decode_cmp_kernel[(nch, B * HKV)](
-            q, k_cmp, v_cmp, pos, scores, cpm, cpl, cpo, q.stride(0), q.stride(2),
+            q, k_cmp, v_cmp, lens, scores, cpm, cpl, cpo, q.stride(0), q.stride(2),
             k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
             v_cmp.stride(2), TC, HKV, G, nch, sc_len, scale * LOG2E, block_len, stride,
             DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC1, UPCAST=upcast, num_warps=4,
@@ -209,11 +210,11 @@ def decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos, *, 
     imp = torch.empty(B * HKV, ns, **f32)
     bns = 16
     _decode_importance_kernel[(triton.cdiv(ns, bns), B * HKV)](
-        pos, scores, cpm, cpl, imp, TC, HKV, G, nch, sc_len, ns, block_len, stride, select_size,
+        lens, scores, cpm, cpl, imp, TC, HKV, G, nch, sc_len, ns, block_len, stride, select_size,
         M=M, BNS=bns, RATIO=ratio, BC1=BC1, num_warps=4,
     )
     bi = topk_blocks(imp, T=1, num_kv_heads=HKV, select_size=select_size, num_selected=num_selected,
-                     num_init=num_init, num_local=num_local, positions=pos)  # [B*HKV, n]
+                     num_init=num_init, num_local=num_local, positions=(lens - 1).int())  # [B*HKV, n]
 
     # 3. selected blocks and window chunks: partial softmax each
     BW = 16 if interpreting() else 64
@@ -223,7 +224,7 @@ def decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos, *, 
     apl = torch.empty(B * HKV, npart, M, **f32)
     apo = torch.empty(B * HKV, npart, M, BDV, **f32)
     _decode_attn_kernel[(npart, B * HKV)](
-        q, k, v, k_swa, v_swa, pos, bi, apm, apl, apo, q.stride(0), q.stride(2),
+        q, k, v, k_swa, v_swa, lens, bi, apm, apl, apo, q.stride(0), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_swa.stride(0), k_swa.stride(1), k_swa.stride(2), v_swa.stride(0), v_swa.stride(1), v_swa.stride(2),
         S, HKV, G, num_selected, npart, scale * LOG2E, window,
@@ -233,7 +234,7 @@ def decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, pos, *, 
     # 4. merge partials, gate, write
     o = torch.empty(B, 1, HQ, DV, device=dev, dtype=q.dtype)
     _decode_combine_kernel[(B * HKV,)](
-        pos, cpm, cpl, cpo, apm, apl, apo, g_cmp, g_slc, g_swa, o,
+        lens, cpm, cpl, cpo, apm, apl, apo, g_cmp, g_slc, g_swa, o,
         TC, HKV, G, nch, num_selected, npart, block_len, stride, DV=DV, BDV=BDV, M=M, BC1=BC1, num_warps=4,
     )
     return o, bi

@@ -281,12 +281,29 @@ def test_gpu_fused_vs_v1_and_graph_replay(monkeypatch, T):
     assert torch.equal(first, o_f)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [dict(), dict(TOPK_IN_STEP2=False), dict(DECODE_VARIANT="v1")],
+                         ids=["fused", "topk-launch", "v1"])
+def test_gpu_int64_cache_seqlens(monkeypatch, knobs):
+    """int64 cache lengths give the int32 ones' output and blocks at 8k (where `topk_blocks` filters),
+    in each path that reads them: the kernels themselves, and the top-k's own launch."""
+    q, kv, gates, seqlens = _gpu_inputs(8192)
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    for name, value in knobs.items():
+        monkeypatch.setattr(decode, name, value)
+    o, idx = decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens, return_block_indices=True)
+    o64, idx64 = decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens.long(), return_block_indices=True)
+    assert torch.equal(idx64, idx) and torch.equal(o64, o)
+
+
 SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one is the default)
     dict(),
     dict(CMP_PROGRAMS_PER_SM=1),
     dict(CMP_PROGRAMS_PER_SM=3),
     dict(CMP_STAGES=4),
     dict(CMP_STAGES=2),
+    dict(CMP_WARPS=2, CMP_PROGRAMS_PER_SM=4),
+    dict(CMP_WARPS=8),
     dict(CMP_TILE_KEYS=128, CMP_STAGES=2),
     dict(CMP_TILE_KEYS=32),
     dict(SEL_PER_PROGRAM=2, WIN_TILES_PER_PROGRAM=1),
