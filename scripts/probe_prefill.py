@@ -1,0 +1,176 @@
+"""Questions about the prefill forward, timed side by side on one GPU (runs 37-38 on the H200).
+
+    PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4] [pairs]   (default: all three)
+
+1. Overlap of the branches across KV heads. The compression forward and the importances are
+   compute-bound, the selected walk waits on L2 reads. The benchmark's heads split into P
+   independent parts (whole KV groups, contiguous copies made outside the timing), each a whole NSA
+   on its own CUDA stream, so one part's selected walk can run beside another's compression pass.
+   Timed: the whole op, the P parts one after the other on one stream, and the P parts on P streams.
+2. G = 4's selected forward: its launch configuration and rows per program, the whole G = 4
+   forward and the selected op alone.
+3. The "pairs" walk of the selected forward at G = 16 (two positions per program, their shared
+   blocks read once) against the pipelined one (one position), with its launch configurations: the
+   selected op alone and the whole forward.
+"""
+
+import sys
+
+import torch
+
+from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, nsa_prefill
+from nsa_eval.kernels import prefill, selection
+from nsa_eval.kernels.compression import compressed_attention
+from nsa_eval.kernels.selection import select_blocks, selected_attention
+
+D = 128
+
+
+def split_heads(x, parts):
+    """The inputs of `parts` independent NSA problems, each whole KV groups of x (contiguous)."""
+    hq, hkv = x["q"].shape[2], x["k"].shape[2]
+    out = []
+    for p in range(parts):
+        qs = slice(p * hq // parts, (p + 1) * hq // parts)
+        ks = slice(p * hkv // parts, (p + 1) * hkv // parts)
+        part = {}
+        for name, t in x.items():
+            s = qs if name in ("q", "g_cmp", "g_slc", "g_swa") else ks
+            part[name] = t.detach()[:, :, s].contiguous().requires_grad_(t.requires_grad)
+        out.append(part)
+    return out
+
+
+def on_streams(parts, streams, fn):
+    """fn(part) for each part on its own stream; the current stream waits for all of them."""
+    main = torch.cuda.current_stream()
+    outs = []
+    for part, s in zip(parts, streams, strict=True):
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            outs.append(fn(part))
+    for s in streams:
+        main.wait_stream(s)
+    return outs
+
+
+def probe_overlap(T, hq, hkv):
+    x = _inputs(1, T, hq, hkv, D, grad=True)
+    print(f"T={T}, {hq}/{hkv} heads:")
+    with torch.no_grad():
+        whole = _time(lambda: nsa_prefill(**x))
+    whole_fb = _time(_fwd_bwd(lambda: nsa_prefill(**x), x))
+    print(f"  whole op: fwd {whole:.2f} ms, fwd+bwd {whole_fb:.2f} ms", flush=True)
+    for parts in (2, 4):
+        if hkv % parts == 0:
+            probe_parts(x, parts)
+            torch.cuda.empty_cache()
+
+
+def probe_parts(x, parts):
+    T, hq = x["q"].shape[1], x["q"].shape[2]
+    xs = split_heads(x, parts)
+    streams = [torch.cuda.Stream() for _ in xs]
+    with torch.no_grad():
+        want = nsa_prefill(**x)
+        got = torch.cat(on_streams(xs, streams, lambda p: nsa_prefill(**p)), dim=2)
+        torch.cuda.synchronize()
+        print(f"  {parts} parts: max |diff| against the whole op {(got - want).abs().max().item():.2e}")
+        serial = _time(lambda: [nsa_prefill(**p) for p in xs])
+        for window_stream in (True, False):
+            t = _with_flag(prefill, "WINDOW_STREAM", window_stream, lambda: _time(
+                lambda: on_streams(xs, streams, lambda p: nsa_prefill(**p))))
+            print(f"  {parts} parts fwd: one stream {serial:.2f} ms, {parts} streams "
+                  f"(window stream {window_stream}) {t:.2f} ms", flush=True)
+    grads = [torch.randn(1, T, hq // parts, D, device="cuda", dtype=torch.bfloat16) for _ in xs]
+    leaves = [t for p in xs for t in p.values()]
+
+    def fwd_bwd(streamed):
+        for t in leaves:
+            t.grad = None
+        if streamed:
+            outs = on_streams(xs, streams, lambda p: nsa_prefill(**p))
+        else:
+            outs = [nsa_prefill(**p) for p in xs]
+        torch.autograd.backward(outs, grads)
+
+    fb_serial = _time(lambda: fwd_bwd(False))
+    fb_streams = _time(lambda: fwd_bwd(True))
+    print(f"  {parts} parts fwd+bwd: one stream {fb_serial:.2f} ms, {parts} streams {fb_streams:.2f} ms",
+          flush=True)
+
+
+G4_CONFIGS = [
+    dict(),
+    dict(SELECTED_FWD_CONFIG_MULTI=dict(num_warps=1, num_stages=2)),
+    dict(SELECTED_FWD_CONFIG_MULTI=dict(num_warps=1, num_stages=3)),
+    dict(SELECTED_FWD_CONFIG_MULTI=dict(num_warps=2, num_stages=3)),
+    dict(SELECTED_ROWS=32),
+    dict(SELECTED_ROWS=32, SELECTED_FWD_CONFIG_MULTI=dict(num_warps=4, num_stages=2)),
+    dict(SELECTED_ROWS=32, SELECTED_FWD_CONFIG_MULTI=dict(num_warps=2, num_stages=3)),
+    dict(),
+]
+
+
+def with_knobs(knobs, fn):
+    if not knobs:
+        return fn()
+    (name, value), rest = next(iter(knobs.items())), dict(list(knobs.items())[1:])
+    return _with_flag(selection, name, value, lambda: with_knobs(rest, fn))
+
+
+def probe_g4(T, hq=16, hkv=4):
+    x = _inputs(1, T, hq, hkv, D, grad=False)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+        want = nsa_prefill(**x)
+        for knobs in G4_CONFIGS:
+            got = with_knobs(knobs, lambda: nsa_prefill(**x))
+            err = (got.float() - want.float()).abs().max().item()
+            whole = with_knobs(knobs, lambda: _time(lambda: nsa_prefill(**x)))
+            sel = with_knobs(knobs, lambda: _time(lambda: selected_attention(x["q"], x["k"], x["v"], idx)))
+            print(f"T={T} G=4 {knobs or 'defaults'}: forward {whole:.2f} ms, selected op {sel:.2f} ms, "
+                  f"max |diff| {err:.1e}", flush=True)
+
+
+PAIRS_CONFIGS = [
+    dict(),
+    dict(SELECTED_WALK="pairs"),
+    dict(SELECTED_WALK="pairs", SELECTED_FWD_CONFIG_PAIRS=dict(num_warps=1, num_stages=2)),
+    dict(SELECTED_WALK="pairs", SELECTED_FWD_CONFIG_PAIRS=dict(num_warps=2, num_stages=3)),
+    dict(SELECTED_WALK="pairs", SELECTED_FWD_CONFIG_PAIRS=dict(num_warps=4, num_stages=2)),
+    dict(),
+]
+
+
+def probe_pairs(T, hq=64, hkv=4):
+    x = _inputs(1, T, hq, hkv, D, grad=False)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+        want = selected_attention(x["q"], x["k"], x["v"], idx)
+        for knobs in PAIRS_CONFIGS:
+            got = with_knobs(knobs, lambda: selected_attention(x["q"], x["k"], x["v"], idx))
+            err = (got.float() - want.float()).abs().max().item()
+            sel = with_knobs(knobs, lambda: _time(lambda: selected_attention(x["q"], x["k"], x["v"], idx)))
+            whole = with_knobs(knobs, lambda: _time(lambda: nsa_prefill(**x)))
+            print(f"T={T} {hq}/{hkv} {knobs or 'defaults'}: selected op {sel:.2f} ms, "
+                  f"forward {whole:.2f} ms, max |diff| of the selected op {err:.1e}", flush=True)
+
+
+def main():
+    parts = sys.argv[1:] or ["overlap", "g4", "pairs"]
+    for T in (8192, 65536):
+        if "pairs" in parts:
+            probe_pairs(T)
+        if "g4" in parts:
+            probe_g4(T)
+        if "overlap" in parts:
+            probe_overlap(T, 64, 4)
+            probe_overlap(T, 16, 4)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
