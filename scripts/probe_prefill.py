@@ -1,6 +1,6 @@
 """Questions about the prefill forward, timed side by side on one GPU (runs 37-38 on the H200).
 
-    PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4] [pairs]   (default: all three)
+    PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4]   (default: both)
 
 1. Overlap of the branches across KV heads. The compression forward and the importances are
    compute-bound, the selected walk waits on L2 reads. The benchmark's heads split into P
@@ -9,9 +9,9 @@
    Timed: the whole op, the P parts one after the other on one stream, and the P parts on P streams.
 2. G = 4's selected forward: its launch configuration and rows per program, the whole G = 4
    forward and the selected op alone.
-3. The "pairs" walk of the selected forward at G = 16 (two positions per program, their shared
-   blocks read once) against the pipelined one (one position), with its launch configurations: the
-   selected op alone and the whole forward.
+3. `pairs` (run 38, at commit f13acbb, which had the kernel; removed after it lost): the "pairs" walk
+   of the selected forward at G = 16 (two positions per program, their shared blocks read once)
+   against the pipelined one (one position), with its launch configurations.
 """
 
 import sys
@@ -134,36 +134,9 @@ def probe_g4(T, hq=16, hkv=4):
                   f"max |diff| {err:.1e}", flush=True)
 
 
-PAIRS_CONFIGS = [
-    dict(),
-    dict(SELECTED_WALK="pairs"),
-    dict(SELECTED_WALK="pairs", SELECTED_FWD_CONFIG_PAIRS=dict(num_warps=1, num_stages=2)),
-    dict(SELECTED_WALK="pairs", SELECTED_FWD_CONFIG_PAIRS=dict(num_warps=2, num_stages=3)),
-    dict(SELECTED_WALK="pairs", SELECTED_FWD_CONFIG_PAIRS=dict(num_warps=4, num_stages=2)),
-    dict(),
-]
-
-
-def probe_pairs(T, hq=64, hkv=4):
-    x = _inputs(1, T, hq, hkv, D, grad=False)
-    with torch.no_grad():
-        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
-        want = selected_attention(x["q"], x["k"], x["v"], idx)
-        for knobs in PAIRS_CONFIGS:
-            got = with_knobs(knobs, lambda: selected_attention(x["q"], x["k"], x["v"], idx))
-            err = (got.float() - want.float()).abs().max().item()
-            sel = with_knobs(knobs, lambda: _time(lambda: selected_attention(x["q"], x["k"], x["v"], idx)))
-            whole = with_knobs(knobs, lambda: _time(lambda: nsa_prefill(**x)))
-            print(f"T={T} {hq}/{hkv} {knobs or 'defaults'}: selected op {sel:.2f} ms, "
-                  f"forward {whole:.2f} ms, max |diff| of the selected op {err:.1e}", flush=True)
-
-
 def main():
-    parts = sys.argv[1:] or ["overlap", "g4", "pairs"]
+    parts = sys.argv[1:] or ["overlap", "g4"]
     for T in (8192, 65536):
-        if "pairs" in parts:
-            probe_pairs(T)
         if "g4" in parts:
             probe_g4(T)
         if "overlap" in parts:

@@ -101,8 +101,6 @@ SELECTED_ROWS = 16
 # warps 23.47 ms against 24.07 for 4 (run 9); at 2 warps, 2 stages 22.51 against 23.70 for 3 (run 10).
 SELECTED_FWD_CONFIG = dict(num_warps=1, num_stages=2)
 SELECTED_FWD_CONFIG_MULTI = dict(num_warps=2, num_stages=2)
-# the "pairs" walk (two positions per program, G' >= SELECTED_ROWS)
-SELECTED_FWD_CONFIG_PAIRS = dict(num_warps=2, num_stages=2)
 SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
 # launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here) and its
 # rows (positions x G') per MMA; with SELECTED_DQ = "fused" at G = 16, d = 128, 64 rows compile to
@@ -558,97 +556,7 @@ def _selected_pipelined_kernel(
         _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV)
 
 
-@triton.jit
-def _position_rows(Q, i_b, i_hk, t, sq_b, sq_t, sq_h, T, HQ, G, DK: tl.constexpr, BDK: tl.constexpr,
-                   GP: tl.constexpr, UPCAST: tl.constexpr):
-    # the GP rows of position t (the group's heads, padded): mask [GP], flat (b, t, h) [GP], q [GP, BDK]
-    o_r = tl.arange(0, GP)
-    r_h = i_hk * G + o_r
-    m_r = (o_r < G) & (t < T)
-    row = (i_b * T + t) * HQ + r_h
-    o_dk = tl.arange(0, BDK)
-    q = tl.load(Q + i_b * sq_b + r_h[:, None] * sq_h + t * sq_t + o_dk[None, :],
-                mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)  # [GP, BDK]
-    if UPCAST:
-        q = q.to(tl.float32)
-    return m_r, row, q
-
-
-@triton.jit
-def _usable_list(BI, i_b, i_hk, t, T, HKV, NSEL, BS: tl.constexpr, NP: tl.constexpr):
-    # position t's block list [NP]: blocks starting at or before t, first occurrence only; else -1
-    o_s = tl.arange(0, NP)
-    idx = tl.load(BI + ((i_b * T + t) * HKV + i_hk) * NSEL + o_s, mask=(o_s < NSEL) & (t < T), other=-1)
-    idx = tl.where((idx >= 0) & (idx <= t // BS), idx, -1)
-    repeat = (idx[:, None] == idx[None, :]) & (o_s[None, :] < o_s[:, None])  # [NP, NP] an earlier copy
-    return tl.where(tl.max(repeat.to(tl.int32), 1) == 0, idx, -1)
-
-
-@triton.jit
-def _walk_order(keep):
-    # slot of each kept entry in walk order (-1 for the others) [NP], and how many are kept
-    keep = keep.to(tl.int32)
-    return tl.where(keep > 0, tl.cumsum(keep, 0) - 1, -1), tl.sum(keep, 0)
-
-
-@triton.jit
-def _selected_pairs_kernel(
-    Q, K, V, BI, O, LSE,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-    T, HQ, G, NSEL, scale_log2,
-    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
-    BS: tl.constexpr, NP: tl.constexpr, UPCAST: tl.constexpr,
-):
-    # Forward only, one position's GP rows per MMA (G' >= SELECTED_ROWS). A program takes positions a
-    # and b = a + 1, which share their forced blocks (block 0 and the local ones): a block in both
-    # lists is read once for both positions' MMAs, each other block once for its own position's.
-    # Three branch-free loops (both, a only, b only), so the next block's loads can run ahead.
-    i_bh = tl.program_id(1)
-    HKV = HQ // G
-    i_b = (i_bh // HKV).to(tl.int64)
-    i_hk = i_bh % HKV
-    t_a = tl.program_id(0).to(tl.int64) * 2
-    t_b = t_a + 1
-    m_a, row_a, q_a = _position_rows(Q, i_b, i_hk, t_a, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, GP, UPCAST)
-    m_b, row_b, q_b = _position_rows(Q, i_b, i_hk, t_b, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, GP, UPCAST)
-    list_a = _usable_list(BI, i_b, i_hk, t_a, T, HKV, NSEL, BS, NP)  # [NP]
-    list_b = _usable_list(BI, i_b, i_hk, t_b, T, HKV, NSEL, BS, NP)
-    a_in_b = tl.max((list_a[:, None] == list_b[None, :]).to(tl.int32), 1) > 0  # [NP]
-    b_in_a = tl.max((list_b[:, None] == list_a[None, :]).to(tl.int32), 1) > 0
-    slot_ab, n_ab = _walk_order((list_a >= 0) & a_in_b)
-    slot_a, n_a = _walk_order((list_a >= 0) & ~a_in_b)
-    slot_b, n_b = _walk_order((list_b >= 0) & ~b_in_a)
-
-    k_base = K + i_b * sk_b + i_hk * sk_h
-    v_base = V + i_b * sv_b + i_hk * sv_h
-    o_dk = tl.arange(0, BDK)
-    o_dv = tl.arange(0, BDV)
-    o_n = tl.arange(0, BS)
-    mi_a, li_a, acc_a = softmax_start(GP, BDV)
-    mi_b, li_b, acc_b = softmax_start(GP, BDV)
-    for i in range(0, n_ab):
-        o_k = tl.sum(tl.where(slot_ab == i, list_a, 0), 0) * BS + o_n  # [BS] token positions
-        k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)
-        mi_a, li_a, acc_a = _softmax_block(q_a, k, v, (o_k[None, :] <= t_a) & m_a[:, None], scale_log2,
-                                           mi_a, li_a, acc_a)
-        mi_b, li_b, acc_b = _softmax_block(q_b, k, v, (o_k[None, :] <= t_b) & m_b[:, None], scale_log2,
-                                           mi_b, li_b, acc_b)
-    for i in range(0, n_a):
-        o_k = tl.sum(tl.where(slot_a == i, list_a, 0), 0) * BS + o_n
-        k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)
-        mi_a, li_a, acc_a = _softmax_block(q_a, k, v, (o_k[None, :] <= t_a) & m_a[:, None], scale_log2,
-                                           mi_a, li_a, acc_a)
-    for i in range(0, n_b):
-        o_k = tl.sum(tl.where(slot_b == i, list_b, 0), 0) * BS + o_n
-        k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)
-        mi_b, li_b, acc_b = _softmax_block(q_b, k, v, (o_k[None, :] <= t_b) & m_b[:, None], scale_log2,
-                                           mi_b, li_b, acc_b)
-    _store_o_lse(O, LSE, row_a, m_a, o_dv, mi_a, li_a, acc_a, DV)
-    _store_o_lse(O, LSE, row_b, m_b, o_dv, mi_b, li_b, acc_b, DV)
-
-
-_SELECTED_WALKS = {"pipelined": _selected_pipelined_kernel, "union": _selected_kernel,
-                   "pairs": _selected_pairs_kernel}
+_SELECTED_WALKS = {"pipelined": _selected_pipelined_kernel, "union": _selected_kernel}
 
 
 def _tiling(G: int):
@@ -664,16 +572,8 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
     nsel = bi.shape[-1]
     if SELECTED_WALK not in _SELECTED_WALKS:
         raise ValueError(f"SELECTED_WALK must be one of {sorted(_SELECTED_WALKS)}, got {SELECTED_WALK!r}")
-    if SELECTED_WALK == "pairs" and BT == 1 and not backward:
-        _selected_pairs_kernel[(triton.cdiv(T, 2), B * HKV)](
-            q, k, v, bi, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-            k.stride(2), v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale * LOG2E,
-            DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BS=select_size, NP=pow2(nsel, 1),
-            UPCAST=interpreting(), **SELECTED_FWD_CONFIG_PAIRS)
-        return
-    walk = "pipelined" if SELECTED_WALK == "pairs" else SELECTED_WALK  # pairs: forward, G' >= rows only
     dummy = o if o is not None else dq
-    _SELECTED_WALKS[walk][(triton.cdiv(T, BT), B * HKV)](
+    _SELECTED_WALKS[SELECTED_WALK][(triton.cdiv(T, BT), B * HKV)](
         q, k, v, bi, dummy, lse, do if do is not None else dummy, delta if delta is not None else lse,
         dq if dq is not None else dummy,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

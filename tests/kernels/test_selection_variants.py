@@ -17,7 +17,7 @@ from tests.kernels.test_triton_kernels import IDS, SHAPES, TOL, grads, make, rel
 interpreted = pytest.mark.skipif(not interpreting(),
                                  reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
 
-WALKS = ["pipelined", "union", "pairs"]
+WALKS = ["pipelined", "union"]
 
 
 @pytest.fixture
