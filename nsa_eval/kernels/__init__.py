@@ -67,8 +67,10 @@ def _triton(name: str):
     return fn
 
 
-def _implementation(name: str, impl: str, q: torch.Tensor):
+def _implementation(name: str, impl: str, q: torch.Tensor, dv: int | None = None):
+    """The Triton or the reference version of ``name``; Triton checks its head dims (Dk, and dv)."""
     if _validate.check_impl(impl, q) == "triton":
+        _validate.check_triton_head_dims(q, dv)
         return _triton(name)
     return getattr(reference, name)
 
@@ -87,7 +89,7 @@ def compressed_attention(q, k_cmp, v_cmp, *, block_len=32, stride=16, scale=None
         o ``[B, T, Hq, Dv]`` (zero where no block is visible), lse ``[B, T, Hq]`` float32 (``-inf`` there).
     """
     _validate.check_compressed_attention(q, k_cmp, v_cmp, block_len, stride, scale)
-    fn = _implementation("compressed_attention", impl, q)
+    fn = _implementation("compressed_attention", impl, q, v_cmp.shape[-1])
     return fn(q, k_cmp, v_cmp, block_len=block_len, stride=stride, scale=scale)
 
 
@@ -122,7 +124,7 @@ def selected_attention(q, k, v, block_indices, *, select_size=64, scale=None, im
         o ``[B, T, Hq, Dv]``.
     """
     _validate.check_selected_attention(q, k, v, block_indices, select_size, scale)
-    fn = _implementation("selected_attention", impl, q)
+    fn = _implementation("selected_attention", impl, q, v.shape[-1])
     return fn(q, k, v, block_indices, select_size=select_size, scale=scale)
 
 
@@ -137,7 +139,7 @@ def sliding_window_attention(q, k, v, *, window=512, scale=None, impl="auto"):
         o ``[B, T, Hq, Dv]``.
     """
     _validate.check_sliding_window_attention(q, k, v, window, scale)
-    fn = _implementation("sliding_window_attention", impl, q)
+    fn = _implementation("sliding_window_attention", impl, q, v.shape[-1])
     return fn(q, k, v, window=window, scale=scale)
 
 
@@ -165,11 +167,9 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_s
                                   stride, select_size, num_selected, num_init, num_local, window, scale)
     params = dict(block_len=block_len, stride=stride, select_size=select_size, num_selected=num_selected,
                   num_init=num_init, num_local=num_local, window=window, scale=scale)
-    if _validate.check_impl(impl, q) == "reference":
-        return reference.nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa=k_swa, v_swa=v_swa,
-                                       return_block_indices=return_block_indices, **params)
-    return _triton("nsa_attention")(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa=k_swa, v_swa=v_swa,
-                                    return_block_indices=return_block_indices, **params)
+    fn = _implementation("nsa_attention", impl, q, v.shape[-1])
+    return fn(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa=k_swa, v_swa=v_swa,
+              return_block_indices=return_block_indices, **params)
 
 
 def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None, k_swa=None, v_swa=None,
@@ -198,7 +198,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
     _validate.check_nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, cache_seqlens, k_swa, v_swa,
                                block_len, stride, select_size, num_selected, num_init, num_local, window,
                                scale)
-    fn = _implementation("nsa_decode", impl, q)
+    fn = _implementation("nsa_decode", impl, q, v.shape[-1])
     return fn(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, cache_seqlens=cache_seqlens, k_swa=k_swa,
               v_swa=v_swa, block_len=block_len, stride=stride, select_size=select_size,
               num_selected=num_selected, num_init=num_init, num_local=num_local, window=window, scale=scale,

@@ -597,14 +597,22 @@ def _launch(tiles: int, heads: int) -> tuple[tuple[int, int], int]:
     return ((heads, tiles) if longest_first else (tiles, heads)), int(longest_first)
 
 
-def _band_config(window, part, dtype=torch.bfloat16):
+def wide_rows(dtype: torch.dtype, dk: int, dv: int) -> bool:
+    """Whether a key row plus a value row (head dims padded to powers of two) take more than the 512
+    bytes of bfloat16's 128 + 128: float32 inputs, or 16-bit ones with head dims past 128. Those
+    launches take smaller tiles and fewer stages: at 256 dims in bf16 the compression forward's 3 stages
+    needed 262,144 bytes of the H200's 232,448 of shared memory (run 39)."""
+    return (pow2(dk) + pow2(dv)) * dtype.itemsize > 512
+
+
+def _band_config(window, part, dtype=torch.bfloat16, dk=128, dv=128):
     cfg = dict(BAND_CONFIGS["cmp" if window is None else "swa"][part])
     if interpreting():
         cfg.update(BM=16, BN=16)
-    elif dtype == torch.float32:
-        # float32 tiles beyond 64 x 64 can overflow shared memory (the dk/dv's 64 x 128 needed 262 KB of
-        # the H200's 227 KB in run 5), and so can the forward's three tf32 passes (`score_dot`) at 3
-        # stages (295 KB); tests/kernels/test_h200_resources.py compiles every default
+    elif wide_rows(dtype, dk, dv):
+        # wide tiles beyond 64 x 64 can overflow shared memory (float32's dk/dv in 64 x 128 needed 262 KB
+        # of the H200's 227 KB in run 5), and so can the forward at 3 stages (float32's three tf32
+        # passes, `score_dot`: 295 KB); tests/kernels/test_h200_resources.py compiles every default
         if cfg["BM"] * cfg["BN"] > 64 * 64:
             cfg.update(BM=64, BN=64, num_warps=4)
         if part == "fwd":
@@ -619,7 +627,7 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
     TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    cfg = _band_config(window, "fwd", q.dtype)
+    cfg = _band_config(window, "fwd", q.dtype, DK, DV)
     BM = cfg["BM"]
     grid, longest_first = _launch(triton.cdiv(T, BM), B * HQ)
     _band_fwd_kernel[grid](
@@ -645,7 +653,7 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
     common = dict(HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
                   UPCAST=interpreting())
-    cfg = _band_config(window, "dq", q.dtype)
+    cfg = _band_config(window, "dq", q.dtype, DK, DV)
     grid, longest_first = _launch(triton.cdiv(T, cfg["BM"]), B * HQ)
     _band_bwd_dq_kernel[grid](
         q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
@@ -657,7 +665,7 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     buf_dtype = torch.float32 if split > 1 else k.dtype
     dk = torch.empty(B, TK, HKV * split, DK, device=q.device, dtype=buf_dtype)
     dv = torch.empty(B, TK, HKV * split, DV, device=q.device, dtype=buf_dtype)
-    cfg = _band_config(window, "dkv", q.dtype)
+    cfg = _band_config(window, "dkv", q.dtype, DK, DV)
     grid, longest_first = _launch(triton.cdiv(TK, cfg["BN"]), B * HKV * split)
     _band_bwd_dkv_kernel[grid](
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),

@@ -2,8 +2,8 @@
 
 Each ``check_*`` function takes the arguments of the public function of the same name and raises
 ``ValueError`` with the argument's name and the expected shape (``[B, T, Hkv, Dk] = [2, 100, *, 64]``,
-``*`` meaning "any size") on the first problem it finds. Kernel-specific limits (e.g. a Triton
-kernel's maximum head dim) are the kernel module's business; these checks are what the math needs.
+``*`` meaning "any size") on the first problem it finds. Beyond what the math needs, one limit of
+the Triton kernels: their head dims (`check_triton_head_dims`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,12 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 IMPLS = ("auto", "reference", "triton")
+# The largest head dim (Dk and Dv, each) the Triton kernels take, per dtype: their tiles at the
+# default launches fit the H200's 227 KB of shared memory up to these (tests/kernels/
+# test_h200_resources.py compiles them for sm_90). Float32 tiles take twice the bytes: at 256 the
+# selected dk/dv kernel alone needs 246-262 KB at any stage count, its block's float32 keys and
+# values 128 KB.
+TRITON_MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
 
 
 def _fmt(layout: str, sizes) -> str:
@@ -63,6 +69,18 @@ def check_impl(impl, q: torch.Tensor) -> str:
         raise ValueError(f"impl: 'triton' needs CUDA tensors (q is on {q.device}); "
                          "on a CPU run under Triton's interpreter with TRITON_INTERPRET=1")
     return impl
+
+
+def check_triton_head_dims(q: torch.Tensor, dv: int | None = None) -> None:
+    """The Triton kernels' head-dim limit for q's dtype: Dk = q.shape[-1] and Dv (where given)."""
+    limit = TRITON_MAX_HEAD_DIM[q.dtype]
+    dims = {"Dk": q.shape[-1]} | ({} if dv is None else {"Dv": dv})
+    for name, size in dims.items():
+        if size > limit:
+            dtype = str(q.dtype).replace("torch.", "")
+            hint = " or bfloat16 inputs" if q.dtype == torch.float32 else ""
+            raise ValueError(f"q: the Triton kernels take head dims up to {limit} in {dtype}, got {name} = "
+                             f"{size}; use impl='reference'{hint}")
 
 
 def check_scale(scale) -> None:

@@ -45,6 +45,7 @@ from nsa_eval.kernels._triton_utils import (
     softmax_result,
     softmax_start,
     topk_blocks,
+    wide_rows,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -280,18 +281,19 @@ def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: tl.c
     return spill
 
 
-def importance_launch(map_name: str, GP: int, dtype: torch.dtype) -> dict:
-    """The importance kernel's launch, `IMPORTANCE_CONFIG[map_name]` fitted to G' and the dtype: rows
-    (positions x G') at most 128 for float32 inputs or groups below 16 heads. With fewer heads a
-    program holds more positions, and at 256 rows float32 needs more shared memory than the H200 has
-    (233,472-245,760 bytes at G' <= 4 against 232,448); G = 4 in bf16 ran slower at 256 rows
-    (importance 1.91 ms in run 24's profile against 1.66 at 128 in run 22). Float32 inputs also keep
-    at most 2 stages: their scores multiply in three tf32 passes (`score_dot`), which at 3 stages
-    needs 262,144 bytes."""
+def importance_launch(map_name: str, GP: int, dtype: torch.dtype, dk: int = 128) -> dict:
+    """The importance kernel's launch, `IMPORTANCE_CONFIG[map_name]` fitted to G', the dtype and the
+    head dim: rows (positions x G') at most 128 for wide rows (`wide_rows`: float32, or dims past 128)
+    or groups below 16 heads. With fewer heads a program holds more positions, and at 256 rows float32
+    needs more shared memory than the H200 has (233,472-245,760 bytes at G' <= 4 against 232,448); G = 4
+    in bf16 ran slower at 256 rows (importance 1.91 ms in run 24's profile against 1.66 at 128 in run
+    22). Wide rows also keep at most 2 stages: float32 scores multiply in three tf32 passes
+    (`score_dot`), which at 3 stages needs 262,144 bytes."""
     launch = dict(IMPORTANCE_CONFIG[map_name])
-    if dtype == torch.float32 or GP < 16:
+    wide = wide_rows(dtype, dk, dk)
+    if wide or GP < 16:
         launch["rows"] = min(launch["rows"], 128)
-    if dtype == torch.float32:
+    if wide:
         launch["num_stages"] = min(launch["num_stages"], 2)
     return launch
 
@@ -323,7 +325,7 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     reshape = IMPORTANCE_GROUP_FIRST and IMPORTANCE_MAP == "reshape" and shifts <= IMPORTANCE_RESHAPE_MAX_K
     imp = torch.empty(B * T * HKV, ns, device=q.device, dtype=torch.float32)
     GP = pow2(G, 1)
-    launch = importance_launch("reshape" if reshape else "broadcast", GP, q.dtype)
+    launch = importance_launch("reshape" if reshape else "broadcast", GP, q.dtype, DK)
     rows = launch.pop("rows")
     BT = max(1, (16 if interpreting() else rows) // GP)
     BNS = 16 if ratio <= 8 else pow2(max(1, 128 // ratio), 1)
@@ -731,7 +733,8 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
     if B * T * HKV * bi.shape[-1] == 0:
         return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
     GP = pow2(G, 1)
-    BQ = max(1, (16 if interpreting() else SELECTED_DKV_ROWS) // GP)  # positions per MMA
+    launch = selected_dkv_launch(q.dtype, DK, DV)
+    BQ = max(1, (16 if interpreting() else launch.pop("rows")) // GP)  # positions per MMA
     chunk = BQ * (4 if interpreting() else 64)  # positions per work item
     pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk)
     ns = triton.cdiv(T, select_size)
@@ -740,18 +743,22 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, scale, scale * LOG2E, chunk,
         DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, FUSE_DQ=fuse_dq,
-        UPCAST=interpreting(), **selected_dkv_launch(q.dtype, DK, DV),
+        UPCAST=interpreting(), **launch,
     )
     return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
 
 
 def selected_dkv_launch(dtype, dk: int, dv: int) -> dict:
-    """num_warps and num_stages of the dk/dv kernel: SELECTED_DKV_CONFIG over 8 warps for head dims
-    >= 128 (else 4). Float32 inputs run at most 2 stages: at d = 128 a third buffer overflows the
-    H200's shared memory (2 stages already take 230,144 of its 232,448 bytes)."""
-    config = dict(num_warps=8 if max(dk, dv) >= 128 else 4) | SELECTED_DKV_CONFIG
-    if dtype == torch.float32:
+    """rows (`SELECTED_DKV_ROWS`), num_warps and num_stages of the dk/dv kernel: SELECTED_DKV_CONFIG
+    over 8 warps for head dims >= 128 (else 4). Wide rows (`wide_rows`: float32, or dims past 128) run
+    at most 2 stages: in float32 at d = 128 a third buffer overflows the H200's shared memory (2 stages
+    already take 230,144 of its 232,448 bytes). Head dims past 128 also take 32 rows: at 256 in bf16,
+    64 rows need 263,168 bytes at 3 stages and 262,912 at 2, 32 rows 147,840 at 2."""
+    config = dict(rows=SELECTED_DKV_ROWS, num_warps=8 if max(dk, dv) >= 128 else 4) | SELECTED_DKV_CONFIG
+    if wide_rows(dtype, dk, dv):
         config["num_stages"] = min(config.get("num_stages", 2), 2)
+    if max(pow2(dk), pow2(dv)) > 128:
+        config["rows"] = min(config["rows"], 32)
     return config
 
 

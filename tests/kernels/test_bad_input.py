@@ -100,6 +100,26 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
         kernels.sliding_window_attention(x["q"], x["k"], x["v"], impl="triton")
 
 
+def test_triton_head_dims_are_limited(monkeypatch):
+    """Head dims past the Triton kernels' (256; 128 in float32) are a ValueError naming the dim, before
+    any kernel compiles; the reference takes them."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    wide = dict(q=torch.randn(B, T, Hq, 160), k=torch.randn(B, T, Hkv, 160),
+                k_cmp=torch.randn(B, TC, Hkv, 160))
+    with pytest.raises(ValueError, match=r"^q: .* up to 128 in float32, got Dk = 160; .*bfloat16"):
+        call_nsa(impl="triton", **wide)
+    x, _ = nsa_inputs(**wide)
+    with pytest.raises(ValueError, match="Dk = 160"):
+        kernels.select_blocks(x["q"], x["k_cmp"], block_len=8, stride=4, select_size=16, impl="triton")
+    assert call_nsa(impl="reference", **wide).shape == (B, T, Hq, Dv)
+    v = torch.randn(B, T, Hkv, 512).bfloat16()
+    q, k = torch.randn(B, T, Hq, 64).bfloat16(), torch.randn(B, T, Hkv, 64).bfloat16()
+    with pytest.raises(ValueError, match=r"^q: .* 256 in bfloat16, got Dv = 512; use impl='reference'$"):
+        kernels.sliding_window_attention(q, k, v, window=16, impl="triton")
+    with pytest.raises(ValueError, match="Dv = 512"):
+        call_decode(impl="triton", v=torch.randn(B, T, Hkv, 512), v_cmp=torch.randn(B, TC, Hkv, 512))
+
+
 def test_missing_triton_kernel_is_not_implemented(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(sys.modules, "nsa_eval.kernels.decode", None)  # the module cannot be imported

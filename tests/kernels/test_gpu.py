@@ -19,15 +19,16 @@ def rel_err(a, b):
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def make(B, T, hq, hkv, d, dtype=torch.bfloat16, seed=0, grad=False):
+def make(B, T, hq, hkv, d, dtype=torch.bfloat16, seed=0, grad=False, dv=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     tc = (T - 32) // 16 + 1
+    dv = dv or d
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device="cuda").to(dtype).requires_grad_(grad)
 
-    return dict(q=rnd(B, T, hq, d), k=rnd(B, T, hkv, d), v=rnd(B, T, hkv, d), k_cmp=rnd(B, tc, hkv, d),
-                v_cmp=rnd(B, tc, hkv, d))
+    return dict(q=rnd(B, T, hq, d), k=rnd(B, T, hkv, d), v=rnd(B, T, hkv, dv), k_cmp=rnd(B, tc, hkv, d),
+                v_cmp=rnd(B, tc, hkv, dv))
 
 
 def importance(q, k_cmp, block_len=32, stride=16, select_size=64):
@@ -206,6 +207,43 @@ def test_nsa_attention_triton_gradients(monkeypatch, fused):
     want = torch.autograd.grad(o_ref, [x32[n] for n in order], do)
     for n, a, b in zip(order, got, want, strict=True):
         assert rel_err(a, b) < 3e-2, n
+
+
+@pytest.mark.parametrize("dk,dv,dtype", [(192, 128, torch.bfloat16), (256, 256, torch.bfloat16),
+                                         (128, 128, torch.float16)], ids=["192-128-bf16", "256-bf16", "fp16"])
+def test_head_dims_and_float16(dk, dv, dtype):
+    """The paper's head dims (192 for q/k, 128 for v), the largest the kernels take (256) and float16:
+    nsa_attention(impl="triton") and its gradients against the float32 reference, G = 16 (T = 4096),
+    and the decode against the reference decode on the same inputs."""
+    from nsa_eval import kernels
+
+    order = ["q", "k", "v", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa"]
+    x = make(2, 4096, 16, 1, dk, dtype=dtype, grad=True, dv=dv)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for name in ("g_cmp", "g_slc", "g_swa"):
+        x[name] = torch.rand(2, 4096, 16, generator=g, device="cuda").to(dtype).requires_grad_()
+    x32 = {n: t.detach().float().requires_grad_() for n, t in x.items()}
+    o, idx = kernels.nsa_attention(*[x[n] for n in order], impl="triton", return_block_indices=True)
+    o_ref, idx_ref = kernels.nsa_attention(*[x32[n] for n in order], impl="reference",
+                                           return_block_indices=True)
+    assert o.shape == (2, 4096, 16, dv) and o.dtype == dtype
+    assert (idx != idx_ref).any(-1).float().mean() < 0.01
+    assert rel_err(o, o_ref) < BF16_TOL
+    do = torch.randn(o.shape, generator=g, device="cuda")
+    got = torch.autograd.grad(o, [x[n] for n in order], do.to(o.dtype))
+    want = torch.autograd.grad(o_ref, [x32[n] for n in order], do)
+    for n, a, b in zip(order, got, want, strict=True):
+        assert rel_err(a, b) < 3e-2, n
+
+    y = {n: t.detach() for n, t in x.items()}
+    rows = torch.arange(2, device="cuda")
+    for pos in ([4095, 4095], [100, 3000]):
+        p = torch.tensor(pos, device="cuda")
+        step = [y[n][rows, p][:, None] for n in ("q", "g_cmp", "g_slc", "g_swa")]
+        args = (step[0], y["k"], y["v"], y["k_cmp"], y["v_cmp"], *step[1:])
+        lens = (p + 1).int()
+        o_dec = kernels.nsa_decode(*args, cache_seqlens=lens, impl="triton")
+        assert rel_err(o_dec, kernels.nsa_decode(*args, cache_seqlens=lens, impl="reference")) < BF16_TOL
 
 
 def test_window_side_stream_matches_one_stream(monkeypatch):

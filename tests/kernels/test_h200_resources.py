@@ -9,68 +9,112 @@ kernel tests use, leaves triton.language patched.
 
 from __future__ import annotations
 
+import torch
+
+from nsa_eval.kernels import _validate
 from tests.kernels.sm90 import H200_SHARED_LIMIT, json_from_fresh_python
 
 COMPILE = r"""
 import json
+import sys
 import torch
 from nsa_eval.kernels import _triton_utils as u, selection as s
 from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
 
-def shared(kernel, pointers, consts, config):
-    types = pointers_then_scalars(kernel, pointers, consts)
-    return compile_sm90(kernel, types, consts, config).metadata.shared
+sys.path.insert(0, "scripts")
+from ptxas_band_kernels import is_divisible_scalar
 
-out = {}
-for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+
+def shared(kernel, pointers, consts, config):
+    # pointers, strides and sizes specialised as multiples of 16, as a launch at the benchmark's
+    # shapes is (Triton then pipelines the loops, with more buffers: run 39's 256-dim band forward
+    # took 262,144 bytes on the H200, against 131,072 compiled without the scalars' divisibility)
+    types = pointers_then_scalars(kernel, pointers, consts)
+    divisible = [i for i, arg in enumerate(kernel.arg_names) if arg not in consts
+                 and (i < len(pointers) or is_divisible_scalar(arg))]
+    return compile_sm90(kernel, types, consts, config, divisible).metadata.shared
+
+
+def prefill(name, dtype, D):
+    # the prefill's kernels at Dk = Dv = D as the defaults launch them: {kernel and dtype: bytes}
+    out = {}
     p = "*" + name
     for branch in ("cmp", "swa"):
-        cfg = u._band_config(None if branch == "cmp" else 512, "dkv", dtype)
-        consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDV=128, BM=cfg.pop("BM"),
+        cfg = u._band_config(None if branch == "cmp" else 512, "dkv", dtype, D, D)
+        consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=D, BDK=D, BDV=D, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False,
                       SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "dkv"))
         pointers = [p] * 4 + ["*fp32"] * 4
         out[f"band dkv {branch} {name}"] = shared(u._band_bwd_dkv_kernel, pointers, consts, cfg)
-        cfg = u._band_config(None if branch == "cmp" else 512, "fwd", dtype)
-        consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDV=128, BM=cfg.pop("BM"),
+        cfg = u._band_config(None if branch == "cmp" else 512, "fwd", dtype, D, D)
+        consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=D, BDK=D, BDV=D, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False,
                       SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "fwd"))
         out[f"band fwd {branch} {name}"] = shared(u._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
+        cfg = u._band_config(None if branch == "cmp" else 512, "dq", dtype, D, D)
+        consts = dict(consts, BM=cfg.pop("BM"), BN=cfg.pop("BN"),
+                      SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "dq"))
+        out[f"band dq {branch} {name}"] = shared(u._band_bwd_dq_kernel, [p] * 4 + ["*fp32"] * 2 + [p], consts,
+                                                 cfg)
     for GP in (16, 4, 1):  # fewer heads: more positions a program
-        launch = s.importance_launch("reshape", GP, dtype)
+        launch = s.importance_launch("reshape", GP, dtype, D)
         rows = launch.pop("rows")
-        consts = dict(DK=128, BDK=128, GP=GP, BT=rows // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
+        consts = dict(DK=D, BDK=D, GP=GP, BT=rows // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
                       RESHAPE=True, K=1, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
                       LANES=s.IMPORTANCE_LANE_MAP, block_len=32, stride=16, select_size=64)
         out[f"importance G'={GP} {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                    launch)
     GP = 16
-    consts = dict(DK=128, DV=128, BDK=128, BDV=128, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False, UPCAST=False)
+    consts = dict(DK=D, DV=D, BDK=D, BDV=D, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False, UPCAST=False)
     selected = [p] * 3 + ["*i32", p, "*fp32"] + [p, "*fp32", p]
     fwd = s._selected_pipelined_kernel
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG)
     consts = dict(consts, GP=4, BT=4)  # G = 4: four positions a program
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG_MULTI)
-    launch = s.importance_launch("broadcast", GP, dtype)
-    consts = dict(DK=128, BDK=128, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
+    launch = s.importance_launch("broadcast", GP, dtype, D)
+    consts = dict(DK=D, BDK=D, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
                   RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK, LANES=False,
                   block_len=32, stride=16, select_size=64)
     out[f"importance broadcast {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                  launch)
-    consts = dict(DK=128, DV=128, BDK=128, BDV=128, GP=GP, BQ=max(1, s.SELECTED_DKV_ROWS // GP), BS=64,
+    config = s.selected_dkv_launch(dtype, D, D)
+    consts = dict(DK=D, DV=D, BDK=D, BDV=D, GP=GP, BQ=max(1, config.pop("rows") // GP), BS=64,
                   FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False)
-    config = s.selected_dkv_launch(dtype, 128, 128)
     out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + ["*i32"] * 4
                                          + ["*fp32"] * 3, consts, config)
-print(json.dumps(out))
+    return {f"{key} d={D}": size for key, size in out.items()}
+
+
+def decode(name, D):
+    # the fused decode's four launches at Dk = Dv = D (scripts/ptxas_decode_kernels.py's shapes)
+    import ptxas_decode_kernels as dec
+    dec.D, dec.b = D, "*" + name
+    return {f"decode {launch} {name} d={D}": shared(kernel, pointers, consts, options)
+            for launch, kernel, pointers, consts, options in dec.launches()}
+
+
+print(json.dumps(__CALLS__))
 """
 
 
 def test_default_launches_fit_h200_shared_memory():
-    """G = 16, d = 128, the paper's blocks: the banded forwards and dk/dv, the importance kernel (both
+    """G = 16, d = 128, the paper's blocks: the banded forwards, dq and dk/dv, the importance kernel (both
     maps; the reshape map also at G' = 4 and 1, whose programs hold more positions), the selected
     forward (G = 16 and G = 4) and dk/dv, each as its default launch, fit in bf16 and float32."""
-    shared = json_from_fresh_python(COMPILE)
-    assert len(shared) == 22
+    calls = 'prefill("bf16", torch.bfloat16, 128) | prefill("fp32", torch.float32, 128)'
+    shared = json_from_fresh_python(COMPILE.replace("__CALLS__", calls))
+    assert len(shared) == 26
+    too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
+    assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"
+
+
+def test_widest_head_dims_fit_h200_shared_memory():
+    """The largest head dims the Triton kernels take (`_validate.TRITON_MAX_HEAD_DIM`): the prefill's
+    kernels and the fused decode's four launches at Dk = Dv = 256 in bf16, and the decode's at 128 in
+    float32 (the prefill's: the test above). A float32 launch at 256 would need up to 460 KB."""
+    assert _validate.TRITON_MAX_HEAD_DIM == {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
+    calls = 'prefill("bf16", torch.bfloat16, 256) | decode("bf16", 256) | decode("fp32", 128)'
+    shared = json_from_fresh_python(COMPILE.replace("__CALLS__", calls))
+    assert len(shared) == 21
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"
