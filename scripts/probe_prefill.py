@@ -1,6 +1,6 @@
 """Questions about the prefill forward, timed side by side on one GPU (runs 37-38 on the H200).
 
-    PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4]   (default: both)
+    PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4] [dims]   (default: overlap, g4)
 
 1. Overlap of the branches across KV heads. The compression forward and the importances are
    compute-bound, the selected walk waits on L2 reads. The benchmark's heads split into P
@@ -12,6 +12,9 @@
 3. `pairs` (run 38, at commit f13acbb, which had the kernel; removed after it lost): the "pairs" walk
    of the selected forward at G = 16 (two positions per program, their shared blocks read once)
    against the pipelined one (one position), with its launch configurations.
+4. `dims` (run 41): the NSA forward and forward+backward at 64k, 64/4 heads, bf16, at head dims
+   128 / 128 (the benchmark's), the paper's 192 / 128 and 256 / 256 (its launches smaller:
+   `_triton_utils.wide_rows`).
 """
 
 import sys
@@ -134,8 +137,26 @@ def probe_g4(T, hq=16, hkv=4):
                   f"max |diff| {err:.1e}", flush=True)
 
 
+def probe_dims(T, hq=64, hkv=4):
+    for dk, dv in ((128, 128), (192, 128), (256, 256)):
+        x = _inputs(1, T, hq, hkv, dk, grad=True)
+        if dv != dk:
+            for name in ("v", "v_cmp"):
+                x[name] = x[name][..., :dv].detach().contiguous().requires_grad_()
+        with torch.no_grad():
+            fwd = _time(lambda x=x: nsa_prefill(**x))
+        fwd_bwd = _time(_fwd_bwd(lambda x=x: nsa_prefill(**x), x))
+        print(f"T={T} {hq}/{hkv} Dk={dk} Dv={dv}: forward {fwd:.2f} ms, forward+backward {fwd_bwd:.2f} ms",
+              flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
 def main():
     parts = sys.argv[1:] or ["overlap", "g4"]
+    if parts == ["dims"]:
+        probe_dims(65536)
+        return
     for T in (8192, 65536):
         if "g4" in parts:
             probe_g4(T)

@@ -597,12 +597,13 @@ def _launch(tiles: int, heads: int) -> tuple[tuple[int, int], int]:
     return ((heads, tiles) if longest_first else (tiles, heads)), int(longest_first)
 
 
-def wide_rows(dtype: torch.dtype, dk: int, dv: int) -> bool:
-    """Whether a key row plus a value row (head dims padded to powers of two) take more than the 512
-    bytes of bfloat16's 128 + 128: float32 inputs, or 16-bit ones with head dims past 128. Those
-    launches take smaller tiles and fewer stages: at 256 dims in bf16 the compression forward's 3 stages
-    needed 262,144 bytes of the H200's 232,448 of shared memory (run 39)."""
-    return (pow2(dk) + pow2(dv)) * dtype.itemsize > 512
+def wide_rows(dtype: torch.dtype, *dims: int) -> bool:
+    """Whether rows of these head dims (padded to powers of two: a key row plus a value row, or q's
+    alone) need launches smaller than the defaults to fit the H200's shared memory: float32 inputs
+    (twice the bytes, and three tf32 passes in the forwards, `score_dot`), or 16-bit rows past 768
+    bytes (the paper's 192 + 128 fit the defaults; 256 + 256 do not: the compression forward needed
+    262,144 of the H200's 232,448 bytes at its 3 stages, run 39)."""
+    return dtype == torch.float32 or sum(pow2(d) for d in dims) * dtype.itemsize > 768
 
 
 def _band_config(window, part, dtype=torch.bfloat16, dk=128, dv=128):

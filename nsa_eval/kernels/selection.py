@@ -283,14 +283,15 @@ def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: tl.c
 
 def importance_launch(map_name: str, GP: int, dtype: torch.dtype, dk: int = 128) -> dict:
     """The importance kernel's launch, `IMPORTANCE_CONFIG[map_name]` fitted to G', the dtype and the
-    head dim: rows (positions x G') at most 128 for wide rows (`wide_rows`: float32, or dims past 128)
-    or groups below 16 heads. With fewer heads a program holds more positions, and at 256 rows float32
-    needs more shared memory than the H200 has (233,472-245,760 bytes at G' <= 4 against 232,448); G = 4
-    in bf16 ran slower at 256 rows (importance 1.91 ms in run 24's profile against 1.66 at 128 in run
-    22). Wide rows also keep at most 2 stages: float32 scores multiply in three tf32 passes
-    (`score_dot`), which at 3 stages needs 262,144 bytes."""
+    head dim: rows (positions x G') at most 128 for wide rows of q (`wide_rows`: float32; 16-bit q fits
+    the defaults up to 256 dims, 230,400 bytes at 256) or groups below 16 heads. With fewer heads a
+    program holds more positions, and at 256 rows float32 needs more shared memory than the H200 has
+    (233,472-245,760 bytes at G' <= 4 against 232,448); G = 4 in bf16 ran slower at 256 rows
+    (importance 1.91 ms in run 24's profile against 1.66 at 128 in run 22). Wide rows also keep at
+    most 2 stages: float32 scores multiply in three tf32 passes (`score_dot`), which at 3 stages needs
+    262,144 bytes."""
     launch = dict(IMPORTANCE_CONFIG[map_name])
-    wide = wide_rows(dtype, dk, dk)
+    wide = wide_rows(dtype, dk)
     if wide or GP < 16:
         launch["rows"] = min(launch["rows"], 128)
     if wide:
@@ -750,14 +751,15 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
 
 def selected_dkv_launch(dtype, dk: int, dv: int) -> dict:
     """rows (`SELECTED_DKV_ROWS`), num_warps and num_stages of the dk/dv kernel: SELECTED_DKV_CONFIG
-    over 8 warps for head dims >= 128 (else 4). Wide rows (`wide_rows`: float32, or dims past 128) run
-    at most 2 stages: in float32 at d = 128 a third buffer overflows the H200's shared memory (2 stages
-    already take 230,144 of its 232,448 bytes). Head dims past 128 also take 32 rows: at 256 in bf16,
-    64 rows need 263,168 bytes at 3 stages and 262,912 at 2, 32 rows 147,840 at 2."""
+    over 8 warps for head dims >= 128 (else 4). Wide rows (`wide_rows`: float32, or 16-bit dims past
+    the paper's 192 + 128) run at most 2 stages: in float32 at d = 128 a third buffer overflows the
+    H200's shared memory (2 stages already take 230,144 of its 232,448 bytes). Past 192 + 128 they
+    also take 32 rows: at 256 + 256 in bf16, 64 rows need 263,168 bytes at 3 stages and 262,912 at 2,
+    32 rows 147,840 at 2 (192 + 128: 214,272 at the defaults)."""
     config = dict(rows=SELECTED_DKV_ROWS, num_warps=8 if max(dk, dv) >= 128 else 4) | SELECTED_DKV_CONFIG
     if wide_rows(dtype, dk, dv):
         config["num_stages"] = min(config.get("num_stages", 2), 2)
-    if max(pow2(dk), pow2(dv)) > 128:
+    if pow2(dk) + pow2(dv) > 384:
         config["rows"] = min(config["rows"], 32)
     return config
 

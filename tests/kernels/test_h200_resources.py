@@ -35,23 +35,26 @@ def shared(kernel, pointers, consts, config):
     return compile_sm90(kernel, types, consts, config, divisible).metadata.shared
 
 
-def prefill(name, dtype, D):
-    # the prefill's kernels at Dk = Dv = D as the defaults launch them: {kernel and dtype: bytes}
+def prefill(name, dtype, D, DV=None):
+    # the prefill's kernels at Dk = D, Dv = DV (default D) as the defaults launch them:
+    # {kernel, dtype and dims: bytes}
+    DV = DV or D
+    BD, BDV = u.pow2(D), u.pow2(DV)
     out = {}
     p = "*" + name
     for branch in ("cmp", "swa"):
-        cfg = u._band_config(None if branch == "cmp" else 512, "dkv", dtype, D, D)
-        consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=D, BDK=D, BDV=D, BM=cfg.pop("BM"),
+        cfg = u._band_config(None if branch == "cmp" else 512, "dkv", dtype, D, DV)
+        consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDV=BDV, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False,
                       SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "dkv"))
         pointers = [p] * 4 + ["*fp32"] * 4
         out[f"band dkv {branch} {name}"] = shared(u._band_bwd_dkv_kernel, pointers, consts, cfg)
-        cfg = u._band_config(None if branch == "cmp" else 512, "fwd", dtype, D, D)
-        consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=D, BDK=D, BDV=D, BM=cfg.pop("BM"),
+        cfg = u._band_config(None if branch == "cmp" else 512, "fwd", dtype, D, DV)
+        consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDV=BDV, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False,
                       SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "fwd"))
         out[f"band fwd {branch} {name}"] = shared(u._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
-        cfg = u._band_config(None if branch == "cmp" else 512, "dq", dtype, D, D)
+        cfg = u._band_config(None if branch == "cmp" else 512, "dq", dtype, D, DV)
         consts = dict(consts, BM=cfg.pop("BM"), BN=cfg.pop("BN"),
                       SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "dq"))
         out[f"band dq {branch} {name}"] = shared(u._band_bwd_dq_kernel, [p] * 4 + ["*fp32"] * 2 + [p], consts,
@@ -59,30 +62,30 @@ def prefill(name, dtype, D):
     for GP in (16, 4, 1):  # fewer heads: more positions a program
         launch = s.importance_launch("reshape", GP, dtype, D)
         rows = launch.pop("rows")
-        consts = dict(DK=D, BDK=D, GP=GP, BT=rows // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
+        consts = dict(DK=D, BDK=BD, GP=GP, BT=rows // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
                       RESHAPE=True, K=1, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
                       LANES=s.IMPORTANCE_LANE_MAP, block_len=32, stride=16, select_size=64)
         out[f"importance G'={GP} {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                    launch)
     GP = 16
-    consts = dict(DK=D, DV=D, BDK=D, BDV=D, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False, UPCAST=False)
+    consts = dict(DK=D, DV=DV, BDK=BD, BDV=BDV, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False, UPCAST=False)
     selected = [p] * 3 + ["*i32", p, "*fp32"] + [p, "*fp32", p]
     fwd = s._selected_pipelined_kernel
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG)
     consts = dict(consts, GP=4, BT=4)  # G = 4: four positions a program
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG_MULTI)
     launch = s.importance_launch("broadcast", GP, dtype, D)
-    consts = dict(DK=D, BDK=D, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
+    consts = dict(DK=D, BDK=BD, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
                   RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK, LANES=False,
                   block_len=32, stride=16, select_size=64)
     out[f"importance broadcast {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                  launch)
-    config = s.selected_dkv_launch(dtype, D, D)
-    consts = dict(DK=D, DV=D, BDK=D, BDV=D, GP=GP, BQ=max(1, config.pop("rows") // GP), BS=64,
+    config = s.selected_dkv_launch(dtype, D, DV)
+    consts = dict(DK=D, DV=DV, BDK=BD, BDV=BDV, GP=GP, BQ=max(1, config.pop("rows") // GP), BS=64,
                   FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False)
     out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + ["*i32"] * 4
                                          + ["*fp32"] * 3, consts, config)
-    return {f"{key} d={D}": size for key, size in out.items()}
+    return {f"{key} d={D}/{DV}": size for key, size in out.items()}
 
 
 def decode(name, D):
@@ -110,11 +113,14 @@ def test_default_launches_fit_h200_shared_memory():
 
 def test_widest_head_dims_fit_h200_shared_memory():
     """The largest head dims the Triton kernels take (`_validate.TRITON_MAX_HEAD_DIM`): the prefill's
-    kernels and the fused decode's four launches at Dk = Dv = 256 in bf16, and the decode's at 128 in
-    float32 (the prefill's: the test above). A float32 launch at 256 would need up to 460 KB."""
+    kernels and the fused decode's four launches at Dk = Dv = 256 in bf16 (smaller launches,
+    `wide_rows`), the prefill's at the paper's Dk = 192, Dv = 128 in bf16 (the defaults), and the
+    decode's at 128 in float32 (the prefill's: the test above). A float32 launch at 256 would need up
+    to 460 KB."""
     assert _validate.TRITON_MAX_HEAD_DIM == {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
-    calls = 'prefill("bf16", torch.bfloat16, 256) | decode("bf16", 256) | decode("fp32", 128)'
+    calls = ('prefill("bf16", torch.bfloat16, 256) | decode("bf16", 256) | decode("fp32", 128) | '
+             'prefill("bf16", torch.bfloat16, 192, 128)')
     shared = json_from_fresh_python(COMPILE.replace("__CALLS__", calls))
-    assert len(shared) == 21
+    assert len(shared) == 34
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"
