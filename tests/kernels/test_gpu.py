@@ -185,28 +185,42 @@ def test_nsa_attention_triton_gradients(monkeypatch, fused):
     """nsa_attention(impl="triton") (reused compression lse, fused gated sum, inverted-index selection
     backward with work items split over long block lists) against the float32 reference, G = 16, as
     one autograd op (prefill.FUSED_BACKWARD) and composed from the branches' ops."""
-    from nsa_eval import kernels
     from nsa_eval.kernels import prefill
 
     monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
-
-    x = make(1, 4096, 16, 1, 128, grad=True)
     g = torch.Generator(device="cuda").manual_seed(10)
+    assert_nsa_matches_reference(with_gates(make(1, 4096, 16, 1, 128, grad=True), g), g)
+
+
+NSA_ARGS = ["q", "k", "v", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa"]  # nsa_attention's, in order
+
+
+def with_gates(x, g):
+    """x plus random gates [B, T, Hq] in q's dtype, leaves with gradients."""
+    B, T, hq = x["q"].shape[:3]
     for name in ("g_cmp", "g_slc", "g_swa"):
-        x[name] = torch.rand(1, 4096, 16, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+        x[name] = torch.rand(B, T, hq, generator=g, device="cuda").to(x["q"].dtype).requires_grad_()
+    return x
+
+
+def assert_nsa_matches_reference(x, g):
+    """nsa_attention(impl="triton") on x against the float32 reference: blocks, output and the
+    gradients of every input; returns the output."""
+    from nsa_eval import kernels
+
     x32 = {n: t.detach().float().requires_grad_() for n, t in x.items()}
-    order = ["q", "k", "v", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa"]
-    o, idx = kernels.nsa_attention(*[x[n] for n in order], impl="triton", return_block_indices=True)
-    o_ref, idx_ref = kernels.nsa_attention(*[x32[n] for n in order], impl="reference",
+    o, idx = kernels.nsa_attention(*[x[n] for n in NSA_ARGS], impl="triton", return_block_indices=True)
+    o_ref, idx_ref = kernels.nsa_attention(*[x32[n] for n in NSA_ARGS], impl="reference",
                                            return_block_indices=True)
     # near-ties may pick other blocks in bf16: few rows, so the whole-tensor errors stay small
     assert (idx != idx_ref).any(-1).float().mean() < 0.01
     assert rel_err(o, o_ref) < BF16_TOL
     do = torch.randn(o.shape, generator=g, device="cuda")
-    got = torch.autograd.grad(o, [x[n] for n in order], do.to(o.dtype))
-    want = torch.autograd.grad(o_ref, [x32[n] for n in order], do)
-    for n, a, b in zip(order, got, want, strict=True):
+    got = torch.autograd.grad(o, [x[n] for n in NSA_ARGS], do.to(o.dtype))
+    want = torch.autograd.grad(o_ref, [x32[n] for n in NSA_ARGS], do)
+    for n, a, b in zip(NSA_ARGS, got, want, strict=True):
         assert rel_err(a, b) < 3e-2, n
+    return o
 
 
 @pytest.mark.parametrize("dk,dv,dtype", [(192, 128, torch.bfloat16), (256, 256, torch.bfloat16),
@@ -217,23 +231,10 @@ def test_head_dims_and_float16(dk, dv, dtype):
     and the decode against the reference decode on the same inputs."""
     from nsa_eval import kernels
 
-    order = ["q", "k", "v", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa"]
-    x = make(2, 4096, 16, 1, dk, dtype=dtype, grad=True, dv=dv)
     g = torch.Generator(device="cuda").manual_seed(11)
-    for name in ("g_cmp", "g_slc", "g_swa"):
-        x[name] = torch.rand(2, 4096, 16, generator=g, device="cuda").to(dtype).requires_grad_()
-    x32 = {n: t.detach().float().requires_grad_() for n, t in x.items()}
-    o, idx = kernels.nsa_attention(*[x[n] for n in order], impl="triton", return_block_indices=True)
-    o_ref, idx_ref = kernels.nsa_attention(*[x32[n] for n in order], impl="reference",
-                                           return_block_indices=True)
+    x = with_gates(make(2, 4096, 16, 1, dk, dtype=dtype, grad=True, dv=dv), g)
+    o = assert_nsa_matches_reference(x, g)
     assert o.shape == (2, 4096, 16, dv) and o.dtype == dtype
-    assert (idx != idx_ref).any(-1).float().mean() < 0.01
-    assert rel_err(o, o_ref) < BF16_TOL
-    do = torch.randn(o.shape, generator=g, device="cuda")
-    got = torch.autograd.grad(o, [x[n] for n in order], do.to(o.dtype))
-    want = torch.autograd.grad(o_ref, [x32[n] for n in order], do)
-    for n, a, b in zip(order, got, want, strict=True):
-        assert rel_err(a, b) < 3e-2, n
 
     y = {n: t.detach() for n, t in x.items()}
     rows = torch.arange(2, device="cuda")
@@ -253,18 +254,15 @@ def test_window_side_stream_matches_one_stream(monkeypatch):
     from nsa_eval import kernels
     from nsa_eval.kernels import prefill
 
-    order = ["q", "k", "v", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa"]
     for seed in range(20):
-        x = make(1, 4096, 16, 1, 128, grad=True, seed=seed)
         g = torch.Generator(device="cuda").manual_seed(seed)
-        for name in ("g_cmp", "g_slc", "g_swa"):
-            x[name] = torch.rand(1, 4096, 16, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+        x = with_gates(make(1, 4096, 16, 1, 128, grad=True, seed=seed), g)
         do = torch.randn(1, 4096, 16, 128, generator=g, device="cuda").to(torch.bfloat16)
         out = {}
         for on in (False, True):
             monkeypatch.setattr(prefill, "WINDOW_STREAM", on)
-            o = kernels.nsa_attention(*[x[n] for n in order], impl="triton")
-            out[on] = (o, torch.autograd.grad(o, [x[n] for n in order], do))
+            o = kernels.nsa_attention(*[x[n] for n in NSA_ARGS], impl="triton")
+            out[on] = (o, torch.autograd.grad(o, [x[n] for n in NSA_ARGS], do))
         assert torch.equal(out[True][0], out[False][0])
-        for n, a, b in zip(order, out[True][1], out[False][1], strict=True):
+        for n, a, b in zip(NSA_ARGS, out[True][1], out[False][1], strict=True):
             assert rel_err(a, b) < 1e-3, (seed, n)
