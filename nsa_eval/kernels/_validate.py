@@ -16,11 +16,10 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 IMPLS = ("auto", "reference", "triton")
-# The largest head dim (Dk and Dv, each) the Triton kernels take, per dtype: their tiles at the
-# default launches fit the H200's 227 KB of shared memory up to these (tests/kernels/
-# test_h200_resources.py compiles them for sm_90). Float32 tiles take twice the bytes: at 256 the
-# selected dk/dv kernel alone needs 246-262 KB at any stage count, its block's float32 keys and
-# values 128 KB.
+# The largest head dim (Dk and Dv, each) the Triton kernels take, per dtype: their launches fit the
+# H200's 227 KB of shared memory up to these (tests/kernels/test_h200_resources.py compiles them for
+# sm_90). Float32 tiles take twice the bytes: at 256 the selected dk/dv kernel alone needs 246-262 KB
+# at 1 or 2 stages, its block's float32 keys and values 128 KB.
 TRITON_MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
 
 
