@@ -14,7 +14,12 @@
    against the pipelined one (one position), with its launch configurations.
 4. `dims` (run 41): the NSA forward and forward+backward at 64k, 64/4 heads, bf16, at head dims
    128 / 128 (the benchmark's), the paper's 192 / 128 and 256 / 256 (its launches smaller:
-   `_triton_utils.wide_rows`).
+   `_triton_utils.wide_rows`). Since run 44 the paper's dims twice: Dk = 192 in two column tiles,
+   128 + 64 (`_triton_utils.dk_tiles`, the default), and padded to 256 (`SPLIT_DK = False`, the
+   kernels before), and at those dims each branch's op alone, forward and forward+backward.
+5. `dims192` (run 45): launch configurations at the paper's 192 / 128 (split): the banded dq and
+   dk/dv (compression and window ops, forward+backward), the selected forward (split and padded)
+   and the selected dk/dv (the selected op, forward+backward).
 """
 
 import sys
@@ -22,9 +27,10 @@ import sys
 import torch
 
 from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, nsa_prefill
-from nsa_eval.kernels import prefill, selection
+from nsa_eval.kernels import _triton_utils, prefill, selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.selection import select_blocks, selected_attention
+from nsa_eval.kernels.window import sliding_window_attention
 
 D = 128
 
@@ -137,25 +143,106 @@ def probe_g4(T, hq=16, hkv=4):
                   f"max |diff| {err:.1e}", flush=True)
 
 
+def dims_inputs(T, hq, hkv, dk, dv):
+    x = _inputs(1, T, hq, hkv, dk, grad=True)
+    if dv != dk:
+        for name in ("v", "v_cmp"):
+            x[name] = x[name][..., :dv].detach().contiguous().requires_grad_()
+    return x
+
+
 def probe_dims(T, hq=64, hkv=4):
-    for dk, dv in ((128, 128), (192, 128), (256, 256)):
-        x = _inputs(1, T, hq, hkv, dk, grad=True)
-        if dv != dk:
-            for name in ("v", "v_cmp"):
-                x[name] = x[name][..., :dv].detach().contiguous().requires_grad_()
-        with torch.no_grad():
-            fwd = _time(lambda x=x: nsa_prefill(**x))
-        fwd_bwd = _time(_fwd_bwd(lambda x=x: nsa_prefill(**x), x))
-        print(f"T={T} {hq}/{hkv} Dk={dk} Dv={dv}: forward {fwd:.2f} ms, forward+backward {fwd_bwd:.2f} ms",
-              flush=True)
+    for dk, dv, split in ((128, 128, True), (192, 128, True), (192, 128, False), (256, 256, True)):
+        x = dims_inputs(T, hq, hkv, dk, dv)
+        tiles = "split 128 + 64" if dk == 192 and split else "padded to 256" if dk == 192 else "one tile"
+
+        def timed(x=x):
+            with torch.no_grad():
+                fwd = _time(lambda: nsa_prefill(**x))
+            return fwd, _time(_fwd_bwd(lambda: nsa_prefill(**x), x))
+
+        fwd, fwd_bwd = _with_flag(_triton_utils, "SPLIT_DK", split, timed)
+        print(f"T={T} {hq}/{hkv} Dk={dk} Dv={dv} ({tiles}): forward {fwd:.2f} ms, forward+backward "
+              f"{fwd_bwd:.2f} ms", flush=True)
         del x
         torch.cuda.empty_cache()
+    probe_dims_branches(T, hq, hkv)
+
+
+def probe_dims_branches(T, hq, hkv, dk=192, dv=128):
+    """Each branch's op alone at the paper's dims, split and padded, side by side."""
+    x = dims_inputs(T, hq, hkv, dk, dv)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+    def select():
+        return select_blocks(x["q"], x["k_cmp"], lse=lse)
+
+    ops = {
+        "compression": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
+        "window": lambda: sliding_window_attention(x["q"], x["k"], x["v"]),
+        "selected": lambda: selected_attention(x["q"], x["k"], x["v"], idx),
+    }
+    for split in (True, False):
+        times = {}
+        with torch.no_grad():
+            times["select_blocks fwd"] = _with_flag(_triton_utils, "SPLIT_DK", split, lambda: _time(select))
+        for name, fn in ops.items():
+            with torch.no_grad():
+                times[f"{name} fwd"] = _with_flag(_triton_utils, "SPLIT_DK", split, lambda fn=fn: _time(fn))
+            times[f"{name} fwd+bwd"] = _with_flag(_triton_utils, "SPLIT_DK", split,
+                                                  lambda fn=fn: _time(_fwd_bwd(fn, x)))
+        print(f"T={T} {hq}/{hkv} Dk={dk} Dv={dv} {'split' if split else 'padded'}: "
+              + ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()), flush=True)
+
+
+def band_variant(branch, part, **changes):
+    configs = {b: {p: dict(c) for p, c in parts.items()} for b, parts in _triton_utils.BAND_CONFIGS.items()}
+    configs[branch][part].update(changes)
+    return configs
+
+
+def probe_dims192(T, hq=64, hkv=4, dk=192, dv=128):
+    x = dims_inputs(T, hq, hkv, dk, dv)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+    ops = {"cmp": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
+           "swa": lambda: sliding_window_attention(x["q"], x["k"], x["v"])}
+    for branch, fn in ops.items():
+        variants = (("dq", {}), ("dq", dict(num_warps=8)), ("dq", dict(BM=32)), ("dkv", dict(num_warps=8)),
+                    ("dkv", dict(BN=32)), ("dkv", dict(BN=32, num_warps=2)))
+        for part, changes in variants:
+            ms = _with_flag(_triton_utils, "BAND_CONFIGS", band_variant(branch, part, **changes),
+                            lambda fn=fn: _time(_fwd_bwd(fn, x)))
+            print(f"T={T} Dk={dk} Dv={dv} {branch} fwd+bwd, {part} {changes or 'defaults'}: {ms:.2f} ms",
+                  flush=True)
+
+    def selected():
+        return selected_attention(x["q"], x["k"], x["v"], idx)
+
+    for split in (True, False):
+        for config in (dict(num_warps=1, num_stages=2), dict(num_warps=1, num_stages=3),
+                       dict(num_warps=2, num_stages=2), dict(num_warps=4, num_stages=2)):
+            with torch.no_grad():
+                knobs = {"SELECTED_FWD_CONFIG": config}
+                ms = _with_flag(_triton_utils, "SPLIT_DK", split,
+                                lambda k=knobs: with_knobs(k, lambda: _time(selected)))
+            tiles = "split" if split else "padded"
+            print(f"T={T} Dk={dk} Dv={dv} selected fwd, {tiles} {config}: {ms:.2f} ms", flush=True)
+    for knobs in ({}, {"SELECTED_DKV_ROWS": 32}, {"SELECTED_DKV_CONFIG": dict(num_stages=2)},
+                  {"SELECTED_DKV_CONFIG": dict(num_stages=3, num_warps=4)}):
+        ms = with_knobs(knobs, lambda: _time(_fwd_bwd(selected, x)))
+        print(f"T={T} Dk={dk} Dv={dv} selected fwd+bwd, {knobs or 'defaults'}: {ms:.2f} ms", flush=True)
 
 
 def main():
     parts = sys.argv[1:] or ["overlap", "g4"]
     if parts == ["dims"]:
         probe_dims(65536)
+        return
+    if parts == ["dims192"]:
+        probe_dims192(65536)
         return
     for T in (8192, 65536):
         if "g4" in parts:

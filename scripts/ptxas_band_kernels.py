@@ -69,7 +69,7 @@ def main() -> int:
             for split in (False, True):
                 window = None if branch == "cmp" else 512
                 cfg = u._band_config(window, part, torch.bfloat16)
-                consts = dict(HAS_WINDOW=window is not None, DK=128, DV=128, BDK=128, BDV=128,
+                consts = dict(HAS_WINDOW=window is not None, DK=128, DV=128, BDK=128, BDK2=0, BDV=128,
                               BM=cfg.pop("BM"), BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=split)
                 divisible = [i for i, name in enumerate(kernel.arg_names) if name not in consts
                              and (i < len(pointers) or is_divisible_scalar(name))]

@@ -33,6 +33,25 @@ def pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(int(n)))
 
 
+# Whether a q/k head dim that is the sum of two powers of two runs its products in two parts (True),
+# or padded to the next power of two (False: the kernels before run 44). The benchmark times both.
+SPLIT_DK = True
+
+
+def dk_tiles(dk: int) -> tuple[int, int]:
+    """`(BDK, BDK2)`: the column tiles of a q/k head dim in the prefill's kernels. Triton's tiles are
+    powers of two; a dim that is the sum of two, both >= 16 (the paper's 192 = 128 + 64; 96, 160),
+    runs each score product as two MMAs over columns `[0, BDK)` and `[BDK, BDK + BDK2)`, and its dq
+    and dk in two accumulators. Any other dim pads to the next power of two (`BDK2 = 0`), as 192 did
+    to 256 before run 44 (the paper's dims then cost 1.57x the forward and 1.94x the forward+backward
+    of 128 / 128 at 64k, run 41)."""
+    padded = pow2(dk)
+    head, tail = padded // 2, dk - padded // 2
+    if SPLIT_DK and dk != padded and tail >= 16 and tail & (tail - 1) == 0:
+        return head, tail
+    return padded, 0
+
+
 def default_scale(scale: float | None, dk: int) -> float:
     return 1.0 / math.sqrt(dk) if scale is None else float(scale)
 
@@ -53,6 +72,36 @@ def load_kv(k_base, v_base, o_k, m_k, sk_t, sv_t, o_dk, o_dv, DK: tl.constexpr, 
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     return k, v
+
+
+@triton.jit
+def load_tail(row_ptrs, m_rows, MASKED: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
+              UPCAST: tl.constexpr, TRANSPOSED: tl.constexpr):
+    # the tail columns [BDK, BDK + BDK2) of a split head dim (`dk_tiles`) of rows starting at row_ptrs
+    # [R] (with MASKED, rows where m_rows is false read as 0): [R, BDK2], or [BDK2, R] if TRANSPOSED
+    o_d = BDK + tl.arange(0, BDK2)
+    if TRANSPOSED:
+        ptrs = row_ptrs[None, :] + o_d[:, None]
+        if MASKED:
+            x = tl.load(ptrs, mask=m_rows[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    else:
+        ptrs = row_ptrs[:, None] + o_d[None, :]
+        if MASKED:
+            x = tl.load(ptrs, mask=m_rows[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def store_tail(row_ptrs, x, m_rows, BDK: tl.constexpr, BDK2: tl.constexpr):
+    # x [R, BDK2] into the tail columns [BDK, BDK + BDK2) of the rows starting at row_ptrs [R]
+    o_d = BDK + tl.arange(0, BDK2)
+    tl.store(row_ptrs[:, None] + o_d[None, :], x.to(row_ptrs.dtype.element_ty), mask=m_rows[:, None])
 
 
 @triton.jit
@@ -248,11 +297,12 @@ def _query_interior(k0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDO
 
 
 @triton.jit
-def _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK, scale_log2, key_stride,
+def _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK, scale_log2, key_stride,
                    key_offset, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    # one key tile [start, start + BN) of the forward for queries o_t [BM]; q [BM, BDK]
+                   DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
+                   BN: tl.constexpr, UPCAST: tl.constexpr):
+    # one key tile [start, start + BN) of the forward for queries o_t [BM]; q [BM, BDK] (q2 [BM, BDK2]:
+    # the tail of a split head dim, if BDK2 > 0)
     o_k = start + tl.arange(0, BN)  # [BN] key indices
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
@@ -268,7 +318,11 @@ def _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = score_dot(q, k) * scale_log2  # [BM, BN]
+    s = score_dot(q, k)  # [BM, BN]
+    if BDK2 > 0:
+        s += score_dot(q2, load_tail(k_base + o_k.to(tl.int64) * sk_t, o_k < TK, MASKED, BDK, BDK2, UPCAST,
+                                     True))
+    s = s * scale_log2
     if MASKED:
         k_pos = o_k * key_stride + key_offset
         valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
@@ -299,7 +353,7 @@ def _band_fwd_kernel(
     Q, K, V, O, LSE,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
     T, TK, HQ, G, scale_log2, key_stride, key_offset, window, longest_first,
-    HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
 ):
@@ -312,10 +366,13 @@ def _band_fwd_kernel(
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
     m_t = o_t < T
-    q = tl.load(Q + i_b * sq_b + i_h * sq_h + o_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
-                mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BM, BDK]
+    q_rows = Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t  # [BM]
+    q = tl.load(q_rows[:, None] + o_dk[None, :], mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    q2 = q  # the tail of a split head dim [BM, BDK2] (unused without one)
+    if BDK2 > 0:
+        q2 = load_tail(q_rows, m_t, True, BDK, BDK2, UPCAST, False)
     k_base = K + i_b * sk_b + i_hk * sk_h
     v_base = V + i_b * sv_b + i_hk * sv_h
 
@@ -330,22 +387,22 @@ def _band_fwd_kernel(
         mid_lo, mid_hi = _key_interior(t0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
         if HAS_WINDOW:  # tiles at the window's start
             for start in range(lo, mid_lo, BN):
-                m_i, l_i, acc = _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
-                                               scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
-                                               DK, DV, BDK, BDV, BN, UPCAST)
+                m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
+                                               TK, scale_log2, key_stride, key_offset, window, True,
+                                               HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST)
         for start in range(mid_lo, mid_hi, BN):  # interior: no mask
-            m_i, l_i, acc = _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
-                                           scale_log2, key_stride, key_offset, window, False, HAS_WINDOW,
-                                           DK, DV, BDK, BDV, BN, UPCAST)
+            m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
+                                           TK, scale_log2, key_stride, key_offset, window, False, HAS_WINDOW,
+                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST)
         for start in range(mid_hi, hi, BN):  # the diagonal (and the keys past TK)
-            m_i, l_i, acc = _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
-                                           scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
-                                           DK, DV, BDK, BDV, BN, UPCAST)
+            m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
+                                           TK, scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
+                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST)
     else:
         for start in range(lo, hi, BN):
-            m_i, l_i, acc = _band_fwd_tile(q, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK,
-                                           scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
-                                           DK, DV, BDK, BDV, BN, UPCAST)
+            m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
+                                           TK, scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
+                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST)
     o, lse = softmax_result(m_i, l_i, acc)
     tl.store(O + i_b * so_b + i_h * so_h + o_t[:, None].to(tl.int64) * so_t + o_dv[None, :],
              o.to(O.dtype.element_ty), mask=m_t[:, None] & (o_dv < DV)[None, :])
@@ -353,11 +410,12 @@ def _band_fwd_kernel(
 
 
 @triton.jit
-def _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t, TK, scale_log2, key_stride,
-                  key_offset, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
-                  DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
-                  UPCAST: tl.constexpr):
-    # one key tile [start, start + BN) of dq [BM, BDK] for queries o_t [BM]
+def _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk_t, sv_t, TK, scale_log2,
+                  key_stride, key_offset, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
+                  BDV: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr):
+    # one key tile [start, start + BN) of dq [BM, BDK] (and dq2 [BM, BDK2], the tail of a split head
+    # dim, with q2) for queries o_t [BM]
     o_k = start + tl.arange(0, BN)
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
@@ -372,8 +430,12 @@ def _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t,
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k)) * scale_log2  # [BM, BN]
-    p = tl.exp2(s - lse[:, None])
+    s = tl.dot(q, tl.trans(k))  # [BM, BN]
+    k2 = k  # the tail [BN, BDK2] (unused without one)
+    if BDK2 > 0:
+        k2 = load_tail(k_base + o_k.to(tl.int64) * sk_t, o_k < TK, MASKED, BDK, BDK2, UPCAST, False)
+        s += tl.dot(q2, tl.trans(k2))
+    p = tl.exp2(s * scale_log2 - lse[:, None])
     if MASKED:
         k_pos = o_k * key_stride + key_offset
         valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
@@ -383,7 +445,9 @@ def _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t,
     dp = tl.dot(do, tl.trans(v))  # [BM, BN]
     ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(k.dtype), k)
-    return dq
+    if BDK2 > 0:
+        dq2 += tl.dot(ds.to(k2.dtype), k2)
+    return dq, dq2
 
 
 @triton.jit
@@ -391,7 +455,7 @@ def _band_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, TK, HQ, G, scale, scale_log2, key_stride, key_offset, window, longest_first,
-    HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
 ):
@@ -406,8 +470,8 @@ def _band_bwd_dq_kernel(
     o_dv = tl.arange(0, BDV)
     m_t = o_t < T
     row = (i_b * T + o_t.to(tl.int64)) * HQ + i_h  # [BM] flat (b, t, h)
-    q = tl.load(Q + i_b * sq_b + i_h * sq_h + o_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
-                mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BM, BDK]
+    q_rows = Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t  # [BM]
+    q = tl.load(q_rows[:, None] + o_dk[None, :], mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_t[:, None] & (o_dv < DV)[None, :],
                  other=0.0)  # [BM, BDV]
     lse = tl.load(LSE + row, mask=m_t, other=0.0)
@@ -416,6 +480,11 @@ def _band_bwd_dq_kernel(
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
+    q2 = q  # the tail of a split head dim and its dq (unused without one)
+    dq2 = tl.zeros([BM, 16], tl.float32)
+    if BDK2 > 0:
+        q2 = load_tail(q_rows, m_t, True, BDK, BDK2, UPCAST, False)
+        dq2 = tl.zeros([BM, BDK2], tl.float32)
     k_base = K + i_b * sk_b + i_hk * sk_h
     v_base = V + i_b * sv_b + i_hk * sv_h
     t_last = tl.minimum(t0 + BM - 1, T - 1)
@@ -428,38 +497,42 @@ def _band_bwd_dq_kernel(
         mid_lo, mid_hi = _key_interior(t0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
         if HAS_WINDOW:  # tiles at the window's start
             for start in range(lo, mid_lo, BN):
-                dq = _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t, TK,
-                                   scale_log2, key_stride, key_offset, window, True, HAS_WINDOW, DK, DV,
-                                   BDK, BDV, BN, UPCAST)
+                dq, dq2 = _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk_t,
+                                        sv_t, TK, scale_log2, key_stride, key_offset, window, True,
+                                        HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST)
         for start in range(mid_lo, mid_hi, BN):  # interior: no mask
-            dq = _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t, TK,
-                               scale_log2, key_stride, key_offset, window, False, HAS_WINDOW, DK, DV,
-                               BDK, BDV, BN, UPCAST)
+            dq, dq2 = _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk_t,
+                                    sv_t, TK, scale_log2, key_stride, key_offset, window, False,
+                                    HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST)
         for start in range(mid_hi, hi, BN):  # the diagonal (and the keys past TK)
-            dq = _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t, TK,
-                               scale_log2, key_stride, key_offset, window, True, HAS_WINDOW, DK, DV,
-                               BDK, BDV, BN, UPCAST)
+            dq, dq2 = _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk_t,
+                                    sv_t, TK, scale_log2, key_stride, key_offset, window, True,
+                                    HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST)
     else:
         for start in range(lo, hi, BN):
-            dq = _band_dq_tile(q, do, lse, delta, dq, k_base, v_base, start, o_t, sk_t, sv_t, TK,
-                               scale_log2, key_stride, key_offset, window, True, HAS_WINDOW, DK, DV,
-                               BDK, BDV, BN, UPCAST)
+            dq, dq2 = _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk_t,
+                                    sv_t, TK, scale_log2, key_stride, key_offset, window, True,
+                                    HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST)
     tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=m_t[:, None] & (o_dk < DK)[None, :])
+    if BDK2 > 0:
+        store_tail(DQ + row * DK, dq2 * scale, m_t, BDK, BDK2)
 
 
 @triton.jit
-def _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start, sq_b, sq_t, sq_h, T, HQ,
-                   scale_log2, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BM: tl.constexpr,
-                   UPCAST: tl.constexpr):
+def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_h, start, sq_b, sq_t, sq_h, T,
+                   HQ, scale_log2, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
+                   DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
+                   BM: tl.constexpr, UPCAST: tl.constexpr):
     # one query tile [start, start + BM) of query head i_h for the key tile k [BN, BDK], v [BN, BDV]
-    # (key positions k_pos [BN], in range m_k): dk [BN, BDK], dv [BN, BDV]
+    # (key positions k_pos [BN], in range m_k): dk [BN, BDK], dv [BN, BDV]; with a split head dim,
+    # its tail k2 and dk2 [BN, BDK2]
     o_t = start + tl.arange(0, BM)
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
     row = (i_b * T + o_t.to(tl.int64)) * HQ + i_h  # [BM]
-    q_ptrs = Q + i_b * sq_b + i_h * sq_h + o_t[:, None].to(tl.int64) * sq_t + o_dk[None, :]  # [BM, BDK]
+    q_rows = Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t  # [BM]
+    q_ptrs = q_rows[:, None] + o_dk[None, :]  # [BM, BDK]
     do_ptrs = DO + row[:, None] * DV + o_dv[None, :]  # [BM, BDV]
     if MASKED:
         m_t = o_t < T
@@ -476,8 +549,12 @@ def _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    s_t = tl.dot(k, tl.trans(q)) * scale_log2  # [BN, BM]
-    p_t = tl.exp2(s_t - lse[None, :])  # [BN, BM]
+    s_t = tl.dot(k, tl.trans(q))  # [BN, BM]
+    q2 = q  # the tail [BM, BDK2] (unused without one)
+    if BDK2 > 0:
+        q2 = load_tail(q_rows, o_t < T, MASKED, BDK, BDK2, UPCAST, False)
+        s_t += tl.dot(k2, tl.trans(q2))
+    p_t = tl.exp2(s_t * scale_log2 - lse[None, :])  # [BN, BM]
     if MASKED:
         valid = (k_pos[:, None] <= o_t[None, :]) & m_t[None, :] & m_k[:, None]
         if HAS_WINDOW:
@@ -487,7 +564,9 @@ def _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
     dp_t = tl.dot(v, tl.trans(do))  # [BN, BM]
     ds_t = p_t * (dp_t - delta[None, :])
     dk += tl.dot(ds_t.to(q.dtype), q)
-    return dk, dv
+    if BDK2 > 0:
+        dk2 += tl.dot(ds_t.to(q2.dtype), q2)
+    return dk, dk2, dv
 
 
 @triton.jit
@@ -495,7 +574,7 @@ def _band_bwd_dkv_kernel(
     Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, TK, HQ, G, SPLIT, scale, scale_log2, key_stride, key_offset, window, longest_first,
-    HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
 ):
@@ -519,8 +598,8 @@ def _band_bwd_dkv_kernel(
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
     m_k = o_k < TK
-    k = tl.load(K + i_b * sk_b + i_hk * sk_h + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
-                mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BN, BDK]
+    k_rows = K + i_b * sk_b + i_hk * sk_h + o_k.to(tl.int64) * sk_t  # [BN]
+    k = tl.load(k_rows[:, None] + o_dk[None, :], mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)
     v = tl.load(V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
                 mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
     if UPCAST:
@@ -533,31 +612,38 @@ def _band_bwd_dkv_kernel(
         hi = tl.minimum((k0 + BN - 1) * key_stride + key_offset + window, T)
     dk = tl.zeros([BN, BDK], tl.float32)
     dv = tl.zeros([BN, BDV], tl.float32)
+    k2 = k  # the tail of a split head dim and its dk (unused without one)
+    dk2 = tl.zeros([BN, 16], tl.float32)
+    if BDK2 > 0:
+        k2 = load_tail(k_rows, m_k, True, BDK, BDK2, UPCAST, False)
+        dk2 = tl.zeros([BN, BDK2], tl.float32)
     mid_lo, mid_hi = _query_interior(k0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW, BM,
                                      BN)
     for j in range(0, heads):
         i_h = h_first + j
         if SPLIT_MASK:
             for start in range(lo, mid_lo, BM):  # the diagonal
-                dk, dv = _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
-                                        sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True, HAS_WINDOW,
-                                        DK, DV, BDK, BDV, BM, UPCAST)
+                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_h,
+                                             start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
+                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST)
             for start in range(mid_lo, mid_hi, BM):  # interior: no mask
-                dk, dv = _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
-                                        sq_b, sq_t, sq_h, T, HQ, scale_log2, window, False, HAS_WINDOW,
-                                        DK, DV, BDK, BDV, BM, UPCAST)
+                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_h,
+                                             start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, False,
+                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST)
             for start in range(mid_hi, hi, BM):  # the window's end and the queries past T
-                dk, dv = _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
-                                        sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True, HAS_WINDOW,
-                                        DK, DV, BDK, BDV, BM, UPCAST)
+                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_h,
+                                             start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
+                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST)
         else:
             for start in range(lo, hi, BM):
-                dk, dv = _band_dkv_tile(k, v, k_pos, m_k, dk, dv, Q, DO, LSE, DELTA, i_b, i_h, start,
-                                        sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True, HAS_WINDOW,
-                                        DK, DV, BDK, BDV, BM, UPCAST)
+                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_h,
+                                             start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
+                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST)
     out_row = (i_b * TK + o_k.to(tl.int64)) * NH + i_hs  # [BN]
     tl.store(DK_OUT + out_row[:, None] * DK + o_dk[None, :], (dk * scale).to(DK_OUT.dtype.element_ty),
              mask=m_k[:, None] & (o_dk < DK)[None, :])
+    if BDK2 > 0:
+        store_tail(DK_OUT + out_row * DK, dk2 * scale, m_k, BDK, BDK2)
     tl.store(DV_OUT + out_row[:, None] * DV + o_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
              mask=m_k[:, None] & (o_dv < DV)[None, :])
 
@@ -628,13 +714,14 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
     TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    BDK, BDK2 = dk_tiles(DK)
     cfg = _band_config(window, "fwd", q.dtype, DK, DV)
     BM = cfg["BM"]
     grid, longest_first = _launch(triton.cdiv(T, BM), B * HQ)
     _band_fwd_kernel[grid](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
-        HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
+        HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
         UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "fwd"), **cfg,
     )
     return o, lse
@@ -652,7 +739,8 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     if delta is None:
         delta = row_delta(o.contiguous(), do, dlse)
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
-    common = dict(HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
+    BDK, BDK2 = dk_tiles(DK)
+    common = dict(HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
                   UPCAST=interpreting())
     cfg = _band_config(window, "dq", q.dtype, DK, DV)
     grid, longest_first = _launch(triton.cdiv(T, cfg["BM"]), B * HQ)

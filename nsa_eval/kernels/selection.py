@@ -35,8 +35,10 @@ from nsa_eval.kernels._triton_utils import (
     band_forward,
     contiguous,
     default_scale,
+    dk_tiles,
     interpreting,
     load_kv,
+    load_tail,
     online_softmax_step,
     overlap_weights,
     pow2,
@@ -44,6 +46,7 @@ from nsa_eval.kernels._triton_utils import (
     score_dot,
     softmax_result,
     softmax_start,
+    store_tail,
     topk_blocks,
     wide_rows,
 )
@@ -121,8 +124,8 @@ def _importance_kernel(
     Q, KC, LSE, IMP,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
     T, TC, HQ, G, NS, scale_log2, block_len: tl.constexpr, stride: tl.constexpr, select_size: tl.constexpr,
-    DK: tl.constexpr, BDK: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BNS: tl.constexpr,
-    RATIO: tl.constexpr, GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
+    DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
+    BNS: tl.constexpr, RATIO: tl.constexpr, GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
     UPCAST: tl.constexpr, SPLIT_MASK: tl.constexpr, LANES: tl.constexpr,
 ):
     # RESHAPE: the "reshape" map of IMPORTANCE_MAP (with GROUP_FIRST), K: its farthest block ahead;
@@ -140,10 +143,14 @@ def _importance_kernel(
     r_g = o_r % GP
     m_r = (r_t < T) & (r_g < G)
     o_dk = tl.arange(0, BDK)
-    q = tl.load(Q + i_b * sq_b + (i_hk * G + r_g)[:, None] * sq_h + r_t[:, None].to(tl.int64) * sq_t
-                + o_dk[None, :], mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)  # [M, BDK]
+    q_rows = Q + i_b * sq_b + (i_hk * G + r_g) * sq_h + r_t.to(tl.int64) * sq_t  # [M]
+    q = tl.load(q_rows[:, None] + o_dk[None, :], mask=m_r[:, None] & (o_dk < DK)[None, :],
+                other=0.0)  # [M, BDK]
     if UPCAST:
         q = q.to(tl.float32)
+    q2 = q  # the tail [M, BDK2] of a split head dim (`dk_tiles`; unused without one)
+    if BDK2 > 0:
+        q2 = load_tail(q_rows, m_r, True, BDK, BDK2, UPCAST, False)
     lse = tl.load(LSE + (i_b * T + r_t) * HQ + i_hk * G + r_g, mask=m_r, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634  # [M]
     k_base = KC + i_b * sk_b + i_hk * sk_h
@@ -167,14 +174,15 @@ def _importance_kernel(
         j_full = (n_full // BC) * BNS
         lse_full = tl.where(m_r, lse, float("inf"))
         for j0 in range(0, j_full, BNS):
-            carry = _importance_chunk(q, k_base, sk_t, o_dk, lse_full, r_t, m_r, j0, TC, stride, block_len,
-                                      scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS,
-                                      select_size, DK, BT, GP, BNS, RATIO, GROUP_FIRST, RESHAPE, K, UPCAST,
-                                      LANES, False)
+            carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse_full, r_t, m_r, j0, TC, stride,
+                                      block_len, scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS,
+                                      select_size, DK, BDK, BDK2, BT, GP, BNS, RATIO, GROUP_FIRST, RESHAPE, K,
+                                      UPCAST, LANES, False)
     for j0 in range(j_full, ns_hi, BNS):
-        carry = _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride, block_len, scale_log2,
-                                  carry, w_main, w_spill, IMP, r_rows, m_rows, NS, select_size, DK, BT, GP,
-                                  BNS, RATIO, GROUP_FIRST, RESHAPE, K, UPCAST, LANES, True)
+        carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride, block_len,
+                                  scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS, select_size,
+                                  DK, BDK, BDK2, BT, GP, BNS, RATIO, GROUP_FIRST, RESHAPE, K, UPCAST, LANES,
+                                  True)
 
 
 @triton.jit
@@ -191,9 +199,9 @@ def _overlap_weight(r: tl.constexpr, k: tl.constexpr, block_len: tl.constexpr, s
 
 
 @triton.jit
-def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: tl.constexpr,
+def _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: tl.constexpr,
                       block_len: tl.constexpr, scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS,
-                      select_size: tl.constexpr, DK: tl.constexpr,
+                      select_size: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
                       BT: tl.constexpr, GP: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr,
                       GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
                       UPCAST: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr):
@@ -219,7 +227,11 @@ def _importance_chunk(q, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: tl.c
         k = tl.load(k_ptrs, mask=(o_dk < DK)[:, None], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
-    s = score_dot(q, k) * scale_log2  # [M, BC]
+    s = score_dot(q, k)  # [M, BC]
+    if BDK2 > 0:  # the tail of a split head dim
+        k2 = load_tail(k_base + o_k.to(tl.int64) * sk_t, m_k, MASKED, BDK, BDK2, UPCAST, True)  # [BDK2, BC]
+        s += score_dot(q2, k2)
+    s = s * scale_log2
     if MASKED:
         visible = ((o_k * stride + block_len - 1)[None, :] <= r_t[:, None]) & m_k[None, :] & m_r[:, None]
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
@@ -331,10 +343,11 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     BT = max(1, (16 if interpreting() else rows) // GP)
     BNS = 16 if ratio <= 8 else pow2(max(1, 128 // ratio), 1)
     BNS = max(BNS, 16)
+    BDK, BDK2 = dk_tiles(DK)
     _importance_kernel[(triton.cdiv(T, BT), B * HKV)](
         q, k_cmp, lse, imp, q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1),
         k_cmp.stride(2), T, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
-        DK=DK, BDK=pow2(DK), GP=GP, BT=BT, BNS=BNS, RATIO=ratio, GROUP_FIRST=IMPORTANCE_GROUP_FIRST,
+        DK=DK, BDK=BDK, BDK2=BDK2, GP=GP, BT=BT, BNS=BNS, RATIO=ratio, GROUP_FIRST=IMPORTANCE_GROUP_FIRST,
         RESHAPE=reshape, K=shifts if reshape else 0, UPCAST=interpreting(), SPLIT_MASK=IMPORTANCE_SPLIT_MASK,
         LANES=reshape and IMPORTANCE_LANE_MAP and ratio == 4, **launch,
     )
@@ -371,10 +384,11 @@ def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_sele
 # selected attention
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK: tl.constexpr, BDK: tl.constexpr, GP: tl.constexpr,
-                   BT: tl.constexpr, UPCAST: tl.constexpr):
-    # the program's M = BT * GP rows (BT positions x the group's heads, padded to GP):
-    # batch, KV head, first position, position [M] and mask [M] of each row, flat (b, t, h) [M], q [M, BDK]
+def _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
+                   GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
+    # the program's M = BT * GP rows (BT positions x the group's heads, padded to GP): batch, KV head,
+    # first position, position [M] and mask [M] of each row, flat (b, t, h) [M], q [M, BDK] and the
+    # tail of a split head dim q2 [M, BDK2] (`dk_tiles`; q itself without one)
     M: tl.constexpr = BT * GP
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -388,11 +402,14 @@ def _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK: tl.constexpr, BDK: tl.cons
     m_r = (r_t < T) & (o_r % GP < G)
     row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
     o_dk = tl.arange(0, BDK)
-    q = tl.load(Q + i_b * sq_b + r_h[:, None] * sq_h + r_t[:, None].to(tl.int64) * sq_t + o_dk[None, :],
-                mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)  # [M, BDK]
+    q_rows = Q + i_b * sq_b + r_h * sq_h + r_t.to(tl.int64) * sq_t  # [M]
+    q = tl.load(q_rows[:, None] + o_dk[None, :], mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    return i_b, i_hk, t0, r_t, m_r, row, q
+    q2 = q
+    if BDK2 > 0:
+        q2 = load_tail(q_rows, m_r, True, BDK, BDK2, UPCAST, False)
+    return i_b, i_hk, t0, r_t, m_r, row, q, q2
 
 
 @triton.jit
@@ -409,20 +426,45 @@ def _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV: tl.constexpr, UPCAST: tl.cons
 
 
 @triton.jit
-def _dq_block(q, k, v, do, lse, delta, valid, scale_log2, dq):
-    # dq [M, BDK] plus this block's share (before the final * scale); k [BS, BDK], v [BS, BDV]
-    s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
-    pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)  # [M, BS]
+def _dq_block(q, q2, k, k2, v, do, lse, delta, valid, scale_log2, dq, dq2, BDK2: tl.constexpr):
+    # dq [M, BDK] plus this block's share (before the final * scale); k [BS, BDK], v [BS, BDV]; with
+    # a split head dim, its tail: q2 [M, BDK2], k2 [BS, BDK2], dq2 [M, BDK2]
+    s = tl.dot(q, tl.trans(k))  # [M, BS]
+    if BDK2 > 0:
+        s += tl.dot(q2, tl.trans(k2))
+    pr = tl.where(valid, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)  # [M, BS]
     dp = tl.dot(do, tl.trans(v))  # [M, BS]
     ds = pr * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k)
+    if BDK2 > 0:
+        dq2 += tl.dot(ds.to(k2.dtype), k2)
+    return dq + tl.dot(ds.to(k.dtype), k), dq2
 
 
 @triton.jit
-def _softmax_block(q, k, v, valid, scale_log2, m_i, l_i, acc):
+def _softmax_block(q, q2, k, k2, v, valid, scale_log2, m_i, l_i, acc, BDK2: tl.constexpr):
     # online softmax over one block: running max m_i [M], sum l_i [M] and acc [M, BDV] (log2 units)
-    s = score_dot(q, tl.trans(k)) * scale_log2  # [M, BS]
-    return online_softmax_step(s, valid, v, m_i, l_i, acc)
+    s = score_dot(q, tl.trans(k))  # [M, BS]
+    if BDK2 > 0:
+        s += score_dot(q2, tl.trans(k2))
+    return online_softmax_step(s * scale_log2, valid, v, m_i, l_i, acc)
+
+
+@triton.jit
+def _key_tail(k_base, o_k, sk_t, T, k, BDK: tl.constexpr, BDK2: tl.constexpr, UPCAST: tl.constexpr):
+    # the tail [BS, BDK2] of a split head dim of the keys at positions o_k [BS] (k itself without one)
+    k2 = k
+    if BDK2 > 0:
+        k2 = load_tail(k_base + o_k.to(tl.int64) * sk_t, o_k < T, True, BDK, BDK2, UPCAST, False)
+    return k2
+
+
+@triton.jit
+def _store_dq(DQ, row, m_r, dq, dq2, scale, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr):
+    o_dk = tl.arange(0, BDK)
+    tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=m_r[:, None] & (o_dk < DK)[None, :])
+    if BDK2 > 0:
+        store_tail(DQ + row * DK, dq2 * scale, m_r, BDK, BDK2)
 
 
 @triton.jit
@@ -439,13 +481,15 @@ def _selected_kernel(
     Q, K, V, BI, O, LSE, DO, DELTA, DQ,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NSEL, scale, scale_log2,
-    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
-    BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr, UPCAST: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
+    GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # Forward (BACKWARD=False): O, LSE. Backward: DQ only (dk/dv: `_selected_dkv_kernel`).
     # O, DO, DQ contiguous [B, T, HQ, D]; BI contiguous [B, T, HKV, NSEL].
     M: tl.constexpr = BT * GP
-    i_b, i_hk, t0, r_t, m_r, row, q = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, GP, BT, UPCAST)
+    i_b, i_hk, t0, r_t, m_r, row, q, q2 = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, BDK2, GP, BT,
+                                                         UPCAST)
     HKV = HQ // G
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
@@ -463,6 +507,9 @@ def _selected_kernel(
     if BACKWARD:
         do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
         dq = tl.zeros([M, BDK], tl.float32)
+        dq2 = tl.zeros([M, 16], tl.float32)  # the tail's (unused without one)
+        if BDK2 > 0:
+            dq2 = tl.zeros([M, BDK2], tl.float32)
     else:
         m_i, l_i, acc = softmax_start(M, BDV)
 
@@ -480,14 +527,14 @@ def _selected_kernel(
                 valid = row_has[:, None] & (o_k[None, :] <= r_t[:, None]) & m_r[:, None]  # [M, BS]
                 # k [BS, BDK], v [BS, BDV]
                 k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)
+                k2 = _key_tail(k_base, o_k, sk_t, T, k, BDK, BDK2, UPCAST)
                 if BACKWARD:
-                    dq = _dq_block(q, k, v, do, lse, delta, valid, scale_log2, dq)
+                    dq, dq2 = _dq_block(q, q2, k, k2, v, do, lse, delta, valid, scale_log2, dq, dq2, BDK2)
                 else:
-                    m_i, l_i, acc = _softmax_block(q, k, v, valid, scale_log2, m_i, l_i, acc)
+                    m_i, l_i, acc = _softmax_block(q, q2, k, k2, v, valid, scale_log2, m_i, l_i, acc, BDK2)
 
     if BACKWARD:
-        tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
-                 mask=m_r[:, None] & (o_dk < DK)[None, :])
+        _store_dq(DQ, row, m_r, dq, dq2, scale, DK, BDK, BDK2)
     else:
         _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV)
 
@@ -497,14 +544,16 @@ def _selected_pipelined_kernel(
     Q, K, V, BI, O, LSE, DO, DELTA, DQ,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NSEL, scale, scale_log2,
-    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
-    BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr, UPCAST: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
+    GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # Same contract as `_selected_kernel`. The distinct usable blocks of the BT lists are numbered
     # 0 .. n_blk-1 up front; iteration i reads block i, with no branch, so loads can run ahead.
     M: tl.constexpr = BT * GP
     N: tl.constexpr = BT * NP
-    i_b, i_hk, t0, r_t, m_r, row, q = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, GP, BT, UPCAST)
+    i_b, i_hk, t0, r_t, m_r, row, q, q2 = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, BDK2, GP, BT,
+                                                         UPCAST)
     HKV = HQ // G
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
@@ -536,6 +585,9 @@ def _selected_pipelined_kernel(
     if BACKWARD:
         do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
         dq = tl.zeros([M, BDK], tl.float32)
+        dq2 = tl.zeros([M, 16], tl.float32)  # the tail's (unused without one)
+        if BDK2 > 0:
+            dq2 = tl.zeros([M, BDK2], tl.float32)
     else:
         m_i, l_i, acc = softmax_start(M, BDV)
 
@@ -547,14 +599,14 @@ def _selected_pipelined_kernel(
             pos_has = tl.max((idx == blk).to(tl.int32), 1) > 0  # [BT]
             valid = valid & tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])[:, None]
         k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)  # [BS, BDK/BDV]
+        k2 = _key_tail(k_base, o_k, sk_t, T, k, BDK, BDK2, UPCAST)
         if BACKWARD:
-            dq = _dq_block(q, k, v, do, lse, delta, valid, scale_log2, dq)
+            dq, dq2 = _dq_block(q, q2, k, k2, v, do, lse, delta, valid, scale_log2, dq, dq2, BDK2)
         else:
-            m_i, l_i, acc = _softmax_block(q, k, v, valid, scale_log2, m_i, l_i, acc)
+            m_i, l_i, acc = _softmax_block(q, q2, k, k2, v, valid, scale_log2, m_i, l_i, acc, BDK2)
 
     if BACKWARD:
-        tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
-                 mask=m_r[:, None] & (o_dk < DK)[None, :])
+        _store_dq(DQ, row, m_r, dq, dq2, scale, DK, BDK, BDK2)
     else:
         _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV)
 
@@ -576,12 +628,13 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
     if SELECTED_WALK not in _SELECTED_WALKS:
         raise ValueError(f"SELECTED_WALK must be one of {sorted(_SELECTED_WALKS)}, got {SELECTED_WALK!r}")
     dummy = o if o is not None else dq
+    BDK, BDK2 = dk_tiles(DK)
     _SELECTED_WALKS[SELECTED_WALK][(triton.cdiv(T, BT), B * HKV)](
         q, k, v, bi, dummy, lse, do if do is not None else dummy, delta if delta is not None else lse,
         dq if dq is not None else dummy,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
-        DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
+        DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
         BACKWARD=backward, UPCAST=interpreting(),
         **(SELECTED_DQ_CONFIG if backward else SELECTED_FWD_CONFIG if BT == 1 else SELECTED_FWD_CONFIG_MULTI),
     )
@@ -595,8 +648,8 @@ def _selected_dkv_kernel(
     Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_CHUNK, SEG_START, POS, DK32, DV32, DQ32,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NS, NSEG, scale, scale_log2, CHUNK,
-    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
-    BQ: tl.constexpr, BS: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
+    GP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # One program per work item: up to CHUNK query positions (x G heads) of one (b, kv head, block)
     # segment, gathered BQ positions at a time into M = BQ * GP rows of one MMA. Partial dk/dv go
@@ -620,8 +673,8 @@ def _selected_dkv_kernel(
         m_k = o_k < T
         o_dk = tl.arange(0, BDK)
         o_dv = tl.arange(0, BDV)
-        k = tl.load(K + i_b * sk_b + i_hk * sk_h + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :],
-                    mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)  # [BS, BDK]
+        k_rows = K + i_b * sk_b + i_hk * sk_h + o_k.to(tl.int64) * sk_t  # [BS]
+        k = tl.load(k_rows[:, None] + o_dk[None, :], mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)
         v = tl.load(V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
                     mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BS, BDV]
         if UPCAST:
@@ -632,13 +685,19 @@ def _selected_dkv_kernel(
         r_h = i_hk * G + r_g  # [M] query head of each row
         dk = tl.zeros([BS, BDK], tl.float32)
         dv = tl.zeros([BS, BDV], tl.float32)
+        k2 = k  # the tail of a split head dim (`dk_tiles`) and its dk (unused without one)
+        dk2 = tl.zeros([BS, 16], tl.float32)
+        if BDK2 > 0:
+            k2 = load_tail(k_rows, m_k, True, BDK, BDK2, UPCAST, False)
+            dk2 = tl.zeros([BS, BDK2], tl.float32)
         for i0 in range(start, end, BQ):
             e = i0 + o_r // GP  # [M] entry of each row in the sorted list
             m_r = (e < end) & (r_g < G)
             r_t = tl.load(POS + e, mask=m_r, other=0)  # [M] query position of each row
             row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
-            q = tl.load(Q + i_b * sq_b + r_h[:, None] * sq_h + r_t[:, None].to(tl.int64) * sq_t
-                        + o_dk[None, :], mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)  # [M, BDK]
+            q_rows = Q + i_b * sq_b + r_h * sq_h + r_t.to(tl.int64) * sq_t  # [M]
+            q = tl.load(q_rows[:, None] + o_dk[None, :], mask=m_r[:, None] & (o_dk < DK)[None, :],
+                        other=0.0)  # [M, BDK]
             do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :],
                          other=0.0)  # [M, BDV]
             if UPCAST:
@@ -647,20 +706,35 @@ def _selected_dkv_kernel(
             lse = tl.load(LSE + row, mask=m_r, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
             delta = tl.load(DELTA + row, mask=m_r, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2  # [M, BS]
+            s = tl.dot(q, tl.trans(k))  # [M, BS]
+            q2 = q
+            if BDK2 > 0:
+                q2 = load_tail(q_rows, m_r, True, BDK, BDK2, UPCAST, False)
+                s += tl.dot(q2, tl.trans(k2))
             valid = (o_k[None, :] <= r_t[:, None]) & m_r[:, None]
-            pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)  # [M, BS]
+            pr = tl.where(valid, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)  # [M, BS]
             dp = tl.dot(do, tl.trans(v))  # [M, BS]
             ds = pr * (dp - delta[:, None])
             dv += tl.dot(tl.trans(pr.to(do.dtype)), do)  # [BS, BDV]
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)  # [BS, BDK]
+            if BDK2 > 0:
+                dk2 += tl.dot(tl.trans(ds.to(q2.dtype)), q2)  # [BS, BDK2]
             if FUSE_DQ:
                 dq = tl.dot(ds.to(k.dtype), k)  # [M, BDK]
                 tl.atomic_add(DQ32 + row[:, None] * DK + o_dk[None, :], dq * scale,
                               mask=m_r[:, None] & (o_dk < DK)[None, :], sem="relaxed")
+                if BDK2 > 0:
+                    o_dk2 = BDK + tl.arange(0, BDK2)
+                    dq2 = tl.dot(ds.to(k2.dtype), k2)  # [M, BDK2]
+                    tl.atomic_add(DQ32 + row[:, None] * DK + o_dk2[None, :], dq2 * scale, mask=m_r[:, None],
+                                  sem="relaxed")
         kv_row = (i_b * T + o_k.to(tl.int64)) * HKV + i_hk  # [BS]
         tl.atomic_add(DK32 + kv_row[:, None] * DK + o_dk[None, :], dk * scale,
                       mask=m_k[:, None] & (o_dk < DK)[None, :], sem="relaxed")
+        if BDK2 > 0:
+            o_dk2 = BDK + tl.arange(0, BDK2)
+            tl.atomic_add(DK32 + kv_row[:, None] * DK + o_dk2[None, :], dk2 * scale, mask=m_k[:, None],
+                          sem="relaxed")
         tl.atomic_add(DV32 + kv_row[:, None] * DV + o_dv[None, :], dv,
                       mask=m_k[:, None] & (o_dv < DV)[None, :], sem="relaxed")
 
@@ -739,11 +813,12 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
     chunk = BQ * (4 if interpreting() else 64)  # positions per work item
     pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk)
     ns = triton.cdiv(T, select_size)
+    BDK, BDK2 = dk_tiles(DK)
     _selected_dkv_kernel[(item_seg.numel(),)](
         q, k, v, do, lse, delta, item_seg, item_chunk, seg_start, pos, dk32, dv32, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, scale, scale * LOG2E, chunk,
-        DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, FUSE_DQ=fuse_dq,
+        DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, FUSE_DQ=fuse_dq,
         UPCAST=interpreting(), **launch,
     )
     return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)

@@ -111,7 +111,7 @@ for part, kernel, pointers in (("fwd", u._band_fwd_kernel, ["*bf16"] * 4 + ["*fp
                                ("dkv", u._band_bwd_dkv_kernel, ["*bf16"] * 4 + ["*fp32"] * 4)):
     for branch in ("cmp", "swa"):
         cfg = u._band_config(None if branch == "cmp" else 512, part, torch.bfloat16)
-        consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDV=128, BM=cfg.pop("BM"),
+        consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDK2=0, BDV=128, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=True)
         k = compile_sm90(kernel, pointers_then_scalars(kernel, pointers, consts), consts, cfg)
         out[f"{part} {branch}"] = dict(shared=k.metadata.shared, loops=k.asm["ttgir"].count("scf.for"))

@@ -39,18 +39,18 @@ def prefill(name, dtype, D, DV=None):
     # the prefill's kernels at Dk = D, Dv = DV (default D) as the defaults launch them:
     # {kernel, dtype and dims: bytes}
     DV = DV or D
-    BD, BDV = u.pow2(D), u.pow2(DV)
+    (BD, BD2), BDV = u.dk_tiles(D), u.pow2(DV)  # a split head dim: two MMAs
     out = {}
     p = "*" + name
     for branch in ("cmp", "swa"):
         cfg = u._band_config(None if branch == "cmp" else 512, "dkv", dtype, D, DV)
-        consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDV=BDV, BM=cfg.pop("BM"),
+        consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False,
                       SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "dkv"))
         pointers = [p] * 4 + ["*fp32"] * 4
         out[f"band dkv {branch} {name}"] = shared(u._band_bwd_dkv_kernel, pointers, consts, cfg)
         cfg = u._band_config(None if branch == "cmp" else 512, "fwd", dtype, D, DV)
-        consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDV=BDV, BM=cfg.pop("BM"),
+        consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False,
                       SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "fwd"))
         out[f"band fwd {branch} {name}"] = shared(u._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
@@ -62,26 +62,27 @@ def prefill(name, dtype, D, DV=None):
     for GP in (16, 4, 1):  # fewer heads: more positions a program
         launch = s.importance_launch("reshape", GP, dtype, D)
         rows = launch.pop("rows")
-        consts = dict(DK=D, BDK=BD, GP=GP, BT=rows // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
+        consts = dict(DK=D, BDK=BD, BDK2=BD2, GP=GP, BT=rows // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
                       RESHAPE=True, K=1, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
                       LANES=s.IMPORTANCE_LANE_MAP, block_len=32, stride=16, select_size=64)
         out[f"importance G'={GP} {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                    launch)
     GP = 16
-    consts = dict(DK=D, DV=DV, BDK=BD, BDV=BDV, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False, UPCAST=False)
+    consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False,
+                  UPCAST=False)
     selected = [p] * 3 + ["*i32", p, "*fp32"] + [p, "*fp32", p]
     fwd = s._selected_pipelined_kernel
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG)
     consts = dict(consts, GP=4, BT=4)  # G = 4: four positions a program
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG_MULTI)
     launch = s.importance_launch("broadcast", GP, dtype, D)
-    consts = dict(DK=D, BDK=BD, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
-                  RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK, LANES=False,
-                  block_len=32, stride=16, select_size=64)
+    consts = dict(DK=D, BDK=BD, BDK2=BD2, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4,
+                  GROUP_FIRST=True, RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
+                  LANES=False, block_len=32, stride=16, select_size=64)
     out[f"importance broadcast {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                  launch)
     config = s.selected_dkv_launch(dtype, D, DV)
-    consts = dict(DK=D, DV=DV, BDK=BD, BDV=BDV, GP=GP, BQ=max(1, config.pop("rows") // GP), BS=64,
+    consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BQ=max(1, config.pop("rows") // GP), BS=64,
                   FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False)
     out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + ["*i32"] * 4
                                          + ["*fp32"] * 3, consts, config)

@@ -139,7 +139,7 @@ def compile_importance(mapping, rows, G=16, d=128, geometry=(32, 16, 64)):
     reshape = mapping == "reshape" and k <= selection.IMPORTANCE_RESHAPE_MAX_K
     GP = selection.pow2(G, 1)
     ratio = select_size // stride
-    consts = dict(DK=d, BDK=d, GP=GP, BT=max(1, rows // GP), BNS=16, RATIO=ratio, GROUP_FIRST=True,
+    consts = dict(DK=d, BDK=d, BDK2=0, GP=GP, BT=max(1, rows // GP), BNS=16, RATIO=ratio, GROUP_FIRST=True,
                   RESHAPE=reshape, K=k if reshape else 0, UPCAST=False,
                   SPLIT_MASK=selection.IMPORTANCE_SPLIT_MASK,
                   LANES=reshape and selection.IMPORTANCE_LANE_MAP and ratio == 4)

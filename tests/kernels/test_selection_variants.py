@@ -125,7 +125,7 @@ def compile_for_h200(kernel, *, backward, config, G=16, d=128, select_size=64, n
     as a launch at that shape would (all divisible by 16). Runs in the calling process, which must
     not have run the interpreter (it leaves triton.language patched): see `compiled_in_subprocess`."""
     GP, BT = selection.pow2(G, 1), max(1, selection.SELECTED_ROWS // G)
-    consts = dict(DK=d, DV=d, BDK=d, BDV=d, GP=GP, BT=BT, BS=select_size, NP=n, BACKWARD=backward,
+    consts = dict(DK=d, DV=d, BDK=d, BDK2=0, BDV=d, GP=GP, BT=BT, BS=select_size, NP=n, BACKWARD=backward,
                   UPCAST=False)
     types = ["*bf16", "*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16"] + ["i32"] * 13
     types += ["fp32", "fp32"]

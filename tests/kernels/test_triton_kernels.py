@@ -217,6 +217,45 @@ def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv, selecte
         assert rel_err(a, b) < TOL
 
 
+
+def test_dk_tiles():
+    """Head dims that are the sum of two powers of two >= 16 split; the others pad."""
+    from nsa_eval.kernels._triton_utils import dk_tiles
+
+    split = [(128, 64), (64, 32), (128, 32), (32, 16), (64, 16)]
+    assert [dk_tiles(d) for d in (192, 96, 160, 48, 80)] == split
+    padded = [(128, 0), (256, 0), (16, 0), (32, 0), (128, 0), (256, 0)]
+    assert [dk_tiles(d) for d in (128, 256, 16, 24, 112, 200)] == padded
+
+
+@pytest.mark.parametrize("split, walk, selected_dq", [
+    (True, "pipelined", "fused"), (True, "union", "walk"), (False, "pipelined", "fused"),
+], ids=["split", "split-union-dq-walk", "padded"])
+def test_split_head_dim(monkeypatch, split, walk, selected_dq):
+    """Dk = 48 = 32 + 16 (as the paper's 192 = 128 + 64): every prefill kernel runs its score products
+    and dq / dk in two column tiles (`_triton_utils.dk_tiles`), or padded to 64 with SPLIT_DK off.
+    nsa_attention(impl="triton") against the reference: blocks, output and gradients (the banded
+    forwards, dq and dk/dv of both branches, the importances, both selected walks, the fused dq and
+    the dq walk, the selected dk/dv)."""
+    from nsa_eval import kernels
+    from nsa_eval.kernels import _triton_utils, selection
+
+    monkeypatch.setattr(_triton_utils, "SPLIT_DK", split)
+    monkeypatch.setattr(selection, "SELECTED_WALK", walk)
+    monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
+    B, T, hq, hkv, dk, dv = 1, 72, 4, 2, 48, 16
+    x = make(B, T, hq, hkv, dk, dv, seed=21)
+    g = torch.Generator().manual_seed(22)
+    gates = [torch.rand(B, T, hq, generator=g).requires_grad_() for _ in range(3)]
+    ins = (x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates)
+    params = dict(select_size=16, num_selected=3, window=20)
+    o, idx = kernels.nsa_attention(*ins, impl="triton", return_block_indices=True, **params)
+    o_ref, idx_ref = kernels.nsa_attention(*ins, impl="reference", return_block_indices=True, **params)
+    assert torch.equal(idx, idx_ref)
+    assert rel_err(o, o_ref) < TOL
+    for a, b in zip(grads([o], ins), grads([o_ref], ins), strict=True):
+        assert rel_err(a, b) < TOL
+
 def test_gate_backward_deltas_and_sum3():
     """The gate backward's deltas equal each branch's rowsum(o_x * do_x); `sum3` equals its float32
     reference, for mixed input dtypes, and rounds once to bf16."""
