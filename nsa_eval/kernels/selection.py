@@ -105,6 +105,10 @@ SELECTED_ROWS = 16
 # warps 23.47 ms against 24.07 for 4 (run 9); at 2 warps, 2 stages 22.51 against 23.70 for 3 (run 10).
 SELECTED_FWD_CONFIG = dict(num_warps=1, num_stages=2)
 SELECTED_FWD_CONFIG_MULTI = dict(num_warps=2, num_stages=2)
+# q/k dims past 128 (the paper's 192) run the one-position forward over at least this many warps: one
+# warp holds 16 rows of q in two tiles and the scores; run 45, the selected op at 64k and 192 / 128:
+# 20.27 ms at 2 warps against 27.10 at 1 (4 warps 20.45; padded to 256, 25.07 at 1 warp)
+SELECTED_FWD_WIDE_WARPS = 2
 SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
 # launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here) and its
 # rows (positions x G') per MMA; with SELECTED_DQ = "fused" at G = 16, d = 128, 64 rows compile to
@@ -636,8 +640,18 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
         DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
         BACKWARD=backward, UPCAST=interpreting(),
-        **(SELECTED_DQ_CONFIG if backward else SELECTED_FWD_CONFIG if BT == 1 else SELECTED_FWD_CONFIG_MULTI),
+        **(SELECTED_DQ_CONFIG if backward else selected_fwd_launch(BT, DK)),
     )
+
+
+def selected_fwd_launch(positions: int, dk: int) -> dict:
+    """num_warps and num_stages of the selected forward: `SELECTED_FWD_CONFIG` for one position per
+    program (G >= 16), `SELECTED_FWD_CONFIG_MULTI` for several; q/k dims past 128 take at least
+    `SELECTED_FWD_WIDE_WARPS`."""
+    config = dict(SELECTED_FWD_CONFIG if positions == 1 else SELECTED_FWD_CONFIG_MULTI)
+    if dk > 128:
+        config["num_warps"] = max(config["num_warps"], SELECTED_FWD_WIDE_WARPS)
+    return config
 
 
 # ---------------------------------------------------------------------------------------------

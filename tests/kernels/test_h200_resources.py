@@ -72,9 +72,9 @@ def prefill(name, dtype, D, DV=None):
                   UPCAST=False)
     selected = [p] * 3 + ["*i32", p, "*fp32"] + [p, "*fp32", p]
     fwd = s._selected_pipelined_kernel
-    out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG)
+    out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(1, D))
     consts = dict(consts, GP=4, BT=4)  # G = 4: four positions a program
-    out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.SELECTED_FWD_CONFIG_MULTI)
+    out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(4, D))
     launch = s.importance_launch("broadcast", GP, dtype, D)
     consts = dict(DK=D, BDK=BD, BDK2=BD2, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4,
                   GROUP_FIRST=True, RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
