@@ -20,6 +20,9 @@
 5. `dims192` (run 45): launch configurations at the paper's 192 / 128 (split): the banded dq and
    dk/dv (compression and window ops, forward+backward), the selected forward (split and padded)
    and the selected dk/dv (the selected op, forward+backward).
+6. `dims192b` (run 47): more at 192 / 128, on run 45's launches: banded dk/dv and dq tiles, the
+   window forward at 2 stages (its 3 stages need 147,456 bytes of shared memory, one program per SM)
+   and the importance kernel's rows and stages (select_blocks).
 """
 
 import sys
@@ -236,8 +239,39 @@ def probe_dims192(T, hq=64, hkv=4, dk=192, dv=128):
         print(f"T={T} Dk={dk} Dv={dv} selected fwd+bwd, {knobs or 'defaults'}: {ms:.2f} ms", flush=True)
 
 
+def probe_dims192b(T, hq=64, hkv=4, dk=192, dv=128):
+    x = dims_inputs(T, hq, hkv, dk, dv)
+    ops = {"cmp": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
+           "swa": lambda: sliding_window_attention(x["q"], x["k"], x["v"])}
+    for branch, fn in ops.items():
+        variants = (("dkv", {}), ("dkv", dict(num_warps=8)), ("dkv", dict(BM=32)),
+                    ("dkv", dict(BM=128, num_warps=8)), ("dq", dict(BN=32)))
+        for part, changes in variants:
+            ms = _with_flag(_triton_utils, "BAND_CONFIGS", band_variant(branch, part, **changes),
+                            lambda fn=fn: _time(_fwd_bwd(fn, x)))
+            print(f"T={T} Dk={dk} Dv={dv} {branch} fwd+bwd, {part} {changes or 'defaults'}: {ms:.2f} ms",
+                  flush=True)
+        for changes in ({}, dict(num_stages=2)):
+            with torch.no_grad():
+                ms = _with_flag(_triton_utils, "BAND_CONFIGS", band_variant(branch, "fwd", **changes),
+                                lambda fn=fn: _time(fn))
+            print(f"T={T} Dk={dk} Dv={dv} {branch} fwd, {changes or 'defaults'}: {ms:.2f} ms", flush=True)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        for changes in ({}, dict(rows=128), dict(num_stages=2), dict(rows=128, num_stages=2)):
+            config = dict(selection.IMPORTANCE_CONFIG)
+            config["reshape"] = dict(config["reshape"], **changes)
+            ms = with_knobs({"IMPORTANCE_CONFIG": config},
+                            lambda: _time(lambda: select_blocks(x["q"], x["k_cmp"], lse=lse)))
+            print(f"T={T} Dk={dk} Dv={dv} select_blocks, importance {changes or 'defaults'}: {ms:.2f} ms",
+                  flush=True)
+
+
 def main():
     parts = sys.argv[1:] or ["overlap", "g4"]
+    if parts == ["dims192b"]:
+        probe_dims192b(65536)
+        return
     if parts == ["dims"]:
         probe_dims(65536)
         return
