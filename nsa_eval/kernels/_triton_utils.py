@@ -704,18 +704,22 @@ def _band_config(window, part, dtype=torch.bfloat16, dk=128, dv=128):
             cfg.update(BM=64, BN=64, num_warps=4)
         if part == "fwd":
             cfg["num_stages"] = min(cfg["num_stages"], 2)
-    if dk > 128:
-        # q/k dims past 128 (the paper's 192): dk/dv holds three float32 accumulators of a key tile
-        # (dk in two parts when split) and spills (1,260 bytes at 192 / 128), so 32-key tiles; dq
-        # takes 32-key tiles too; the forward's third stage leaves one program per SM (the window's
-        # 147,456 bytes). Runs 45 and 47, 192 / 128 at 64k: compression forward+backward 90.49 ms
-        # with dk/dv at 32 keys against 100.22 (8 warps 94.69), then 90.56 with dq at 32 against 92.32;
-        # window 28.63 against 31.56, then 26.35 against 28.33; the window forward at 2 stages 4.75
-        # against 6.57, the compression's 12.60 against 12.84
-        if part in ("dq", "dkv"):
-            cfg["BN"] = min(cfg["BN"], 32)
-        else:
-            cfg["num_stages"] = min(cfg["num_stages"], 2)
+    if dk > 128 and part == "dkv":
+        # dk/dv past 128 q/k dims holds three float32 accumulators of a key tile (dk in two parts when
+        # split, `dk_tiles`) and spills (1,260 bytes at 192 / 128): 32-key tiles. Run 45, 192 / 128
+        # at 64k, forward+backward: compression 90.49 ms against 100.22 (8 warps 94.69), window 28.63
+        # against 31.56. With it and the selected forward's 2 warps, the NSA at 256 / 256 took 82.70 /
+        # 334.93 ms (run 46) against 97.93 / 380.25 (run 44)
+        cfg["BN"] = min(cfg["BN"], 32)
+    # The paper's 192: 32-key dq tiles, and 2 forward stages (at 3 the window's forward needs 147,456
+    # bytes, one program per SM). Run 47 at 64k: compression forward+backward 90.56 ms against 92.32,
+    # window 26.35 against 28.33; the window forward 4.75 against 6.57, the compression's 12.60 against
+    # 12.84. Taken at 256 too, they left the NSA at 85.44 / 349.47 ms (run 48) against 82.70 / 334.93
+    # without (run 46; two runs, whose 128 / 128 differed by 4%), so 256 keeps the launches above.
+    if 128 < dk <= 192 and part == "dq":
+        cfg["BN"] = min(cfg["BN"], 32)
+    if 128 < dk <= 192 and part == "fwd":
+        cfg["num_stages"] = min(cfg["num_stages"], 2)
     return cfg
 
 

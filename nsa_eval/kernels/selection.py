@@ -305,11 +305,12 @@ def importance_launch(map_name: str, GP: int, dtype: torch.dtype, dk: int = 128)
     (233,472-245,760 bytes at G' <= 4 against 232,448); G = 4 in bf16 ran slower at 256 rows
     (importance 1.91 ms in run 24's profile against 1.66 at 128 in run 22). Wide rows also keep at
     most 2 stages: float32 scores multiply in three tf32 passes (`score_dot`), which at 3 stages needs
-    262,144 bytes. q/k dims past 128 in 16-bit (the paper's 192) take the same launch: there the
-    defaults hold one program per SM (173,056 bytes); select_blocks at 64k and 192 / 128 took 9.05 ms
-    against 9.78 (run 47; 128 rows alone 10.96, 2 stages alone 10.54)."""
+    262,144 bytes. The paper's 192 in 16-bit takes the same launch: there the defaults hold one
+    program per SM (173,056 bytes); select_blocks at 64k and 192 / 128 took 9.05 ms against 9.78
+    (run 47; 128 rows alone 10.96, 2 stages alone 10.54). 256 keeps the defaults (`_band_config`
+    says why)."""
     launch = dict(IMPORTANCE_CONFIG[map_name])
-    wide = wide_rows(dtype, dk) or dk > 128
+    wide = wide_rows(dtype, dk) or 128 < dk <= 192
     if wide or GP < 16:
         launch["rows"] = min(launch["rows"], 128)
     if wide:
