@@ -847,7 +847,7 @@ def selected_dkv_launch(dtype, dk: int, dv: int) -> dict:
     the paper's 192 + 128) run at most 2 stages: in float32 at d = 128 a third buffer overflows the
     H200's shared memory (2 stages already take 230,144 of its 232,448 bytes). Past 192 + 128 they
     also take 32 rows: at 256 + 256 in bf16, 64 rows need 263,168 bytes at 3 stages and 262,912 at 2,
-    32 rows 147,840 at 2 (192 + 128: 214,272 at the defaults)."""
+    32 rows 147,840 at 2 (192 + 128: 214,272 at the defaults padded to 256, 156,928 split)."""
     config = dict(rows=SELECTED_DKV_ROWS, num_warps=8 if max(dk, dv) >= 128 else 4) | SELECTED_DKV_CONFIG
     if wide_rows(dtype, dk, dv):
         config["num_stages"] = min(config.get("num_stages", 2), 2)
