@@ -23,6 +23,8 @@
 6. `dims192b` (run 47): more at 192 / 128, on run 45's launches: banded dk/dv and dq tiles, the
    window forward at 2 stages (its 3 stages need 147,456 bytes of shared memory, one program per SM)
    and the importance kernel's rows and stages (select_blocks).
+7. `dims192c` (run 50): the compression's dk/dv at 192 / 128 on run 47's launches (32-key tiles,
+   64 queries, 4 warps, 2 stages), which still spills: other stages, query and key tiles.
 """
 
 import sys
@@ -267,8 +269,24 @@ def probe_dims192b(T, hq=64, hkv=4, dk=192, dv=128):
                   flush=True)
 
 
+def probe_dims192c(T, hq=64, hkv=4, dk=192, dv=128):
+    x = dims_inputs(T, hq, hkv, dk, dv)
+
+    def fn():
+        return compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0]
+
+    for changes in ({}, dict(num_stages=3), dict(num_stages=1), dict(BM=32), dict(BM=32, num_warps=2),
+                    dict(BN=16), dict(BN=16, num_warps=2)):
+        ms = _with_flag(_triton_utils, "BAND_CONFIGS", band_variant("cmp", "dkv", **changes),
+                        lambda: _time(_fwd_bwd(fn, x)))
+        print(f"T={T} Dk={dk} Dv={dv} cmp fwd+bwd, dkv {changes or 'defaults'}: {ms:.2f} ms", flush=True)
+
+
 def main():
     parts = sys.argv[1:] or ["overlap", "g4"]
+    if parts == ["dims192c"]:
+        probe_dims192c(65536)
+        return
     if parts == ["dims192b"]:
         probe_dims192b(65536)
         return
