@@ -25,6 +25,10 @@
    and the importance kernel's rows and stages (select_blocks).
 7. `dims192c` (run 50): the compression's dk/dv at 192 / 128 on run 47's launches (32-key tiles,
    64 queries, 4 warps, 2 stages), which still spills: other stages, query and key tiles.
+
+Sections 5-7 ran before the rules they led to (`_triton_utils._band_config` caps the dq and dk/dv
+key tiles at 32 past 128 q/k dims, `selection.selected_fwd_launch` takes 2 warps or more): run again,
+rows asking for more keys or 1 warp launch the capped configuration.
 """
 
 import sys

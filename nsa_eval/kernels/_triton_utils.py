@@ -34,7 +34,8 @@ def pow2(n: int, minimum: int = 16) -> int:
 
 
 # Whether a q/k head dim that is the sum of two powers of two runs its products in two parts (True),
-# or padded to the next power of two (False: the kernels before run 44). The benchmark times both.
+# or padded to the next power of two (False: the kernels before run 44).
+# `scripts/probe_prefill.py dims` times both.
 SPLIT_DK = True
 
 
@@ -678,7 +679,8 @@ BAND_LONGEST_FIRST = True
 
 def _launch(tiles: int, heads: int) -> tuple[tuple[int, int], int]:
     """(grid, longest_first) of a banded launch. The longest-first grid puts the tiles on CUDA's grid
-    y, which holds at most 65,535 (4M tokens in 64-token tiles): beyond that, index order."""
+    y, which holds at most 65,535 tiles (4M tokens in 64-token tiles, 2M keys in the 32-key dk/dv
+    tiles of q/k dims past 128): beyond that, index order."""
     longest_first = BAND_LONGEST_FIRST and tiles <= 65535
     return ((heads, tiles) if longest_first else (tiles, heads)), int(longest_first)
 
@@ -688,7 +690,8 @@ def wide_rows(dtype: torch.dtype, *dims: int) -> bool:
     alone) need launches smaller than the defaults to fit the H200's shared memory: float32 inputs
     (twice the bytes, and three tf32 passes in the forwards, `score_dot`), or 16-bit rows past 768
     bytes (the paper's 192 + 128 fit the defaults; 256 + 256 do not: the compression forward needed
-    262,144 of the H200's 232,448 bytes at its 3 stages, run 39)."""
+    262,144 of the H200's 232,448 bytes at its 3 stages, run 39). Split q/k dims (`dk_tiles`) count
+    padded too: 192 as 256, which keeps this bound on the safe side."""
     return dtype == torch.float32 or sum(pow2(d) for d in dims) * dtype.itemsize > 768
 
 

@@ -63,7 +63,8 @@ IMPORTANCE_GROUP_FIRST = True
 # select_blocks at 64k (run 8): reshape 10.43 ms with 128 rows / 8 warps, 11.20 with 64 / 4;
 # broadcast 16.41 with 64 rows, 31.35 with 128. With the lane map and unmasked chunks (80 registers at
 # 128 rows, 119 at 256), run 23: 256 rows / 8 warps 6.83 ms against 7.27 for 128 / 8. The 256 rows
-# apply where `importance_launch` allows them (16-bit inputs, G' >= 16); elsewhere 128.
+# apply where `importance_launch` allows them (16-bit inputs, G' >= 16, q/k dims outside (128, 192]);
+# elsewhere 128.
 IMPORTANCE_CONFIG = {"reshape": dict(rows=256, num_warps=8, num_stages=3),
                      "broadcast": dict(rows=64, num_warps=4, num_stages=3)}
 # How the group's probabilities pg [BT, BC] (IMPORTANCE_GROUP_FIRST) are mapped onto the chunk's BNS
@@ -649,10 +650,10 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
 
 def selected_fwd_launch(positions: int, dk: int) -> dict:
     """num_warps and num_stages of the selected forward: `SELECTED_FWD_CONFIG` for one position per
-    program (G >= 16), `SELECTED_FWD_CONFIG_MULTI` for several; q/k dims past 128 take at least
-    `SELECTED_FWD_WIDE_WARPS`."""
+    program (G >= 16), `SELECTED_FWD_CONFIG_MULTI` for several; with one position, q/k dims past 128
+    take at least `SELECTED_FWD_WIDE_WARPS`."""
     config = dict(SELECTED_FWD_CONFIG if positions == 1 else SELECTED_FWD_CONFIG_MULTI)
-    if dk > 128:
+    if dk > 128 and positions == 1:
         config["num_warps"] = max(config["num_warps"], SELECTED_FWD_WIDE_WARPS)
     return config
 

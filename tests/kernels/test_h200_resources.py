@@ -115,7 +115,9 @@ def test_default_launches_fit_h200_shared_memory():
 def test_widest_head_dims_fit_h200_shared_memory():
     """The largest head dims the Triton kernels take (`_validate.TRITON_MAX_HEAD_DIM`): the prefill's
     kernels and the fused decode's four launches at Dk = Dv = 256 in bf16 (smaller launches,
-    `wide_rows`), the prefill's at the paper's Dk = 192, Dv = 128 in bf16 (the defaults), and the
+    `wide_rows`), the prefill's at the paper's Dk = 192, Dv = 128 in bf16 (split in two column tiles,
+    `dk_tiles`, on the launches of dims past 128: `_band_config`, `importance_launch`,
+    `selected_fwd_launch`), and the
     decode's at 128 in float32 (the prefill's: the test above). A float32 launch at 256 would need up
     to 460 KB."""
     assert _validate.TRITON_MAX_HEAD_DIM == {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}

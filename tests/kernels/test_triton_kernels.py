@@ -217,7 +217,6 @@ def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv, selecte
         assert rel_err(a, b) < TOL
 
 
-
 def test_dk_tiles():
     """Head dims that are the sum of two powers of two >= 16 split; the others pad."""
     from nsa_eval.kernels._triton_utils import dk_tiles
@@ -255,6 +254,7 @@ def test_split_head_dim(monkeypatch, split, walk, selected_dq):
     assert rel_err(o, o_ref) < TOL
     for a, b in zip(grads([o], ins), grads([o_ref], ins), strict=True):
         assert rel_err(a, b) < TOL
+
 
 def test_gate_backward_deltas_and_sum3():
     """The gate backward's deltas equal each branch's rowsum(o_x * do_x); `sum3` equals its float32
