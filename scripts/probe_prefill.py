@@ -1,6 +1,7 @@
-"""Questions about the prefill forward, timed side by side on one GPU (runs 37-38 on the H200).
+"""Questions about the prefill forward, timed side by side on one GPU (runs 37-50 on the H200).
 
-    PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4] [dims]   (default: overlap, g4)
+    PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4]   (default: both)
+    PYTHONPATH=. python3 scripts/probe_prefill.py dims | dims192 | dims192b | dims192c
 
 1. Overlap of the branches across KV heads. The compression forward and the importances are
    compute-bound, the selected walk waits on L2 reads. The benchmark's heads split into P
@@ -286,19 +287,14 @@ def probe_dims192c(T, hq=64, hkv=4, dk=192, dv=128):
         print(f"T={T} Dk={dk} Dv={dv} cmp fwd+bwd, dkv {changes or 'defaults'}: {ms:.2f} ms", flush=True)
 
 
+HEAD_DIM_PROBES = {"dims": probe_dims, "dims192": probe_dims192, "dims192b": probe_dims192b,
+                   "dims192c": probe_dims192c}  # at 64k, one per call
+
+
 def main():
     parts = sys.argv[1:] or ["overlap", "g4"]
-    if parts == ["dims192c"]:
-        probe_dims192c(65536)
-        return
-    if parts == ["dims192b"]:
-        probe_dims192b(65536)
-        return
-    if parts == ["dims"]:
-        probe_dims(65536)
-        return
-    if parts == ["dims192"]:
-        probe_dims192(65536)
+    if len(parts) == 1 and parts[0] in HEAD_DIM_PROBES:
+        HEAD_DIM_PROBES[parts[0]](65536)
         return
     for T in (8192, 65536):
         if "g4" in parts:

@@ -194,25 +194,32 @@ def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv, selecte
     selection's keys/values or having its own; as one autograd op (prefill.FUSED_BACKWARD: deltas
     from the gate backward, one dq sum; also with the selected dq walked instead of fused) and
     composed from the branches' own ops."""
-    from nsa_eval import kernels
     from nsa_eval.kernels import prefill, selection
 
     monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
     monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
-    B, T, hq, hkv, dk, dv = 1, 72, 4, 2, 16, 16
-    x = make(B, T, hq, hkv, dk, dv, seed=11)
-    g = torch.Generator().manual_seed(12)
+    assert_nsa_attention_matches_reference(16, 16, seed=11, own_window=window_kv == "own")
+
+
+def assert_nsa_attention_matches_reference(dk, dv, *, seed, own_window=False):
+    """nsa_attention(impl="triton") against the reference at B = 1, T = 72, 4 / 2 heads, with gates:
+    the blocks, the output and every gradient (of the window's own keys/values too, if it has them)."""
+    from nsa_eval import kernels
+
+    B, T, hq, hkv = 1, 72, 4, 2
+    x = make(B, T, hq, hkv, dk, dv, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
     gates = [torch.rand(B, T, hq, generator=g).requires_grad_() for _ in range(3)]
     ins = (x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates)
     params = dict(select_size=16, num_selected=3, window=20)
-    if window_kv == "own":
-        y = make(B, T, hq, hkv, dk, dv, seed=13)
+    if own_window:
+        y = make(B, T, hq, hkv, dk, dv, seed=seed + 2)
         params.update(k_swa=y["k"], v_swa=y["v"])
     o, idx = kernels.nsa_attention(*ins, impl="triton", return_block_indices=True, **params)
     o_ref, idx_ref = kernels.nsa_attention(*ins, impl="reference", return_block_indices=True, **params)
     assert torch.equal(idx, idx_ref)
     assert rel_err(o, o_ref) < TOL
-    wrt = ins + ((params["k_swa"], params["v_swa"]) if window_kv == "own" else ())
+    wrt = ins + ((params["k_swa"], params["v_swa"]) if own_window else ())
     for a, b in zip(grads([o], wrt), grads([o_ref], wrt), strict=True):
         assert rel_err(a, b) < TOL
 
@@ -236,24 +243,12 @@ def test_split_head_dim(monkeypatch, split, walk, selected_dq):
     nsa_attention(impl="triton") against the reference: blocks, output and gradients (the banded
     forwards, dq and dk/dv of both branches, the importances, both selected walks, the fused dq and
     the dq walk, the selected dk/dv)."""
-    from nsa_eval import kernels
     from nsa_eval.kernels import _triton_utils, selection
 
     monkeypatch.setattr(_triton_utils, "SPLIT_DK", split)
     monkeypatch.setattr(selection, "SELECTED_WALK", walk)
     monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
-    B, T, hq, hkv, dk, dv = 1, 72, 4, 2, 48, 16
-    x = make(B, T, hq, hkv, dk, dv, seed=21)
-    g = torch.Generator().manual_seed(22)
-    gates = [torch.rand(B, T, hq, generator=g).requires_grad_() for _ in range(3)]
-    ins = (x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates)
-    params = dict(select_size=16, num_selected=3, window=20)
-    o, idx = kernels.nsa_attention(*ins, impl="triton", return_block_indices=True, **params)
-    o_ref, idx_ref = kernels.nsa_attention(*ins, impl="reference", return_block_indices=True, **params)
-    assert torch.equal(idx, idx_ref)
-    assert rel_err(o, o_ref) < TOL
-    for a, b in zip(grads([o], ins), grads([o_ref], ins), strict=True):
-        assert rel_err(a, b) < TOL
+    assert_nsa_attention_matches_reference(48, 16, seed=21)
 
 
 def test_gate_backward_deltas_and_sum3():
