@@ -106,6 +106,31 @@ def store_tail(row_ptrs, x, m_rows, BDK: tl.constexpr, BDK2: tl.constexpr):
 
 
 @triton.jit
+def load_rows(row_ptrs, m_rows, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
+              UPCAST: tl.constexpr):
+    # q/k rows starting at row_ptrs [R] (rows where m_rows is false read as 0): x [R, BDK] (columns past
+    # DK as 0) and the tail of a split head dim x2 [R, BDK2] (`dk_tiles`; x itself without one)
+    o_d = tl.arange(0, BDK)
+    x = tl.load(row_ptrs[:, None] + o_d[None, :], mask=m_rows[:, None] & (o_d < DK)[None, :], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    x2 = x
+    if BDK2 > 0:
+        x2 = load_tail(row_ptrs, m_rows, True, BDK, BDK2, UPCAST, False)
+    return x, x2
+
+
+@triton.jit
+def split_zeros(R: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr):
+    # float32 accumulators of a q/k dim: [R, BDK] and the tail's [R, BDK2] (a [R, 16] placeholder
+    # without one)
+    acc2 = tl.zeros([R, 16], tl.float32)
+    if BDK2 > 0:
+        acc2 = tl.zeros([R, BDK2], tl.float32)
+    return tl.zeros([R, BDK], tl.float32), acc2
+
+
+@triton.jit
 def overlap_weights(stride, block_len, select_size, BC: tl.constexpr, BNS: tl.constexpr):
     """Geometric overlap weights of one chunk, divided by d: compressed block ii (tokens
     [ii*d, ii*d + l) from the chunk's start) with selection block jj of this chunk (main) and of the
@@ -364,16 +389,9 @@ def _band_fwd_kernel(
     i_hk = i_h // G
     t0 = i_m * BM
     o_t = t0 + tl.arange(0, BM)  # [BM] query positions
-    o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
     m_t = o_t < T
-    q_rows = Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t  # [BM]
-    q = tl.load(q_rows[:, None] + o_dk[None, :], mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    q2 = q  # the tail of a split head dim [BM, BDK2] (unused without one)
-    if BDK2 > 0:
-        q2 = load_tail(q_rows, m_t, True, BDK, BDK2, UPCAST, False)
+    q, q2 = load_rows(Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t, m_t, DK, BDK, BDK2, UPCAST)
     k_base = K + i_b * sk_b + i_hk * sk_h
     v_base = V + i_b * sv_b + i_hk * sv_h
 
@@ -471,21 +489,14 @@ def _band_bwd_dq_kernel(
     o_dv = tl.arange(0, BDV)
     m_t = o_t < T
     row = (i_b * T + o_t.to(tl.int64)) * HQ + i_h  # [BM] flat (b, t, h)
-    q_rows = Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t  # [BM]
-    q = tl.load(q_rows[:, None] + o_dk[None, :], mask=m_t[:, None] & (o_dk < DK)[None, :], other=0.0)
+    q, q2 = load_rows(Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t, m_t, DK, BDK, BDK2, UPCAST)
     do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_t[:, None] & (o_dv < DV)[None, :],
                  other=0.0)  # [BM, BDV]
     lse = tl.load(LSE + row, mask=m_t, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
     delta = tl.load(DELTA + row, mask=m_t, other=0.0)
     if UPCAST:
-        q = q.to(tl.float32)
         do = do.to(tl.float32)
-    q2 = q  # the tail of a split head dim and its dq (unused without one)
-    dq2 = tl.zeros([BM, 16], tl.float32)
-    if BDK2 > 0:
-        q2 = load_tail(q_rows, m_t, True, BDK, BDK2, UPCAST, False)
-        dq2 = tl.zeros([BM, BDK2], tl.float32)
     k_base = K + i_b * sk_b + i_hk * sk_h
     v_base = V + i_b * sv_b + i_hk * sv_h
     t_last = tl.minimum(t0 + BM - 1, T - 1)
@@ -493,7 +504,7 @@ def _band_bwd_dq_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(t0 - window + 1, 0) // BN * BN
-    dq = tl.zeros([BM, BDK], tl.float32)
+    dq, dq2 = split_zeros(BM, BDK, BDK2)
     if SPLIT_MASK:
         mid_lo, mid_hi = _key_interior(t0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
         if HAS_WINDOW:  # tiles at the window's start
@@ -599,25 +610,18 @@ def _band_bwd_dkv_kernel(
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
     m_k = o_k < TK
-    k_rows = K + i_b * sk_b + i_hk * sk_h + o_k.to(tl.int64) * sk_t  # [BN]
-    k = tl.load(k_rows[:, None] + o_dk[None, :], mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)
+    k, k2 = load_rows(K + i_b * sk_b + i_hk * sk_h + o_k.to(tl.int64) * sk_t, m_k, DK, BDK, BDK2, UPCAST)
     v = tl.load(V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
                 mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
     if UPCAST:
-        k = k.to(tl.float32)
         v = v.to(tl.float32)
     k_pos = o_k * key_stride + key_offset
     lo = tl.minimum(k0 * key_stride + key_offset, T) // BM * BM
     hi = T
     if HAS_WINDOW:
         hi = tl.minimum((k0 + BN - 1) * key_stride + key_offset + window, T)
-    dk = tl.zeros([BN, BDK], tl.float32)
+    dk, dk2 = split_zeros(BN, BDK, BDK2)
     dv = tl.zeros([BN, BDV], tl.float32)
-    k2 = k  # the tail of a split head dim and its dk (unused without one)
-    dk2 = tl.zeros([BN, 16], tl.float32)
-    if BDK2 > 0:
-        k2 = load_tail(k_rows, m_k, True, BDK, BDK2, UPCAST, False)
-        dk2 = tl.zeros([BN, BDK2], tl.float32)
     mid_lo, mid_hi = _query_interior(k0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW, BM,
                                      BN)
     for j in range(0, heads):

@@ -38,6 +38,7 @@ from nsa_eval.kernels._triton_utils import (
     dk_tiles,
     interpreting,
     load_kv,
+    load_rows,
     load_tail,
     online_softmax_step,
     overlap_weights,
@@ -46,6 +47,7 @@ from nsa_eval.kernels._triton_utils import (
     score_dot,
     softmax_result,
     softmax_start,
+    split_zeros,
     store_tail,
     topk_blocks,
     wide_rows,
@@ -148,14 +150,8 @@ def _importance_kernel(
     r_g = o_r % GP
     m_r = (r_t < T) & (r_g < G)
     o_dk = tl.arange(0, BDK)
-    q_rows = Q + i_b * sq_b + (i_hk * G + r_g) * sq_h + r_t.to(tl.int64) * sq_t  # [M]
-    q = tl.load(q_rows[:, None] + o_dk[None, :], mask=m_r[:, None] & (o_dk < DK)[None, :],
-                other=0.0)  # [M, BDK]
-    if UPCAST:
-        q = q.to(tl.float32)
-    q2 = q  # the tail [M, BDK2] of a split head dim (`dk_tiles`; unused without one)
-    if BDK2 > 0:
-        q2 = load_tail(q_rows, m_r, True, BDK, BDK2, UPCAST, False)
+    q, q2 = load_rows(Q + i_b * sq_b + (i_hk * G + r_g) * sq_h + r_t.to(tl.int64) * sq_t, m_r, DK, BDK, BDK2,
+                      UPCAST)  # [M, BDK], [M, BDK2]
     lse = tl.load(LSE + (i_b * T + r_t) * HQ + i_hk * G + r_g, mask=m_r, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634  # [M]
     k_base = KC + i_b * sk_b + i_hk * sk_h
@@ -409,14 +405,7 @@ def _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK: tl.constexpr, BDK: tl.cons
     r_h = i_hk * G + o_r % GP
     m_r = (r_t < T) & (o_r % GP < G)
     row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
-    o_dk = tl.arange(0, BDK)
-    q_rows = Q + i_b * sq_b + r_h * sq_h + r_t.to(tl.int64) * sq_t  # [M]
-    q = tl.load(q_rows[:, None] + o_dk[None, :], mask=m_r[:, None] & (o_dk < DK)[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    q2 = q
-    if BDK2 > 0:
-        q2 = load_tail(q_rows, m_r, True, BDK, BDK2, UPCAST, False)
+    q, q2 = load_rows(Q + i_b * sq_b + r_h * sq_h + r_t.to(tl.int64) * sq_t, m_r, DK, BDK, BDK2, UPCAST)
     return i_b, i_hk, t0, r_t, m_r, row, q, q2
 
 
@@ -514,10 +503,7 @@ def _selected_kernel(
 
     if BACKWARD:
         do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
-        dq = tl.zeros([M, BDK], tl.float32)
-        dq2 = tl.zeros([M, 16], tl.float32)  # the tail's (unused without one)
-        if BDK2 > 0:
-            dq2 = tl.zeros([M, BDK2], tl.float32)
+        dq, dq2 = split_zeros(M, BDK, BDK2)
     else:
         m_i, l_i, acc = softmax_start(M, BDV)
 
@@ -592,10 +578,7 @@ def _selected_pipelined_kernel(
     o_n = tl.arange(0, BS)
     if BACKWARD:
         do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
-        dq = tl.zeros([M, BDK], tl.float32)
-        dq2 = tl.zeros([M, 16], tl.float32)  # the tail's (unused without one)
-        if BDK2 > 0:
-            dq2 = tl.zeros([M, BDK2], tl.float32)
+        dq, dq2 = split_zeros(M, BDK, BDK2)
     else:
         m_i, l_i, acc = softmax_start(M, BDV)
 
@@ -691,43 +674,33 @@ def _selected_dkv_kernel(
         m_k = o_k < T
         o_dk = tl.arange(0, BDK)
         o_dv = tl.arange(0, BDV)
-        k_rows = K + i_b * sk_b + i_hk * sk_h + o_k.to(tl.int64) * sk_t  # [BS]
-        k = tl.load(k_rows[:, None] + o_dk[None, :], mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0)
+        k, k2 = load_rows(K + i_b * sk_b + i_hk * sk_h + o_k.to(tl.int64) * sk_t, m_k, DK, BDK, BDK2,
+                          UPCAST)  # [BS, BDK], [BS, BDK2]
         v = tl.load(V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
                     mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BS, BDV]
         if UPCAST:
-            k = k.to(tl.float32)
             v = v.to(tl.float32)
         o_r = tl.arange(0, M)
         r_g = o_r % GP
         r_h = i_hk * G + r_g  # [M] query head of each row
-        dk = tl.zeros([BS, BDK], tl.float32)
+        dk, dk2 = split_zeros(BS, BDK, BDK2)
         dv = tl.zeros([BS, BDV], tl.float32)
-        k2 = k  # the tail of a split head dim (`dk_tiles`) and its dk (unused without one)
-        dk2 = tl.zeros([BS, 16], tl.float32)
-        if BDK2 > 0:
-            k2 = load_tail(k_rows, m_k, True, BDK, BDK2, UPCAST, False)
-            dk2 = tl.zeros([BS, BDK2], tl.float32)
         for i0 in range(start, end, BQ):
             e = i0 + o_r // GP  # [M] entry of each row in the sorted list
             m_r = (e < end) & (r_g < G)
             r_t = tl.load(POS + e, mask=m_r, other=0)  # [M] query position of each row
             row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
-            q_rows = Q + i_b * sq_b + r_h * sq_h + r_t.to(tl.int64) * sq_t  # [M]
-            q = tl.load(q_rows[:, None] + o_dk[None, :], mask=m_r[:, None] & (o_dk < DK)[None, :],
-                        other=0.0)  # [M, BDK]
+            q, q2 = load_rows(Q + i_b * sq_b + r_h * sq_h + r_t.to(tl.int64) * sq_t, m_r, DK, BDK, BDK2,
+                              UPCAST)  # [M, BDK], [M, BDK2]
             do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :],
                          other=0.0)  # [M, BDV]
             if UPCAST:
-                q = q.to(tl.float32)
                 do = do.to(tl.float32)
             lse = tl.load(LSE + row, mask=m_r, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
             delta = tl.load(DELTA + row, mask=m_r, other=0.0)
             s = tl.dot(q, tl.trans(k))  # [M, BS]
-            q2 = q
             if BDK2 > 0:
-                q2 = load_tail(q_rows, m_r, True, BDK, BDK2, UPCAST, False)
                 s += tl.dot(q2, tl.trans(k2))
             valid = (o_k[None, :] <= r_t[:, None]) & m_r[:, None]
             pr = tl.where(valid, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)  # [M, BS]
