@@ -162,8 +162,9 @@ def bench_decode(T, batch, hq, hkv, d):
         "nsa_merge": lambda: _with_flag(decode, "MERGE_IN_ATTN", not decode.MERGE_IN_ATTN,
                                         lambda: _time_graph(nsa)),
         "nsa_headmajor": lambda: _time_graph(lambda: nsa_decode(q, *hm, *gates, cache_seqlens=seqlens)),
-        "nsa_topk_other": lambda: _with_flag(_triton_utils, "TOPK_METHOD", _other_topk(),
-                                             lambda: _time_graph(nsa)),
+        **{f"nsa_topk[{label}]": lambda flags=flags: _with_flags(_triton_utils, flags,
+                                                                  lambda: _time_graph(nsa))
+           for label, flags in _decode_topk_variants().items()},
         "nsa_scores": lambda: _with_flag(decode, "DECODE_IMPORTANCE", "scores", lambda: _time_graph(nsa)),
         "nsa_tf32": lambda: _with_flag(decode, "TILE_MAP", "tf32x3", lambda: _time_graph(nsa)),
         "nsa_unrolled": lambda: _with_flag(decode, "SEL_STAGES", 0, lambda: _time_graph(nsa)),
@@ -195,10 +196,32 @@ def bench_decode(T, batch, hq, hkv, d):
 
 
 def _other_topk():
-    """The top-k method the decode measures beside the default: bitonic, or arg-max if that is it."""
+    """The top-k method the decode profiles beside the default: bitonic, or arg-max if that is it."""
     from nsa_eval.kernels import _triton_utils
 
     return "argmax" if _triton_utils.TOPK_METHOD == "bitonic" else "bitonic"
+
+
+def _decode_topk_variants() -> dict[str, dict]:
+    """The top-k settings the decode is timed with beside the defaults: label -> `_triton_utils` flags
+    (those that differ from the defaults)."""
+    from nsa_eval.kernels import _triton_utils as u
+
+    variants = {"bitonic top-k": dict(TOPK_METHOD="bitonic"), "arg-max top-k": dict(TOPK_METHOD="argmax")}
+    for pick in u.TOPK_FILTER_PICKS:  # the pick matters only to the filter: the default's, elsewhere
+        if u.TOPK_METHOD == "filter" or pick == u.TOPK_FILTER_PICK:
+            variants[f"filter top-k, {pick} picks"] = dict(TOPK_METHOD="filter", TOPK_FILTER_PICK=pick)
+    default = {"TOPK_METHOD": u.TOPK_METHOD, "TOPK_FILTER_PICK": u.TOPK_FILTER_PICK}
+    same = lambda flags: all(default[k] == v for k, v in flags.items())  # noqa: E731
+    return {label: flags for label, flags in variants.items() if not same(flags)}
+
+
+def _with_flags(module, flags: dict, fn):
+    """fn() with each module.name in flags set to its value, restored afterwards."""
+    if not flags:
+        return fn()
+    (name, value), *rest = flags.items()
+    return _with_flag(module, name, value, lambda: _with_flags(module, dict(rest), fn))
 
 
 def _with_flag(module, name, value, fn):
@@ -309,6 +332,9 @@ def bench_variants(x, lse, idx):
         topk = lambda: _triton_utils.topk_blocks(  # noqa: E731
             imp, T=T, num_kv_heads=hkv, select_size=PAPER["select_size"], num_selected=PAPER["num_selected"],
             num_init=1, num_local=2)
+        other_pick = next(p for p in _triton_utils.TOPK_FILTER_PICKS if p != _triton_utils.TOPK_FILTER_PICK)
+        timed(f"topk_blocks [filter, {other_pick} picks]", _triton_utils, "TOPK_FILTER_PICK", other_pick,
+              lambda: _with_flag(_triton_utils, "TOPK_METHOD", "filter", topk))
         for method in _triton_utils.TOPK_METHODS:
             timed(f"topk_blocks [{method}]", _triton_utils, "TOPK_METHOD", method, topk)
             for rows, warps in ((1, 1), (2, 1), (4, 1), (2, 2)):  # fewer warps per row
@@ -512,8 +538,9 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
             dec.get("nsa_merge"), "CUDA graph")
         add("decode", "nsa-triton [head-major cache]", T, hs, decode_batch, dec.get("nsa_headmajor"),
             "CUDA graph, caches stored [B, Hkv, T, d]")
-        add("decode", f"nsa-triton [{_other_topk()} top-k]", T, hs, decode_batch, dec.get("nsa_topk_other"),
-            "CUDA graph")
+        for label in _decode_topk_variants():
+            add("decode", f"nsa-triton [{label}]", T, hs, decode_batch, dec.get(f"nsa_topk[{label}]"),
+                "CUDA graph")
         add("decode", "nsa-triton [importance from stored scores]", T, hs, decode_batch,
             dec.get("nsa_scores"), "CUDA graph, DECODE_IMPORTANCE='scores'")
         add("decode", "nsa-triton [tile map in tf32x3]", T, hs, decode_batch, dec.get("nsa_tf32"),

@@ -1,16 +1,24 @@
 """The prefill top-k alone, every method and launch shape, and the whole forward with the best ones (H200).
 
-    PYTHONPATH=. python3 scripts/probe_topk.py
+    PYTHONPATH=. python3 scripts/probe_topk.py [picks]
 
 Times `topk_blocks` on the importances of random inputs at 64k (64/4 and 16/4 heads), checks that
 every method and launch gives the default's blocks, then the NSA forward at both group sizes with
 the old default launch (4 rows over 4 warps) and one row per 1-warp program. Run 14's output is in
 reports/kernels/topk_run14.log.
+
+`picks` (run 54): how the filter picks among its candidates (`TOPK_FILTER_PICK`: by rank, or one
+arg-max pass per pick), side by side, repeated in alternation: `topk_blocks` alone at 64k (same
+blocks asserted), the decode at 8k and 64k (B = 16, CUDA graph; there the arg-max passes over the
+whole row were the default before), and the NSA forward and forward+backward at 8k and 64k (64/4
+and 16/4 heads).
 """
+
+import sys
 
 import torch
 
-from nsa_eval.bench import _inputs, _time, _with_flag, bench_nsa_prefill
+from nsa_eval.bench import _inputs, _time, _time_graph, _with_flag, _with_flags, bench_nsa_prefill
 from nsa_eval.kernels import _triton_utils as u
 from nsa_eval.kernels import selection
 from nsa_eval.kernels.compression import compressed_attention
@@ -57,5 +65,65 @@ def main():
             print(f"prefill fwd hq={hq} {method} {cfg}: {fwd:.2f} ms", flush=True)
 
 
+PICKS = {"rank": dict(TOPK_METHOD="filter", TOPK_FILTER_PICK="rank"),
+         "argmax picks": dict(TOPK_METHOD="filter", TOPK_FILTER_PICK="argmax"),
+         "argmax, whole row": dict(TOPK_METHOD="argmax")}
+
+
+def _picks_topk_alone():
+    x = _inputs(1, T, 64, 4, 128, grad=False)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        imp = selection.block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
+                                         scale=128 ** -0.5)
+
+    def topk():
+        return u.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
+                             num_local=2)
+
+    want = topk()
+    for rep in range(2):
+        for name, flags in PICKS.items():
+            ms, got = _with_flags(u, flags, lambda: (_time(topk), topk()))  # noqa: B023
+            print(f"[{rep}] topk_blocks 64k {name}: {ms:.3f} ms, same={torch.equal(got, want)}", flush=True)
+
+
+def _picks_decode(length):
+    from nsa_eval.kernels.decode import nsa_decode
+
+    B, tc = 16, (length - 32) // 16 + 1
+    r = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = r(B, 1, 64, 128), r(B, length, 4, 128), r(B, length, 4, 128)
+    kc, vc = r(B, tc, 4, 128), r(B, tc, 4, 128)
+    gates = [torch.rand(B, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    seqlens = torch.full((B,), length, device="cuda", dtype=torch.int32)
+
+    def decode():
+        return nsa_decode(q, k, v, kc, vc, *gates, cache_seqlens=seqlens, return_block_indices=True)
+
+    want = decode()
+    for rep in range(3):
+        for name, flags in PICKS.items():
+            us = _with_flags(u, flags, lambda: _time_graph(lambda: decode()[0])) * 1e3  # noqa: B023
+            same = all(torch.equal(a, b) for a, b in zip(_with_flags(u, flags, decode), want, strict=True))
+            print(f"[{rep}] decode T={length} B=16 {name}: {us:.1f} us (CUDA graph), same={same}", flush=True)
+
+
+def picks():
+    _picks_topk_alone()
+    torch.cuda.empty_cache()
+    for length in (8192, T):
+        _picks_decode(length)
+        torch.cuda.empty_cache()
+    for length in (8192, T):
+        for hq in (64, 16):
+            for rep in range(2):
+                for name, flags in list(PICKS.items())[:2]:
+                    fwd, fb = _with_flags(u, flags, lambda: bench_nsa_prefill(length, hq, 4, 128))  # noqa: B023
+                    print(f"[{rep}] NSA T={length} {hq}/4 {name}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms",
+                          flush=True)
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    main()
+    picks() if sys.argv[1:] == ["picks"] else main()

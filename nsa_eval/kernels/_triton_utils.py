@@ -795,7 +795,7 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
 # top-k of selection-block importances
 # ---------------------------------------------------------------------------------------------
 # "filter" (the default since run 19): a bound from 32 group maxima keeps ~22 candidate blocks of a
-# row, compacted, then one arg-max pass per pick over those (`_filtered_top`); "argmax": one arg-max
+# row, compacted, then one arg-max pass per pick over those (`filtered_top`); "argmax": one arg-max
 # pass per pick over the whole row; "radix": the k-th largest by a bitwise search (31 counting
 # passes); "bitonic": `tl.topk` over int64 keys (importance, -index), a bitonic top-k, then a sort of
 # the k winners by index. The top-k alone at 64k, one row per 1-warp program (run 19): 1.55 ms filter,
@@ -805,6 +805,13 @@ TOPK_METHODS = ("argmax", "radix", "bitonic", "filter")
 # "filter": candidates per row (the blocks at or above the filter's bound, ~22 on random inputs) that
 # fit its compacted slots; a row with more takes the arg-max passes over the whole row instead
 TOPK_FILTER_CAP = 64
+# "filter": how it picks among its candidates. "rank": each candidate's rank (the candidates with a
+# larger key) from one [CAP, CAP] comparison, all at once, and the chosen ones in index order (the
+# compaction keeps it); "argmax": one arg-max pass per pick, then a sort of the picks by index.
+# Run 54 (scripts/probe_topk.py picks): alone at 64k 1.515 ms against 1.548; the decode's step 2
+# (`decode._step2_topk`), B = 16 at 64k: 69.4 us against 70.4 (71.9 with arg-max over the whole row)
+TOPK_FILTER_PICK = "rank"
+TOPK_FILTER_PICKS = ("rank", "argmax")
 # rows per program and warps of `topk_blocks` (rows: at most, for 4096 // Ns); decode-sized calls
 # (<= 128 rows) take one row per program. Run 14, the top-k alone at 64k (262,144 rows of 1,024
 # blocks): one row per 1-warp program 2.12 ms against 2.88 for 4 rows over 4 warps, which puts warps
@@ -860,14 +867,15 @@ def _argmax_chosen(imp, forced, o_j, num_selected, BNS: tl.constexpr):
 
 
 @triton.jit
-def _filtered_top(imp, o_j, cur, SCR, row, num_selected, num_init, num_local, NS, BNS: tl.constexpr,
-                  NSEL: tl.constexpr, CAP: tl.constexpr):
+def filtered_top(imp, o_j, cur, SCR, row, num_selected, num_init, num_local, NS, BNS: tl.constexpr,
+                  NSEL: tl.constexpr, CAP: tl.constexpr, RANK: tl.constexpr):
     """One row's blocks through a candidate filter -> (done, blocks int32 [NSEL] ascending). imp float32
     [BNS] with forced blocks +inf and blocks after `cur` -inf. The NSEL-th largest of the maxima of 32
     groups of the row is a lower bound of the num_selected-th largest importance (NSEL >= num_selected
     groups hold a value at least that large), so every block the row keeps is at or above it. On random
     inputs ~22 of 1,024 blocks are; they are compacted, in index order, into the row's CAP slots of
-    SCR (int64 keys ordered like (importance, -index)), and the arg-max passes run on those. Not done
+    SCR (int64 keys ordered like (importance, -index)), and the picks are made among those (RANK: by
+    rank, else by arg-max passes; `TOPK_FILTER_PICK`). Not done
     (the caller takes the full pass instead) when the row has at most num_selected blocks, more forced
     blocks than slots, or more than CAP candidates."""
     n_init = tl.minimum(num_init, cur + 1)
@@ -893,14 +901,23 @@ def _filtered_top(imp, o_j, cur, SCR, row, num_selected, num_init, num_local, NS
             tl.debug_barrier()  # the compacted keys, stored by other threads, before they are read
             o_c = tl.arange(0, CAP)
             key = tl.load(SCR + row * CAP + o_c, mask=o_c < n_cand, other=-1)  # [CAP]
-            picked = tl.full([NSEL], BNS, tl.int32)
-            for i in range(picks):
-                best = tl.max(key, 0)
-                picked = tl.where(o_s == i, BNS - 1 - (best & 0xFFFFFFFF).to(tl.int32), picked)
-                key = tl.where(key == best, -1, key)
-            picked = tl.sort(picked)  # ascending, BNS in the empty slots
+            if RANK:
+                # keys are distinct (the index in the low bits), and an empty slot's -1 is below all
+                rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)  # [CAP]
+                chosen = ((rank < picks) & (o_c < n_cand)).to(tl.int32)
+                slot = tl.cumsum(chosen, 0) - 1  # the chosen ones in index order, as compacted
+                blk = BNS - 1 - (key & 0xFFFFFFFF).to(tl.int32)  # [CAP]
+                mid = tl.sum(tl.where((slot[None, :] == (o_s - n_init)[:, None]) & (chosen > 0)[None, :],
+                                      blk[None, :], 0), 1)  # [NSEL]: slot i of the picks at n_init + i
+            else:
+                picked = tl.full([NSEL], BNS, tl.int32)
+                for i in range(picks):
+                    best = tl.max(key, 0)
+                    picked = tl.where(o_s == i, BNS - 1 - (best & 0xFFFFFFFF).to(tl.int32), picked)
+                    key = tl.where(key == best, -1, key)
+                picked = tl.sort(picked)  # ascending, BNS in the empty slots
+                mid = tl.gather(picked, tl.minimum(tl.maximum(o_s - n_init, 0), NSEL - 1), 0)
             # initial blocks, the picked ones (all between), the local blocks: ascending
-            mid = tl.gather(picked, tl.minimum(tl.maximum(o_s - n_init, 0), NSEL - 1), 0)
             local = lo_local + o_s - n_init - picks
             blocks = tl.where(o_s < n_init, o_s, tl.where(o_s < n_init + picks, mid, local))
     return done, blocks
@@ -910,7 +927,7 @@ def _filtered_top(imp, o_j, cur, SCR, row, num_selected, num_init, num_local, NS
 def _topk_blocks_kernel(
     IMP, POS, OUT, SCR, N_ROWS, NS, T, HKV, select_size, num_selected, num_init, num_local,
     HAS_POS: tl.constexpr, BR: tl.constexpr, BNS: tl.constexpr, NSEL: tl.constexpr, METHOD: tl.constexpr,
-    CAP: tl.constexpr,
+    CAP: tl.constexpr, RANK: tl.constexpr,
 ):
     # IMP [N_ROWS, NS] float32 (rows ordered (b, t, h_kv)); OUT [N_ROWS, num_selected] int32.
     # Picks forced blocks, then the largest importances (ties: lower block index), writes the
@@ -938,8 +955,8 @@ def _topk_blocks_kernel(
         forced = forced & (o_j[None, :] <= cur[:, None])
         rest = 1  # whether the row still needs the full pass
         if METHOD == "filter":  # BR = 1
-            done, blocks = _filtered_top(tl.reshape(imp, [BNS]), o_j, tl.sum(cur, 0), SCR, tl.sum(rows, 0),
-                                         num_selected, num_init, num_local, NS, BNS, NSEL, CAP)
+            done, blocks = filtered_top(tl.reshape(imp, [BNS]), o_j, tl.sum(cur, 0), SCR, tl.sum(rows, 0),
+                                         num_selected, num_init, num_local, NS, BNS, NSEL, CAP, RANK)
             if done:  # every slot filled (the row has more than num_selected blocks)
                 tl.store(OUT + tl.sum(rows, 0) * num_selected + o_s, blocks, mask=o_s < num_selected)
             rest = 1 - done.to(tl.int32)
@@ -980,6 +997,8 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
         return out
     if TOPK_METHOD not in TOPK_METHODS:
         raise ValueError(f"TOPK_METHOD must be one of {TOPK_METHODS}, got {TOPK_METHOD!r}")
+    if TOPK_FILTER_PICK not in TOPK_FILTER_PICKS:
+        raise ValueError(f"TOPK_FILTER_PICK must be one of {TOPK_FILTER_PICKS}, got {TOPK_FILTER_PICK!r}")
     NSEL = pow2(num_selected, 2)  # >= 2 for tl.topk
     BNS = max(pow2(ns), NSEL)  # the bitonic top-k takes at most BNS
     BR = max(1, min(TOPK_CONFIG["rows"], 4096 // BNS))
@@ -996,7 +1015,7 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
     _topk_blocks_kernel[(triton.cdiv(n_rows, BR),)](
         imp, positions if positions is not None else imp, out, scratch, n_rows, ns, T, num_kv_heads,
         select_size, num_selected, num_init, num_local, HAS_POS=positions is not None, BR=BR, BNS=BNS,
-        NSEL=NSEL, METHOD=method, CAP=TOPK_FILTER_CAP, num_warps=warps,
+        NSEL=NSEL, METHOD=method, CAP=TOPK_FILTER_CAP, RANK=TOPK_FILTER_PICK == "rank", num_warps=warps,
     )
     return out
 

@@ -21,8 +21,10 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    scores and maps them (same overlap weights and group sum as prefill; weight spilling into the
    chunk from the compressed blocks just before it comes from a 16-wide tile). The program that
    finishes last for its (sequence, KV head) takes the top-k of the whole row, like `topk_blocks`:
-   forced blocks taken at once, then one max reduction per pick over int64 keys ordered like
-   (importance, -block index), so ties go to the lower index (with
+   forced blocks taken at once, then the largest of int64 keys ordered like (importance, -block
+   index), so ties go to the lower index. By default (`_triton_utils.TOPK_METHOD = "filter"`) the
+   keys at or above a bound from 32 group maxima are compacted and picked by rank (`_step2_topk`);
+   rows without that path take one max reduction per pick over the whole row (with
    `TOPK_IN_STEP2 = False`, `topk_blocks` does it in a launch of its own; with
    `_triton_utils.TOPK_METHOD = "bitonic"`, `tl.topk` of the same keys). With `WINDOW_STEP = 2`
    (default) the same launch has one more program per window chunk (`WIN_TILES_PER_PROGRAM` tiles
@@ -56,6 +58,7 @@ from nsa_eval.kernels._triton_utils import (
     LOG2E,
     block_keys,
     default_scale,
+    filtered_top,
     interpreting,
     pow2,
     score_dot,
@@ -128,8 +131,9 @@ IMP_TILES_PER_PROGRAM = 32
 IMP_LAUNCH = dict(num_warps=4)
 # fused: the top-k by the last importance program of each row (True), or by `topk_blocks` in a
 # launch of its own (False: no serial tail in step 2). Runs 13-16, B=16 at 64k: 113.2-115.7 us
-# against 110.6-115.0 (the launch alone 7-8 us). In step 2 the top-k is arg-max over int64 keys, or
-# bitonic with `_triton_utils.TOPK_METHOD = "bitonic"` (the other methods exist only in `topk_blocks`).
+# against 110.6-115.0 (the launch alone 7-8 us). In step 2 the top-k follows
+# `_triton_utils.TOPK_METHOD` (`_step2_topk`): the filter, bitonic, or arg-max passes over the whole
+# row for the others (radix exists only in `topk_blocks`).
 TOPK_IN_STEP2 = True
 
 
@@ -330,7 +334,7 @@ def _overlap(c_lo, c_hi, s_lo, s_hi):
 
 @triton.jit
 def _decode_importance_split_kernel(
-    LENS, SC, TI, TS, TM, PM, PL, IMP, BI, CNT, Q, KW, VW, PO,
+    LENS, SC, TI, TS, TM, PM, PL, IMP, BI, CNT, SCR, Q, KW, VW, PO,
     sq_b, sq_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
     TC, HKV, G, NPART, CMP_TILE, SC_LEN, NTILES, NS, block_len, stride, select_size, num_selected, num_init,
     num_local, NIMP, NCMP, NSELP, S, window, scale_log2,
@@ -338,7 +342,7 @@ def _decode_importance_split_kernel(
     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, CPP: tl.constexpr, TILE_IMP: tl.constexpr,
     CT: tl.constexpr, JT: tl.constexpr, NSP: tl.constexpr, NSPP: tl.constexpr, TOPK: tl.constexpr,
-    BITONIC: tl.constexpr, UPCAST: tl.constexpr,
+    TOPK_KIND: tl.constexpr, CAP: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # programs 0 .. NIMP-1: importances of CPP chunks of BNS selection blocks each (from the scores SC)
     # or, with TILE_IMP, of the JT blocks of CT tiles each (from TI, TS, TM of step 1); NIMP ..: window
@@ -357,12 +361,12 @@ def _decode_importance_split_kernel(
         _tile_importance(LENS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CMP_TILE, NTILES, NS,
                          block_len, stride, select_size, NCMP, M, NPB, CT, JT, NSP, NSPP)
         if TOPK:
-            _last_takes_topk(IMP, BI, CNT, i_bh, _query_pos(LENS, i_bh // HKV), NS, select_size, num_selected,
-                             num_init, num_local, NIMP, BNS_ALL, NSEL2, BITONIC)
+            _last_takes_topk(IMP, BI, CNT, SCR, i_bh, _query_pos(LENS, i_bh // HKV), NS, select_size,
+                             num_selected, num_init, num_local, NIMP, BNS_ALL, NSEL2, TOPK_KIND, CAP)
     else:
-        _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, SC_LEN, NS,
+        _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, SCR, i_c, i_bh, TC, HKV, G, NPART, SC_LEN, NS,
                           block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
-                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP, TOPK, BITONIC)
+                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP, TOPK, TOPK_KIND, CAP)
 
 
 @triton.jit
@@ -414,11 +418,11 @@ def _tile_importance(LENS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, C
 
 
 @triton.jit
-def _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPART, SC_LEN, NS,
+def _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, SCR, i_c, i_bh, TC, HKV, G, NPART, SC_LEN, NS,
                       block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
                       M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr,
                       NPB: tl.constexpr, BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, CPP: tl.constexpr,
-                      TOPK: tl.constexpr, BITONIC: tl.constexpr):
+                      TOPK: tl.constexpr, TOPK_KIND: tl.constexpr, CAP: tl.constexpr):
     BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
     i_b = i_bh // HKV
     t = _query_pos(LENS, i_b)
@@ -460,19 +464,21 @@ def _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, i_c, i_bh, TC, HKV, G, NPA
             tl.store(IMP + i_bh.to(tl.int64) * NS + cols, imp, mask=cols < NS)
 
     if TOPK:  # the last program of this (sequence, KV head) to arrive takes the top-k of the whole row
-        _last_takes_topk(IMP, BI, CNT, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
-                         BNS_ALL, NSEL2, BITONIC)
+        _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
+                         BNS_ALL, NSEL2, TOPK_KIND, CAP)
 
 
 @triton.jit
-def _last_takes_topk(IMP, BI, CNT, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
-                     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, BITONIC: tl.constexpr):
+def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
+                     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, TOPK_KIND: tl.constexpr, CAP: tl.constexpr):
+    # TOPK_KIND (`_step2_topk`): "bitonic", "filter-rank" / "filter-argmax" (SCR [B*HKV, CAP] int64, the
+    # filter's scratch), or "argmax"
     tl.debug_barrier()  # all threads' stores before the release of the counter increment
     arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
     if arrived == NIMP - 1:
         o_n = tl.arange(0, NSEL2)
         bi_row = BI + i_bh.to(tl.int64) * num_selected
-        if BITONIC:  # `tl.topk` of the row's keys, as `topk_blocks` with TOPK_METHOD = "bitonic"
+        if TOPK_KIND == "bitonic":  # `tl.topk` of the row's keys, as `topk_blocks` does with "bitonic"
             o_a = tl.arange(0, BNS_ALL)
             imp = tl.load(IMP + i_bh.to(tl.int64) * NS + o_a, mask=o_a < NS, other=0.0, cache_modifier=".cg")
             cur = t // select_size
@@ -480,13 +486,41 @@ def _last_takes_topk(IMP, BI, CNT, i_bh, t, NS, select_size, num_selected, num_i
                              NSEL2)  # [NSEL2] ascending, BNS_ALL in empty slots
             tl.store(bi_row + o_n, tl.where(blk < BNS_ALL, blk, -1), mask=o_n < num_selected)
         else:
-            chosen = _topk_row(IMP + i_bh.to(tl.int64) * NS, t, NS, select_size, num_selected, num_init,
-                               num_local, BNS_ALL)  # [BNS_ALL]
-            o_a = tl.arange(0, BNS_ALL)
-            rank = tl.cumsum(chosen, 0) - 1  # [BNS_ALL] output slot of each chosen block
-            tl.store(bi_row + o_n, tl.full([NSEL2], -1, tl.int32),
-                     mask=(o_n >= tl.sum(chosen, 0)) & (o_n < num_selected))
-            tl.store(bi_row + rank, o_a, mask=chosen > 0)
+            rest = 1  # whether the row still needs the arg-max passes over all its blocks
+            if TOPK_KIND != "argmax":  # the filter of `topk_blocks`, on this row
+                o_a = tl.arange(0, BNS_ALL)
+                cur = t // select_size
+                imp = tl.load(IMP + i_bh.to(tl.int64) * NS + o_a, mask=o_a < NS, other=0.0,
+                              cache_modifier=".cg")
+                imp = tl.where((o_a < num_init) | (o_a > cur - num_local), float("inf"), imp)
+                imp = tl.where(o_a > cur, float("-inf"), imp)
+                done, blocks = filtered_top(imp, o_a, cur, SCR, i_bh.to(tl.int64), num_selected,
+                                                           num_init, num_local, NS, BNS_ALL, NSEL2, CAP,
+                                                           TOPK_KIND == "filter-rank")
+                if done:
+                    tl.store(bi_row + o_n, blocks, mask=o_n < num_selected)
+                rest = 1 - done.to(tl.int32)
+            if rest > 0:
+                chosen = _topk_row(IMP + i_bh.to(tl.int64) * NS, t, NS, select_size, num_selected, num_init,
+                                   num_local, BNS_ALL)  # [BNS_ALL]
+                o_a = tl.arange(0, BNS_ALL)
+                rank = tl.cumsum(chosen, 0) - 1  # [BNS_ALL] output slot of each chosen block
+                tl.store(bi_row + o_n, tl.full([NSEL2], -1, tl.int32),
+                         mask=(o_n >= tl.sum(chosen, 0)) & (o_n < num_selected))
+                tl.store(bi_row + rank, o_a, mask=chosen > 0)
+
+
+def _step2_topk(bns_all: int, nsel2: int) -> str:
+    """How the last program of step 2 takes its row's top-k, after `_triton_utils.TOPK_METHOD`:
+    "bitonic"; "filter-rank" or "filter-argmax" (the filter, picks by `TOPK_FILTER_PICK`) where its 32
+    group maxima hold num_selected candidates (rows of >= 128 blocks, num_selected <= 32), the arg-max
+    passes over the whole row where not or where it finds too many candidates; else "argmax"."""
+    method = _triton_utils.TOPK_METHOD
+    if method == "bitonic":
+        return "bitonic"
+    if method == "filter" and nsel2 <= 32 and bns_all >= 128:
+        return "filter-" + _triton_utils.TOPK_FILTER_PICK
+    return "argmax"
 
 
 @triton.jit
@@ -790,6 +824,9 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     if _triton_utils.TOPK_METHOD not in _triton_utils.TOPK_METHODS:
         raise ValueError(f"TOPK_METHOD must be one of {_triton_utils.TOPK_METHODS}, got "
                          f"{_triton_utils.TOPK_METHOD!r}")
+    if _triton_utils.TOPK_FILTER_PICK not in _triton_utils.TOPK_FILTER_PICKS:
+        raise ValueError(f"TOPK_FILTER_PICK must be one of {_triton_utils.TOPK_FILTER_PICKS}, got "
+                         f"{_triton_utils.TOPK_FILTER_PICK!r}")
     _decode_cmp_split_kernel[(n_cmp + (n_winp if WINDOW_STEP == 1 else 0), BH)](
         q, k_cmp, v_cmp, lens, scores, tile_sums, tile_spill, tile_max, pm, pl, po, counter[0], counter[1],
         k_swa, v_swa, q.stride(0), q.stride(2), *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_swa.stride()[:3],
@@ -808,19 +845,24 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     npb = pow2(max(n_cmp, n_selp, n_winp), 1)
     bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
     nsel2 = pow2(num_selected, 2)  # >= 2 for tl.topk
+    bns_all = max(pow2(ns), nsel2)
+    topk_kind = _step2_topk(bns_all, nsel2)
+    scratch = torch.empty(BH if topk_kind.startswith("filter") else 1, _triton_utils.TOPK_FILTER_CAP,
+                          device=dev, dtype=torch.int64)
     ct = pow2(IMP_TILES_PER_PROGRAM, 1)
     if tile_imp:
         n_imp = triton.cdiv(triton.cdiv(ns, jt), ct)
     else:
         n_imp = triton.cdiv(ns, bns * IMP_CHUNKS_PER_PROGRAM)
     _decode_importance_split_kernel[(n_imp + (n_winp if WINDOW_STEP == 2 else 0), BH)](
-        lens, scores, tile_sums, tile_spill, tile_max, pm, pl, imp, bi, counter[0], q, k_swa, v_swa, po,
+        lens, scores, tile_sums, tile_spill, tile_max, pm, pl, imp, bi, counter[0], scratch, q, k_swa, v_swa,
+        po,
         q.stride(0), q.stride(2), *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, BC, sc_len,
         n_tiles, ns, block_len, stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp,
         S, window, scale_log2, M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb,
-        BNS_ALL=max(pow2(ns), nsel2), NSEL2=nsel2, DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT,
+        BNS_ALL=bns_all, NSEL2=nsel2, DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT,
         CPP=IMP_CHUNKS_PER_PROGRAM, TILE_IMP=tile_imp, CT=ct, JT=max(jt, 1), NSP=nsp, NSPP=pow2(nsp, 1),
-        TOPK=TOPK_IN_STEP2, BITONIC=_triton_utils.TOPK_METHOD == "bitonic", UPCAST=interp,
+        TOPK=TOPK_IN_STEP2, TOPK_KIND=topk_kind, CAP=_triton_utils.TOPK_FILTER_CAP, UPCAST=interp,
         **({} if interp else IMP_LAUNCH),
     )
     if not TOPK_IN_STEP2:  # 2b. the top-k in a launch of its own, one program per row

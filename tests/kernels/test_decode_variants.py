@@ -225,6 +225,26 @@ def test_bitonic_topk(monkeypatch, in_step2):
     _check(q, kv, gates, [300, 150], select_size=16, num_selected=1, num_init=0, num_local=0, window=16)
 
 
+@interpreter_only
+@pytest.mark.parametrize("pick", ["rank", "argmax"])
+def test_filter_topk_in_step2(monkeypatch, pick):
+    """The filter top-k (TOPK_METHOD = "filter", its candidates picked by rank or by arg-max passes) in
+    the last importance program, on rows of up to 132 selection blocks: random importances (its
+    compacted candidates), exact ties everywhere (more candidates than TOPK_FILTER_CAP: the passes
+    over the whole row instead), and a row with fewer blocks than slots."""
+    from nsa_eval.kernels import _triton_utils
+
+    monkeypatch.setattr(_triton_utils, "TOPK_METHOD", "filter")
+    monkeypatch.setattr(_triton_utils, "TOPK_FILTER_PICK", pick)
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    assert decode._step2_topk(256, 8) == "filter-" + pick and decode._step2_topk(64, 8) == "argmax"
+    q, kv, gates = _inputs(3, 2100, 4, 1, 16, 16, seed=3)
+    params = dict(select_size=16, num_selected=8, window=32)
+    _check(q, kv, gates, [2100, 1500, 70], **params)
+    kv[2] = torch.zeros_like(kv[2])  # every compressed score 0: interior blocks tie exactly
+    _check(q, kv, gates, [2100, 1500, 70], **params)
+
+
 def _graph(fn):
     """fn captured in a CUDA graph (compiled first, outside the capture) -> (graph, its output)."""
     stream = torch.cuda.Stream()

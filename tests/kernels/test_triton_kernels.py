@@ -291,15 +291,17 @@ def reference_topk(imp, r, hkv, bs, n, t=None, num_init=1, num_local=2):
     return sorted(order) + [-1] * (n - len(order))
 
 
+@pytest.mark.parametrize("pick", ["rank", "argmax"])
 @pytest.mark.parametrize("n,num_init,num_local", [(16, 1, 2), (5, 1, 2), (8, 0, 0), (8, 3, 1)])
-def test_topk_filter(monkeypatch, n, num_init, num_local):
-    """The filter top-k (TOPK_METHOD = "filter") on rows of up to 200 blocks: random importances (its
-    compacted path), many exact ties and -0.0 (ties to the lower index, whichever path), equal
-    importances everywhere (more candidates than TOPK_FILTER_CAP: the full pass), and the short rows
-    at the start (all blocks kept)."""
+def test_topk_filter(monkeypatch, n, num_init, num_local, pick):
+    """The filter top-k (TOPK_METHOD = "filter", its candidates picked by rank or by arg-max passes) on
+    rows of up to 200 blocks: random importances (its compacted path), many exact ties and -0.0 (ties
+    to the lower index, whichever path), equal importances everywhere (more candidates than
+    TOPK_FILTER_CAP: the full pass), and the short rows at the start (all blocks kept)."""
     from nsa_eval.kernels import _triton_utils as tu
 
     monkeypatch.setattr(tu, "TOPK_METHOD", "filter")
+    monkeypatch.setattr(tu, "TOPK_FILTER_PICK", pick)
     g = torch.Generator().manual_seed(5)
     T, rows, ns, bs = 400, 48, 200, 2
     pos = torch.cat([torch.arange(0, 40, 5), torch.randint(40, T, (rows - 8,), generator=g)]).int()
