@@ -152,7 +152,7 @@ def bench_decode(T, batch, hq, hkv, d):
     seqlens = torch.full((batch,), T, device=dev, dtype=torch.int32)
     nsa = lambda: nsa_decode(q, k, v, k_cmp, v_cmp, *gates, cache_seqlens=seqlens)  # noqa: E731
     out = {"nsa": _time_graph(nsa), "nsa_nograph": _time(nsa)}
-    from nsa_eval.kernels import _triton_utils, decode
+    from nsa_eval.kernels import decode, topk
 
     # the same caches stored head-major ([B, Hkv, T, d] memory, same logical shape): a selected block
     # of one head is then one contiguous 16 KB run instead of 64 rows 1 KB apart
@@ -162,7 +162,7 @@ def bench_decode(T, batch, hq, hkv, d):
         "nsa_merge": lambda: _with_flag(decode, "MERGE_IN_ATTN", not decode.MERGE_IN_ATTN,
                                         lambda: _time_graph(nsa)),
         "nsa_headmajor": lambda: _time_graph(lambda: nsa_decode(q, *hm, *gates, cache_seqlens=seqlens)),
-        **{f"nsa_topk[{label}]": lambda flags=flags: _with_flags(_triton_utils, flags,
+        **{f"nsa_topk[{label}]": lambda flags=flags: _with_flags(topk, flags,
                                                                   lambda: _time_graph(nsa))
            for label, flags in _decode_topk_variants().items()},
         "nsa_scores": lambda: _with_flag(decode, "DECODE_IMPORTANCE", "scores", lambda: _time_graph(nsa)),
@@ -197,21 +197,21 @@ def bench_decode(T, batch, hq, hkv, d):
 
 def _other_topk():
     """The top-k method the decode profiles beside the default: bitonic, or arg-max if that is it."""
-    from nsa_eval.kernels import _triton_utils
+    from nsa_eval.kernels import topk
 
-    return "argmax" if _triton_utils.TOPK_METHOD == "bitonic" else "bitonic"
+    return "argmax" if topk.TOPK_METHOD == "bitonic" else "bitonic"
 
 
 def _decode_topk_variants() -> dict[str, dict]:
-    """The top-k settings the decode is timed with beside the defaults: label -> `_triton_utils` flags
+    """The top-k settings the decode is timed with beside the defaults: label -> `topk` flags
     (those that differ from the defaults)."""
-    from nsa_eval.kernels import _triton_utils as u
+    from nsa_eval.kernels import topk
 
     variants = {"bitonic top-k": dict(TOPK_METHOD="bitonic"), "arg-max top-k": dict(TOPK_METHOD="argmax")}
-    for pick in u.TOPK_FILTER_PICKS:  # the pick matters only to the filter: the default's, elsewhere
-        if u.TOPK_METHOD == "filter" or pick == u.TOPK_FILTER_PICK:
+    for pick in topk.TOPK_FILTER_PICKS:  # the pick matters only to the filter: the default's, elsewhere
+        if topk.TOPK_METHOD == "filter" or pick == topk.TOPK_FILTER_PICK:
             variants[f"filter top-k, {pick} picks"] = dict(TOPK_METHOD="filter", TOPK_FILTER_PICK=pick)
-    default = {"TOPK_METHOD": u.TOPK_METHOD, "TOPK_FILTER_PICK": u.TOPK_FILTER_PICK}
+    default = {"TOPK_METHOD": topk.TOPK_METHOD, "TOPK_FILTER_PICK": topk.TOPK_FILTER_PICK}
     same = lambda flags: all(default[k] == v for k, v in flags.items())  # noqa: E731
     return {label: flags for label, flags in variants.items() if not same(flags)}
 
@@ -310,7 +310,7 @@ def bench_variants(x, lse, idx):
     ops, with the window on the main stream, and with the banded tiles in index order."""
     import torch
 
-    from nsa_eval.kernels import _triton_utils, selection
+    from nsa_eval.kernels import band, selection, topk
 
     out = {}
 
@@ -322,25 +322,25 @@ def bench_variants(x, lse, idx):
 
     with torch.no_grad():
         sel = lambda: selection.select_blocks(x["q"], x["k_cmp"], lse=lse)  # noqa: E731
-        for method in (m for m in _triton_utils.TOPK_METHODS if m != _triton_utils.TOPK_METHOD):
-            timed(f"select_blocks [{method} top-k]", _triton_utils, "TOPK_METHOD", method, sel)
+        for method in (m for m in topk.TOPK_METHODS if m != topk.TOPK_METHOD):
+            timed(f"select_blocks [{method} top-k]", topk, "TOPK_METHOD", method, sel)
         # the top-k alone, every method, on the importances of this input
         T, hkv = x["q"].shape[1], x["k_cmp"].shape[2]
         imp = selection.block_importance(x["q"], x["k_cmp"], lse, block_len=PAPER["block_len"],
                                          stride=PAPER["stride"], select_size=PAPER["select_size"],
                                          scale=x["q"].shape[-1] ** -0.5)
-        topk = lambda: _triton_utils.topk_blocks(  # noqa: E731
+        run_topk = lambda: topk.topk_blocks(  # noqa: E731
             imp, T=T, num_kv_heads=hkv, select_size=PAPER["select_size"], num_selected=PAPER["num_selected"],
             num_init=1, num_local=2)
-        other_pick = next(p for p in _triton_utils.TOPK_FILTER_PICKS if p != _triton_utils.TOPK_FILTER_PICK)
-        timed(f"topk_blocks [filter, {other_pick} picks]", _triton_utils, "TOPK_FILTER_PICK", other_pick,
-              lambda: _with_flag(_triton_utils, "TOPK_METHOD", "filter", topk))
-        for method in _triton_utils.TOPK_METHODS:
-            timed(f"topk_blocks [{method}]", _triton_utils, "TOPK_METHOD", method, topk)
+        other_pick = next(p for p in topk.TOPK_FILTER_PICKS if p != topk.TOPK_FILTER_PICK)
+        timed(f"topk_blocks [filter, {other_pick} picks]", topk, "TOPK_FILTER_PICK", other_pick,
+              lambda: _with_flag(topk, "TOPK_METHOD", "filter", run_topk))
+        for method in topk.TOPK_METHODS:
+            timed(f"topk_blocks [{method}]", topk, "TOPK_METHOD", method, run_topk)
             for rows, warps in ((1, 1), (2, 1), (4, 1), (2, 2)):  # fewer warps per row
                 label = f"topk_blocks [{method}, {rows} rows, {warps} warps]"
-                timed(label, _triton_utils, "TOPK_CONFIG", dict(rows=rows, num_warps=warps),
-                      lambda: _with_flag(_triton_utils, "TOPK_METHOD", method, topk))  # noqa: B023
+                timed(label, topk, "TOPK_CONFIG", dict(rows=rows, num_warps=warps),
+                      lambda: _with_flag(topk, "TOPK_METHOD", method, run_topk))  # noqa: B023
         timed("select_blocks [importance, all masked]", selection, "IMPORTANCE_SPLIT_MASK", False, sel)
         timed("select_blocks [importance, plain map]", selection, "IMPORTANCE_LANE_MAP", False, sel)
         fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
@@ -377,24 +377,24 @@ def bench_variants(x, lse, idx):
         for part, configs in alternatives[branch].items():
             for bm, bn, warps, stages in configs:
                 cfg = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
-                table = {b: dict(parts) for b, parts in _triton_utils.BAND_CONFIGS.items()}
+                table = {b: dict(parts) for b, parts in band.BAND_CONFIGS.items()}
                 table[branch][part] = cfg
                 name = f"{op} [{part} " + " ".join(f"{k}={v}" for k, v in cfg.items()) + "]"
                 if part == "fwd":
                     with torch.no_grad():
-                        timed(name, _triton_utils, "BAND_CONFIGS", table, fn)
+                        timed(name, band, "BAND_CONFIGS", table, fn)
                 else:
-                    timed(name, _triton_utils, "BAND_CONFIGS", table, _fwd_bwd(fn, x))
+                    timed(name, band, "BAND_CONFIGS", table, _fwd_bwd(fn, x))
     # the banded kernels' single masked loop against the default split (masked edge tiles, unmasked
     # interior), and the window's backward split too (its default is masked); "[dq " files a row under
     # forward+backward
     cmp, swa = branches["cmp"][1], branches["swa"][1]
     with torch.no_grad():
-        timed("compressed_attention [masked loop]", _triton_utils, "BAND_SPLIT_MASK", False, cmp)
-        timed("sliding_window_attention [masked loop]", _triton_utils, "BAND_SPLIT_MASK", False, swa)
-    timed("compressed_attention [dq dkv masked loop]", _triton_utils, "BAND_SPLIT_MASK", False,
+        timed("compressed_attention [masked loop]", band, "BAND_SPLIT_MASK", False, cmp)
+        timed("sliding_window_attention [masked loop]", band, "BAND_SPLIT_MASK", False, swa)
+    timed("compressed_attention [dq dkv masked loop]", band, "BAND_SPLIT_MASK", False,
           _fwd_bwd(cmp, x))
-    timed("sliding_window_attention [dq dkv split]", _triton_utils, "BAND_SPLIT_MASK", True, _fwd_bwd(swa, x))
+    timed("sliding_window_attention [dq dkv split]", band, "BAND_SPLIT_MASK", True, _fwd_bwd(swa, x))
     # the whole NSA as one autograd op (deltas from the gate backward, one dq sum) and composed from
     # the branches' ops, side by side
     from nsa_eval.kernels import prefill
@@ -409,10 +409,10 @@ def bench_variants(x, lse, idx):
     with torch.no_grad():
         timed("nsa_attention [defaults]", prefill, "FUSED_BACKWARD", True, forward)  # the forward again
         timed("nsa_attention [window on one stream]", prefill, "WINDOW_STREAM", False, forward)
-        timed("nsa_attention [band tiles in index order]", _triton_utils, "BAND_LONGEST_FIRST", False,
+        timed("nsa_attention [band tiles in index order]", band, "BAND_LONGEST_FIRST", False,
               forward)
     timed("nsa_attention [dq window on one stream]", prefill, "WINDOW_STREAM", False, whole)
-    timed("nsa_attention [dq band tiles in index order]", _triton_utils, "BAND_LONGEST_FIRST", False, whole)
+    timed("nsa_attention [dq band tiles in index order]", band, "BAND_LONGEST_FIRST", False, whole)
     return out
 
 
@@ -471,7 +471,7 @@ def _profile_decode(T, hq, hkv, d, batch, log=print):
     for flag in ("MERGE_IN_ATTN", "TOPK_IN_STEP2"):  # each launch-structure flag flipped
         value = not getattr(decode, flag)
         _with_flag(decode, flag, value, lambda: profile(f"{flag}={value}"))  # noqa: B023
-    from nsa_eval.kernels import _triton_utils
+    from nsa_eval.kernels import topk
 
     other = _other_topk()  # the other top-k, in step 2's last program and in a launch of its own
 
@@ -480,7 +480,7 @@ def _profile_decode(T, hq, hkv, d, batch, log=print):
         _with_flag(decode, "TOPK_IN_STEP2", in_step2, lambda: profile(label))
 
     for in_step2 in (True, False):
-        _with_flag(_triton_utils, "TOPK_METHOD", other, lambda: profile_other(in_step2))  # noqa: B023
+        _with_flag(topk, "TOPK_METHOD", other, lambda: profile_other(in_step2))  # noqa: B023
 
 
 def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_heads=4, dim=128,

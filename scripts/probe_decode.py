@@ -4,7 +4,7 @@
 
 Batch 16, 64/4 heads, d = 128, bf16, caches at 8k and 64k (the benchmark's decode shape, lengths
 T - 97 b): the CUDA-graph time of the fused decode under each setting in CONFIGS (keys name
-`decode` attributes, or `_triton_utils.NAME`), each output against the defaults', the defaults
+`decode` attributes, or `topk.NAME`), each output against the defaults', the defaults
 first and last (their spread is the noise); then the defaults' kernels by device time (plain
 launches).
 
@@ -18,7 +18,7 @@ import sys
 import torch
 
 from nsa_eval.bench import PAPER, _time_graph, _with_flag, profile_kernels
-from nsa_eval.kernels import _triton_utils, decode
+from nsa_eval.kernels import decode, topk
 
 B, HQ, HKV, D = 16, 64, 4, 128
 CONFIGS = [
@@ -27,7 +27,7 @@ CONFIGS = [
     dict(CMP_WARPS=2, CMP_PROGRAMS_PER_SM=4),
     dict(CMP_WARPS=8),
     dict(CMP_PROGRAMS_PER_SM=3),
-    {"_triton_utils.TOPK_METHOD": "bitonic"},
+    {"topk.TOPK_METHOD": "bitonic"},
     dict(SEL_PER_PROGRAM=8, WIN_TILES_PER_PROGRAM=4),
     dict(SEL_PER_PROGRAM=8),
     dict(),
@@ -38,7 +38,7 @@ def with_knobs(knobs, fn):
     if not knobs:
         return fn()
     (name, value), rest = next(iter(knobs.items())), dict(list(knobs.items())[1:])
-    module = _triton_utils if name.startswith("_triton_utils.") else decode
+    module = topk if name.startswith("topk.") else decode
     return _with_flag(module, name.split(".")[-1], value, lambda: with_knobs(rest, fn))
 
 

@@ -12,8 +12,7 @@ top-k. Runs 18, 19 and 22: reports/kernels/probe_run18.log, probe_run19.log, pro
 import torch
 
 from nsa_eval.bench import _inputs, _time, _with_flag, bench_nsa_prefill
-from nsa_eval.kernels import _triton_utils as u
-from nsa_eval.kernels import selection
+from nsa_eval.kernels import selection, topk
 from nsa_eval.kernels.compression import compressed_attention
 
 T = 65536
@@ -47,14 +46,14 @@ def probe(hq):
                       f"max rel diff {err:.1e}", flush=True)
         imp = importance()
 
-        def topk():
-            return u.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
+        def run_topk():
+            return topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
                                  num_local=2)
 
-        want = topk()
-        for method in u.TOPK_METHODS:
-            got = _with_flag(u, "TOPK_METHOD", method, topk)
-            ms = _with_flag(u, "TOPK_METHOD", method, lambda: _time(topk))
+        want = run_topk()
+        for method in topk.TOPK_METHODS:
+            got = _with_flag(topk, "TOPK_METHOD", method, run_topk)
+            ms = _with_flag(topk, "TOPK_METHOD", method, lambda: _time(run_topk))
             print(f"hq={hq} topk {method:8s}: {ms:.3f} ms, same={torch.equal(got, want)}", flush=True)
     torch.cuda.empty_cache()
 
@@ -66,7 +65,7 @@ def main():
         for split, lanes in ((True, True), (False, False)):
             for method in ("argmax", "filter"):
                 fwd, _ = with_flags(split, lanes, lambda: _with_flag(  # noqa: B023
-                    u, "TOPK_METHOD", method, lambda: bench_nsa_prefill(T, hq, 4, 128)))  # noqa: B023
+                    topk, "TOPK_METHOD", method, lambda: bench_nsa_prefill(T, hq, 4, 128)))  # noqa: B023
                 print(f"prefill fwd hq={hq} split_mask={split} lane_map={lanes} top-k {method}: {fwd:.2f} ms",
                       flush=True)
 

@@ -27,7 +27,7 @@
 7. `dims192c` (run 50): the compression's dk/dv at 192 / 128 on run 47's launches (32-key tiles,
    64 queries, 4 warps, 2 stages), which still spills: other stages, query and key tiles.
 
-Sections 5-7 ran before the rules they led to (`_triton_utils._band_config` caps the dq and dk/dv
+Sections 5-7 ran before the rules they led to (`band._band_config` caps the dq and dk/dv
 key tiles at 32 past 128 q/k dims, `selection.selected_fwd_launch` takes 2 warps or more): run again,
 rows asking for more keys or 1 warp launch the capped configuration.
 """
@@ -37,7 +37,7 @@ import sys
 import torch
 
 from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, nsa_prefill
-from nsa_eval.kernels import _triton_utils, prefill, selection
+from nsa_eval.kernels import _triton_utils, band, prefill, selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.selection import select_blocks, selected_attention
 from nsa_eval.kernels.window import sliding_window_attention
@@ -207,7 +207,7 @@ def probe_dims_branches(T, hq, hkv, dk=192, dv=128):
 
 
 def band_variant(branch, part, **changes):
-    configs = {b: {p: dict(c) for p, c in parts.items()} for b, parts in _triton_utils.BAND_CONFIGS.items()}
+    configs = {b: {p: dict(c) for p, c in parts.items()} for b, parts in band.BAND_CONFIGS.items()}
     configs[branch][part].update(changes)
     return configs
 
@@ -223,7 +223,7 @@ def probe_dims192(T, hq=64, hkv=4, dk=192, dv=128):
         variants = (("dq", {}), ("dq", dict(num_warps=8)), ("dq", dict(BM=32)), ("dkv", dict(num_warps=8)),
                     ("dkv", dict(BN=32)), ("dkv", dict(BN=32, num_warps=2)))
         for part, changes in variants:
-            ms = _with_flag(_triton_utils, "BAND_CONFIGS", band_variant(branch, part, **changes),
+            ms = _with_flag(band, "BAND_CONFIGS", band_variant(branch, part, **changes),
                             lambda fn=fn: _time(_fwd_bwd(fn, x)))
             print(f"T={T} Dk={dk} Dv={dv} {branch} fwd+bwd, {part} {changes or 'defaults'}: {ms:.2f} ms",
                   flush=True)
@@ -254,13 +254,13 @@ def probe_dims192b(T, hq=64, hkv=4, dk=192, dv=128):
         variants = (("dkv", {}), ("dkv", dict(num_warps=8)), ("dkv", dict(BM=32)),
                     ("dkv", dict(BM=128, num_warps=8)), ("dq", dict(BN=32)))
         for part, changes in variants:
-            ms = _with_flag(_triton_utils, "BAND_CONFIGS", band_variant(branch, part, **changes),
+            ms = _with_flag(band, "BAND_CONFIGS", band_variant(branch, part, **changes),
                             lambda fn=fn: _time(_fwd_bwd(fn, x)))
             print(f"T={T} Dk={dk} Dv={dv} {branch} fwd+bwd, {part} {changes or 'defaults'}: {ms:.2f} ms",
                   flush=True)
         for changes in ({}, dict(num_stages=2)):
             with torch.no_grad():
-                ms = _with_flag(_triton_utils, "BAND_CONFIGS", band_variant(branch, "fwd", **changes),
+                ms = _with_flag(band, "BAND_CONFIGS", band_variant(branch, "fwd", **changes),
                                 lambda fn=fn: _time(fn))
             print(f"T={T} Dk={dk} Dv={dv} {branch} fwd, {changes or 'defaults'}: {ms:.2f} ms", flush=True)
     with torch.no_grad():
@@ -282,7 +282,7 @@ def probe_dims192c(T, hq=64, hkv=4, dk=192, dv=128):
 
     for changes in ({}, dict(num_stages=3), dict(num_stages=1), dict(BM=32), dict(BM=32, num_warps=2),
                     dict(BN=16), dict(BN=16, num_warps=2)):
-        ms = _with_flag(_triton_utils, "BAND_CONFIGS", band_variant("cmp", "dkv", **changes),
+        ms = _with_flag(band, "BAND_CONFIGS", band_variant("cmp", "dkv", **changes),
                         lambda: _time(_fwd_bwd(fn, x)))
         print(f"T={T} Dk={dk} Dv={dv} cmp fwd+bwd, dkv {changes or 'defaults'}: {ms:.2f} ms", flush=True)
 

@@ -19,8 +19,7 @@ import sys
 import torch
 
 from nsa_eval.bench import _inputs, _time, _time_graph, _with_flag, _with_flags, bench_nsa_prefill
-from nsa_eval.kernels import _triton_utils as u
-from nsa_eval.kernels import selection
+from nsa_eval.kernels import selection, topk
 from nsa_eval.kernels.compression import compressed_attention
 
 T = 65536
@@ -34,19 +33,19 @@ def time_topk(hq):
         imp = selection.block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
                                          scale=128 ** -0.5)
 
-    def topk():
-        return u.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
+    def run_topk():
+        return topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
                              num_local=2)
 
-    want = topk()
-    for method in u.TOPK_METHODS:
+    want = run_topk()
+    for method in topk.TOPK_METHODS:
         for rows, warps in LAUNCHES:
             def timed():
-                return _time(topk), topk()
+                return _time(run_topk), run_topk()
 
             try:
-                ms, got = _with_flag(u, "TOPK_METHOD", method, lambda: _with_flag(  # noqa: B023
-                    u, "TOPK_CONFIG", dict(rows=rows, num_warps=warps), timed))  # noqa: B023
+                ms, got = _with_flag(topk, "TOPK_METHOD", method, lambda: _with_flag(  # noqa: B023
+                    topk, "TOPK_CONFIG", dict(rows=rows, num_warps=warps), timed))  # noqa: B023
                 print(f"hq={hq} topk {method:8s} rows={rows} warps={warps}: {ms:.3f} ms, "
                       f"same={torch.equal(got, want)}", flush=True)
             except Exception as err:  # a launch may not compile
@@ -60,8 +59,8 @@ def main():
     for hq in (64, 16):
         for method, cfg in (("argmax", dict(rows=16, num_warps=4)), ("argmax", dict(rows=1, num_warps=1)),
                             ("bitonic", dict(rows=1, num_warps=1))):
-            fwd, _ = _with_flag(u, "TOPK_METHOD", method, lambda: _with_flag(  # noqa: B023
-                u, "TOPK_CONFIG", cfg, lambda: bench_nsa_prefill(T, hq, 4, 128)))  # noqa: B023
+            fwd, _ = _with_flag(topk, "TOPK_METHOD", method, lambda: _with_flag(  # noqa: B023
+                topk, "TOPK_CONFIG", cfg, lambda: bench_nsa_prefill(T, hq, 4, 128)))  # noqa: B023
             print(f"prefill fwd hq={hq} {method} {cfg}: {fwd:.2f} ms", flush=True)
 
 
@@ -77,14 +76,14 @@ def _picks_topk_alone():
         imp = selection.block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
                                          scale=128 ** -0.5)
 
-    def topk():
-        return u.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
+    def run_topk():
+        return topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
                              num_local=2)
 
-    want = topk()
+    want = run_topk()
     for rep in range(2):
         for name, flags in PICKS.items():
-            ms, got = _with_flags(u, flags, lambda: (_time(topk), topk()))  # noqa: B023
+            ms, got = _with_flags(topk, flags, lambda: (_time(run_topk), run_topk()))  # noqa: B023
             print(f"[{rep}] topk_blocks 64k {name}: {ms:.3f} ms, same={torch.equal(got, want)}", flush=True)
 
 
@@ -104,8 +103,9 @@ def _picks_decode(length):
     want = decode()
     for rep in range(3):
         for name, flags in PICKS.items():
-            us = _with_flags(u, flags, lambda: _time_graph(lambda: decode()[0])) * 1e3  # noqa: B023
-            same = all(torch.equal(a, b) for a, b in zip(_with_flags(u, flags, decode), want, strict=True))
+            us = _with_flags(topk, flags, lambda: _time_graph(lambda: decode()[0])) * 1e3  # noqa: B023
+            got = _with_flags(topk, flags, decode)
+            same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
             print(f"[{rep}] decode T={length} B=16 {name}: {us:.1f} us (CUDA graph), same={same}", flush=True)
 
 
@@ -119,7 +119,7 @@ def picks():
         for hq in (64, 16):
             for rep in range(2):
                 for name, flags in list(PICKS.items())[:2]:
-                    fwd, fb = _with_flags(u, flags, lambda: bench_nsa_prefill(length, hq, 4, 128))  # noqa: B023
+                    fwd, fb = _with_flags(topk, flags, lambda: bench_nsa_prefill(length, hq, 4, 128))  # noqa: B023
                     print(f"[{rep}] NSA T={length} {hq}/4 {name}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms",
                           flush=True)
             torch.cuda.empty_cache()

@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from nsa_eval.kernels import _triton_utils as u  # noqa: E402
+from nsa_eval.kernels import band
 from tests.kernels.sm90 import compile_sm90, pointers_then_scalars  # noqa: E402
 
 KERNELS = {  # part: (kernel, its pointer arguments' types)
-    "fwd": (u._band_fwd_kernel, ["*bf16"] * 4 + ["*fp32"]),
-    "dq": (u._band_bwd_dq_kernel, ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"]),
-    "dkv": (u._band_bwd_dkv_kernel, ["*bf16"] * 4 + ["*fp32"] * 4),
+    "fwd": (band._band_fwd_kernel, ["*bf16"] * 4 + ["*fp32"]),
+    "dq": (band._band_bwd_dq_kernel, ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"]),
+    "dkv": (band._band_bwd_dkv_kernel, ["*bf16"] * 4 + ["*fp32"] * 4),
 }
 
 
@@ -68,7 +68,7 @@ def main() -> int:
         for branch in ("cmp", "swa"):
             for split in (False, True):
                 window = None if branch == "cmp" else 512
-                cfg = u._band_config(window, part, torch.bfloat16)
+                cfg = band._band_config(window, part, torch.bfloat16)
                 consts = dict(HAS_WINDOW=window is not None, DK=128, DV=128, BDK=128, BDK2=0, BDV=128,
                               BM=cfg.pop("BM"), BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=split)
                 divisible = [i for i, name in enumerate(kernel.arg_names) if name not in consts

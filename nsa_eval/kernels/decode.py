@@ -22,11 +22,11 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    chunk from the compressed blocks just before it comes from a 16-wide tile). The program that
    finishes last for its (sequence, KV head) takes the top-k of the whole row, like `topk_blocks`:
    forced blocks taken at once, then the largest of int64 keys ordered like (importance, -block
-   index), so ties go to the lower index. By default (`_triton_utils.TOPK_METHOD = "filter"`) the
+   index), so ties go to the lower index. By default (`topk.TOPK_METHOD = "filter"`) the
    keys at or above a bound from 32 group maxima are compacted and picked by rank (`_step2_topk`);
    rows without that path take one max reduction per pick over the whole row (with
    `TOPK_IN_STEP2 = False`, `topk_blocks` does it in a launch of its own; with
-   `_triton_utils.TOPK_METHOD = "bitonic"`, `tl.topk` of the same keys). With `WINDOW_STEP = 2`
+   `topk.TOPK_METHOD = "bitonic"`, `tl.topk` of the same keys). With `WINDOW_STEP = 2`
    (default) the same launch has one more program per window chunk (`WIN_TILES_PER_PROGRAM` tiles
    of 64 keys): the window branch does not depend on the selection, and its loads fill the memory
    bus while the top-k runs (`WINDOW_STEP = 1` or 3 puts them in step 1 or 3 instead).
@@ -53,19 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels import _triton_utils
-from nsa_eval.kernels._triton_utils import (
-    LOG2E,
-    block_keys,
-    default_scale,
-    filtered_top,
-    interpreting,
-    pow2,
-    score_dot,
-    softmax_start,
-    top_blocks,
-    topk_blocks,
-)
+from nsa_eval.kernels import topk
+from nsa_eval.kernels._triton_utils import LOG2E, default_scale, interpreting, pow2, score_dot, softmax_start
+from nsa_eval.kernels.topk import block_keys, filtered_top, top_blocks, topk_blocks
 
 # "fused" (four launches, see the module docstring) or "v1" (the first split-K version, five launches)
 DECODE_VARIANT = "fused"
@@ -132,7 +122,7 @@ IMP_LAUNCH = dict(num_warps=4)
 # fused: the top-k by the last importance program of each row (True), or by `topk_blocks` in a
 # launch of its own (False: no serial tail in step 2). Runs 13-16, B=16 at 64k: 113.2-115.7 us
 # against 110.6-115.0 (the launch alone 7-8 us). In step 2 the top-k follows
-# `_triton_utils.TOPK_METHOD` (`_step2_topk`): the filter, bitonic, or arg-max passes over the whole
+# `topk.TOPK_METHOD` (`_step2_topk`): the filter, bitonic, or arg-max passes over the whole
 # row for the others (radix exists only in `topk_blocks`).
 TOPK_IN_STEP2 = True
 
@@ -511,15 +501,15 @@ def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, 
 
 
 def _step2_topk(bns_all: int, nsel2: int) -> str:
-    """How the last program of step 2 takes its row's top-k, after `_triton_utils.TOPK_METHOD`:
+    """How the last program of step 2 takes its row's top-k, after `topk.TOPK_METHOD`:
     "bitonic"; "filter-rank" or "filter-argmax" (the filter, picks by `TOPK_FILTER_PICK`) where its 32
     group maxima hold num_selected candidates (rows of >= 128 blocks, num_selected <= 32), the arg-max
     passes over the whole row where not or where it finds too many candidates; else "argmax"."""
-    method = _triton_utils.TOPK_METHOD
+    method = topk.TOPK_METHOD
     if method == "bitonic":
         return "bitonic"
     if method == "filter" and nsel2 <= 32 and bns_all >= 128:
-        return "filter-" + _triton_utils.TOPK_FILTER_PICK
+        return "filter-" + topk.TOPK_FILTER_PICK
     return "argmax"
 
 
@@ -821,12 +811,12 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     # 1. compression branch: scores + one partial softmax per split
     if WINDOW_STEP not in (1, 2, 3):
         raise ValueError(f"WINDOW_STEP must be 1, 2 or 3, got {WINDOW_STEP!r}")
-    if _triton_utils.TOPK_METHOD not in _triton_utils.TOPK_METHODS:
-        raise ValueError(f"TOPK_METHOD must be one of {_triton_utils.TOPK_METHODS}, got "
-                         f"{_triton_utils.TOPK_METHOD!r}")
-    if _triton_utils.TOPK_FILTER_PICK not in _triton_utils.TOPK_FILTER_PICKS:
-        raise ValueError(f"TOPK_FILTER_PICK must be one of {_triton_utils.TOPK_FILTER_PICKS}, got "
-                         f"{_triton_utils.TOPK_FILTER_PICK!r}")
+    if topk.TOPK_METHOD not in topk.TOPK_METHODS:
+        raise ValueError(f"TOPK_METHOD must be one of {topk.TOPK_METHODS}, got "
+                         f"{topk.TOPK_METHOD!r}")
+    if topk.TOPK_FILTER_PICK not in topk.TOPK_FILTER_PICKS:
+        raise ValueError(f"TOPK_FILTER_PICK must be one of {topk.TOPK_FILTER_PICKS}, got "
+                         f"{topk.TOPK_FILTER_PICK!r}")
     _decode_cmp_split_kernel[(n_cmp + (n_winp if WINDOW_STEP == 1 else 0), BH)](
         q, k_cmp, v_cmp, lens, scores, tile_sums, tile_spill, tile_max, pm, pl, po, counter[0], counter[1],
         k_swa, v_swa, q.stride(0), q.stride(2), *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_swa.stride()[:3],
@@ -847,7 +837,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     nsel2 = pow2(num_selected, 2)  # >= 2 for tl.topk
     bns_all = max(pow2(ns), nsel2)
     topk_kind = _step2_topk(bns_all, nsel2)
-    scratch = torch.empty(BH if topk_kind.startswith("filter") else 1, _triton_utils.TOPK_FILTER_CAP,
+    scratch = torch.empty(BH if topk_kind.startswith("filter") else 1, topk.TOPK_FILTER_CAP,
                           device=dev, dtype=torch.int64)
     ct = pow2(IMP_TILES_PER_PROGRAM, 1)
     if tile_imp:
@@ -862,7 +852,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
         S, window, scale_log2, M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb,
         BNS_ALL=bns_all, NSEL2=nsel2, DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT,
         CPP=IMP_CHUNKS_PER_PROGRAM, TILE_IMP=tile_imp, CT=ct, JT=max(jt, 1), NSP=nsp, NSPP=pow2(nsp, 1),
-        TOPK=TOPK_IN_STEP2, TOPK_KIND=topk_kind, CAP=_triton_utils.TOPK_FILTER_CAP, UPCAST=interp,
+        TOPK=TOPK_IN_STEP2, TOPK_KIND=topk_kind, CAP=topk.TOPK_FILTER_CAP, UPCAST=interp,
         **({} if interp else IMP_LAUNCH),
     )
     if not TOPK_IN_STEP2:  # 2b. the top-k in a launch of its own, one program per row

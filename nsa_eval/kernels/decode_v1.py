@@ -13,14 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import (
-    LOG2E,
-    interpreting,
-    overlap_weights,
-    pow2,
-    softmax_start,
-    topk_blocks,
-)
+from nsa_eval.kernels._triton_utils import LOG2E, interpreting, overlap_weights, pow2, softmax_start
 from nsa_eval.kernels.decode import (
     _load_q,
     _merge,
@@ -30,6 +23,7 @@ from nsa_eval.kernels.decode import (
     _query_pos,
     _store_partial,
 )
+from nsa_eval.kernels.topk import topk_blocks
 
 
 @triton.jit

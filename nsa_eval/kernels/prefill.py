@@ -24,18 +24,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from nsa_eval.kernels._triton_utils import (
-    band_backward,
-    band_forward,
-    contiguous,
-    default_scale,
-    gate_backward,
-    gate_forward,
-    gated_sum,
-    interpreting,
-    sum3,
-)
+from nsa_eval.kernels._triton_utils import contiguous, default_scale, interpreting
+from nsa_eval.kernels.band import band_backward, band_forward
 from nsa_eval.kernels.compression import compressed_attention
+from nsa_eval.kernels.gates import gate_backward, gate_forward, gated_sum, sum3
 from nsa_eval.kernels.selection import select_blocks, selected_attention, selected_backward, selected_forward
 from nsa_eval.kernels.window import sliding_window_attention
 

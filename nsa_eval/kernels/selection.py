@@ -32,7 +32,6 @@ import triton.language as tl
 
 from nsa_eval.kernels._triton_utils import (
     LOG2E,
-    band_forward,
     contiguous,
     default_scale,
     dk_tiles,
@@ -49,9 +48,10 @@ from nsa_eval.kernels._triton_utils import (
     softmax_start,
     split_zeros,
     store_tail,
-    topk_blocks,
     wide_rows,
 )
+from nsa_eval.kernels.band import band_forward
+from nsa_eval.kernels.topk import topk_blocks
 
 # ---------------------------------------------------------------------------------------------
 # importance of selection blocks

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from nsa_eval.kernels._triton_utils import band_backward, band_forward, contiguous, default_scale
+from nsa_eval.kernels._triton_utils import contiguous, default_scale
+from nsa_eval.kernels.band import band_backward, band_forward
 
 
 class SlidingWindowAttentionFunction(torch.autograd.Function):

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from nsa_eval.kernels import _triton_utils as tu
+from nsa_eval.kernels import band
 from nsa_eval.kernels import reference as ref
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.window import sliding_window_attention
@@ -79,13 +79,13 @@ def test_split_matches_masked_loop_and_reference(monkeypatch, name):
         n = interior_tiles(T, T, 1, 0, params["window"])
     assert (n > 0) == (name not in ("cmp-T40", "swa-T11")), n  # the unmasked interior is exercised
 
-    monkeypatch.setattr(tu, "BAND_SPLIT_MASK", True)
+    monkeypatch.setattr(band, "BAND_SPLIT_MASK", True)
     split = run(branch, x, params, "triton")
     # the launch order (BAND_LONGEST_FIRST) changes which program runs when, not what it computes
-    monkeypatch.setattr(tu, "BAND_LONGEST_FIRST", not tu.BAND_LONGEST_FIRST)
+    monkeypatch.setattr(band, "BAND_LONGEST_FIRST", not band.BAND_LONGEST_FIRST)
     for a, b in zip(run(branch, x, params, "triton"), split, strict=True):
         assert torch.equal(a, b)
-    monkeypatch.setattr(tu, "BAND_SPLIT_MASK", False)
+    monkeypatch.setattr(band, "BAND_SPLIT_MASK", False)
     masked = run(branch, x, params, "triton")
     for a, b in zip(split, masked, strict=True):
         assert torch.equal(a, b)
@@ -103,14 +103,14 @@ def test_split_matches_masked_loop_and_reference(monkeypatch, name):
 COMPILE = r"""
 import json
 import torch
-from nsa_eval.kernels import _triton_utils as u
+from nsa_eval.kernels import _triton_utils as u, band
 from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
 
 out = {}
-for part, kernel, pointers in (("fwd", u._band_fwd_kernel, ["*bf16"] * 4 + ["*fp32"]),
-                               ("dkv", u._band_bwd_dkv_kernel, ["*bf16"] * 4 + ["*fp32"] * 4)):
+for part, kernel, pointers in (("fwd", band._band_fwd_kernel, ["*bf16"] * 4 + ["*fp32"]),
+                               ("dkv", band._band_bwd_dkv_kernel, ["*bf16"] * 4 + ["*fp32"] * 4)):
     for branch in ("cmp", "swa"):
-        cfg = u._band_config(None if branch == "cmp" else 512, part, torch.bfloat16)
+        cfg = band._band_config(None if branch == "cmp" else 512, part, torch.bfloat16)
         consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDK2=0, BDV=128, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=True)
         k = compile_sm90(kernel, pointers_then_scalars(kernel, pointers, consts), consts, cfg)
@@ -133,8 +133,8 @@ def test_split_kernels_compile_for_h200():
 def test_launch_order_falls_back_beyond_grid_y(monkeypatch):
     """The longest-first grid puts the tiles on CUDA's grid y (at most 65,535): beyond that, and with
     BAND_LONGEST_FIRST off, the tiles go on x in index order, and the kernels are told which."""
-    monkeypatch.setattr(tu, "BAND_LONGEST_FIRST", True)
-    assert tu._launch(65535, 64) == ((64, 65535), 1)
-    assert tu._launch(65536, 64) == ((65536, 64), 0)
-    monkeypatch.setattr(tu, "BAND_LONGEST_FIRST", False)
-    assert tu._launch(10, 64) == ((10, 64), 0)
+    monkeypatch.setattr(band, "BAND_LONGEST_FIRST", True)
+    assert band._launch(65535, 64) == ((64, 65535), 1)
+    assert band._launch(65536, 64) == ((65536, 64), 0)
+    monkeypatch.setattr(band, "BAND_LONGEST_FIRST", False)
+    assert band._launch(10, 64) == ((10, 64), 0)

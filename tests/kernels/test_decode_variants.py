@@ -212,9 +212,9 @@ def test_topk_in_its_own_launch(monkeypatch):
 def test_bitonic_topk(monkeypatch, in_step2):
     """TOPK_METHOD = "bitonic" (`tl.topk` of int64 keys) in the last importance program and in
     `topk_blocks`: the reference's blocks and output, exact ties and more forced blocks than slots."""
-    from nsa_eval.kernels import _triton_utils
+    from nsa_eval.kernels import topk
 
-    monkeypatch.setattr(_triton_utils, "TOPK_METHOD", "bitonic")
+    monkeypatch.setattr(topk, "TOPK_METHOD", "bitonic")
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
     monkeypatch.setattr(decode, "TOPK_IN_STEP2", in_step2)
     q, kv, gates = _inputs(3, 600, 8, 2, 16, 16, seed=6)
@@ -232,10 +232,10 @@ def test_filter_topk_in_step2(monkeypatch, pick):
     the last importance program, on rows of up to 132 selection blocks: random importances (its
     compacted candidates), exact ties everywhere (more candidates than TOPK_FILTER_CAP: the passes
     over the whole row instead), and a row with fewer blocks than slots."""
-    from nsa_eval.kernels import _triton_utils
+    from nsa_eval.kernels import topk
 
-    monkeypatch.setattr(_triton_utils, "TOPK_METHOD", "filter")
-    monkeypatch.setattr(_triton_utils, "TOPK_FILTER_PICK", pick)
+    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
+    monkeypatch.setattr(topk, "TOPK_FILTER_PICK", pick)
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
     assert decode._step2_topk(256, 8) == "filter-" + pick and decode._step2_topk(64, 8) == "argmax"
     q, kv, gates = _inputs(3, 2100, 4, 1, 16, 16, seed=3)
@@ -361,9 +361,9 @@ def test_gpu_fused_config_sweep(monkeypatch):
     q, kv, gates, seqlens = _gpu_inputs(65536)
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
     want = decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens)
-    from nsa_eval.kernels import _triton_utils
+    from nsa_eval.kernels import topk
 
-    owner = lambda name: _triton_utils if name == "TOPK_METHOD" else decode  # noqa: E731
+    owner = lambda name: topk if name == "TOPK_METHOD" else decode  # noqa: E731
     defaults = {name: getattr(owner(name), name) for knobs in SWEEP for name in knobs}
     print()
     for knobs in SWEEP:

@@ -18,7 +18,7 @@ COMPILE = r"""
 import json
 import sys
 import torch
-from nsa_eval.kernels import _triton_utils as u, selection as s
+from nsa_eval.kernels import _triton_utils as u, selection as s, band
 from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
 
 sys.path.insert(0, "scripts")
@@ -43,22 +43,22 @@ def prefill(name, dtype, D, DV=None):
     out = {}
     p = "*" + name
     for branch in ("cmp", "swa"):
-        cfg = u._band_config(None if branch == "cmp" else 512, "dkv", dtype, D, DV)
+        cfg = band._band_config(None if branch == "cmp" else 512, "dkv", dtype, D, DV)
         consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False,
-                      SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "dkv"))
+                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dkv"))
         pointers = [p] * 4 + ["*fp32"] * 4
-        out[f"band dkv {branch} {name}"] = shared(u._band_bwd_dkv_kernel, pointers, consts, cfg)
-        cfg = u._band_config(None if branch == "cmp" else 512, "fwd", dtype, D, DV)
+        out[f"band dkv {branch} {name}"] = shared(band._band_bwd_dkv_kernel, pointers, consts, cfg)
+        cfg = band._band_config(None if branch == "cmp" else 512, "fwd", dtype, D, DV)
         consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False,
-                      SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "fwd"))
-        out[f"band fwd {branch} {name}"] = shared(u._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
-        cfg = u._band_config(None if branch == "cmp" else 512, "dq", dtype, D, DV)
+                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "fwd"))
+        out[f"band fwd {branch} {name}"] = shared(band._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
+        cfg = band._band_config(None if branch == "cmp" else 512, "dq", dtype, D, DV)
         consts = dict(consts, BM=cfg.pop("BM"), BN=cfg.pop("BN"),
-                      SPLIT_MASK=u._split_mask(None if branch == "cmp" else 512, "dq"))
-        out[f"band dq {branch} {name}"] = shared(u._band_bwd_dq_kernel, [p] * 4 + ["*fp32"] * 2 + [p], consts,
-                                                 cfg)
+                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dq"))
+        out[f"band dq {branch} {name}"] = shared(band._band_bwd_dq_kernel, [p] * 4 + ["*fp32"] * 2 + [p],
+                                                 consts, cfg)
     for GP in (16, 4, 1):  # fewer heads: more positions a program
         launch = s.importance_launch("reshape", GP, dtype, D)
         rows = launch.pop("rows")

@@ -14,7 +14,8 @@ import torch
 
 from nsa_eval.kernels import reference as ref
 from nsa_eval.kernels import selection
-from nsa_eval.kernels._triton_utils import interpreting, topk_blocks
+from nsa_eval.kernels._triton_utils import interpreting
+from nsa_eval.kernels.topk import topk_blocks
 from tests.kernels.sm90 import compile_sm90, json_from_fresh_python
 from tests.kernels.test_triton_kernels import assert_same_selection
 

@@ -255,28 +255,29 @@ def test_gate_backward_deltas_and_sum3():
     """The gate backward's deltas equal each branch's rowsum(o_x * do_x); `sum3` equals its float32
     reference, for mixed input dtypes, and rounds once to bf16."""
     from nsa_eval.kernels import _triton_utils as tu
+    from nsa_eval.kernels import gates
 
     g = torch.Generator().manual_seed(3)
     o = [torch.randn(2, 9, 3, 20, generator=g) for _ in range(3)]
-    gates = [torch.rand(2, 9, 3, generator=g) for _ in range(3)]
+    gate_values = [torch.rand(2, 9, 3, generator=g) for _ in range(3)]
     do = torch.randn(2, 9, 3, 20, generator=g)
-    d_o, d_g, delta = tu.gate_backward(*o, *gates, do, with_delta=True)
+    d_o, d_g, delta = gates.gate_backward(*o, *gate_values, do, with_delta=True)
     for i in range(3):
-        assert torch.allclose(d_o[i], gates[i][..., None] * do, atol=1e-6)
+        assert torch.allclose(d_o[i], gate_values[i][..., None] * do, atol=1e-6)
         assert torch.allclose(d_g[i], (o[i] * do).sum(-1), atol=1e-5)
         assert torch.allclose(delta[i], tu.row_delta(o[i], d_o[i]), atol=1e-5)
     a, b, c = (torch.randn(5, 37, generator=g) for _ in range(3))
     b16 = b.to(torch.bfloat16)
     want = a + b16.float() + c  # the same order of float32 adds
-    assert torch.equal(tu.sum3(a, b16, c, torch.float32), want)
+    assert torch.equal(gates.sum3(a, b16, c, torch.float32), want)
     # one rounding to bf16 (the interpreter truncates where the GPU rounds to nearest: 1 ulp apart)
-    got = tu.sum3(a, b16, c, torch.bfloat16)
+    got = gates.sum3(a, b16, c, torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=0)
     into = b16.clone()  # written in place, as the fused backward does with a branch's dq
-    assert tu.sum3(a, into, c, torch.bfloat16, out=into) is into and torch.equal(into, got)
+    assert gates.sum3(a, into, c, torch.bfloat16, out=into) is into and torch.equal(into, got)
     with pytest.raises(ValueError, match="out must be"):
-        tu.sum3(a, b16, c, torch.float32, out=b16.clone())
+        gates.sum3(a, b16, c, torch.float32, out=b16.clone())
 
 
 def reference_topk(imp, r, hkv, bs, n, t=None, num_init=1, num_local=2):
@@ -298,10 +299,10 @@ def test_topk_filter(monkeypatch, n, num_init, num_local, pick):
     rows of up to 200 blocks: random importances (its compacted path), many exact ties and -0.0 (ties
     to the lower index, whichever path), equal importances everywhere (more candidates than
     TOPK_FILTER_CAP: the full pass), and the short rows at the start (all blocks kept)."""
-    from nsa_eval.kernels import _triton_utils as tu
+    from nsa_eval.kernels import topk
 
-    monkeypatch.setattr(tu, "TOPK_METHOD", "filter")
-    monkeypatch.setattr(tu, "TOPK_FILTER_PICK", pick)
+    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
+    monkeypatch.setattr(topk, "TOPK_FILTER_PICK", pick)
     g = torch.Generator().manual_seed(5)
     T, rows, ns, bs = 400, 48, 200, 2
     pos = torch.cat([torch.arange(0, 40, 5), torch.randint(40, T, (rows - 8,), generator=g)]).int()
@@ -309,7 +310,7 @@ def test_topk_filter(monkeypatch, n, num_init, num_local, pick):
     imp[1::5] = torch.randint(0, 8, imp[1::5].shape, generator=g).float() / 8  # many ties, zeros
     imp[2::7, 3::5] = -0.0
     imp[3::9] = 0.5  # every block ties
-    out = tu.topk_blocks(imp, T=T, num_kv_heads=1, select_size=bs, num_selected=n, num_init=num_init,
+    out = topk.topk_blocks(imp, T=T, num_kv_heads=1, select_size=bs, num_selected=n, num_init=num_init,
                          num_local=num_local, positions=pos)
     for r in range(rows):
         want = reference_topk(imp, r, 1, bs, n, t=pos[r].item(), num_init=num_init, num_local=num_local)
@@ -323,15 +324,16 @@ def test_topk_blocks_ties_and_forced(monkeypatch, method, rows, n):
     """Every top-k method, one or several rows per program, 5 blocks or 1: forced blocks, no block
     after t, largest importances with ties (many equal values, zeros and -0.0) going to the lower
     index, ascending output, -1 padding."""
-    from nsa_eval.kernels import _triton_utils as tu
+    from nsa_eval.kernels import topk
 
-    monkeypatch.setattr(tu, "TOPK_METHOD", method)
-    monkeypatch.setattr(tu, "TOPK_CONFIG", dict(rows=rows, num_warps=1))
+    monkeypatch.setattr(topk, "TOPK_METHOD", method)
+    monkeypatch.setattr(topk, "TOPK_CONFIG", dict(rows=rows, num_warps=1))
     g = torch.Generator().manual_seed(21)
     T, hkv, ns, bs = 40, 2, 20, 2
     imp = torch.randint(0, 4, (T * hkv, ns), generator=g).float() / 4  # many ties, zeros included
     imp[::3] = torch.rand(imp[::3].shape, generator=g)
     imp[1::4, 3::5] = -0.0  # ties with +0.0
-    out = tu.topk_blocks(imp, T=T, num_kv_heads=hkv, select_size=bs, num_selected=n, num_init=1, num_local=2)
+    out = topk.topk_blocks(imp, T=T, num_kv_heads=hkv, select_size=bs, num_selected=n, num_init=1,
+                           num_local=2)
     for r in range(T * hkv):
         assert out[r].tolist() == reference_topk(imp, r, hkv, bs, n), r
