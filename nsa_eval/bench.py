@@ -412,6 +412,7 @@ def bench_variants(x, lse, idx):
         timed("nsa_attention [band tiles in index order]", band, "BAND_LONGEST_FIRST", False,
               forward)
     timed("nsa_attention [dq window on one stream]", prefill, "WINDOW_STREAM", False, whole)
+    timed("nsa_attention [dq gates in the branches]", prefill, "GATE_IN_BRANCHES", True, whole)
     timed("nsa_attention [dq band tiles in index order]", band, "BAND_LONGEST_FIRST", False, whole)
     return out
 

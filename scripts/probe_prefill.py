@@ -1,7 +1,7 @@
 """Questions about the prefill forward, timed side by side on one GPU (runs 37-50 on the H200).
 
     PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4]   (default: both)
-    PYTHONPATH=. python3 scripts/probe_prefill.py dims | dims192 | dims192b | dims192c
+    PYTHONPATH=. python3 scripts/probe_prefill.py dims | dims192 | dims192b | dims192c | gates
 
 1. Overlap of the branches across KV heads. The compression forward and the importances are
    compute-bound, the selected walk waits on L2 reads. The benchmark's heads split into P
@@ -26,6 +26,10 @@
    and the importance kernel's rows and stages (select_blocks).
 7. `dims192c` (run 50): the compression's dk/dv at 192 / 128 on run 47's launches (32-key tiles,
    64 queries, 4 warps, 2 stages), which still spills: other stages, query and key tiles.
+
+8. `gates` (run 56): the fused backward with each branch's gate applied inside its kernels
+   (`prefill.GATE_IN_BRANCHES`) against the gate backward writing three copies g_x * do: time and
+   peak memory of a forward+backward at 64k.
 
 Sections 5-7 ran before the rules they led to (`band._band_config` caps the dq and dk/dv
 key tiles at 32 past 128 q/k dims, `selection.selected_fwd_launch` takes 2 warps or more): run again,
@@ -287,8 +291,33 @@ def probe_dims192c(T, hq=64, hkv=4, dk=192, dv=128):
         print(f"T={T} Dk={dk} Dv={dv} cmp fwd+bwd, dkv {changes or 'defaults'}: {ms:.2f} ms", flush=True)
 
 
+def probe_gates(T):
+    """The fused backward with the gates applied in each branch's kernels against the gate backward's
+    three copies g_x * do (`prefill.GATE_IN_BRANCHES`), in alternation: forward+backward time and the
+    peak memory of one forward+backward, at 64/4 and 16/4 heads and at 192 / 128."""
+    for hq, dk, dv in ((64, 128, 128), (16, 128, 128), (64, 192, 128)):
+        x = dims_inputs(T, hq, 4, dk, dv)
+        step = _fwd_bwd(lambda x=x: nsa_prefill(**x), x)
+        for rep in range(3):
+            for in_branches in (True, False):
+                def measure(step=step):
+                    ms = _time(step)
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    step()
+                    torch.cuda.synchronize()
+                    return ms, (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+
+                ms, gib = _with_flag(prefill, "GATE_IN_BRANCHES", in_branches, measure)
+                how = "gates in the branches" if in_branches else "copies g_x * do"
+                print(f"[{rep}] T={T} {hq}/4 Dk={dk} Dv={dv} {how}: forward+backward {ms:.2f} ms, peak "
+                      f"{gib:.2f} GiB above the inputs", flush=True)
+        torch.cuda.empty_cache()
+
+
 HEAD_DIM_PROBES = {"dims": probe_dims, "dims192": probe_dims192, "dims192b": probe_dims192b,
-                   "dims192c": probe_dims192c}  # at 64k, one per call
+                   "dims192c": probe_dims192c, "gates": probe_gates}  # at 64k, one per call
 
 
 def main():

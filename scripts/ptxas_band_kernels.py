@@ -30,8 +30,8 @@ from tests.kernels.sm90 import compile_sm90, pointers_then_scalars  # noqa: E402
 
 KERNELS = {  # part: (kernel, its pointer arguments' types)
     "fwd": (band._band_fwd_kernel, ["*bf16"] * 4 + ["*fp32"]),
-    "dq": (band._band_bwd_dq_kernel, ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"]),
-    "dkv": (band._band_bwd_dkv_kernel, ["*bf16"] * 4 + ["*fp32"] * 4),
+    "dq": (band._band_bwd_dq_kernel, ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2),
+    "dkv": (band._band_bwd_dkv_kernel, ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] + ["*fp32"] * 2),
 }
 
 
@@ -71,6 +71,8 @@ def main() -> int:
                 cfg = band._band_config(window, part, torch.bfloat16)
                 consts = dict(HAS_WINDOW=window is not None, DK=128, DV=128, BDK=128, BDK2=0, BDV=128,
                               BM=cfg.pop("BM"), BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=split)
+                if part != "fwd":  # the fused prefill's backward: the gates applied in the kernels
+                    consts["GATED"] = True
                 divisible = [i for i, name in enumerate(kernel.arg_names) if name not in consts
                              and (i < len(pointers) or is_divisible_scalar(name))]
                 regs, stores, loads, shared = compile_usage(kernel, pointers, consts, cfg, divisible)

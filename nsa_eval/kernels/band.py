@@ -241,14 +241,16 @@ def _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk
 
 @triton.jit
 def _band_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, GATE, DQ,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, TK, HQ, G, scale, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr,
+    SPLIT_MASK: tl.constexpr, GATED: tl.constexpr,
 ):
-    # DO and DQ are contiguous [B, T, HQ, DV] / [B, T, HQ, DK]
+    # DO and DQ are contiguous [B, T, HQ, DV] / [B, T, HQ, DK]. GATED: this branch's output gradient
+    # is GATE [B, T, HQ] (per row) times DO, and DELTA is rowsum(o * DO): ds = g * p * (dp - delta)
+    # for every key, so dq is the ungated one times g
     i_m, i_bh = _query_tile_and_head(longest_first)
     i_b = (i_bh // HQ).to(tl.int64)
     i_h = i_bh % HQ
@@ -295,6 +297,11 @@ def _band_bwd_dq_kernel(
             dq, dq2 = _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk_t,
                                     sv_t, TK, scale_log2, key_stride, key_offset, window, True,
                                     HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST)
+    if GATED:
+        g = tl.load(GATE + row, mask=m_t, other=0.0).to(tl.float32)
+        dq = dq * g[:, None]
+        if BDK2 > 0:
+            dq2 = dq2 * g[:, None]
     tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=m_t[:, None] & (o_dk < DK)[None, :])
     if BDK2 > 0:
@@ -302,13 +309,14 @@ def _band_bwd_dq_kernel(
 
 
 @triton.jit
-def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_h, start, sq_b, sq_t, sq_h, T,
-                   HQ, scale_log2, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
-                   BM: tl.constexpr, UPCAST: tl.constexpr):
+def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i_b, i_h, start, sq_b, sq_t,
+                   sq_h, T, HQ, scale_log2, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
+                   BDV: tl.constexpr, BM: tl.constexpr, UPCAST: tl.constexpr, GATED: tl.constexpr):
     # one query tile [start, start + BM) of query head i_h for the key tile k [BN, BDK], v [BN, BDV]
     # (key positions k_pos [BN], in range m_k): dk [BN, BDK], dv [BN, BDV]; with a split head dim,
-    # its tail k2 and dk2 [BN, BDK2]
+    # its tail k2 and dk2 [BN, BDK2]. GATED: the rows' gates scale p (dv = (g p)^T do and
+    # ds = g p (dp - delta), delta = rowsum(o * do)), as a gradient g * do would
     o_t = start + tl.arange(0, BM)
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
@@ -323,11 +331,15 @@ def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_
         lse = tl.load(LSE + row, mask=m_t, other=0.0)
         lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
         delta = tl.load(DELTA + row, mask=m_t, other=0.0)
+        if GATED:
+            g = tl.load(GATE + row, mask=m_t, other=0.0).to(tl.float32)
     else:  # every query < T and sees a key of this tile: lse is finite
         q = load_in_range(q_ptrs, (o_dk < DK)[None, :], BDK > DK)
         do = load_in_range(do_ptrs, (o_dv < DV)[None, :], BDV > DV)
         lse = tl.load(LSE + row) * 1.4426950408889634
         delta = tl.load(DELTA + row)
+        if GATED:
+            g = tl.load(GATE + row).to(tl.float32)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -342,6 +354,8 @@ def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_
         if HAS_WINDOW:
             valid = valid & (k_pos[:, None] > o_t[None, :] - window)
         p_t = tl.where(valid, p_t, 0.0)
+    if GATED:
+        p_t = p_t * g[None, :]
     dv += tl.dot(p_t.to(do.dtype), do)
     dp_t = tl.dot(v, tl.trans(do))  # [BN, BM]
     ds_t = p_t * (dp_t - delta[None, :])
@@ -353,12 +367,12 @@ def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_
 
 @triton.jit
 def _band_bwd_dkv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT,
+    Q, K, V, DO, LSE, DELTA, GATE, DK_OUT, DV_OUT,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, TK, HQ, G, SPLIT, scale, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr,
+    SPLIT_MASK: tl.constexpr, GATED: tl.constexpr,
 ):
     # One program per (key tile, kv head, head split); it loops over G // SPLIT query heads.
     # DK_OUT / DV_OUT are contiguous [B, TK, HKV * SPLIT, D].
@@ -398,22 +412,22 @@ def _band_bwd_dkv_kernel(
         i_h = h_first + j
         if SPLIT_MASK:
             for start in range(lo, mid_lo, BM):  # the diagonal
-                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_h,
-                                             start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
-                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST)
+                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i_b,
+                                             i_h, start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
+                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST, GATED)
             for start in range(mid_lo, mid_hi, BM):  # interior: no mask
-                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_h,
-                                             start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, False,
-                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST)
+                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i_b,
+                                             i_h, start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, False,
+                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST, GATED)
             for start in range(mid_hi, hi, BM):  # the window's end and the queries past T
-                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_h,
-                                             start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
-                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST)
+                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i_b,
+                                             i_h, start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
+                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST, GATED)
         else:
             for start in range(lo, hi, BM):
-                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, i_b, i_h,
-                                             start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
-                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST)
+                dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i_b,
+                                             i_h, start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
+                                             HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST, GATED)
     out_row = (i_b * TK + o_k.to(tl.int64)) * NH + i_hs  # [BN]
     tl.store(DK_OUT + out_row[:, None] * DK + o_dk[None, :], (dk * scale).to(DK_OUT.dtype.element_ty),
              mask=m_k[:, None] & (o_dk < DK)[None, :])
@@ -511,14 +525,18 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
 
 
 def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offset, window=None,
-                  split_heads=False, delta=None):
+                  split_heads=False, delta=None, gate=None):
     """Gradients of `band_forward`: (dq, dk, dv). `split_heads` runs one dk/dv program per query
     head and sums the group afterwards (many keys seen by long query ranges: compression). `delta`:
-    float32 `[B, T, Hq]` rowsum(o * do) where the caller has it (then `dlse` must be None)."""
+    float32 `[B, T, Hq]` rowsum(o * do) where the caller has it (then `dlse` must be None). `gate`
+    (contiguous `[B, T, Hq]`, with `dlse` None): the output's gradient is `gate[..., None] * do`,
+    applied inside the kernels (no scaled copy of do); `delta` stays rowsum(o * do)."""
     B, T, HQ, DK = q.shape
     TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
     G = HQ // HKV
     do = do.contiguous()
+    if gate is not None and dlse is not None:
+        raise ValueError("band_backward: gate and dlse cannot be combined")
     if delta is None:
         delta = row_delta(o.contiguous(), do, dlse)
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
@@ -528,10 +546,11 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     cfg = _band_config(window, "dq", q.dtype, DK, DV)
     grid, longest_first = _launch(triton.cdiv(T, cfg["BM"]), B * HQ)
     _band_bwd_dq_kernel[grid](
-        q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v),
+        q, k, v, do, lse, delta, delta if gate is None else gate, dq, *_strides(q), *_strides(k),
+        *_strides(v),
         T, TK, HQ, G, scale, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
         **cfg, **common,
-        SPLIT_MASK=_split_mask(window, "dq"),
+        SPLIT_MASK=_split_mask(window, "dq"), GATED=gate is not None,
     )
     split = G if split_heads else 1
     buf_dtype = torch.float32 if split > 1 else k.dtype
@@ -540,10 +559,11 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     cfg = _band_config(window, "dkv", q.dtype, DK, DV)
     grid, longest_first = _launch(triton.cdiv(TK, cfg["BN"]), B * HKV * split)
     _band_bwd_dkv_kernel[grid](
-        q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
+        q, k, v, do, lse, delta, delta if gate is None else gate, dk, dv, *_strides(q), *_strides(k),
+        *_strides(v),
         T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0,
         longest_first, **cfg, **common,
-        SPLIT_MASK=_split_mask(window, "dkv"),
+        SPLIT_MASK=_split_mask(window, "dkv"), GATED=gate is not None,
     )
     if split > 1:
         dk = dk.view(B, TK, HKV, split, DK).sum(3).to(k.dtype)  # [B, TK, HKV, DK]

@@ -3,12 +3,14 @@
 Forward: the compression branch (its lse also feeds the selection), `select_blocks`, the selected
 branch, the sliding window, then `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa` in one pass.
 
-Backward (`FUSED_BACKWARD`, the default): the gate backward also writes each branch's softmax row
-term delta_x = rowsum(o_x * do_x) = g_x * dg_x (it sums o_x * do for dg_x anyway), so no branch runs
-its own delta pass over o_x and do_x; and the three branches' dq, the selected one still in its
-float32 accumulator, are summed in one pass with one rounding (`sum3`) instead of a cast and two
-adds. Each branch's copy of the output gradient is freed once that branch is done, and the dq sum
-goes into the compression branch's dq buffer, so the backward holds no more than the composed one.
+Backward (`FUSED_BACKWARD`, the default): the gate backward writes each branch's copy g_x * do and
+also its softmax row term delta_x = g_x * dg_x (it sums o_x * do for dg_x anyway), so no branch runs
+its own delta pass over o_x and do_x (with `GATE_IN_BRANCHES`, a memory saving that costs time,
+each branch's kernels take do and g_x and apply the gate themselves, ds = g_x * p * (dp - dg_x), and
+no copy is written); and the three branches' dq, the selected one still in its float32
+accumulator, are summed in one pass with one rounding (`sum3`) instead of a cast and two adds. Each
+branch's copy of the output gradient is freed once that branch is done, and the dq sum goes into the
+compression branch's dq buffer, so the backward holds no more than the composed one.
 Once differentiable (no double backward). With `FUSED_BACKWARD = False` the branches are composed
 from their own autograd functions (`compressed_attention`, `selected_attention`,
 `sliding_window_attention`, `gated_sum`), as before; the benchmark times both.
@@ -32,6 +34,14 @@ from nsa_eval.kernels.selection import select_blocks, selected_attention, select
 from nsa_eval.kernels.window import sliding_window_attention
 
 FUSED_BACKWARD = True
+# with FUSED_BACKWARD: each branch's backward kernels take the output gradient do and the branch's gate
+# and apply it themselves (the band dq and the dq walk scale dq by g at the end; dk/dv kernels scale p
+# by g), instead of the gate backward writing g_x * do for each branch (three copies of do). A memory
+# saving that costs time: run 56 (scripts/probe_prefill.py gates), forward+backward at 64k, 64/4 heads:
+# 136.6 ms against 128.1 with the copies, peak 7.49 GiB above the inputs against 9.58 (16/4 heads: 45.1
+# against 43.3 ms, 2.01 against 2.76 GiB; 192 / 128: 208.5 against 204.8 ms, 9.09 against 11.09 GiB),
+# as the gate in the banded dk/dv loop spills more (compression 808 bytes against 604)
+GATE_IN_BRANCHES = False
 # the window branch on a second CUDA stream (with FUSED_BACKWARD), beside the other branches
 WINDOW_STREAM = True
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -92,20 +102,26 @@ class NSAFunction(torch.autograd.Function):
         (q, k, v, k_cmp, v_cmp, k_swa, v_swa, g_cmp, g_slc, g_swa, bi,
          o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa) = ctx.saved_tensors
         block_len, stride, select_size, _, _, _, window, scale = ctx.params
-        d_o, d_g, delta = gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, with_delta=True)
+        in_branches = GATE_IN_BRANCHES
+        d_o, d_g, delta = gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, with_delta=True,
+                                        scaled_do=not in_branches)
+        if in_branches:  # every branch reads do itself and applies its gate
+            d_o = [do.contiguous()] * 3
+        gates = [g_cmp, g_slc, g_swa] if in_branches else [None] * 3
         side = _side_stream(q)  # the window beside the selected branch
         do_swa = d_o.pop(2)  # held until the streams join: the side stream reads it
         with torch.cuda.stream(side):  # no-op for None
             dq_swa, dk_swa, dv_swa = band_backward(q, k_swa, v_swa, o_swa, lse_swa, do_swa, scale=scale,
-                                                   key_stride=1, key_offset=0, window=window, delta=delta[2])
+                                                   key_stride=1, key_offset=0, window=window, delta=delta[2],
+                                                   gate=gates[2])
         if side is None:
             del do_swa
         # each branch's do_x is dropped as soon as that branch is done
         dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, d_o.pop(1), select_size=select_size,
-                                           scale=scale, delta=delta[1], dq_float32=True)
+                                           scale=scale, delta=delta[1], dq_float32=True, gate=gates[1])
         dq_cmp, dk_cmp, dv_cmp = band_backward(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_o.pop(0), scale=scale,
                                                key_stride=stride, key_offset=block_len - 1, split_heads=True,
-                                               delta=delta[0])
+                                               delta=delta[0], gate=gates[0])
         _join(side, dq_swa, dk_swa, dv_swa)
         dq = sum3(dq_slc, dq_cmp, dq_swa, q.dtype, out=dq_cmp)  # dq_cmp: q's dtype and shape
         return (dq, dk, dv, dk_cmp, dv_cmp, *d_g, dk_swa, dv_swa, None)

@@ -456,7 +456,14 @@ def _key_tail(k_base, o_k, sk_t, T, k, BDK: tl.constexpr, BDK2: tl.constexpr, UP
 
 
 @triton.jit
-def _store_dq(DQ, row, m_r, dq, dq2, scale, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr):
+def _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
+              GATED: tl.constexpr):
+    # GATED: the output's gradient was GATE (per row) times do, so dq is the ungated one times it
+    if GATED:
+        g = tl.load(GATE + row, mask=m_r, other=0.0).to(tl.float32)
+        dq = dq * g[:, None]
+        if BDK2 > 0:
+            dq2 = dq2 * g[:, None]
     o_dk = tl.arange(0, BDK)
     tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=m_r[:, None] & (o_dk < DK)[None, :])
@@ -475,14 +482,15 @@ def _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV: tl.constexpr):
 
 @triton.jit
 def _selected_kernel(
-    Q, K, V, BI, O, LSE, DO, DELTA, DQ,
+    Q, K, V, BI, O, LSE, DO, DELTA, GATE, DQ,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NSEL, scale, scale_log2,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, GATED: tl.constexpr,
 ):
-    # Forward (BACKWARD=False): O, LSE. Backward: DQ only (dk/dv: `_selected_dkv_kernel`).
+    # Forward (BACKWARD=False): O, LSE. Backward: DQ only (dk/dv: `_selected_dkv_kernel`); GATED: the
+    # output's gradient is GATE [B, T, HQ] (per row) times DO, DELTA rowsum(o * DO).
     # O, DO, DQ contiguous [B, T, HQ, D]; BI contiguous [B, T, HKV, NSEL].
     M: tl.constexpr = BT * GP
     i_b, i_hk, t0, r_t, m_r, row, q, q2 = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, BDK2, GP, BT,
@@ -528,19 +536,19 @@ def _selected_kernel(
                     m_i, l_i, acc = _softmax_block(q, q2, k, k2, v, valid, scale_log2, m_i, l_i, acc, BDK2)
 
     if BACKWARD:
-        _store_dq(DQ, row, m_r, dq, dq2, scale, DK, BDK, BDK2)
+        _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK, BDK, BDK2, GATED)
     else:
         _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV)
 
 
 @triton.jit
 def _selected_pipelined_kernel(
-    Q, K, V, BI, O, LSE, DO, DELTA, DQ,
+    Q, K, V, BI, O, LSE, DO, DELTA, GATE, DQ,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NSEL, scale, scale_log2,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, GATED: tl.constexpr,
 ):
     # Same contract as `_selected_kernel`. The distinct usable blocks of the BT lists are numbered
     # 0 .. n_blk-1 up front; iteration i reads block i, with no branch, so loads can run ahead.
@@ -597,7 +605,7 @@ def _selected_pipelined_kernel(
             m_i, l_i, acc = _softmax_block(q, q2, k, k2, v, valid, scale_log2, m_i, l_i, acc, BDK2)
 
     if BACKWARD:
-        _store_dq(DQ, row, m_r, dq, dq2, scale, DK, BDK, BDK2)
+        _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK, BDK, BDK2, GATED)
     else:
         _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV)
 
@@ -610,7 +618,7 @@ def _tiling(G: int):
     return GP, max(1, SELECTED_ROWS // GP)
 
 
-def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, backward):
+def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, backward, gate=None):
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
@@ -622,11 +630,11 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
     BDK, BDK2 = dk_tiles(DK)
     _SELECTED_WALKS[SELECTED_WALK][(triton.cdiv(T, BT), B * HKV)](
         q, k, v, bi, dummy, lse, do if do is not None else dummy, delta if delta is not None else lse,
-        dq if dq is not None else dummy,
+        gate if gate is not None else lse, dq if dq is not None else dummy,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
         DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
-        BACKWARD=backward, UPCAST=interpreting(),
+        BACKWARD=backward, UPCAST=interpreting(), GATED=gate is not None,
         **(SELECTED_DQ_CONFIG if backward else selected_fwd_launch(BT, DK)),
     )
 
@@ -646,17 +654,19 @@ def selected_fwd_launch(positions: int, dk: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _selected_dkv_kernel(
-    Q, K, V, DO, LSE, DELTA, ITEM_SEG, ITEM_CHUNK, SEG_START, POS, DK32, DV32, DQ32,
+    Q, K, V, DO, LSE, DELTA, GATE, ITEM_SEG, ITEM_CHUNK, SEG_START, POS, DK32, DV32, DQ32,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NS, NSEG, scale, scale_log2, CHUNK,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     # One program per work item: up to CHUNK query positions (x G heads) of one (b, kv head, block)
     # segment, gathered BQ positions at a time into M = BQ * GP rows of one MMA. Partial dk/dv go
     # to the float32 DK32/DV32 [B, T, HKV, D] by atomics (one add per item, not per query).
     # FUSE_DQ: also each query's dq share from this block, ds @ k, to the float32 DQ32 [B, T, HQ, DK]
-    # by atomics (instead of the dq walk reading every selected block again).
+    # by atomics (instead of the dq walk reading every selected block again). GATED: the output's
+    # gradient is GATE [B, T, HQ] (per row) times DO, and DELTA rowsum(o * DO): the gates scale p.
     M: tl.constexpr = BQ * GP
     i_item = tl.program_id(0)
     seg = tl.load(ITEM_SEG + i_item)
@@ -704,6 +714,8 @@ def _selected_dkv_kernel(
                 s += tl.dot(q2, tl.trans(k2))
             valid = (o_k[None, :] <= r_t[:, None]) & m_r[:, None]
             pr = tl.where(valid, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)  # [M, BS]
+            if GATED:
+                pr = pr * tl.load(GATE + row, mask=m_r, other=0.0).to(tl.float32)[:, None]
             dp = tl.dot(do, tl.trans(v))  # [M, BS]
             ds = pr * (dp - delta[:, None])
             dv += tl.dot(tl.trans(pr.to(do.dtype)), do)  # [BS, BDV]
@@ -773,11 +785,13 @@ def selected_forward(q, k, v, bi, *, select_size, scale):
     return o, lse
 
 
-def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None, dq_float32=False):
+def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None, dq_float32=False,
+                      gate=None):
     """dq (one walk per query tile, as the forward) and dk/dv (per key block, inverted index).
     `delta`: float32 `[B, T, Hq]` rowsum(o * do) where the caller has it. `dq_float32`: with
     SELECTED_DQ = "fused", dq as its float32 accumulator (no cast), for a caller that adds more to
-    it; with "walk" dq stays in q's dtype either way."""
+    it; with "walk" dq stays in q's dtype either way. `gate` (contiguous `[B, T, Hq]`): the output's
+    gradient is `gate[..., None] * do`, applied inside the kernels; `delta` stays rowsum(o * do)."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
@@ -792,7 +806,7 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
     else:
         dq = torch.empty_like(q)
         _launch_selected(q, k, v, bi, None, lse, do, delta, dq, select_size=select_size, scale=scale,
-                         backward=True)
+                         backward=True, gate=gate)
     dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     dq_dtype = torch.float32 if dq_float32 and fuse_dq else q.dtype
@@ -806,11 +820,12 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
     ns = triton.cdiv(T, select_size)
     BDK, BDK2 = dk_tiles(DK)
     _selected_dkv_kernel[(item_seg.numel(),)](
-        q, k, v, do, lse, delta, item_seg, item_chunk, seg_start, pos, dk32, dv32, dq,
+        q, k, v, do, lse, delta, gate if gate is not None else delta, item_seg, item_chunk, seg_start, pos,
+        dk32, dv32, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, scale, scale * LOG2E, chunk,
         DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, FUSE_DQ=fuse_dq,
-        UPCAST=interpreting(), **launch,
+        UPCAST=interpreting(), GATED=gate is not None, **launch,
     )
     return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
 

@@ -108,11 +108,14 @@ from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
 
 out = {}
 for part, kernel, pointers in (("fwd", band._band_fwd_kernel, ["*bf16"] * 4 + ["*fp32"]),
-                               ("dkv", band._band_bwd_dkv_kernel, ["*bf16"] * 4 + ["*fp32"] * 4)):
+                               ("dkv", band._band_bwd_dkv_kernel, ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"]
+                                + ["*fp32"] * 2)):
     for branch in ("cmp", "swa"):
         cfg = band._band_config(None if branch == "cmp" else 512, part, torch.bfloat16)
         consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDK2=0, BDV=128, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=True)
+        if part == "dkv":
+            consts["GATED"] = True
         k = compile_sm90(kernel, pointers_then_scalars(kernel, pointers, consts), consts, cfg)
         out[f"{part} {branch}"] = dict(shared=k.metadata.shared, loops=k.asm["ttgir"].count("scf.for"))
 print(json.dumps(out))

@@ -180,14 +180,17 @@ def test_decode_matches_prefill(hq, hkv):
             assert rel_err(o_dec, o_ref) < BF16_TOL
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-backward", "composed"])
-def test_nsa_attention_triton_gradients(monkeypatch, fused):
+@pytest.mark.parametrize("fused, gate_in_branches", [(True, False), (True, True), (False, False)],
+                         ids=["fused-backward", "fused-backward-gates-in-branches", "composed"])
+def test_nsa_attention_triton_gradients(monkeypatch, fused, gate_in_branches):
     """nsa_attention(impl="triton") (reused compression lse, fused gated sum, inverted-index selection
     backward with work items split over long block lists) against the float32 reference, G = 16, as
-    one autograd op (prefill.FUSED_BACKWARD) and composed from the branches' ops."""
+    one autograd op (prefill.FUSED_BACKWARD; the gates applied in the branches' kernels, or as
+    copies g_x * do: GATE_IN_BRANCHES) and composed from the branches' ops."""
     from nsa_eval.kernels import prefill
 
     monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
+    monkeypatch.setattr(prefill, "GATE_IN_BRANCHES", gate_in_branches)
     g = torch.Generator(device="cuda").manual_seed(10)
     assert_nsa_matches_reference(with_gates(make(1, 4096, 16, 1, 128, grad=True), g), g)
 

@@ -46,8 +46,8 @@ def prefill(name, dtype, D, DV=None):
         cfg = band._band_config(None if branch == "cmp" else 512, "dkv", dtype, D, DV)
         consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False,
-                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dkv"))
-        pointers = [p] * 4 + ["*fp32"] * 4
+                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dkv"), GATED=True)
+        pointers = [p] * 4 + ["*fp32"] * 2 + [p] + ["*fp32"] * 2  # gated, as the fused prefill runs it
         out[f"band dkv {branch} {name}"] = shared(band._band_bwd_dkv_kernel, pointers, consts, cfg)
         cfg = band._band_config(None if branch == "cmp" else 512, "fwd", dtype, D, DV)
         consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
@@ -56,8 +56,8 @@ def prefill(name, dtype, D, DV=None):
         out[f"band fwd {branch} {name}"] = shared(band._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
         cfg = band._band_config(None if branch == "cmp" else 512, "dq", dtype, D, DV)
         consts = dict(consts, BM=cfg.pop("BM"), BN=cfg.pop("BN"),
-                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dq"))
-        out[f"band dq {branch} {name}"] = shared(band._band_bwd_dq_kernel, [p] * 4 + ["*fp32"] * 2 + [p],
+                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dq"), GATED=True)
+        out[f"band dq {branch} {name}"] = shared(band._band_bwd_dq_kernel, [p] * 4 + ["*fp32"] * 2 + [p, p],
                                                  consts, cfg)
     for GP in (16, 4, 1):  # fewer heads: more positions a program
         launch = s.importance_launch("reshape", GP, dtype, D)
@@ -69,8 +69,8 @@ def prefill(name, dtype, D, DV=None):
                                                    launch)
     GP = 16
     consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False,
-                  UPCAST=False)
-    selected = [p] * 3 + ["*i32", p, "*fp32"] + [p, "*fp32", p]
+                  UPCAST=False, GATED=False)
+    selected = [p] * 3 + ["*i32", p, "*fp32"] + [p, "*fp32", p, p]
     fwd = s._selected_pipelined_kernel
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(1, D))
     consts = dict(consts, GP=4, BT=4)  # G = 4: four positions a program
@@ -83,8 +83,8 @@ def prefill(name, dtype, D, DV=None):
                                                  launch)
     config = s.selected_dkv_launch(dtype, D, DV)
     consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BQ=max(1, config.pop("rows") // GP), BS=64,
-                  FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False)
-    out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + ["*i32"] * 4
+                  FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False, GATED=True)
+    out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + [p] + ["*i32"] * 4
                                          + ["*fp32"] * 3, consts, config)
     return {f"{key} d={D}/{DV}": size for key, size in out.items()}
 

@@ -183,20 +183,24 @@ def test_decode_separate_window_cache():
     assert rel_err(o, ref.nsa_decode(q, *args, *gates, **kw)) < TOL
 
 
-@pytest.mark.parametrize("fused, window_kv, selected_dq", [
-    (True, "shared", "fused"), (True, "own", "fused"), (True, "shared", "walk"),
-    (False, "shared", "fused"), (False, "own", "fused"),
-], ids=["fused-backward-shared", "fused-backward-own", "fused-backward-dq-walk", "composed-shared",
+@pytest.mark.parametrize("fused, window_kv, selected_dq, gate_in_branches", [
+    (True, "shared", "fused", False), (True, "own", "fused", False), (True, "shared", "walk", False),
+    (True, "shared", "fused", True), (True, "own", "walk", True),
+    (False, "shared", "fused", False), (False, "own", "fused", False),
+], ids=["fused-backward-shared", "fused-backward-own", "fused-backward-dq-walk",
+        "fused-backward-gates-in-branches", "fused-backward-gates-in-branches-own-dq-walk", "composed-shared",
         "composed-own"])
-def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv, selected_dq):
+def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv, selected_dq, gate_in_branches):
     """nsa_attention(impl="triton"): the three branches, the reused compression lse and the fused gated
     sum, against the reference, outputs and gradients (gates included), with the window sharing the
     selection's keys/values or having its own; as one autograd op (prefill.FUSED_BACKWARD: deltas
-    from the gate backward, one dq sum; also with the selected dq walked instead of fused) and
-    composed from the branches' own ops."""
+    from the gate backward, the gates applied inside each branch's kernels or as copies g_x * do
+    (GATE_IN_BRANCHES), one dq sum; also with the selected dq walked instead of fused) and composed
+    from the branches' own ops."""
     from nsa_eval.kernels import prefill, selection
 
     monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
+    monkeypatch.setattr(prefill, "GATE_IN_BRANCHES", gate_in_branches)
     monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
     assert_nsa_attention_matches_reference(16, 16, seed=11, own_window=window_kv == "own")
 
@@ -234,26 +238,27 @@ def test_dk_tiles():
     assert [dk_tiles(d) for d in (128, 256, 16, 24, 112, 200)] == padded
 
 
-@pytest.mark.parametrize("split, walk, selected_dq", [
-    (True, "pipelined", "fused"), (True, "union", "walk"), (False, "pipelined", "fused"),
-], ids=["split", "split-union-dq-walk", "padded"])
-def test_split_head_dim(monkeypatch, split, walk, selected_dq):
+@pytest.mark.parametrize("split, walk, selected_dq, gate_in_branches", [
+    (True, "pipelined", "fused", False), (True, "union", "walk", True), (False, "pipelined", "fused", False),
+], ids=["split", "split-union-dq-walk-gates-in-branches", "padded"])
+def test_split_head_dim(monkeypatch, split, walk, selected_dq, gate_in_branches):
     """Dk = 48 = 32 + 16 (as the paper's 192 = 128 + 64): every prefill kernel runs its score products
     and dq / dk in two column tiles (`_triton_utils.dk_tiles`), or padded to 64 with SPLIT_DK off.
     nsa_attention(impl="triton") against the reference: blocks, output and gradients (the banded
     forwards, dq and dk/dv of both branches, the importances, both selected walks, the fused dq and
-    the dq walk, the selected dk/dv)."""
-    from nsa_eval.kernels import _triton_utils, selection
+    the dq walk, the selected dk/dv; the gates as copies g_x * do or in the branches' kernels)."""
+    from nsa_eval.kernels import _triton_utils, prefill, selection
 
     monkeypatch.setattr(_triton_utils, "SPLIT_DK", split)
+    monkeypatch.setattr(prefill, "GATE_IN_BRANCHES", gate_in_branches)
     monkeypatch.setattr(selection, "SELECTED_WALK", walk)
     monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
     assert_nsa_attention_matches_reference(48, 16, seed=21)
 
 
 def test_gate_backward_deltas_and_sum3():
-    """The gate backward's deltas equal each branch's rowsum(o_x * do_x); `sum3` equals its float32
-    reference, for mixed input dtypes, and rounds once to bf16."""
+    """The gate backward's deltas equal each branch's rowsum(o_x * do_x) (rowsum(o_x * do) without the
+    copies do_x); `sum3` equals its float32 reference, for mixed input dtypes, and rounds once to bf16."""
     from nsa_eval.kernels import _triton_utils as tu
     from nsa_eval.kernels import gates
 
@@ -266,6 +271,12 @@ def test_gate_backward_deltas_and_sum3():
         assert torch.allclose(d_o[i], gate_values[i][..., None] * do, atol=1e-6)
         assert torch.allclose(d_g[i], (o[i] * do).sum(-1), atol=1e-5)
         assert torch.allclose(delta[i], tu.row_delta(o[i], d_o[i]), atol=1e-5)
+    # scaled_do=False (the gates applied in the branches' kernels): no copies, delta_x = rowsum(o_x * do)
+    none, d_g2, delta2 = gates.gate_backward(*o, *gate_values, do, with_delta=True, scaled_do=False)
+    assert none == [None] * 3
+    for i in range(3):
+        assert torch.equal(d_g2[i], d_g[i])
+        assert torch.allclose(delta2[i], tu.row_delta(o[i], do), atol=1e-5)
     a, b, c = (torch.randn(5, 37, generator=g) for _ in range(3))
     b16 = b.to(torch.bfloat16)
     want = a + b16.float() + c  # the same order of float32 adds
