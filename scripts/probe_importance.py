@@ -48,7 +48,7 @@ def probe(hq):
 
         def run_topk():
             return topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
-                                 num_local=2)
+                                    num_local=2)
 
         want = run_topk()
         for method in topk.TOPK_METHODS:

@@ -26,17 +26,20 @@ T = 65536
 LAUNCHES = ((4, 4), (1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 4))  # (rows, warps)
 
 
-def time_topk(hq):
+def topk_of_random_inputs(hq):
+    """`topk_blocks` (a function of no arguments) on the importances of random inputs at 64k, hq/4
+    heads."""
     x = _inputs(1, T, hq, 4, 128, grad=False)
     with torch.no_grad():
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         imp = selection.block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
                                          scale=128 ** -0.5)
+    return lambda: topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
+                                    num_local=2)
 
-    def run_topk():
-        return topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
-                             num_local=2)
 
+def time_topk(hq):
+    run_topk = topk_of_random_inputs(hq)
     want = run_topk()
     for method in topk.TOPK_METHODS:
         for rows, warps in LAUNCHES:
@@ -70,16 +73,7 @@ PICKS = {"rank": dict(TOPK_METHOD="filter", TOPK_FILTER_PICK="rank"),
 
 
 def _picks_topk_alone():
-    x = _inputs(1, T, 64, 4, 128, grad=False)
-    with torch.no_grad():
-        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        imp = selection.block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
-                                         scale=128 ** -0.5)
-
-    def run_topk():
-        return topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
-                             num_local=2)
-
+    run_topk = topk_of_random_inputs(64)
     want = run_topk()
     for rep in range(2):
         for name, flags in PICKS.items():

@@ -3,7 +3,8 @@
     python scripts/ptxas_band_kernels.py
 
 Compiles `_band_fwd_kernel`, `_band_bwd_dq_kernel` and `_band_bwd_dkv_kernel` (compression "cmp" and
-window "swa" branches, the mask split off and on) ahead of time for sm_90 at the benchmark's launch
+window "swa" branches, the mask split off and on; dq and dk/dv also with the gates applied in them,
+`prefill.GATE_IN_BRANCHES`) ahead of time for sm_90 at the benchmark's launch
 (d = 128, bf16, the default tiles; strides, T, HQ, G and the window specialised as divisible by 16,
 as a launch at 64k would be) and prints what Triton's bundled ptxas reports. Numbers depend on the
 Triton version: the H200 image runs Triton 3.6, this machine may not. Read them side by side, not as
@@ -17,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from itertools import product
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # must be unset before triton is imported
@@ -63,21 +65,23 @@ def compile_usage(kernel, pointers, consts, options, divisible=None) -> tuple[in
 
 
 def main() -> int:
-    print(f"triton {triton.__version__}; part branch split: registers, spill stores/loads (bytes), shared")
+    print(f"triton {triton.__version__}; part branch split [gated]: registers, spill stores/loads (bytes), "
+          "shared")
     for part, (kernel, pointers) in KERNELS.items():
         for branch in ("cmp", "swa"):
-            for split in (False, True):
+            # the backward's kernels also with the gates applied in them (prefill.GATE_IN_BRANCHES)
+            for split, gated in product((False, True), (False, True) if part != "fwd" else (None,)):
                 window = None if branch == "cmp" else 512
                 cfg = band._band_config(window, part, torch.bfloat16)
                 consts = dict(HAS_WINDOW=window is not None, DK=128, DV=128, BDK=128, BDK2=0, BDV=128,
                               BM=cfg.pop("BM"), BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=split)
-                if part != "fwd":  # the fused prefill's backward: the gates applied in the kernels
-                    consts["GATED"] = True
+                if gated is not None:
+                    consts["GATED"] = gated
                 divisible = [i for i, name in enumerate(kernel.arg_names) if name not in consts
                              and (i < len(pointers) or is_divisible_scalar(name))]
                 regs, stores, loads, shared = compile_usage(kernel, pointers, consts, cfg, divisible)
-                print(f"{part:4s} {branch} split={split!s:5s}: {regs:3d} registers, spills {stores}/{loads}, "
-                      f"shared {shared} ({cfg})")
+                label = f"{part:4s} {branch} split={split!s:5s}{' gated' if gated else ''}"
+                print(f"{label}: {regs:3d} registers, spills {stores}/{loads}, shared {shared} ({cfg})")
     return 0
 
 

@@ -60,6 +60,19 @@ def load_in_range(ptrs, col_mask, PADDED: tl.constexpr):
 
 
 @triton.jit
+def _key_range(t0, T, TK, key_stride, key_offset, window, HAS_WINDOW: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr):
+    # Key tiles [lo, hi) that queries [t0, t0 + BM) may see: up to the last query's (or T - 1's)
+    # last visible key, from the first query's window start rounded down to a tile start
+    t_last = tl.minimum(t0 + BM - 1, T - 1)
+    hi = tl.minimum(tl.maximum(t_last - key_offset, 0) // key_stride + 1, TK)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(t0 - window + 1, 0) // BN * BN
+    return lo, hi
+
+
+@triton.jit
 def _key_interior(t0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr):
     # Key tiles [mid_lo, mid_hi) (steps of BN from lo, inside [lo, hi)) where every query of
@@ -164,12 +177,7 @@ def _band_fwd_kernel(
     q, q2 = load_rows(Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t, m_t, DK, BDK, BDK2, UPCAST)
     k_base = K + i_b * sk_b + i_hk * sk_h
     v_base = V + i_b * sv_b + i_hk * sv_h
-
-    t_last = tl.minimum(t0 + BM - 1, T - 1)
-    hi = tl.minimum(tl.maximum(t_last - key_offset, 0) // key_stride + 1, TK)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(t0 - window + 1, 0) // BN * BN
+    lo, hi = _key_range(t0, T, TK, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
 
     m_i, l_i, acc = softmax_start(BM, BDV)
     if SPLIT_MASK:
@@ -271,11 +279,7 @@ def _band_bwd_dq_kernel(
         do = do.to(tl.float32)
     k_base = K + i_b * sk_b + i_hk * sk_h
     v_base = V + i_b * sv_b + i_hk * sv_h
-    t_last = tl.minimum(t0 + BM - 1, T - 1)
-    hi = tl.minimum(tl.maximum(t_last - key_offset, 0) // key_stride + 1, TK)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(t0 - window + 1, 0) // BN * BN
+    lo, hi = _key_range(t0, T, TK, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
     dq, dq2 = split_zeros(BM, BDK, BDK2)
     if SPLIT_MASK:
         mid_lo, mid_hi = _key_interior(t0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDOW, BM, BN)

@@ -484,9 +484,8 @@ def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, 
                               cache_modifier=".cg")
                 imp = tl.where((o_a < num_init) | (o_a > cur - num_local), float("inf"), imp)
                 imp = tl.where(o_a > cur, float("-inf"), imp)
-                done, blocks = filtered_top(imp, o_a, cur, SCR, i_bh.to(tl.int64), num_selected,
-                                                           num_init, num_local, NS, BNS_ALL, NSEL2, CAP,
-                                                           TOPK_KIND == "filter-rank")
+                done, blocks = filtered_top(imp, o_a, cur, SCR, i_bh.to(tl.int64), num_selected, num_init,
+                                            num_local, NS, BNS_ALL, NSEL2, CAP, TOPK_KIND == "filter-rank")
                 if done:
                     tl.store(bi_row + o_n, blocks, mask=o_n < num_selected)
                 rest = 1 - done.to(tl.int32)

@@ -103,10 +103,11 @@ class NSAFunction(torch.autograd.Function):
          o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa) = ctx.saved_tensors
         block_len, stride, select_size, _, _, _, window, scale = ctx.params
         in_branches = GATE_IN_BRANCHES
+        do = do.contiguous()
         d_o, d_g, delta = gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, with_delta=True,
                                         scaled_do=not in_branches)
         if in_branches:  # every branch reads do itself and applies its gate
-            d_o = [do.contiguous()] * 3
+            d_o = [do] * 3
         gates = [g_cmp, g_slc, g_swa] if in_branches else [None] * 3
         side = _side_stream(q)  # the window beside the selected branch
         do_swa = d_o.pop(2)  # held until the streams join: the side stream reads it

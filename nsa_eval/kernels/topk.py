@@ -13,7 +13,8 @@ import triton.language as tl
 from nsa_eval.kernels._triton_utils import interpreting, pow2
 
 # "filter" (the default since run 19): a bound from 32 group maxima keeps ~22 candidate blocks of a
-# row, compacted, then one arg-max pass per pick over those (`filtered_top`); "argmax": one arg-max
+# row, compacted, then picked among those (`filtered_top`: by rank since run 54, `TOPK_FILTER_PICK`,
+# before by one arg-max pass per pick); "argmax": one arg-max
 # pass per pick over the whole row; "radix": the k-th largest by a bitwise search (31 counting
 # passes); "bitonic": `tl.topk` over int64 keys (importance, -index), a bitonic top-k, then a sort of
 # the k winners by index. The top-k alone at 64k, one row per 1-warp program (run 19): 1.55 ms filter,
@@ -86,7 +87,7 @@ def _argmax_chosen(imp, forced, o_j, num_selected, BNS: tl.constexpr):
 
 @triton.jit
 def filtered_top(imp, o_j, cur, SCR, row, num_selected, num_init, num_local, NS, BNS: tl.constexpr,
-                  NSEL: tl.constexpr, CAP: tl.constexpr, RANK: tl.constexpr):
+                 NSEL: tl.constexpr, CAP: tl.constexpr, RANK: tl.constexpr):
     """One row's blocks through a candidate filter -> (done, blocks int32 [NSEL] ascending). imp float32
     [BNS] with forced blocks +inf and blocks after `cur` -inf. The NSEL-th largest of the maxima of 32
     groups of the row is a lower bound of the num_selected-th largest importance (NSEL >= num_selected

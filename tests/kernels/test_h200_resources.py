@@ -18,7 +18,8 @@ COMPILE = r"""
 import json
 import sys
 import torch
-from nsa_eval.kernels import _triton_utils as u, selection as s, band
+from nsa_eval.kernels import _triton_utils as u, band, selection as s
+from nsa_eval.kernels.prefill import GATE_IN_BRANCHES  # the backward's kernels as it launches them
 from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
 
 sys.path.insert(0, "scripts")
@@ -46,8 +47,9 @@ def prefill(name, dtype, D, DV=None):
         cfg = band._band_config(None if branch == "cmp" else 512, "dkv", dtype, D, DV)
         consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False,
-                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dkv"), GATED=True)
-        pointers = [p] * 4 + ["*fp32"] * 2 + [p] + ["*fp32"] * 2  # gated, as the fused prefill runs it
+                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dkv"),
+                      GATED=GATE_IN_BRANCHES)
+        pointers = [p] * 4 + ["*fp32"] * 2 + [p] + ["*fp32"] * 2
         out[f"band dkv {branch} {name}"] = shared(band._band_bwd_dkv_kernel, pointers, consts, cfg)
         cfg = band._band_config(None if branch == "cmp" else 512, "fwd", dtype, D, DV)
         consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
@@ -56,7 +58,8 @@ def prefill(name, dtype, D, DV=None):
         out[f"band fwd {branch} {name}"] = shared(band._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
         cfg = band._band_config(None if branch == "cmp" else 512, "dq", dtype, D, DV)
         consts = dict(consts, BM=cfg.pop("BM"), BN=cfg.pop("BN"),
-                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dq"), GATED=True)
+                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dq"),
+                      GATED=GATE_IN_BRANCHES)
         out[f"band dq {branch} {name}"] = shared(band._band_bwd_dq_kernel, [p] * 4 + ["*fp32"] * 2 + [p, p],
                                                  consts, cfg)
     for GP in (16, 4, 1):  # fewer heads: more positions a program
@@ -83,7 +86,7 @@ def prefill(name, dtype, D, DV=None):
                                                  launch)
     config = s.selected_dkv_launch(dtype, D, DV)
     consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BQ=max(1, config.pop("rows") // GP), BS=64,
-                  FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False, GATED=True)
+                  FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False, GATED=GATE_IN_BRANCHES)
     out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + [p] + ["*i32"] * 4
                                          + ["*fp32"] * 3, consts, config)
     return {f"{key} d={D}/{DV}": size for key, size in out.items()}

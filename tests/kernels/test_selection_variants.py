@@ -126,7 +126,7 @@ def compile_for_h200(kernel, *, backward, config, G=16, d=128, select_size=64, n
     not have run the interpreter (it leaves triton.language patched): see `compiled_in_subprocess`."""
     GP, BT = selection.pow2(G, 1), max(1, selection.SELECTED_ROWS // G)
     consts = dict(DK=d, DV=d, BDK=d, BDK2=0, BDV=d, GP=GP, BT=BT, BS=select_size, NP=n, BACKWARD=backward,
-                  UPCAST=False, GATED=backward)
+                  UPCAST=False, GATED=False)
     types = ["*bf16", "*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16"]
     types += ["i32"] * 13 + ["fp32", "fp32"]
     divisible = range(23)  # pointers, strides, T, HQ, G, NSEL

@@ -322,7 +322,7 @@ def test_topk_filter(monkeypatch, n, num_init, num_local, pick):
     imp[2::7, 3::5] = -0.0
     imp[3::9] = 0.5  # every block ties
     out = topk.topk_blocks(imp, T=T, num_kv_heads=1, select_size=bs, num_selected=n, num_init=num_init,
-                         num_local=num_local, positions=pos)
+                           num_local=num_local, positions=pos)
     for r in range(rows):
         want = reference_topk(imp, r, 1, bs, n, t=pos[r].item(), num_init=num_init, num_local=num_local)
         assert out[r].tolist() == want, r
