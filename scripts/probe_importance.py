@@ -11,7 +11,7 @@ top-k. Runs 18, 19 and 22: reports/kernels/probe_run18.log, probe_run19.log, pro
 
 import torch
 
-from nsa_eval.bench import _inputs, _time, _with_flag, bench_nsa_prefill
+from nsa_eval.bench import _inputs, _time, _with_flag, _with_flags, bench_nsa_prefill
 from nsa_eval.kernels import selection, topk
 from nsa_eval.kernels.compression import compressed_attention
 
@@ -19,8 +19,7 @@ T = 65536
 
 
 def with_flags(split, lanes, fn):
-    return _with_flag(selection, "IMPORTANCE_SPLIT_MASK", split,
-                      lambda: _with_flag(selection, "IMPORTANCE_LANE_MAP", lanes, fn))
+    return _with_flags(selection, dict(IMPORTANCE_SPLIT_MASK=split, IMPORTANCE_LANE_MAP=lanes), fn)
 
 
 def probe(hq):

@@ -40,7 +40,7 @@ import sys
 
 import torch
 
-from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, nsa_prefill
+from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, _with_flags, nsa_prefill
 from nsa_eval.kernels import _triton_utils, band, prefill, selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.selection import select_blocks, selected_attention
@@ -136,10 +136,7 @@ G4_CONFIGS = [
 
 
 def with_knobs(knobs, fn):
-    if not knobs:
-        return fn()
-    (name, value), rest = next(iter(knobs.items())), dict(list(knobs.items())[1:])
-    return _with_flag(selection, name, value, lambda: with_knobs(rest, fn))
+    return _with_flags(selection, knobs, fn)
 
 
 def probe_g4(T, hq=16, hkv=4):

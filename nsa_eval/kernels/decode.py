@@ -507,7 +507,7 @@ def _step2_topk(bns_all: int, nsel2: int) -> str:
     method = topk.TOPK_METHOD
     if method == "bitonic":
         return "bitonic"
-    if method == "filter" and nsel2 <= 32 and bns_all >= 128:
+    if method == "filter" and topk.filter_fits(bns_all, nsel2):
         return "filter-" + topk.TOPK_FILTER_PICK
     return "argmax"
 

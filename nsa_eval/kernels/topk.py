@@ -206,6 +206,12 @@ def _topk_blocks_kernel(
                      mask=m_r[:, None] & (chosen > 0))
 
 
+def filter_fits(bns: int, nsel: int) -> bool:
+    """Whether the filter (`filtered_top`) takes rows padded to bns blocks picking nsel (both powers of
+    two): its 32 group maxima of 4-block runs must hold nsel candidates at least."""
+    return nsel <= 32 and bns >= 128
+
+
 def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, num_local, positions=None):
     """imp [N_ROWS, NS] float32 (rows (b, t, h_kv)), importances >= 0 (sums of probabilities: the
     filter and bitonic methods order their bit patterns) -> int32 [N_ROWS, num_selected], ascending,
@@ -226,7 +232,7 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
         BR, warps = 1, 4
     method, scratch = TOPK_METHOD, out
     if method == "filter":
-        if NSEL <= 32 and BNS >= 128:  # the filter's 32 groups of the row hold NSEL candidates at least
+        if filter_fits(BNS, NSEL):
             BR = 1
             scratch = torch.empty(n_rows, TOPK_FILTER_CAP, device=imp.device, dtype=torch.int64)
         else:
