@@ -8,10 +8,6 @@ T - 97 b): the CUDA-graph time of the fused decode under each setting in CONFIGS
 first and last (their spread is the noise); then the defaults' kernels by device time (plain
 launches).
 
-`queue` (run 59): the one-launch decode (`DECODE_VARIANT = "queue"`, `decode_queue.py`) beside the
-fused one at 8k and 64k, by `QUEUE_LAG` and `QUEUE_SPLITS`, alternating, each output and its blocks
-against the fused decode's; then its kernels (plain launches).
-
 `batches` (run 61): the fused decode at 64k and batch 16, 32, 64 and 128 beside cuDNN's SDPA decode
 over the full cache and the paper's bytes at the bandwidth of a read of the full caches, with the
 decode's kernels at each batch (plain launches): how much of the decode is latency, not bytes.
@@ -26,7 +22,7 @@ import sys
 import torch
 
 from nsa_eval.bench import PAPER, _time_graph, _with_flag, profile_kernels
-from nsa_eval.kernels import decode, decode_queue, topk
+from nsa_eval.kernels import decode, topk
 
 B, HQ, HKV, D = 16, 64, 4, 128
 CONFIGS = [
@@ -46,7 +42,7 @@ def with_knobs(knobs, fn):
     if not knobs:
         return fn()
     (name, value), rest = next(iter(knobs.items())), dict(list(knobs.items())[1:])
-    module = {"topk": topk, "queue": decode_queue}.get(name.split(".")[0], decode)
+    module = topk if name.startswith("topk.") else decode
     return _with_flag(module, name.split(".")[-1], value, lambda: with_knobs(rest, fn))
 
 
@@ -93,43 +89,6 @@ def probe(T):
     profile_kernels(run, iters=20, top=6)
 
 
-QUEUE = {"DECODE_VARIANT": "queue", "queue.QUEUE_LAG": 16, "queue.QUEUE_SPLITS": 8}
-QUEUE_CONFIGS = [  # run 59 measured QUEUE_LAG 0 / 4 / 8 / 16 / 32 and QUEUE_SPLITS 4 / 8 / 16 / 32
-    dict(DECODE_VARIANT="fused"),
-    dict(DECODE_VARIANT="queue"),
-    QUEUE,
-    # the work up to each kind alone (outputs not written past KINDS < 5): where the time goes
-    *[{**QUEUE, "queue.QUEUE_KINDS": kinds} for kinds in (1, 2, 3, 4)],
-    {**QUEUE, "queue.QUEUE_LAG": 72},  # every row's importance after every compressed split
-    {**QUEUE, "queue.QUEUE_PERSISTENT": 3},
-    {**QUEUE, "queue.QUEUE_PERSISTENT": 2},
-    {**QUEUE, "queue.QUEUE_MERGE_ONE": True},
-    {**QUEUE, "queue.QUEUE_SPLITS": 12},
-    {**QUEUE, "WIN_TILES_PER_PROGRAM": 4},
-    dict(DECODE_VARIANT="fused"),
-    QUEUE,
-]
-
-
-def probe_queue(T):
-    q, k, v, kc, vc, gates = inputs(T)
-    lengths = torch.tensor([T - 97 * b for b in range(B)], device="cuda", dtype=torch.int32)
-
-    def run():
-        return decode.nsa_decode(q, k, v, kc, vc, *gates, cache_seqlens=lengths, return_block_indices=True)
-
-    want, want_idx = with_knobs(dict(DECODE_VARIANT="fused"), run)
-    for knobs in QUEUE_CONFIGS:
-        got, idx = with_knobs(knobs, run)
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        rows = (idx != want_idx).any(-1).float().mean().item()
-        us = with_knobs(knobs, lambda: _time_graph(run)) * 1e3
-        print(f"T={T} {knobs}: {us:.1f} us (CUDA graph), rel. err against fused {err:.1e}, rows with other "
-              f"blocks {rows:.3f}", flush=True)
-    print(f"kernels at T={T}, queue (plain launches):")
-    with_knobs(dict(DECODE_VARIANT="queue"), lambda: profile_kernels(run, iters=20, top=4))
-
-
 def time_batch(T, batch):
     """(NSA decode us, cuDNN SDPA decode us, decode_floor's dict) at cache length T, CUDA graphs."""
     import torch.nn.functional as F
@@ -174,11 +133,6 @@ def main():
         return
     if sys.argv[1:] == ["dims"]:
         probe_dims(65536)
-        return
-    if sys.argv[1:] == ["queue"]:
-        for T in (8192, 65536):
-            probe_queue(T)
-            torch.cuda.empty_cache()
         return
     for T in (8192, 65536):
         probe(T)

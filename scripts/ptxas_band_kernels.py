@@ -39,7 +39,7 @@ KERNELS = {  # part: (kernel, its pointer arguments' types)
 
 def is_divisible_scalar(name: str) -> bool:
     """Strides, T, HQ, G, the window and the key stride: multiples of 16 at the benchmark's shape."""
-    return (name[:3] in ("sq_", "sk_", "sv_", "so_") or name[:4] in ("skw_", "svw_", "skc_", "svc_")
+    return (name[:3] in ("sq_", "sk_", "sv_", "so_") or name[:4] in ("skw_", "svw_")
             or name in ("T", "HQ", "G", "window", "key_stride"))
 
 

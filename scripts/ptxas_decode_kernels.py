@@ -2,9 +2,9 @@
 
     python scripts/ptxas_decode_kernels.py
 
-Compiles the four launches of `decode.DECODE_VARIANT = "fused"` (and the one of "queue") ahead of time
-for sm_90 at the benchmark's decode (64 query heads over 4 KV heads, so 16 rows per program, d = 128,
-bf16, 64k cache) with the module's current knobs, and prints what Triton's bundled ptxas reports. At 255
+Compiles the four launches of `decode.DECODE_VARIANT = "fused"` ahead of time for sm_90 at the
+benchmark's decode (64 query heads over 4 KV heads, so 16 rows per program, d = 128, bf16, 64k
+cache) with the module's current knobs, and prints what Triton's bundled ptxas reports. At 255
 registers a kernel runs two 4-warp programs per SM at most, and spills go to local memory. Numbers
 depend on the Triton version (the H200 image runs Triton 3.6): read them side by side, not as
 absolutes. Run from the repository root.
@@ -25,8 +25,7 @@ from ptxas_band_kernels import compile_usage, is_divisible_scalar  # noqa: E402
 
 from nsa_eval.kernels import _triton_utils as u  # noqa: E402
 from nsa_eval.kernels import decode as dec  # noqa: E402
-from nsa_eval.kernels import decode_queue as dq  # noqa: E402
-from nsa_eval.kernels import topk  # noqa: E402
+from nsa_eval.kernels import topk
 
 M, D, RATIO, NS = 16, 128, 4, 1024  # rows (G = 16), head dim, l' / d, selection blocks at 64k
 b, f, i = "*bf16", "*fp32", "*i32"
@@ -46,8 +45,7 @@ def launches():
     return [
         ("1 compressed keys", dec._decode_cmp_split_kernel, [b, b, b, i] + [f] * 7 + [i, i, b, b],
          dict(common, BC=dec.CMP_TILE_KEYS, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, WIN=dec.WINDOW_STEP == 1,
-              TILE_IMP=tiles, JT=jt, JW=u.pow2(jt + 1), NSP=1, MAP_BF16=dec.TILE_MAP == "bf16x2",
-              STAGES=dec.CMP_STAGES),
+              TILE_IMP=tiles, JT=jt, JW=u.pow2(jt + 1), NSP=1, MAP_BF16=dec.TILE_MAP == "bf16x2"),
          dict(num_warps=dec.CMP_WARPS, num_stages=dec.CMP_STAGES)),
         ("2 importance + top-k + window", dec._decode_importance_split_kernel,
          [i] + [f] * 7 + [i, i, "*i64", b, b, b, f],
@@ -61,25 +59,7 @@ def launches():
               MERGE=dec.MERGE_IN_ATTN, SEL_STAGES=dec.SEL_STAGES), dict(num_warps=warps)),
         ("4 merge", dec._decode_merge_kernel, [f, f, f, b, b, b, b],
          dict(DV=D, BDV=D, M=M, NPB=npb, DVC=dvc), dict(num_warps=warps)),
-        queue_launch(jt),
     ]
-
-
-def queue_launch(jt):
-    """The one launch of `DECODE_VARIANT = "queue"` (`decode_queue.py`) at the same shape."""
-    n_cmp = min(dq.QUEUE_SPLITS, 32)
-    n_winp = triton.cdiv(512, 64 * dec.WIN_TILES_PER_PROGRAM)
-    npb = u.pow2(max(n_cmp, triton.cdiv(16, dec.SEL_PER_PROGRAM), n_winp), 1)
-    consts = dict(DK=D, DV=D, BDK=D, BDV=D, M=M, BC=dec.CMP_TILE_KEYS, BS=64, BW=64,
-                  WT=dec.WIN_TILES_PER_PROGRAM,
-                  JT=jt, JW=u.pow2(jt + 1), NSP=1, NSPP=1, CT=u.pow2(dq.QUEUE_IMP_TILES, 1),
-                  SPP=dec.SEL_PER_PROGRAM, NPB=npb, DVC=min(D, max(4, 1024 * dq.QUEUE_WARPS // (npb * M))),
-                  BNS_ALL=NS, NSEL2=16, TOPK_KIND=dec._step2_topk(NS, 16), CAP=topk.TOPK_FILTER_CAP,
-                  MAP_BF16=dec.TILE_MAP == "bf16x2", CMP_STAGES=dec.CMP_STAGES, SEL_STAGES=dec.SEL_STAGES,
-                  MERGE_CHUNKS=1, PERSISTENT=bool(dq.QUEUE_PERSISTENT), KINDS=dq.QUEUE_KINDS, UPCAST=False)
-    pointers = [b] * 7 + [i] + [f] * 7 + [i, "*i64", i] + [b] * 4
-    return ("queue (one launch)", dq._decode_queue_kernel, pointers, consts,
-            dict(num_warps=dq.QUEUE_WARPS, num_stages=1))
 
 
 def main() -> int:

@@ -219,7 +219,6 @@ def _decode_cmp_split_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
     BC: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, WIN: tl.constexpr, TILE_IMP: tl.constexpr,
     JT: tl.constexpr, JW: tl.constexpr, NSP: tl.constexpr, MAP_BF16: tl.constexpr, UPCAST: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     # programs 0 .. NCMP-1: compression splits, partials at PM/PL/PO[i_bh, i_s] (PM, PL:
     # [B*HKV, NPART, M]; PO: [.., M, BDV]); with WIN (WINDOW_STEP = 1), programs NCMP ..: window
@@ -250,12 +249,11 @@ def _decode_cmp_split_kernel(
             _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b,
                        sk_t, sk_h, sv_b, sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, NTILES, scale_log2,
                        block_len, stride, select_size, o_r, o_dk, o_dv, DK, DV, M, BDV, BC, TILE_IMP, JT, JW,
-                       NSP, MAP_BF16, UPCAST, STAGES)
+                       NSP, MAP_BF16, UPCAST)
     else:
         _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t,
                    sk_h, sv_b, sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, NTILES, scale_log2, block_len, stride,
-                   select_size, o_r, o_dk, o_dv, DK, DV, M, BDV, BC, TILE_IMP, JT, JW, NSP, MAP_BF16, UPCAST,
-                   STAGES)
+                   select_size, o_r, o_dk, o_dv, DK, DV, M, BDV, BC, TILE_IMP, JT, JW, NSP, MAP_BF16, UPCAST)
 
 
 @triton.jit
@@ -263,8 +261,7 @@ def _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, s
                sk_h, sv_b, sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, NTILES, scale_log2, block_len, stride,
                select_size, o_r, o_dk, o_dv, DK: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
                BDV: tl.constexpr, BC: tl.constexpr, TILE_IMP: tl.constexpr, JT: tl.constexpr,
-               JW: tl.constexpr, NSP: tl.constexpr, MAP_BF16: tl.constexpr, UPCAST: tl.constexpr,
-               STAGES: tl.constexpr):
+               JW: tl.constexpr, NSP: tl.constexpr, MAP_BF16: tl.constexpr, UPCAST: tl.constexpr):
     # compression split i_s of row i_bh: tiles i_s, i_s + NCMP, ... of BC compressed keys (the visible
     # tiles spread evenly over the splits at any t), one partial softmax (empty where the split has no
     # visible tile); per tile its scores (SC) or, with TILE_IMP, its selection-block sums (TI, TS) and
@@ -288,7 +285,7 @@ def _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, s
             own = (o_w < JT)[None, :]
             spill = ((o_w >= JT) & (o_w < JT + NSP))[None, :]
         m_i, l_i, acc = softmax_start(M, BDV)
-        for tile in tl.range(i_s, n_vis_tiles, NCMP, num_stages=STAGES):
+        for tile in range(i_s, n_vis_tiles, NCMP):
             o_k = tile * BC + tl.arange(0, BC)  # [BC] compressed block indices
             m_k = o_k < n_vis
             k_ptrs = k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
@@ -352,7 +349,7 @@ def _decode_importance_split_kernel(
         _store_partial(PM, PL, PO, i_bh * NPART + NCMP + NSELP + i_c - NIMP, m_i, l_i, acc, o_r, o_dv, M, BDV)
     elif TILE_IMP:
         _tile_importance(LENS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CMP_TILE, NTILES, NS,
-                         block_len, stride, select_size, NCMP, M, NPB, CT, JT, NSP, NSPP, "")
+                         block_len, stride, select_size, NCMP, M, NPB, CT, JT, NSP, NSPP)
         if TOPK:
             _last_takes_topk(IMP, BI, CNT, SCR, i_bh, _query_pos(LENS, i_bh // HKV), NS, select_size,
                              num_selected, num_init, num_local, NIMP, BNS_ALL, NSEL2, TOPK_KIND, CAP)
@@ -363,13 +360,13 @@ def _decode_importance_split_kernel(
 
 
 @triton.jit
-def _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M: tl.constexpr, NPB: tl.constexpr, CM: tl.constexpr):
+def _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M: tl.constexpr, NPB: tl.constexpr):
     # lse [M] (log2 units; 0 for a row with no visible key) of every head of row i_bh from the NCMP
-    # split partials of step 1, one vector load (cache modifier CM: ".cg" where this launch wrote them)
+    # split partials of step 1, one vector load
     o_p = tl.arange(0, NPB)
     offs = (i_bh * NPART + o_p[:, None]) * M + o_r[None, :]  # [NPB, M]
-    m = tl.load(PM + offs, mask=(o_p < NCMP)[:, None], other=float("-inf"), cache_modifier=CM)
-    l = tl.load(PL + offs, mask=(o_p < NCMP)[:, None], other=0.0, cache_modifier=CM)
+    m = tl.load(PM + offs, mask=(o_p < NCMP)[:, None], other=float("-inf"))
+    l = tl.load(PL + offs, mask=(o_p < NCMP)[:, None], other=0.0)
     m_max = tl.max(m, 0)  # [M]
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_sum = tl.sum(l * tl.exp2(m - m_safe[None, :]), 0)  # [M]
@@ -379,12 +376,10 @@ def _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M: tl.constexpr, NPB: tl.constexpr,
 @triton.jit
 def _tile_importance(LENS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, CMP_TILE, NTILES, NS,
                      block_len, stride, select_size, NCMP, M: tl.constexpr, NPB: tl.constexpr,
-                     CT: tl.constexpr, JT: tl.constexpr, NSP: tl.constexpr, NSPP: tl.constexpr,
-                     CM: tl.constexpr):
+                     CT: tl.constexpr, JT: tl.constexpr, NSP: tl.constexpr, NSPP: tl.constexpr):
     # importances of the selection blocks of tiles i_c * CT .. + CT - 1: each tile's sums rescaled
     # from its max to the head's lse, plus the previous tile's spill into the first NSP blocks, summed
-    # over the group's heads (rows of absent heads hold zeros and a -inf max). CM: the cache modifier
-    # of the loads of step 1's results (".cg" where the same launch wrote them)
+    # over the group's heads (rows of absent heads hold zeros and a -inf max)
     t = _query_pos(LENS, i_bh // HKV)
     o_t = i_c * CT + tl.arange(0, CT)  # [CT] tiles
     if i_c * CT * JT <= t // select_size:
@@ -394,18 +389,16 @@ def _tile_importance(LENS, TI, TS, TM, PM, PL, IMP, i_c, i_bh, TC, HKV, NPART, C
         rows = (i_bh * NTILES + o_t[:, None]).to(tl.int64) * M + o_r[None, :]  # [CT, M]
         o_j = tl.arange(0, JT)
         has = (o_t < n_tiles)[:, None]
-        tile_max = tl.load(TM + rows, mask=has, other=float("-inf"), cache_modifier=CM)  # [CT, M]
-        u = tl.load(TI + rows[:, :, None] * JT + o_j[None, None, :], mask=has[:, :, None], other=0.0,
-                    cache_modifier=CM)
+        tile_max = tl.load(TM + rows, mask=has, other=float("-inf"))  # [CT, M]
+        u = tl.load(TI + rows[:, :, None] * JT + o_j[None, None, :], mask=has[:, :, None], other=0.0)
         if NSP > 0:
             o_e = tl.arange(0, NSPP)
             prev = rows - M  # the previous tile
             has_prev = ((o_t >= 1) & (o_t <= n_tiles))[:, None]
-            prev_max = tl.load(TM + prev, mask=has_prev, other=float("-inf"), cache_modifier=CM)
+            prev_max = tl.load(TM + prev, mask=has_prev, other=float("-inf"))
             u_prev = tl.load(TS + prev[:, :, None] * NSP + o_e[None, None, :],  # [CT, M, NSPP]
-                             mask=has_prev[:, :, None] & (o_e < NSP)[None, None, :], other=0.0,
-                             cache_modifier=CM)
-        lse = _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M, NPB, CM)
+                             mask=has_prev[:, :, None] & (o_e < NSP)[None, None, :], other=0.0)
+        lse = _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M, NPB)
         imp = tl.sum(u * tl.exp2(tile_max - lse[None, :])[:, :, None], 1)  # [CT, JT]
         if NSP > 0:
             spill = tl.sum(u_prev * tl.exp2(prev_max - lse[None, :])[:, :, None], 1)  # [CT, NSPP]
@@ -428,7 +421,7 @@ def _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, SCR, i_c, i_bh, TC, HKV, G
         n_vis = _n_visible(t, TC, block_len, stride)
         o_r = tl.arange(0, M)
         m_r = o_r < G
-        lse = _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M, NPB, "")  # [M]
+        lse = _row_lse(PM, PL, i_bh, NPART, NCMP, o_r, M, NPB)  # [M]
 
         # token overlap of compressed blocks with the chunk's selection blocks, in units of stride,
         # positions relative to the chunk start j0 * select_size (= j0 * RATIO * stride)
@@ -468,13 +461,11 @@ def _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, SCR, i_c, i_bh, TC, HKV, G
 @triton.jit
 def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
                      BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, TOPK_KIND: tl.constexpr, CAP: tl.constexpr):
-    # -> whether this program arrived last and took the top-k. TOPK_KIND (`_step2_topk`): "bitonic",
-    # "filter-rank" / "filter-argmax" (SCR [B*HKV, CAP] int64, the
+    # TOPK_KIND (`_step2_topk`): "bitonic", "filter-rank" / "filter-argmax" (SCR [B*HKV, CAP] int64, the
     # filter's scratch), or "argmax"
     tl.debug_barrier()  # all threads' stores before the release of the counter increment
     arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
-    last = arrived == NIMP - 1
-    if last:
+    if arrived == NIMP - 1:
         o_n = tl.arange(0, NSEL2)
         bi_row = BI + i_bh.to(tl.int64) * num_selected
         if TOPK_KIND == "bitonic":  # `tl.topk` of the row's keys, as `topk_blocks` does with "bitonic"
@@ -506,7 +497,6 @@ def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, 
                 tl.store(bi_row + o_n, tl.full([NSEL2], -1, tl.int32),
                          mask=(o_n >= tl.sum(chosen, 0)) & (o_n < num_selected))
                 tl.store(bi_row + rank, o_a, mask=chosen > 0)
-    return last  # whether this program took the top-k
 
 
 def _step2_topk(bns_all: int, nsel2: int) -> str:
@@ -595,10 +585,9 @@ def _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_w, skw_b, skw_t, skw_h
 @triton.jit
 def _selected_slot(q, K, V, BI, i_bh, slot, i_b, i_hk, t, S, m_i, l_i, acc, sk_b, sk_t, sk_h, sv_b, sv_t,
                    sv_h, o_r, o_dk, o_dv, G, scale_log2, num_selected, DK: tl.constexpr, DV: tl.constexpr,
-                   BS: tl.constexpr, UPCAST: tl.constexpr, CM: tl.constexpr):
-    # the running softmax (m_i, l_i, acc) merged with the block in selection slot `slot` (none for -1);
-    # CM: the cache modifier of the slot's load (".cg" where the same launch wrote BI)
-    blk = tl.load(BI + i_bh * num_selected + slot, mask=slot < num_selected, other=-1, cache_modifier=CM)
+                   BS: tl.constexpr, UPCAST: tl.constexpr):
+    # the running softmax (m_i, l_i, acc) merged with the block in selection slot `slot` (none for -1)
+    blk = tl.load(BI + i_bh * num_selected + slot, mask=slot < num_selected, other=-1)
     o_k = tl.maximum(blk, 0) * BS + tl.arange(0, BS)
     m_k = (o_k <= t) & (o_k < S) & (tl.zeros([BS], tl.int32) + blk >= 0)
     _, m, l, o = _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk,
@@ -629,12 +618,12 @@ def _decode_attn_fused_kernel(
             for j in tl.range(0, SPP, num_stages=SEL_STAGES):
                 m_i, l_i, acc = _selected_slot(q, K, V, BI, i_bh, i_p * SPP + j, i_b, i_hk, t, S, m_i, l_i,
                                                acc, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk, o_dv, G,
-                                               scale_log2, num_selected, DK, DV, BS, UPCAST, "")
+                                               scale_log2, num_selected, DK, DV, BS, UPCAST)
         else:
             for j in tl.static_range(SPP):
                 m_i, l_i, acc = _selected_slot(q, K, V, BI, i_bh, i_p * SPP + j, i_b, i_hk, t, S, m_i, l_i,
                                                acc, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk, o_dv, G,
-                                               scale_log2, num_selected, DK, DV, BS, UPCAST, "")
+                                               scale_log2, num_selected, DK, DV, BS, UPCAST)
     else:  # window chunks (WINDOW_STEP = 3; otherwise the grid has NSELP programs)
         m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_p - NSELP, skw_b, skw_t, skw_h,
                                         svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
@@ -737,8 +726,8 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
     if select_size % stride or ratio & (ratio - 1):
         raise ValueError(f"the Triton nsa_decode needs select_size a power-of-two multiple of stride, "
                          f"got select_size={select_size}, stride={stride}")
-    if DECODE_VARIANT not in ("fused", "queue", "v1"):
-        raise ValueError(f"DECODE_VARIANT must be 'fused', 'queue' or 'v1', got {DECODE_VARIANT!r}")
+    if DECODE_VARIANT not in ("fused", "v1"):
+        raise ValueError(f"DECODE_VARIANT must be 'fused' or 'v1', got {DECODE_VARIANT!r}")
     k_swa = k if k_swa is None else k_swa
     v_swa = v if v_swa is None else v_swa
     if cache_seqlens is None:
@@ -754,9 +743,7 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
                   num_init=num_init, num_local=num_local, window=window, scale=default_scale(scale, DK))
     if DECODE_VARIANT == "fused":
         run = _decode_fused
-    elif DECODE_VARIANT == "queue":  # imported here: both build on this module's helpers
-        from nsa_eval.kernels.decode_queue import decode_queue as run
-    else:
+    else:  # imported here: decode_v1 builds on this module's helpers
         from nsa_eval.kernels.decode_v1 import decode_v1 as run
     o, bi = run(q.contiguous(), k, v, k_cmp, v_cmp, g_cmp.contiguous(), g_slc.contiguous(),
                 g_swa.contiguous(), k_swa, v_swa, lens, **params)  # [B, 1, Hq, Dv], [B*Hkv, n]
@@ -836,7 +823,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
         block_len, stride, select_size, DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, BW=BW, WT=WT,
         WIN=WINDOW_STEP == 1, TILE_IMP=tile_imp, JT=jt, JW=pow2(jt + nsp), NSP=nsp,
         MAP_BF16=TILE_MAP == "bf16x2" and min(block_len, select_size) <= 256 and not interp, UPCAST=interp,
-        STAGES=CMP_STAGES, num_warps=CMP_WARPS, num_stages=CMP_STAGES,
+        num_warps=CMP_WARPS, num_stages=CMP_STAGES,
     )
 
     # 2. selection-block importances; the last program of each row takes its top-k

@@ -1,5 +1,5 @@
-"""The implementations of the Triton decode (`decode.DECODE_VARIANT`: "fused", "v1", "queue") against
-the reference decode. CPU tests run through Triton's interpreter; the `gpu` test compares the two
+"""Both implementations of the Triton decode (`decode.DECODE_VARIANT`: "fused", "v1") against the
+reference decode. CPU tests run through Triton's interpreter; the `gpu` test compares the two
 variants on an H200-sized cache, replays the fused one from a CUDA graph (its arrival counters must
 reset themselves) and prints their times: `pytest -m gpu tests/kernels/test_decode_variants.py -s`."""
 
@@ -17,7 +17,7 @@ interpreter_only = pytest.mark.skipif(not INTERPRET, reason="interpreter tests (
 TOL = 1e-4
 
 
-@pytest.fixture(params=["fused", "v1", "queue"])
+@pytest.fixture(params=["fused", "v1"])
 def variant(request, monkeypatch):
     monkeypatch.setattr(decode, "DECODE_VARIANT", request.param)
     return request.param
@@ -266,43 +266,39 @@ def _gpu_inputs(T, B=16, hq=64, hkv=4, d=128):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [8192, 65536])
-def test_gpu_variants_and_graph_replay(monkeypatch, T):
-    """bf16 at the benchmark shape (batch 16, 64/4 heads, d = 128, ragged lengths): the three variants
-    against each other (the same blocks up to near-ties) and the fused one against the float32
-    reference decode of two rows; identical outputs over 50 CUDA graph replays of the fused and the
-    queue decode (their counters reset on every replay); prints the times."""
+def test_gpu_fused_vs_v1_and_graph_replay(monkeypatch, T):
+    """bf16 at the benchmark shape (batch 16, 64/4 heads, d = 128, ragged lengths): both variants
+    against the float32 reference decode of two rows, the same blocks in both (up to near-ties),
+    identical outputs over 50 CUDA graph replays of the fused decode; prints both times."""
     import triton
 
     q, kv, gates, seqlens = _gpu_inputs(T)
     B = q.shape[0]
     out = {}
-    for name in ("fused", "v1", "queue"):
+    for name in ("fused", "v1"):
         monkeypatch.setattr(decode, "DECODE_VARIANT", name)
         fn = lambda: decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens, return_block_indices=True)  # noqa: E731
         out[name] = fn()
         graph, _ = _graph(fn)
         print(f"\ndecode T={T} B={B} {name}: {triton.testing.do_bench(fn) * 1e3:.1f} us plain, "
               f"{triton.testing.do_bench(graph.replay) * 1e3:.1f} us CUDA graph")
-    (o_f, idx_f) = out["fused"]
-    for other in ("v1", "queue"):
-        o_x, idx_x = out[other]
-        assert (idx_f != idx_x).any(-1).float().mean() <= 0.1  # only (near-)ties may differ
-        assert base.rel_err(o_f, o_x) < 1e-2
+    (o_f, idx_f), (o_1, idx_1) = out["fused"], out["v1"]
+    assert (idx_f != idx_1).any(-1).float().mean() <= 0.1  # only (near-)ties may differ
+    assert base.rel_err(o_f, o_1) < 1e-2
     rows = [0, B - 1]
     o_ref = ref.nsa_decode(q[rows], *[x[rows] for x in kv], *[g[rows] for g in gates],
                            cache_seqlens=seqlens[rows])
     assert base.rel_err(o_f[rows], o_ref) < 2e-2
 
-    for name in ("fused", "queue"):  # both zero their counters on every replay
-        monkeypatch.setattr(decode, "DECODE_VARIANT", name)
-        graph, o_g = _graph(lambda: decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens))
-        first = None
-        for _ in range(50):
-            graph.replay()
-            torch.cuda.synchronize()
-            first = o_g.clone() if first is None else first
-            assert torch.equal(o_g, first)  # a missed or stale partial would change some rows
-        assert torch.equal(first, out[name][0])
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    graph, o_g = _graph(lambda: decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens))
+    first = None
+    for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+        first = o_g.clone() if first is None else first
+        assert torch.equal(o_g, first)  # a missed or stale partial would change some rows
+    assert torch.equal(first, o_f)
 
 
 @pytest.mark.gpu
