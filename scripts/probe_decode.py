@@ -12,6 +12,9 @@ launches).
 over the full cache and the paper's bytes at the bandwidth of a read of the full caches, with the
 decode's kernels at each batch (plain launches): how much of the decode is latency, not bytes.
 
+`launches` (run 62): the fused decode at 64k, batch 64 and 16, under other launch shapes
+(LAUNCH_CONFIGS).
+
 `dims` (run 52): the fused decode at 64k by head dims, 128 / 128, the paper's 192 / 128 (the decode
 pads Dk to 256, unlike the prefill's kernels: masked columns are not read) and 256 / 256, beside
 the bytes the paper's memory model says each must read.
@@ -46,11 +49,12 @@ def with_knobs(knobs, fn):
     return _with_flag(module, name.split(".")[-1], value, lambda: with_knobs(rest, fn))
 
 
-def inputs(T, dk=D, dv=D):
+def inputs(T, dk=D, dv=D, batch=B):
     tc = (T - PAPER["block_len"]) // PAPER["stride"] + 1
     r = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    gates = [torch.rand(B, 1, HQ, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    return r(B, 1, HQ, dk), r(B, T, HKV, dk), r(B, T, HKV, dv), r(B, tc, HKV, dk), r(B, tc, HKV, dv), gates
+    gates = [torch.rand(batch, 1, HQ, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    return (r(batch, 1, HQ, dk), r(batch, T, HKV, dk), r(batch, T, HKV, dv), r(batch, tc, HKV, dk),
+            r(batch, tc, HKV, dv), gates)
 
 
 def probe_dims(T):
@@ -71,21 +75,21 @@ def probe_dims(T):
         torch.cuda.empty_cache()
 
 
-def probe(T):
-    q, k, v, kc, vc, gates = inputs(T)
-    lengths = torch.tensor([T - 97 * b for b in range(B)], device="cuda", dtype=torch.int32)
+def probe(T, batch=B, configs=CONFIGS):
+    q, k, v, kc, vc, gates = inputs(T, batch=batch)
+    lengths = torch.tensor([T - 97 * b for b in range(batch)], device="cuda", dtype=torch.int32)
 
     def run():
         return decode.nsa_decode(q, k, v, kc, vc, *gates, cache_seqlens=lengths)
 
     want = run()
-    for knobs in CONFIGS:
+    for knobs in configs:
         got = with_knobs(knobs, run)
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         us = with_knobs(knobs, lambda: _time_graph(run)) * 1e3
-        print(f"T={T} {knobs or 'defaults'}: {us:.1f} us (CUDA graph), rel. err against defaults "
+        print(f"T={T} B={batch} {knobs or 'defaults'}: {us:.1f} us (CUDA graph), rel. err against defaults "
               f"{err:.1e}", flush=True)
-    print(f"kernels at T={T}, defaults (plain launches):")
+    print(f"kernels at T={T}, B={batch}, defaults (plain launches):")
     profile_kernels(run, iters=20, top=6)
 
 
@@ -127,9 +131,35 @@ def probe_batches(T=65536):
         torch.cuda.empty_cache()
 
 
+# `launches` (run 62): the launch shapes at batch 64 and 16 (the split count of step 1, the programs
+# of steps 3 and 2, the merge's columns per program)
+LAUNCH_CONFIGS = [
+    dict(),
+    dict(CMP_PROGRAMS_PER_SM=3),
+    dict(CMP_PROGRAMS_PER_SM=4),
+    dict(CMP_PROGRAMS_PER_SM=6),
+    dict(SEL_PER_PROGRAM=2),
+    dict(SEL_PER_PROGRAM=8),
+    dict(SEL_PER_PROGRAM=16),
+    dict(WIN_TILES_PER_PROGRAM=1),
+    dict(WIN_TILES_PER_PROGRAM=4),
+    dict(MERGE_COLUMNS=16),
+    dict(MERGE_COLUMNS=32),
+    dict(MERGE_COLUMNS=128),
+    dict(ATTN_WARPS=8),
+    dict(IMP_TILES_PER_PROGRAM=16),
+    dict(),
+]
+
+
 def main():
     if sys.argv[1:] == ["batches"]:
         probe_batches()
+        return
+    if sys.argv[1:] == ["launches"]:
+        for batch in (64, 16):
+            probe(65536, batch, LAUNCH_CONFIGS)
+            torch.cuda.empty_cache()
         return
     if sys.argv[1:] == ["dims"]:
         probe_dims(65536)

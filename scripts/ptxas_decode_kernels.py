@@ -38,7 +38,7 @@ def launches():
     n_selp, n_winp = triton.cdiv(16, dec.SEL_PER_PROGRAM), triton.cdiv(512, 64 * dec.WIN_TILES_PER_PROGRAM)
     npb = u.pow2(max(n_cmp, n_selp, n_winp), 1)
     warps = dec.ATTN_WARPS if npb * M <= 256 else 8
-    dvc = min(D, max(4, 1024 * warps // (npb * M)))
+    dvc = min(D, max(4, 512 * warps // (npb * M)))
     common = dict(DK=D, DV=D, BDK=D, BDV=D, M=M, UPCAST=False)
     tiles = dec.DECODE_IMPORTANCE == "tiles"
     jt = dec.CMP_TILE_KEYS // RATIO  # selection blocks per tile; the paper's sizes spill into 1 more

@@ -32,7 +32,7 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    bus while the top-k runs (`WINDOW_STEP = 1` or 3 puts them in step 1 or 3 instead).
 3. `_decode_attn_fused_kernel`, one program per (`SEL_PER_PROGRAM` selected-block slots, or window
    chunk with `WINDOW_STEP = 3`; sequence, KV head): a partial softmax.
-4. `_decode_merge_kernel`, one program per (DVC output columns, 64 at d = 128; sequence x KV
+4. `_decode_merge_kernel`, one program per (DVC output columns, 32 at d = 128; sequence x KV
    head): the partials of the three branches merged (one load of all partials of each branch, then
    its merge weights from one load of its (max, sum) rows, gates folded in) and the output written. With
    `MERGE_IN_ATTN` the program of step 3 that finishes last for its (sequence, KV head) does this for
@@ -125,6 +125,11 @@ IMP_LAUNCH = dict(num_warps=4)
 # `topk.TOPK_METHOD` (`_step2_topk`): the filter, bitonic, or arg-max passes over the whole
 # row for the others (radix exists only in `topk_blocks`).
 TOPK_IN_STEP2 = True
+# fused: output columns per program of the merge (step 4); None: about 2,048 partial values per program
+# per branch (32 columns at d = 128 with 4 partials per branch). Run 62, 64k (CUDA graph): 32 columns
+# 68.3 us at B = 16 and 220.4 at B = 64, 16 columns 68.1 / 220.4, against 71.0 / 226.1 for 64 (the rule
+# before, ~4,096 values) and 77.0 / 235.7 for 128
+MERGE_COLUMNS = None
 
 
 @triton.jit
@@ -860,9 +865,9 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
 
     # 3. selected blocks and window chunks, then the merge of all partials by the last program
     o = torch.empty(B, 1, HQ, DV, device=dev, dtype=q.dtype)
-    # the final merge loads [npb, M, DVC] partials per branch at once: about 4096 values per 4 warps
+    # the final merge loads [npb, M, DVC] partials per branch at once: about 2048 values per 4 warps
     warps = ATTN_WARPS if npb * M <= 256 else 8
-    dvc = min(BDV, max(4, 1024 * warps // (npb * M)))
+    dvc = MERGE_COLUMNS or min(BDV, max(4, 512 * warps // (npb * M)))
     _decode_attn_fused_kernel[(n_selp + (n_winp if WINDOW_STEP == 3 else 0), BH)](
         q, k, v, k_swa, v_swa, lens, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],

@@ -334,6 +334,7 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(WINDOW_STEP=3),
     dict(WINDOW_STEP=1),
     dict(MERGE_IN_ATTN=True),
+    dict(MERGE_COLUMNS=64),  # the merge's columns per program before run 62
     dict(IMP_CHUNKS_PER_PROGRAM=1),
     dict(IMP_CHUNKS_PER_PROGRAM=4),
     dict(IMP_CHUNKS_PER_PROGRAM=8),
