@@ -135,22 +135,12 @@ def probe_batches(T=65536):
 # of steps 3 and 2, the merge's columns per program)
 LAUNCH_CONFIGS = [
     dict(),
-    dict(CMP_PROGRAMS_PER_SM=3),
-    dict(CMP_PROGRAMS_PER_SM=4),
-    dict(CMP_PROGRAMS_PER_SM=6),
-    dict(SEL_PER_PROGRAM=2),
-    dict(SEL_PER_PROGRAM=8),
-    dict(SEL_PER_PROGRAM=16),
-    dict(WIN_TILES_PER_PROGRAM=1),
-    dict(WIN_TILES_PER_PROGRAM=4),
-    dict(MERGE_COLUMNS=16),
-    dict(MERGE_COLUMNS=32),
-    dict(MERGE_COLUMNS=128),
-    dict(ATTN_WARPS=8),
-    dict(IMP_TILES_PER_PROGRAM=16),
+    *[{name: value} for name, values in (("CMP_PROGRAMS_PER_SM", (3, 4, 6)), ("SEL_PER_PROGRAM", (2, 8, 16)),
+                                         ("WIN_TILES_PER_PROGRAM", (1, 4)), ("MERGE_COLUMNS", (16, 32, 128)),
+                                         ("ATTN_WARPS", (8,)), ("IMP_TILES_PER_PROGRAM", (16,)))
+      for value in values],
     dict(),
 ]
-
 
 def main():
     if sys.argv[1:] == ["batches"]:
