@@ -306,8 +306,9 @@ def bench_variants(x, lse, idx):
     top-k alone at several launch shapes), the importance kernel with every chunk masked and with the
     plain map, launch configurations of the selected-attention forward and of each part of the banded
     kernels (dq/dkv: forward+backward), the banded kernels' single masked loop (BAND_SPLIT_MASK=False)
-    and the window's split backward; the whole NSA as one autograd op and composed from the branches'
-    ops, with the window on the main stream, and with the banded tiles in index order."""
+    and the window's split backward, each op with per-thread loads instead of TMA copies; the whole NSA
+    as one autograd op and composed from the branches' ops, with the window on the main stream, with
+    the banded tiles in index order, and without TMA."""
     import torch
 
     from nsa_eval.kernels import band, selection, topk
@@ -366,7 +367,7 @@ def bench_variants(x, lse, idx):
         "swa": ("sliding_window_attention", lambda: sliding_window_attention(x["q"], x["k"], x["v"])),
     }
     alternatives = {  # (BM, BN, num_warps, num_stages) per branch and part
-        "cmp": {"fwd": [(64, 64, 4, 3), (128, 64, 8, 2)],
+        "cmp": {"fwd": [(128, 64, 8, 3), (128, 64, 8, 2)],
                 "dq": [(128, 64, 8, 2), (64, 128, 8, 2)],
                 "dkv": [(32, 128, 8, 2), (64, 128, 8, 2)]},
         "swa": {"fwd": [(128, 64, 8, 2), (128, 128, 8, 2)],
@@ -375,10 +376,14 @@ def bench_variants(x, lse, idx):
     }
     for branch, (op, fn) in branches.items():
         for part, configs in alternatives[branch].items():
+            # the forward's own tiles where it copies them with TMA (`BAND_CONFIGS[..]["fwd_tma"]`)
+            window = None if branch == "cmp" else 512
+            key = "fwd_tma" if part == "fwd" and band._tma(window, "fwd") else part
+            key = key if key in band.BAND_CONFIGS[branch] else part
             for bm, bn, warps, stages in configs:
                 cfg = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
                 table = {b: dict(parts) for b, parts in band.BAND_CONFIGS.items()}
-                table[branch][part] = cfg
+                table[branch][key] = cfg
                 name = f"{op} [{part} " + " ".join(f"{k}={v}" for k, v in cfg.items()) + "]"
                 if part == "fwd":
                     with torch.no_grad():
@@ -394,6 +399,13 @@ def bench_variants(x, lse, idx):
         timed("sliding_window_attention [masked loop]", band, "BAND_SPLIT_MASK", False, swa)
     timed("compressed_attention [dq dkv masked loop]", band, "BAND_SPLIT_MASK", False,
           _fwd_bwd(cmp, x))
+    # per-thread loads instead of TMA copies (BAND_TMA, SELECTED_TMA)
+    with torch.no_grad():
+        timed("compressed_attention [loads]", band, "BAND_TMA", False, cmp)
+        timed("sliding_window_attention [loads]", band, "BAND_TMA", False, swa)
+        timed("selected_attention [loads]", selection, "SELECTED_TMA", False, fwd)
+    timed("compressed_attention [dq dkv loads]", band, "BAND_TMA", False, _fwd_bwd(cmp, x))
+    timed("sliding_window_attention [dq dkv loads]", band, "BAND_TMA", False, _fwd_bwd(swa, x))
     timed("sliding_window_attention [dq dkv split]", band, "BAND_SPLIT_MASK", True, _fwd_bwd(swa, x))
     # the whole NSA as one autograd op (deltas from the gate backward, one dq sum) and composed from
     # the branches' ops, side by side
@@ -414,6 +426,10 @@ def bench_variants(x, lse, idx):
     timed("nsa_attention [dq window on one stream]", prefill, "WINDOW_STREAM", False, whole)
     timed("nsa_attention [dq gates in the branches]", prefill, "GATE_IN_BRANCHES", True, whole)
     timed("nsa_attention [dq band tiles in index order]", band, "BAND_LONGEST_FIRST", False, whole)
+    no_tma = lambda fn: lambda: _with_flag(band, "BAND_TMA", False, fn)  # noqa: E731
+    with torch.no_grad():
+        timed("nsa_attention [no TMA]", selection, "SELECTED_TMA", False, no_tma(forward))
+    timed("nsa_attention [dq no TMA]", selection, "SELECTED_TMA", False, no_tma(whole))
     return out
 
 
@@ -583,15 +599,17 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
 
 def _g4_variants(T, g4_heads, dim):
     """The G=4 forward with other launches of the selected forward for several positions per program
-    (`SELECTED_FWD_CONFIG_MULTI`: the other stage count, 2 <-> 3; 4 warps), to set beside the default
-    G=4 row of the same run: [(impl, T, heads, batch, ms)]."""
+    (`SELECTED_FWD_CONFIG_MULTI`, or `..._TMA` where the forward copies with TMA: the other stage
+    count, 2 <-> 3; 4 warps), to set beside the default G=4 row of the same run:
+    [(impl, T, heads, batch, ms)]."""
     from nsa_eval.kernels import selection
 
-    default = selection.SELECTED_FWD_CONFIG_MULTI
+    name = "SELECTED_FWD_CONFIG_MULTI_TMA" if selection.SELECTED_TMA else "SELECTED_FWD_CONFIG_MULTI"
+    default = getattr(selection, name)
     rows = []
     others = [dict(default, num_stages=5 - default["num_stages"]), dict(default, num_warps=4)]
     for other in (o for o in others if o != default):
-        ms, _ = _with_flag(selection, "SELECTED_FWD_CONFIG_MULTI", other,
+        ms, _ = _with_flag(selection, name, other,
                            lambda: bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim))  # noqa: B023
         label = " ".join(f"{k[4:] if k.startswith('num_') else k}={v}" for k, v in other.items()
                          if v != default[k])

@@ -57,6 +57,29 @@ def contiguous(*tensors):
     return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether Hopper's tensor memory accelerator (TMA) can copy tiles of these `[B, T, H, D]` tensors:
+    on a GPU of compute capability 9.0 or later (or in Triton's interpreter), with unit stride in the
+    head dim and a 16-byte-aligned base and strides (TMA's rows start on 16 bytes)."""
+    for t in tensors:
+        if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+        if not t.is_cuda and not interpreting():
+            return False
+        if t.stride(3) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:3]):
+            return False
+    return True
+
+
+def tma_descriptor(t: torch.Tensor, rows: int, cols: int):
+    """`t` `[B, T, H, D]` (`tma_ok`) as a tensor descriptor whose blocks are `[1, rows, 1, cols]`: a
+    kernel loads `rows` positions of one (batch, head) in one bulk copy, rows past T and columns past D
+    as 0."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, rows, 1, cols])
+
+
 @triton.jit
 def load_kv(k_base, v_base, o_k, m_k, sk_t, sv_t, o_dk, o_dv, DK: tl.constexpr, DV: tl.constexpr,
             UPCAST: tl.constexpr):

@@ -6,6 +6,9 @@ math, so that a benchmark can say how far a kernel is from its memory bound.
   the position), like the forward at one position per program (the G = 16 default), and returns their
   sum. With G = 16 every block read by the forward feeds 16 query heads, so if this takes as long as
   the forward, the forward is bound by these reads (from L2: one KV head's keys and values fit there).
+  Since the forward copies its blocks with TMA (`selection.SELECTED_TMA`, run 66) it takes less than
+  this kernel (13.4 against 14.3 ms at 64k, run 71): the time is then that of the same reads by
+  per-thread loads, no longer a floor.
 - `stream_sum`: reads a tensor once, to measure the bandwidth of memory (HBM) on the device.
 
 Each has a PyTorch reference beside it (`gather_blocks_sum_reference`, `stream_sum_reference`).
@@ -17,15 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import interpreting, load_kv, pow2
+from nsa_eval.kernels._triton_utils import interpreting, load_kv, pow2, tma_descriptor, tma_ok
 
 
 @triton.jit
 def _gather_blocks_sum_kernel(
     K, V, BI, OUT, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, HKV, NSEL,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr,
-    NP: tl.constexpr, UPCAST: tl.constexpr,
+    NP: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
+    # TMA: K and V are tensor descriptors with blocks [1, BS, 1, BDK / BDV], as the forward's
     t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // HKV).to(tl.int64)
@@ -35,8 +39,9 @@ def _gather_blocks_sum_kernel(
     idx = tl.load(BI + row * NSEL + o_s, mask=o_s < NSEL, other=-1)  # [NP]
     usable = (idx >= 0) & (idx <= t // BS)
     slot = tl.where(usable, tl.cumsum(usable.to(tl.int32), 0) - 1, -1)  # walk order, as the forward
-    k_base = K + i_b * sk_b + i_hk * sk_h
-    v_base = V + i_b * sv_b + i_hk * sv_h
+    if not TMA:
+        k_base = K + i_b * sk_b + i_hk * sk_h
+        v_base = V + i_b * sv_b + i_hk * sv_h
     o_n = tl.arange(0, BS)
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
@@ -44,20 +49,28 @@ def _gather_blocks_sum_kernel(
     acc_v = tl.zeros([BS, BDV], tl.float32)
     for i in range(0, tl.sum(usable.to(tl.int32), 0)):
         blk = tl.sum(tl.where(slot == i, idx, 0), 0)
-        o_k = blk * BS + o_n
-        k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)
+        if TMA:
+            k = tl.reshape(K.load([i_b.to(tl.int32), blk * BS, i_hk, 0]), [BS, BDK])
+            v = tl.reshape(V.load([i_b.to(tl.int32), blk * BS, i_hk, 0]), [BS, BDV])
+        else:
+            o_k = blk * BS + o_n
+            k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)
         acc_k += k.to(tl.float32)
         acc_v += v.to(tl.float32)
     tl.store(OUT + row, tl.sum(tl.sum(acc_k, 1), 0) + tl.sum(tl.sum(acc_v, 1), 0))
 
 
-def gather_blocks_sum(k, v, block_indices, *, select_size=64, num_stages=2):
+def gather_blocks_sum(k, v, block_indices, *, select_size=64, num_stages=2, tma=False):
     """Sum of the keys and values that the selected-attention forward reads.
 
     Args:
         k: `[B, T, Hkv, Dk]`, v: `[B, T, Hkv, Dv]` (any float dtype, last dim contiguous).
         block_indices: int32 `[B, T, Hkv, n]` as from `select_blocks` (no repeats within a list).
         select_size: tokens per selection block.
+        tma: read each block with one TMA copy (where `tma_ok`) instead of per-thread loads. Run 71
+            at 64k: 20.2 ms with TMA against 14.3 with the loads, while the forward with TMA copies
+            takes 13.4; so the loads (the default) give the lower time, and neither bounds the
+            forward from below any more.
 
     Returns:
         float32 `[B, T, Hkv]`: for each position, the sum of every element of `k` and `v` over the
@@ -68,10 +81,14 @@ def gather_blocks_sum(k, v, block_indices, *, select_size=64, num_stages=2):
     nsel = block_indices.shape[-1]
     bi = block_indices.contiguous()
     out = torch.empty(B, T, HKV, device=k.device, dtype=torch.float32)
+    tma = tma and tma_ok(k, v)
+    kv = (k, v)
+    if tma:
+        kv = tma_descriptor(k, select_size, pow2(DK)), tma_descriptor(v, select_size, pow2(DV))
     _gather_blocks_sum_kernel[(T, B * HKV)](
-        k, v, bi, out, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        *kv, bi, out, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         T, HKV, nsel, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), BS=select_size, NP=pow2(nsel, 1),
-        UPCAST=interpreting(), num_warps=4, num_stages=num_stages,
+        UPCAST=interpreting(), TMA=tma, num_warps=4, num_stages=num_stages,
     )
     return out
 

@@ -48,6 +48,8 @@ from nsa_eval.kernels._triton_utils import (
     softmax_start,
     split_zeros,
     store_tail,
+    tma_descriptor,
+    tma_ok,
     wide_rows,
 )
 from nsa_eval.kernels.band import band_forward
@@ -107,7 +109,16 @@ SELECTED_ROWS = 16
 # 1 warp 14.92 against 15.42 for 2 (run 9). G = 4 (several positions), the whole G = 4 forward: 2
 # warps 23.47 ms against 24.07 for 4 (run 9); at 2 warps, 2 stages 22.51 against 23.70 for 3 (run 10).
 SELECTED_FWD_CONFIG = dict(num_warps=1, num_stages=2)
+# The pipelined walk reads each block's K/V through Hopper's tensor memory accelerator (one bulk copy
+# per block from a tensor descriptor, `tma_descriptor`; where `tma_ok`) instead of per-thread loads.
+# Run 66, the selected op's forward side by side: 64k 13.47 ms against 14.60 (G = 16) and 11.89
+# against 12.99 (G = 4); 8k 1.44 against 1.68.
+SELECTED_TMA = True
 SELECTED_FWD_CONFIG_MULTI = dict(num_warps=2, num_stages=2)
+# G = 4's with TMA (`SELECTED_TMA`), run 66, the selected op at 64k: 3 stages 11.46 ms against 11.89
+# at 2 (2 warps; 1 warp / 3 stages 12.81, 4 warps / 3 stages 12.14). G = 16's stays at 1 warp and 2
+# stages: 13.47 ms against 14.70 at 3 stages, 14.03 at 2 warps
+SELECTED_FWD_CONFIG_MULTI_TMA = dict(num_warps=2, num_stages=3)
 # q/k dims past 128 (the paper's 192) run the one-position forward over at least this many warps: one
 # warp holds 16 rows of q in two tiles and the scores; run 45, the selected op at 64k and 192 / 128:
 # 20.27 ms at 2 warps against 27.10 at 1 (4 warps 20.45; padded to 256, 25.07 at 1 warp)
@@ -548,10 +559,12 @@ def _selected_pipelined_kernel(
     T, HQ, G, NSEL, scale, scale_log2,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr,
-    UPCAST: tl.constexpr, GATED: tl.constexpr,
+    UPCAST: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # Same contract as `_selected_kernel`. The distinct usable blocks of the BT lists are numbered
     # 0 .. n_blk-1 up front; iteration i reads block i, with no branch, so loads can run ahead.
+    # TMA: K and V are tensor descriptors over [B, T, HKV, D] with blocks [1, BS, 1, BDK / BDV]
+    # (`tma_descriptor`): each block is one bulk copy, rows past T read as 0.
     M: tl.constexpr = BT * GP
     N: tl.constexpr = BT * NP
     i_b, i_hk, t0, r_t, m_r, row, q, q2 = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, BDK2, GP, BT,
@@ -581,8 +594,9 @@ def _selected_pipelined_kernel(
     slot = tl.where(keep > 0, tl.cumsum(keep, 0) - 1, -1)  # [N] walk order of each kept entry
     n_blk = tl.sum(keep, 0)
 
-    k_base = K + i_b * sk_b + i_hk * sk_h
-    v_base = V + i_b * sv_b + i_hk * sv_h
+    if not TMA:
+        k_base = K + i_b * sk_b + i_hk * sk_h
+        v_base = V + i_b * sv_b + i_hk * sv_h
     o_n = tl.arange(0, BS)
     if BACKWARD:
         do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
@@ -597,8 +611,17 @@ def _selected_pipelined_kernel(
         if BT > 1:  # only the rows whose position chose blk
             pos_has = tl.max((idx == blk).to(tl.int32), 1) > 0  # [BT]
             valid = valid & tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])[:, None]
-        k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)  # [BS, BDK/BDV]
-        k2 = _key_tail(k_base, o_k, sk_t, T, k, BDK, BDK2, UPCAST)
+        if TMA:
+            k = tl.reshape(K.load([i_b.to(tl.int32), blk * BS, i_hk, 0]), [BS, BDK])
+            v = tl.reshape(V.load([i_b.to(tl.int32), blk * BS, i_hk, 0]), [BS, BDV])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            k2 = k
+        else:
+            # k [BS, BDK], v [BS, BDV]
+            k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)
+            k2 = _key_tail(k_base, o_k, sk_t, T, k, BDK, BDK2, UPCAST)
         if BACKWARD:
             dq, dq2 = _dq_block(q, q2, k, k2, v, do, lse, delta, valid, scale_log2, dq, dq2, BDK2)
         else:
@@ -628,22 +651,27 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
         raise ValueError(f"SELECTED_WALK must be one of {sorted(_SELECTED_WALKS)}, got {SELECTED_WALK!r}")
     dummy = o if o is not None else dq
     BDK, BDK2 = dk_tiles(DK)
+    tma = SELECTED_TMA and SELECTED_WALK == "pipelined" and not BDK2 and tma_ok(k, v)
+    kv = (tma_descriptor(k, select_size, BDK), tma_descriptor(v, select_size, pow2(DV))) if tma else (k, v)
     _SELECTED_WALKS[SELECTED_WALK][(triton.cdiv(T, BT), B * HKV)](
-        q, k, v, bi, dummy, lse, do if do is not None else dummy, delta if delta is not None else lse,
+        q, *kv, bi, dummy, lse, do if do is not None else dummy,
+        delta if delta is not None else lse,
         gate if gate is not None else lse, dq if dq is not None else dummy,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
         DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
         BACKWARD=backward, UPCAST=interpreting(), GATED=gate is not None,
-        **(SELECTED_DQ_CONFIG if backward else selected_fwd_launch(BT, DK)),
+        **({"TMA": True} if tma else {}),  # the union walk has no TMA path
+        **(SELECTED_DQ_CONFIG if backward else selected_fwd_launch(BT, DK, tma)),
     )
 
 
-def selected_fwd_launch(positions: int, dk: int) -> dict:
+def selected_fwd_launch(positions: int, dk: int, tma: bool = False) -> dict:
     """num_warps and num_stages of the selected forward: `SELECTED_FWD_CONFIG` for one position per
-    program (G >= 16), `SELECTED_FWD_CONFIG_MULTI` for several; with one position, q/k dims past 128
-    take at least `SELECTED_FWD_WIDE_WARPS`."""
-    config = dict(SELECTED_FWD_CONFIG if positions == 1 else SELECTED_FWD_CONFIG_MULTI)
+    program (G >= 16), `SELECTED_FWD_CONFIG_MULTI` (`..._TMA` with TMA copies) for several; with one
+    position, q/k dims past 128 take at least `SELECTED_FWD_WIDE_WARPS`."""
+    multi = SELECTED_FWD_CONFIG_MULTI_TMA if tma else SELECTED_FWD_CONFIG_MULTI
+    config = dict(SELECTED_FWD_CONFIG if positions == 1 else multi)
     if dk > 128 and positions == 1:
         config["num_warps"] = max(config["num_warps"], SELECTED_FWD_WIDE_WARPS)
     return config

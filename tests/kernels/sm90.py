@@ -27,6 +27,7 @@ def compile_sm90(kernel, types, consts: dict, options: dict, divisible=None):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
+    consts = with_constexpr_defaults(kernel, consts)
     types = iter(types)
     signature = {name: "constexpr" if name in consts else next(types) for name in kernel.arg_names}
     if divisible is None:
@@ -36,9 +37,17 @@ def compile_sm90(kernel, types, consts: dict, options: dict, divisible=None):
     return compile(src, target=GPUTarget("cuda", 90, 32), options=dict(options))
 
 
+def with_constexpr_defaults(kernel, consts: dict) -> dict:
+    """`consts` plus the defaults of the kernel's constexpr parameters it leaves out (a launch that
+    does not pass them gets these)."""
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    return {**defaults, **consts}
+
+
 def pointers_then_scalars(kernel, pointers, consts: dict) -> list[str]:
     """`types` for `compile_sm90` of a kernel whose pointers come first: the scalars after them are
     fp32 when named scale*, else i32."""
+    consts = with_constexpr_defaults(kernel, consts)
     scalars = [name for name in kernel.arg_names if name not in consts][len(pointers):]
     return list(pointers) + ["fp32" if name.startswith("scale") else "i32" for name in scalars]
 

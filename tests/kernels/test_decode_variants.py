@@ -387,3 +387,28 @@ def test_head_major_caches(variant):
     kv = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in kv]
     assert kv[0].stride(2) == 300 * 16  # one head's tokens are adjacent in memory
     _check(q, kv, gates, [300, 170], select_size=16, num_selected=4, window=40)
+
+
+@interpreter_only
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
+def test_unwritten_cache_slots_are_ignored(monkeypatch, tma):
+    """Cache slots past each sequence's length hold NaN (as a cache allocated with torch.empty may): the
+    fused decode gives the reference's output, with per-thread loads (masked) and with TMA bulk copies
+    (`DECODE_TMA`: whole tiles are copied, so the kernel zeroes the values it must not use)."""
+    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
+    monkeypatch.setattr(decode, "DECODE_TMA", tma)
+    q, kv, gates = _inputs(2, 300, 8, 2, 16, 16, seed=5)
+    lengths = [300, 170]
+    tc = (170 - 32) // 16 + 1
+    for x in kv[:2]:
+        x[1, 170:] = float("nan")
+    for x in kv[2:]:
+        x[1, tc:] = float("nan")
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    params = dict(select_size=32, num_selected=4, window=48)
+    o, idx = decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens, return_block_indices=True, **params)
+    clean = [x.nan_to_num(0.0) for x in kv]
+    o_ref, idx_ref = ref.nsa_decode(q, *clean, *gates, cache_seqlens=seqlens, return_block_indices=True,
+                                    **params)
+    assert torch.equal(idx, idx_ref)
+    assert base.rel_err(o, o_ref) < TOL

@@ -10,7 +10,8 @@ from nsa_eval.kernels import reference as ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_gather_blocks_sum_matches_reference():
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
+def test_gather_blocks_sum_matches_reference(tma):
     g = torch.Generator().manual_seed(3)
     B, T, hq, hkv, d, dv, select_size = 2, 150, 4, 2, 16, 32, 16
     q = torch.randn(B, T, hq, d, generator=g)
@@ -20,7 +21,7 @@ def test_gather_blocks_sum_matches_reference():
     bi = ref.select_blocks(q, k_cmp, block_len=16, stride=8, select_size=select_size, num_selected=4)
     bi[0, 100, 1, 1] = 8  # a listed block after its position (100 // 16 = 6) is not read
     k, v, bi = (x.to(DEVICE) for x in (k, v, bi))
-    got = floors.gather_blocks_sum(k, v, bi, select_size=select_size)
+    got = floors.gather_blocks_sum(k, v, bi, select_size=select_size, tma=tma)
     want = floors.gather_blocks_sum_reference(k, v, bi, select_size=select_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
     # the reference reads what it should: position 0 of batch 0 sums exactly its first block's tokens
@@ -45,5 +46,6 @@ def test_gather_blocks_sum_at_scale_on_gpu():
     r = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)  # noqa: E731
     q, k, v, k_cmp = r(1, T, hq, d), r(1, T, hkv, d), r(1, T, hkv, d), r(1, (T - 32) // 16 + 1, hkv, d)
     bi = select_blocks(q, k_cmp)
-    got = floors.gather_blocks_sum(k, v, bi)
-    torch.testing.assert_close(got, floors.gather_blocks_sum_reference(k, v, bi), rtol=1e-4, atol=0.05)
+    want = floors.gather_blocks_sum_reference(k, v, bi)
+    for tma in (False, True):
+        torch.testing.assert_close(floors.gather_blocks_sum(k, v, bi, tma=tma), want, rtol=1e-4, atol=0.05)

@@ -36,32 +36,42 @@ def shared(kernel, pointers, consts, config):
     return compile_sm90(kernel, types, consts, config, divisible).metadata.shared
 
 
+def desc(name, rows, cols):
+    # the type of a TMA tensor descriptor (`_triton_utils.tma_descriptor`) with blocks [1, rows, 1, cols]
+    return f"tensordesc<{name}[1,{rows},1,{cols}]>"
+
+
 def prefill(name, dtype, D, DV=None):
-    # the prefill's kernels at Dk = D, Dv = DV (default D) as the defaults launch them:
+    # the prefill's kernels at Dk = D, Dv = DV (default D) as the defaults launch them, TMA copies
+    # where they take them (`band.BAND_TMA`, `selection.SELECTED_TMA`; not with a split head dim):
     # {kernel, dtype and dims: bytes}
     DV = DV or D
     (BD, BD2), BDV = u.dk_tiles(D), u.pow2(DV)  # a split head dim: two MMAs
     out = {}
     p = "*" + name
     for branch in ("cmp", "swa"):
-        cfg = band._band_config(None if branch == "cmp" else 512, "dkv", dtype, D, DV)
+        window = None if branch == "cmp" else 512
+        tma = band._tma(window, "dkv") and not BD2
+        cfg = band._band_config(window, "dkv", dtype, D, DV)
         consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
-                      BN=cfg.pop("BN"), UPCAST=False,
-                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dkv"),
-                      GATED=GATE_IN_BRANCHES)
-        pointers = [p] * 4 + ["*fp32"] * 2 + [p] + ["*fp32"] * 2
+                      BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=band._split_mask(window, "dkv"),
+                      GATED=GATE_IN_BRANCHES, TMA=tma)
+        q_do = [desc(name, consts["BM"], BD), desc(name, consts["BM"], BDV)] if tma else [p, p]
+        pointers = [q_do[0], p, p, q_do[1]] + ["*fp32"] * 2 + [p] + ["*fp32"] * 2
         out[f"band dkv {branch} {name}"] = shared(band._band_bwd_dkv_kernel, pointers, consts, cfg)
-        cfg = band._band_config(None if branch == "cmp" else 512, "fwd", dtype, D, DV)
+        tma = band._tma(window, "fwd") and not BD2
+        cfg = band._band_config(window, "fwd", dtype, D, DV, tma=tma)
         consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
-                      BN=cfg.pop("BN"), UPCAST=False,
-                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "fwd"))
-        out[f"band fwd {branch} {name}"] = shared(band._band_fwd_kernel, [p] * 4 + ["*fp32"], consts, cfg)
-        cfg = band._band_config(None if branch == "cmp" else 512, "dq", dtype, D, DV)
-        consts = dict(consts, BM=cfg.pop("BM"), BN=cfg.pop("BN"),
-                      SPLIT_MASK=band._split_mask(None if branch == "cmp" else 512, "dq"),
-                      GATED=GATE_IN_BRANCHES)
-        out[f"band dq {branch} {name}"] = shared(band._band_bwd_dq_kernel, [p] * 4 + ["*fp32"] * 2 + [p, p],
-                                                 consts, cfg)
+                      BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=band._split_mask(window, "fwd"), TMA=tma)
+        kv = [desc(name, consts["BN"], BD), desc(name, consts["BN"], BDV)] if tma else [p, p]
+        out[f"band fwd {branch} {name}"] = shared(band._band_fwd_kernel, [p, *kv, p, "*fp32"], consts, cfg)
+        tma = band._tma(window, "dq") and not BD2
+        cfg = band._band_config(window, "dq", dtype, D, DV)
+        consts = dict(consts, BM=cfg.pop("BM"), BN=cfg.pop("BN"), SPLIT_MASK=band._split_mask(window, "dq"),
+                      GATED=GATE_IN_BRANCHES, TMA=tma)
+        kv = [desc(name, consts["BN"], BD), desc(name, consts["BN"], BDV)] if tma else [p, p]
+        pointers = [p, *kv, p] + ["*fp32"] * 2 + [p, p]
+        out[f"band dq {branch} {name}"] = shared(band._band_bwd_dq_kernel, pointers, consts, cfg)
     for GP in (16, 4, 1):  # fewer heads: more positions a program
         launch = s.importance_launch("reshape", GP, dtype, D)
         rows = launch.pop("rows")
@@ -71,13 +81,15 @@ def prefill(name, dtype, D, DV=None):
         out[f"importance G'={GP} {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                    launch)
     GP = 16
+    tma = s.SELECTED_TMA and not BD2
     consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False,
-                  UPCAST=False, GATED=False)
-    selected = [p] * 3 + ["*i32", p, "*fp32"] + [p, "*fp32", p, p]
+                  UPCAST=False, GATED=False, TMA=tma)
+    kv = [desc(name, 64, BD), desc(name, 64, BDV)] if tma else [p, p]
+    selected = [p, *kv, "*i32", p, "*fp32"] + [p, "*fp32", p, p]
     fwd = s._selected_pipelined_kernel
-    out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(1, D))
+    out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(1, D, tma))
     consts = dict(consts, GP=4, BT=4)  # G = 4: four positions a program
-    out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(4, D))
+    out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(4, D, tma))
     launch = s.importance_launch("broadcast", GP, dtype, D)
     consts = dict(DK=D, BDK=BD, BDK2=BD2, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4,
                   GROUP_FIRST=True, RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,

@@ -1,0 +1,250 @@
+"""Key and value tiles through Hopper's tensor memory accelerator (run 66 on the H200): the selected
+forward (`selection.SELECTED_TMA`) and the banded forward (`band.BAND_TMA`) with their K/V read by
+TMA bulk copies from tensor descriptors, against per-thread loads, side by side on one GPU.
+
+    PYTHONPATH=. python3 scripts/probe_tma.py [forward] [backward] [decode]   (default: all three)
+    PYTHONPATH=. python3 scripts/probe_tma.py sweep | positions
+
+forward (run 66), per shape (64k and 8k at 64/4 heads, 64k at 16/4): each op's forward with TMA off
+and on (and a few launches with it on), the max |diff| of TMA against the loads, and the whole NSA
+forward both ways. backward: each op's forward+backward and the whole NSA's with TMA off and on
+(`band.BAND_TMA` for the banded dq and dk/dv too), and the banded kernels' TMA by part. decode: the
+fused decode at B = 16 with `decode.DECODE_TMA` off and on. sweep: launch configurations on the
+TMA defaults (`probe_sweep`). positions: G = 16's selected forward at 2 and 4 positions a program
+(`probe_positions`).
+"""
+
+import sys
+
+import torch
+
+from nsa_eval.bench import _fwd_bwd, _inputs, _time, _time_graph, _with_flags, nsa_prefill
+from nsa_eval.kernels import band, decode, selection
+from nsa_eval.kernels.compression import compressed_attention
+from nsa_eval.kernels.decode import nsa_decode
+from nsa_eval.kernels.selection import select_blocks, selected_attention
+from nsa_eval.kernels.window import sliding_window_attention
+
+D = 128
+
+
+def with_tma(on: bool, fn, sel_knobs=None, band_configs=None):
+    def inner():
+        knobs = {"SELECTED_TMA": on, **(sel_knobs or {})}
+        return _with_flags(selection, knobs, fn)
+
+    flags = {"BAND_TMA": on, **({"BAND_CONFIGS": band_configs} if band_configs else {})}
+    return _with_flags(band, flags, inner)
+
+
+def band_variant(branch, **changes):
+    configs = {b: {p: dict(c) for p, c in parts.items()} for b, parts in band.BAND_CONFIGS.items()}
+    configs[branch]["fwd"].update(changes)
+    return configs
+
+
+def timed(label, fn, want=None, tma=True, **knobs):
+    """Print fn's time with TMA on or off (and the selected / banded knobs), and with `want` (fn's
+    output with TMA off) its max |diff|."""
+    try:
+        got = with_tma(True, fn, **knobs) if want is not None else None
+        err = "" if got is None else f", max |diff| {(got.float() - want.float()).abs().max().item():.1e}"
+        ms = with_tma(tma, lambda: _time(fn), **knobs)
+        print(f"  {label}: {ms:.3f} ms{err}", flush=True)
+    except Exception as e:  # a launch that does not compile is a result too
+        print(f"  {label}: failed, {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+
+
+def probe(T, hq, hkv):
+    print(f"T={T}, {hq}/{hkv} heads, d={D}, bf16:", flush=True)
+    x = _inputs(1, T, hq, hkv, D, grad=False)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+        ops = {
+            "selected": lambda: selected_attention(x["q"], x["k"], x["v"], idx),
+            "compression": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
+            "window": lambda: sliding_window_attention(x["q"], x["k"], x["v"]),
+            "nsa forward": lambda: nsa_prefill(**x),
+        }
+        for name, fn in ops.items():
+            want = with_tma(False, fn)
+            timed(f"{name} loads", fn, tma=False)
+            timed(f"{name} TMA", fn, want)
+            timed(f"{name} loads again", fn, tma=False)
+        multi = hq // hkv < 16
+        key = "SELECTED_FWD_CONFIG_MULTI" if multi else "SELECTED_FWD_CONFIG"
+        for config in (dict(num_warps=1, num_stages=3), dict(num_warps=2, num_stages=2),
+                       dict(num_warps=2, num_stages=3), dict(num_warps=4, num_stages=3),
+                       dict(num_warps=1, num_stages=4)):
+            timed(f"selected TMA {config}", ops["selected"], sel_knobs={key: config})
+        for changes in (dict(num_stages=2), dict(num_stages=4), dict(BN=128, num_stages=2),
+                        dict(BM=64, num_warps=4)):
+            timed(f"compression TMA {changes}", ops["compression"],
+                  band_configs=band_variant("cmp", **changes))
+
+
+def probe_backward(T, hq, hkv):
+    """Forward+backward of each op and of the whole NSA with TMA off and on; the banded kernels' TMA
+    by part (forward, dq, dk/dv)."""
+    print(f"T={T}, {hq}/{hkv} heads, d={D}, bf16, forward+backward:", flush=True)
+    x = _inputs(1, T, hq, hkv, D, grad=True)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+    ops = {
+        "selected": lambda: selected_attention(x["q"], x["k"], x["v"], idx),
+        "compression": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
+        "window": lambda: sliding_window_attention(x["q"], x["k"], x["v"]),
+        "nsa": lambda: nsa_prefill(**x),
+    }
+    for name, fn in ops.items():
+        step = _fwd_bwd(fn, x)
+        want = grads(step, x, False)
+        got = grads(step, x, True)
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(want, got, strict=True))
+        for tma in (False, True, False):
+            ms = with_tma(tma, lambda step=step: _time(step))
+            print(f"  {name} fwd+bwd {'TMA' if tma else 'loads'}: {ms:.2f} ms"
+                  + (f", max |grad diff| {err:.1e}" if tma else ""), flush=True)
+    every = ("fwd", "dq", "dkv")
+    for band_tma in ({"cmp": ("fwd", "dq"), "swa": ("fwd", "dq")},
+                     {"cmp": ("fwd", "dkv"), "swa": ("fwd", "dkv")},
+                     {"cmp": ("fwd",), "swa": ("fwd",)}, {"cmp": ("fwd",), "swa": every},
+                     {"cmp": ("fwd", "dq"), "swa": every}, {"cmp": ("fwd", "dkv"), "swa": every},
+                     {"cmp": every, "swa": every}):
+        for name in ("compression", "nsa"):
+            step = _fwd_bwd(ops[name], x)
+            ms = _with_flags(band, {"BAND_TMA": band_tma}, lambda step=step: _with_flags(
+                selection, {"SELECTED_TMA": True}, lambda: _time(step)))
+            print(f"  {name} fwd+bwd, banded TMA {band_tma}: {ms:.2f} ms", flush=True)
+
+
+def grads(step, x, tma):
+    with_tma(tma, step)
+    return [t.grad.clone() for t in x.values() if t.grad is not None]
+
+
+def probe_decode(T, batch=16, hq=64, hkv=4):
+    """The fused decode (CUDA graph) with DECODE_TMA off and on, token-major and head-major caches."""
+    dev, bf = "cuda", torch.bfloat16
+    tc = (T - 32) // 16 + 1
+    q = torch.randn(batch, 1, hq, D, device=dev, dtype=bf)
+    kv = [torch.randn(batch, n, hkv, D, device=dev, dtype=bf) for n in (T, T, tc, tc)]
+    gates = [torch.rand(batch, 1, hq, device=dev, dtype=bf) for _ in range(3)]
+    lens = torch.full((batch,), T, device=dev, dtype=torch.int32)
+    hm = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in kv]
+    for layout, caches in (("token-major", kv), ("head-major", hm)):
+        fn = lambda caches=caches: nsa_decode(q, *caches, *gates, cache_seqlens=lens)  # noqa: E731
+        want = _with_flags(decode, {"DECODE_TMA": False}, fn)
+        got = _with_flags(decode, {"DECODE_TMA": True}, fn)
+        err = (got.float() - want.float()).abs().max().item()
+        for tma in (False, True, False, True):
+            us = 1000 * _with_flags(decode, {"DECODE_TMA": tma}, lambda fn=fn: _time_graph(fn))
+            print(f"T={T} B={batch} decode {layout} {'TMA' if tma else 'loads'}: {us:.1f} us"
+                  + (f", max |diff| {err:.1e}" if tma else ""), flush=True)
+
+
+def band_part(branch, part, **changes):
+    configs = {b: {p: dict(c) for p, c in parts.items()} for b, parts in band.BAND_CONFIGS.items()}
+    configs[branch][part].update(changes)
+    return {"BAND_CONFIGS": configs}
+
+
+def probe_sweep(T, hq, hkv):
+    """Launch configurations on the TMA defaults (run 71): the banded forwards, dq and dk/dv by op,
+    G = 4's selected forward at 32 rows, and the selected forward's reads-alone floor both ways."""
+    from nsa_eval.kernels.floors import gather_blocks_sum
+
+    print(f"T={T}, {hq}/{hkv} heads, d={D}, bf16, on the defaults:", flush=True)
+    x = _inputs(1, T, hq, hkv, D, grad=True)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+    ops = {
+        "cmp": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
+        "swa": lambda: sliding_window_attention(x["q"], x["k"], x["v"]),
+        "selected": lambda: selected_attention(x["q"], x["k"], x["v"], idx),
+        "nsa": lambda: nsa_prefill(**x),
+    }
+    cases = [("cmp", "fwd_tma", c) for c in (dict(), dict(BM=128, num_warps=8), dict(BN=128, num_stages=2),
+                                               dict(num_stages=4), dict(num_stages=2))]
+    cases += [("swa", "fwd", c) for c in (dict(), dict(BM=128, num_warps=8), dict(num_stages=4),
+                                          dict(num_stages=2), dict(BN=128, num_stages=2))]
+    for branch, part, changes in cases:
+        with torch.no_grad():
+            ms = _with_flags(band, band_part(branch, part, **changes), lambda fn=ops[branch]: _time(fn))
+        print(f"  {branch} fwd, {part} {changes or 'defaults'}: {ms:.3f} ms", flush=True)
+    cases = [("cmp", "dkv", c) for c in (dict(), dict(num_stages=3), dict(num_warps=8), dict(BM=32))]
+    cases += [("cmp", "dq", c) for c in (dict(num_stages=3),)]
+    cases += [("swa", "dq", c) for c in (dict(num_stages=3), dict(BN=32))]
+    cases += [("swa", "dkv", c) for c in (dict(num_stages=3), dict(BM=32))]
+    for branch, part, changes in cases:
+        step = _fwd_bwd(ops[branch], x)
+        ms = _with_flags(band, band_part(branch, part, **changes), lambda step=step: _time(step))
+        print(f"  {branch} fwd+bwd, {part} {changes or 'defaults'}: {ms:.2f} ms", flush=True)
+    with torch.no_grad():
+        for tma in (False, True):
+            ms = _time(lambda tma=tma: gather_blocks_sum(x["k"], x["v"], idx, tma=tma))
+            print(f"  selected reads alone, {'TMA' if tma else 'loads'}: {ms:.2f} ms", flush=True)
+        print(f"  selected fwd: {_time(ops['selected']):.2f} ms, nsa fwd {_time(ops['nsa']):.2f} ms",
+              flush=True)
+        if hq // hkv < 16:
+            for rows, config in ((32, dict(num_warps=2, num_stages=3)),
+                                 (32, dict(num_warps=4, num_stages=3)),
+                                 (32, dict(num_warps=4, num_stages=2)),
+                                 (16, dict(num_warps=2, num_stages=4))):
+                knobs = {"SELECTED_ROWS": rows, "SELECTED_FWD_CONFIG_MULTI_TMA": config}
+                sel = _with_flags(selection, knobs, lambda: _time(ops["selected"]))
+                whole = _with_flags(selection, knobs, lambda: _time(ops["nsa"]))
+                print(f"  G=4 {knobs}: selected {sel:.2f} ms, nsa fwd {whole:.2f} ms", flush=True)
+
+
+def probe_positions(T, hq=64, hkv=4):
+    """G = 16's selected forward with TMA at 2 and 4 positions a program (`SELECTED_ROWS` 32 and 64:
+    the union walk reads a block that several of its positions chose once), against one (run 73)."""
+    print(f"T={T}, {hq}/{hkv} heads, selected forward with TMA by positions per program:", flush=True)
+    x = _inputs(1, T, hq, hkv, D, grad=False)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+        fn = lambda: selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
+        want = fn()
+        whole = _time(lambda: nsa_prefill(**x))
+        print(f"  1 position (defaults): {_time(fn):.2f} ms, nsa fwd {whole:.2f} ms", flush=True)
+        for rows in (32, 64):
+            for warps, stages in ((1, 2), (2, 2), (2, 3), (4, 2), (4, 3)):
+                knobs = {"SELECTED_ROWS": rows,
+                         "SELECTED_FWD_CONFIG_MULTI_TMA": dict(num_warps=warps, num_stages=stages)}
+                try:
+                    err = (_with_flags(selection, knobs, fn).float() - want.float()).abs().max().item()
+                    ms = _with_flags(selection, knobs, lambda: _time(fn))
+                    whole = _with_flags(selection, knobs, lambda: _time(lambda: nsa_prefill(**x)))
+                    print(f"  {rows // 16} positions, {warps} warps, {stages} stages: {ms:.2f} ms, nsa fwd "
+                          f"{whole:.2f} ms, max |diff| {err:.1e}", flush=True)
+                except Exception as e:
+                    print(f"  {rows // 16} positions, {warps} warps, {stages} stages: failed, "
+                          f"{str(e).splitlines()[0][:160]}", flush=True)
+
+
+if __name__ == "__main__":
+    modes = sys.argv[1:] or ["forward", "backward", "decode"]
+    if "forward" in modes:  # run 66
+        for T, hq, hkv in ((65536, 64, 4), (65536, 16, 4), (8192, 64, 4)):
+            probe(T, hq, hkv)
+            torch.cuda.empty_cache()
+    if "backward" in modes:
+        for T, hq, hkv in ((65536, 64, 4), (8192, 64, 4)):
+            probe_backward(T, hq, hkv)
+            torch.cuda.empty_cache()
+    if "decode" in modes:
+        for T in (65536, 8192):
+            probe_decode(T)
+    if "positions" in modes:  # run 73
+        for T in (65536, 8192):
+            probe_positions(T)
+            torch.cuda.empty_cache()
+    if "sweep" in modes:  # run 71
+        for T, hq, hkv in ((65536, 64, 4), (65536, 16, 4), (8192, 64, 4)):
+            probe_sweep(T, hq, hkv)
+            torch.cuda.empty_cache()

@@ -1,0 +1,160 @@
+"""TMA copies (`band.BAND_TMA`, `selection.SELECTED_TMA`): the banded kernels and the selected forward
+read their tiles through tensor descriptors (Hopper's tensor memory accelerator) by default; with it
+off, through per-thread loads. On the CPU (Triton's interpreter) both paths must give the same bits,
+and the reference's values; inputs TMA cannot address fall back to the loads; `tma_ok` says which.
+On a GPU (`-m gpu`) the two paths are compared at 8k in bf16."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from nsa_eval.kernels import _triton_utils, band, selection
+from nsa_eval.kernels import reference as ref
+from nsa_eval.kernels.compression import compressed_attention
+from nsa_eval.kernels.selection import selected_attention
+from nsa_eval.kernels.window import sliding_window_attention
+from tests.kernels.test_triton_kernels import TOL, grads, make, rel_err
+
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                                      reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+EVERY_PART = {"cmp": ("fwd", "dq", "dkv"), "swa": ("fwd", "dq", "dkv")}
+
+
+def branches(x, block_indices, window=40, select_size=32):
+    """Outputs (o and lse of the compression, the window's o, the selected o) and the gradients of
+    q, k, v, k_cmp, v_cmp through all of them (on the inputs' device)."""
+    o_cmp, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+    o_swa = sliding_window_attention(x["q"], x["k"], x["v"], window=window)
+    o_slc = selected_attention(x["q"], x["k"], x["v"], block_indices, select_size=select_size)
+    lse = torch.where(torch.isfinite(lse), lse, 0.0)
+    outs = [o_cmp, lse, o_swa, o_slc]
+    if o_cmp.is_cuda:  # grads draws its weights on the CPU
+        g = torch.Generator(device=o_cmp.device).manual_seed(1)
+        loss = sum((o.float() * torch.randn(o.shape, generator=g, device=o.device)).sum() for o in outs)
+        return [o.detach() for o in outs] + list(torch.autograd.grad(loss, list(x.values())))
+    return [o.detach() for o in outs] + list(grads(outs, list(x.values())))
+
+
+def random_blocks(B, T, hkv, n, select_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-T // select_size)
+    rows = [torch.randperm(nb, generator=g)[:n] for _ in range(B * T * hkv)]
+    return torch.stack(rows).view(B, T, hkv, -1).sort(-1).values.int()
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape", [(1, 83, 16, 1, 16, 16), (2, 77, 8, 2, 16, 32), (1, 97, 2, 2, 32, 32)],
+                         ids=["G16", "G4", "G1"])
+def test_tma_matches_loads_bit_for_bit(monkeypatch, shape):
+    """Every branch forward and backward, T not a multiple of any tile (TMA's zero rows past T)."""
+    x = make(*shape)
+    bi = random_blocks(shape[0], shape[1], shape[3], 3, 32)
+    monkeypatch.setattr(band, "BAND_TMA", EVERY_PART)
+    monkeypatch.setattr(selection, "SELECTED_TMA", True)
+    with_tma = branches(x, bi)
+    monkeypatch.setattr(band, "BAND_TMA", False)
+    monkeypatch.setattr(selection, "SELECTED_TMA", False)
+    for a, b in zip(with_tma, branches(x, bi), strict=True):
+        assert torch.equal(a, b)
+    o_ref = ref.selected_attention(x["q"], x["k"], x["v"], bi.long(), select_size=32)
+    assert rel_err(with_tma[3], o_ref) < TOL
+
+
+def test_tma_ok_names_what_tma_can_copy(monkeypatch):
+    x = torch.zeros(2, 64, 4, 32)
+    monkeypatch.setattr(_triton_utils, "interpreting", lambda: True)
+    assert _triton_utils.tma_ok(x, x[:, :, :2])  # a slice of heads: strides unchanged
+    assert not _triton_utils.tma_ok(x[..., ::2])  # head dim not unit-stride
+    assert not _triton_utils.tma_ok(torch.zeros(2 * 64 * 4 * 32 + 1)[1:].view(2, 64, 4, 32))  # 4-byte offset
+    assert not _triton_utils.tma_ok(torch.zeros(2, 64, 4, 3))  # a row of 12 bytes
+    monkeypatch.setattr(_triton_utils, "interpreting", lambda: False)
+    assert not _triton_utils.tma_ok(x)  # CPU tensors outside the interpreter
+
+
+@interpreter_only
+def test_unaligned_inputs_fall_back_to_loads(monkeypatch):
+    """Keys and values at a 4-byte offset (a view into a larger buffer) cannot be TMA-copied: with TMA
+    on, the kernels read them through the loads and still match the reference."""
+    monkeypatch.setattr(band, "BAND_TMA", EVERY_PART)
+    monkeypatch.setattr(selection, "SELECTED_TMA", True)
+    B, T, hq, hkv, d = 1, 90, 4, 1, 16
+    x = make(B, T, hq, hkv, d, d)
+    buf = torch.randn(2 * B * T * hkv * d + 1)
+    k = buf[1:1 + B * T * hkv * d].view(B, T, hkv, d)
+    v = buf[1 + B * T * hkv * d:].view(B, T, hkv, d)
+    assert not _triton_utils.tma_ok(k, v)
+    bi = random_blocks(B, T, hkv, 2, 16)
+    o = sliding_window_attention(x["q"], k, v, window=24)
+    assert rel_err(o, ref.sliding_window_attention(x["q"], k, v, window=24)) < TOL
+    o = selected_attention(x["q"], k, v, bi, select_size=16)
+    assert rel_err(o, ref.selected_attention(x["q"], k, v, bi.long(), select_size=16)) < TOL
+
+
+@pytest.mark.gpu
+def test_gpu_tma_matches_loads():
+    """bf16 at 8k, 16/1 heads (G = 16) and 16/4 (G = 4): every branch, forward and backward, TMA on
+    against off. Not bit for bit: the compression forward takes its own tiles with TMA
+    (`BAND_CONFIGS["cmp"]["fwd_tma"]`) and the selected dk/dv adds float32 atomics in any order; a
+    wrong or missing tile would be off by ~1e-1."""
+    from nsa_eval.bench import _inputs
+    from nsa_eval.kernels.selection import select_blocks
+
+    torch.manual_seed(0)
+    for hq, hkv in ((16, 1), (16, 4)):
+        x = _inputs(1, 8192, hq, hkv, 128, grad=True)
+        x = {k: x[k] for k in ("q", "k", "v", "k_cmp", "v_cmp")}
+        with torch.no_grad():
+            _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+            bi = select_blocks(x["q"], x["k_cmp"], lse=lse)
+        saved = band.BAND_TMA, selection.SELECTED_TMA
+        try:
+            band.BAND_TMA, selection.SELECTED_TMA = EVERY_PART, True
+            with_tma = branches(x, bi, window=512, select_size=64)
+            band.BAND_TMA, selection.SELECTED_TMA = False, False
+            loads = branches(x, bi, window=512, select_size=64)
+        finally:
+            band.BAND_TMA, selection.SELECTED_TMA = saved
+        for i, (a, b) in enumerate(zip(with_tma, loads, strict=True)):
+            assert rel_err(a, b) < (2e-3 if i < 4 else 1e-2), i
+
+
+COMPILE = r"""
+import json
+import torch
+from nsa_eval.kernels import band, selection as s
+from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
+
+def desc(rows, cols):
+    return f"tensordesc<bf16[1,{rows},1,{cols}]>"
+
+out = {}
+consts = dict(DK=128, DV=128, BDK=128, BDK2=0, BDV=128, GP=16, BT=1, BS=64, NP=16, BACKWARD=False,
+              UPCAST=False, GATED=False, TMA=True)
+fwd = s._selected_pipelined_kernel
+pointers = ["*bf16", desc(64, 128), desc(64, 128), "*i32", "*bf16", "*fp32", "*bf16", "*fp32"] + ["*bf16"] * 2
+out["selected fwd"] = compile_sm90(fwd, pointers_then_scalars(fwd, pointers, consts), consts,
+                                   s.selected_fwd_launch(1, 128, True)).asm["ptx"]
+cfg = band._band_config(None, "fwd", torch.bfloat16, tma=True)
+consts = dict(HAS_WINDOW=False, DK=128, DV=128, BDK=128, BDK2=0, BDV=128, BM=cfg.pop("BM"), BN=cfg.pop("BN"),
+              UPCAST=False, SPLIT_MASK=True, TMA=True)
+kernel = band._band_fwd_kernel
+pointers = ["*bf16", desc(consts["BN"], 128), desc(consts["BN"], 128), "*bf16", "*fp32"]
+types = pointers_then_scalars(kernel, pointers, consts)
+out["band fwd"] = compile_sm90(kernel, types, consts, cfg).asm["ptx"]
+print(json.dumps({k: v.count("cp.async.bulk.tensor") for k, v in out.items()}))
+"""
+
+
+def test_default_launches_copy_with_tma_on_h200():
+    """Compiled for sm_90 as the defaults launch them (descriptors for K and V), the selected forward
+    and the compression forward copy their tiles with TMA bulk-tensor copies (`cp.async.bulk.tensor`:
+    K and V, in each of the forward's loops)."""
+    from tests.kernels.sm90 import json_from_fresh_python
+
+    assert selection.SELECTED_TMA and band._tma(None, "fwd")
+    got = json_from_fresh_python(COMPILE, timeout=600)
+    assert got["selected fwd"] >= 2, got
+    assert got["band fwd"] >= 4, got  # interior and diagonal loops
