@@ -55,18 +55,26 @@ def timed(label, fn, want=None, tma=True, **knobs):
         print(f"  {label}: failed, {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
 
 
-def probe(T, hq, hkv):
-    print(f"T={T}, {hq}/{hkv} heads, d={D}, bf16:", flush=True)
-    x = _inputs(1, T, hq, hkv, D, grad=False)
+def problem(T, hq, hkv, grad):
+    """The benchmark's inputs at T (bf16, d = 128), the block lists `select_blocks` makes of them, and
+    each op on them: {"selected", "compression", "window", "nsa"} -> fn() giving its output."""
+    x = _inputs(1, T, hq, hkv, D, grad=grad)
     with torch.no_grad():
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
-        ops = {
-            "selected": lambda: selected_attention(x["q"], x["k"], x["v"], idx),
-            "compression": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
-            "window": lambda: sliding_window_attention(x["q"], x["k"], x["v"]),
-            "nsa forward": lambda: nsa_prefill(**x),
-        }
+    ops = {
+        "selected": lambda: selected_attention(x["q"], x["k"], x["v"], idx),
+        "compression": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
+        "window": lambda: sliding_window_attention(x["q"], x["k"], x["v"]),
+        "nsa": lambda: nsa_prefill(**x),
+    }
+    return x, idx, ops
+
+
+def probe(T, hq, hkv):
+    print(f"T={T}, {hq}/{hkv} heads, d={D}, bf16:", flush=True)
+    _, _, ops = problem(T, hq, hkv, grad=False)
+    with torch.no_grad():
         for name, fn in ops.items():
             want = with_tma(False, fn)
             timed(f"{name} loads", fn, tma=False)
@@ -88,16 +96,7 @@ def probe_backward(T, hq, hkv):
     """Forward+backward of each op and of the whole NSA with TMA off and on; the banded kernels' TMA
     by part (forward, dq, dk/dv)."""
     print(f"T={T}, {hq}/{hkv} heads, d={D}, bf16, forward+backward:", flush=True)
-    x = _inputs(1, T, hq, hkv, D, grad=True)
-    with torch.no_grad():
-        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
-    ops = {
-        "selected": lambda: selected_attention(x["q"], x["k"], x["v"], idx),
-        "compression": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
-        "window": lambda: sliding_window_attention(x["q"], x["k"], x["v"]),
-        "nsa": lambda: nsa_prefill(**x),
-    }
+    x, _, ops = problem(T, hq, hkv, grad=True)
     for name, fn in ops.items():
         step = _fwd_bwd(fn, x)
         want = grads(step, x, False)
@@ -157,16 +156,8 @@ def probe_sweep(T, hq, hkv):
     from nsa_eval.kernels.floors import gather_blocks_sum
 
     print(f"T={T}, {hq}/{hkv} heads, d={D}, bf16, on the defaults:", flush=True)
-    x = _inputs(1, T, hq, hkv, D, grad=True)
-    with torch.no_grad():
-        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
-    ops = {
-        "cmp": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
-        "swa": lambda: sliding_window_attention(x["q"], x["k"], x["v"]),
-        "selected": lambda: selected_attention(x["q"], x["k"], x["v"], idx),
-        "nsa": lambda: nsa_prefill(**x),
-    }
+    x, idx, ops = problem(T, hq, hkv, grad=True)
+    ops.update(cmp=ops["compression"], swa=ops["window"])  # by BAND_CONFIGS' branch names
     cases = [("cmp", "fwd_tma", c) for c in (dict(), dict(BM=128, num_warps=8), dict(BN=128, num_stages=2),
                                                dict(num_stages=4), dict(num_stages=2))]
     cases += [("swa", "fwd", c) for c in (dict(), dict(BM=128, num_warps=8), dict(num_stages=4),
@@ -204,13 +195,11 @@ def probe_positions(T, hq=64, hkv=4):
     """G = 16's selected forward with TMA at 2 and 4 positions a program (`SELECTED_ROWS` 32 and 64:
     the union walk reads a block that several of its positions chose once), against one (run 73)."""
     print(f"T={T}, {hq}/{hkv} heads, selected forward with TMA by positions per program:", flush=True)
-    x = _inputs(1, T, hq, hkv, D, grad=False)
+    _, _, ops = problem(T, hq, hkv, grad=False)
+    fn, nsa = ops["selected"], ops["nsa"]
     with torch.no_grad():
-        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
-        fn = lambda: selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
         want = fn()
-        whole = _time(lambda: nsa_prefill(**x))
+        whole = _time(nsa)
         print(f"  1 position (defaults): {_time(fn):.2f} ms, nsa fwd {whole:.2f} ms", flush=True)
         for rows in (32, 64):
             for warps, stages in ((1, 2), (2, 2), (2, 3), (4, 2), (4, 3)):
@@ -219,7 +208,7 @@ def probe_positions(T, hq=64, hkv=4):
                 try:
                     err = (_with_flags(selection, knobs, fn).float() - want.float()).abs().max().item()
                     ms = _with_flags(selection, knobs, lambda: _time(fn))
-                    whole = _with_flags(selection, knobs, lambda: _time(lambda: nsa_prefill(**x)))
+                    whole = _with_flags(selection, knobs, lambda: _time(nsa))
                     print(f"  {rows // 16} positions, {warps} warps, {stages} stages: {ms:.2f} ms, nsa fwd "
                           f"{whole:.2f} ms, max |diff| {err:.1e}", flush=True)
                 except Exception as e:
