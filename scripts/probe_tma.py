@@ -2,26 +2,25 @@
 forward (`selection.SELECTED_TMA`) and the banded forward (`band.BAND_TMA`) with their K/V read by
 TMA bulk copies from tensor descriptors, against per-thread loads, side by side on one GPU.
 
-    PYTHONPATH=. python3 scripts/probe_tma.py [forward] [backward] [decode]   (default: all three)
+    PYTHONPATH=. python3 scripts/probe_tma.py [forward] [backward]   (default: both)
     PYTHONPATH=. python3 scripts/probe_tma.py sweep | positions
 
 forward (run 66), per shape (64k and 8k at 64/4 heads, 64k at 16/4): each op's forward with TMA off
 and on (and a few launches with it on), the max |diff| of TMA against the loads, and the whole NSA
-forward both ways. backward: each op's forward+backward and the whole NSA's with TMA off and on
-(`band.BAND_TMA` for the banded dq and dk/dv too), and the banded kernels' TMA by part. decode: the
-fused decode at B = 16 with `decode.DECODE_TMA` off and on. sweep: launch configurations on the
-TMA defaults (`probe_sweep`). positions: G = 16's selected forward at 2 and 4 positions a program
-(`probe_positions`).
+forward both ways. backward (runs 67-68): each op's forward+backward and the whole NSA's with TMA off
+and on (`band.BAND_TMA` for the banded dq and dk/dv too), and the banded kernels' TMA by part. Those
+runs also timed the fused decode with TMA copies (`decode.DECODE_TMA`, at commit a42f3e0): slower,
+removed. sweep (run 71): launch configurations on the TMA defaults. positions (run 73): G = 16's
+selected forward at 2 and 4 positions a program.
 """
 
 import sys
 
 import torch
 
-from nsa_eval.bench import _fwd_bwd, _inputs, _time, _time_graph, _with_flags, nsa_prefill
-from nsa_eval.kernels import band, decode, selection
+from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flags, nsa_prefill
+from nsa_eval.kernels import band, selection
 from nsa_eval.kernels.compression import compressed_attention
-from nsa_eval.kernels.decode import nsa_decode
 from nsa_eval.kernels.selection import select_blocks, selected_attention
 from nsa_eval.kernels.window import sliding_window_attention
 
@@ -124,26 +123,6 @@ def grads(step, x, tma):
     return [t.grad.clone() for t in x.values() if t.grad is not None]
 
 
-def probe_decode(T, batch=16, hq=64, hkv=4):
-    """The fused decode (CUDA graph) with DECODE_TMA off and on, token-major and head-major caches."""
-    dev, bf = "cuda", torch.bfloat16
-    tc = (T - 32) // 16 + 1
-    q = torch.randn(batch, 1, hq, D, device=dev, dtype=bf)
-    kv = [torch.randn(batch, n, hkv, D, device=dev, dtype=bf) for n in (T, T, tc, tc)]
-    gates = [torch.rand(batch, 1, hq, device=dev, dtype=bf) for _ in range(3)]
-    lens = torch.full((batch,), T, device=dev, dtype=torch.int32)
-    hm = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in kv]
-    for layout, caches in (("token-major", kv), ("head-major", hm)):
-        fn = lambda caches=caches: nsa_decode(q, *caches, *gates, cache_seqlens=lens)  # noqa: E731
-        want = _with_flags(decode, {"DECODE_TMA": False}, fn)
-        got = _with_flags(decode, {"DECODE_TMA": True}, fn)
-        err = (got.float() - want.float()).abs().max().item()
-        for tma in (False, True, False, True):
-            us = 1000 * _with_flags(decode, {"DECODE_TMA": tma}, lambda fn=fn: _time_graph(fn))
-            print(f"T={T} B={batch} decode {layout} {'TMA' if tma else 'loads'}: {us:.1f} us"
-                  + (f", max |diff| {err:.1e}" if tma else ""), flush=True)
-
-
 def band_part(branch, part, **changes):
     configs = {b: {p: dict(c) for p, c in parts.items()} for b, parts in band.BAND_CONFIGS.items()}
     configs[branch][part].update(changes)
@@ -217,7 +196,7 @@ def probe_positions(T, hq=64, hkv=4):
 
 
 if __name__ == "__main__":
-    modes = sys.argv[1:] or ["forward", "backward", "decode"]
+    modes = sys.argv[1:] or ["forward", "backward"]
     if "forward" in modes:  # run 66
         for T, hq, hkv in ((65536, 64, 4), (65536, 16, 4), (8192, 64, 4)):
             probe(T, hq, hkv)
@@ -226,9 +205,6 @@ if __name__ == "__main__":
         for T, hq, hkv in ((65536, 64, 4), (8192, 64, 4)):
             probe_backward(T, hq, hkv)
             torch.cuda.empty_cache()
-    if "decode" in modes:
-        for T in (65536, 8192):
-            probe_decode(T)
     if "positions" in modes:  # run 73
         for T in (65536, 8192):
             probe_positions(T)

@@ -54,16 +54,7 @@ import triton
 import triton.language as tl
 
 from nsa_eval.kernels import topk
-from nsa_eval.kernels._triton_utils import (
-    LOG2E,
-    default_scale,
-    interpreting,
-    pow2,
-    score_dot,
-    softmax_start,
-    tma_descriptor,
-    tma_ok,
-)
+from nsa_eval.kernels._triton_utils import LOG2E, default_scale, interpreting, pow2, score_dot, softmax_start
 from nsa_eval.kernels.topk import block_keys, filtered_top, top_blocks, topk_blocks
 
 # "fused" (four launches, see the module docstring) or "v1" (the first split-K version, five launches)
@@ -84,11 +75,6 @@ WIN_TILES_PER_PROGRAM = 2
 # this many stages (the next blocks' loads in flight during this block's math). B=16, CUDA graph (run
 # 31): 74.1 us at 64k with 3 stages against 74.9 with 2 and 75.4 unrolled; 39.3 / 39.8 / 40.6 at 8k.
 SEL_STAGES = 3
-# fused: step 1's compressed tiles and step 3's selected blocks read through Hopper's tensor memory
-# accelerator, one bulk copy per tile from a tensor descriptor (`tma_descriptor`), instead of
-# per-thread loads (where `tma_ok`). Run 68, B = 16, CUDA graph: 67.6 us against 66.9 at 64k, 36.4
-# against 35.6 at 8k (head-major caches 67.1 / 66.8 and 36.1 / 35.4): not the default
-DECODE_TMA = False
 # fused: pipeline stages and warps of the compressed-key loop; warps of the attention kernel. Step 1
 # at B=16, 64k (run 34, CUDA graph): 4 warps 71.9 us, 2 warps 75.9 (86.2 with 4 programs per SM), 8
 # warps 74.2
@@ -238,9 +224,7 @@ def _decode_cmp_split_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
     BC: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, WIN: tl.constexpr, TILE_IMP: tl.constexpr,
     JT: tl.constexpr, JW: tl.constexpr, NSP: tl.constexpr, MAP_BF16: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr = False,
 ):
-    # TMA: KC and VC are tensor descriptors with blocks [1, BC, 1, BDK / BDV] (`DECODE_TMA`).
     # programs 0 .. NCMP-1: compression splits, partials at PM/PL/PO[i_bh, i_s] (PM, PL:
     # [B*HKV, NPART, M]; PO: [.., M, BDV]); with WIN (WINDOW_STEP = 1), programs NCMP ..: window
     # chunks, partials NCMP + NSELP + i as in steps 2 and 3 (compiled only then: they need registers).
@@ -270,12 +254,11 @@ def _decode_cmp_split_kernel(
             _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b,
                        sk_t, sk_h, sv_b, sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, NTILES, scale_log2,
                        block_len, stride, select_size, o_r, o_dk, o_dv, DK, DV, M, BDV, BC, TILE_IMP, JT, JW,
-                       NSP, MAP_BF16, UPCAST, TMA)
+                       NSP, MAP_BF16, UPCAST)
     else:
         _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t,
                    sk_h, sv_b, sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, NTILES, scale_log2, block_len, stride,
-                   select_size, o_r, o_dk, o_dv, DK, DV, M, BDV, BC, TILE_IMP, JT, JW, NSP, MAP_BF16, UPCAST,
-                   TMA)
+                   select_size, o_r, o_dk, o_dv, DK, DV, M, BDV, BC, TILE_IMP, JT, JW, NSP, MAP_BF16, UPCAST)
 
 
 @triton.jit
@@ -283,8 +266,7 @@ def _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, s
                sk_h, sv_b, sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, NTILES, scale_log2, block_len, stride,
                select_size, o_r, o_dk, o_dv, DK: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
                BDV: tl.constexpr, BC: tl.constexpr, TILE_IMP: tl.constexpr, JT: tl.constexpr,
-               JW: tl.constexpr, NSP: tl.constexpr, MAP_BF16: tl.constexpr, UPCAST: tl.constexpr,
-               TMA: tl.constexpr):
+               JW: tl.constexpr, NSP: tl.constexpr, MAP_BF16: tl.constexpr, UPCAST: tl.constexpr):
     # compression split i_s of row i_bh: tiles i_s, i_s + NCMP, ... of BC compressed keys (the visible
     # tiles spread evenly over the splits at any t), one partial softmax (empty where the split has no
     # visible tile); per tile its scores (SC) or, with TILE_IMP, its selection-block sums (TI, TS) and
@@ -293,9 +275,8 @@ def _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, s
     n_vis_tiles = tl.cdiv(n_vis, BC)
     if i_s < n_vis_tiles:
         q = _load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
-        if not TMA:
-            k_base = KC + i_b * sk_b + i_hk * sk_h
-            v_base = VC + i_b * sv_b + i_hk * sv_h
+        k_base = KC + i_b * sk_b + i_hk * sk_h
+        v_base = VC + i_b * sv_b + i_hk * sv_h
         sc_rows = SC + (i_bh * M + o_r[:, None]).to(tl.int64) * SC_LEN  # [M, 1]
         if TILE_IMP:
             # tokens shared by compressed block c of a tile and selection block j counted from the
@@ -312,19 +293,14 @@ def _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, s
         for tile in range(i_s, n_vis_tiles, NCMP):
             o_k = tile * BC + tl.arange(0, BC)  # [BC] compressed block indices
             m_k = o_k < n_vis
+            k_ptrs = k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
+            v_ptrs = v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
             valid = m_k[None, :] & (o_r < G)[:, None]
-            if TMA:  # rows past n_vis (cache slots not written yet) may hold anything: v's as 0
-                k = tl.reshape(KC.load([i_b.to(tl.int32), tile * BC, i_hk, 0]), [BC, DK])  # DK = BDK with TMA
-                v = tl.reshape(VC.load([i_b.to(tl.int32), tile * BC, i_hk, 0]), [BC, BDV])
-                v = tl.where(m_k[:, None], v, 0.0)
-            else:
-                k_ptrs = k_base + o_k[:, None].to(tl.int64) * sk_t + o_dk[None, :]
-                v_ptrs = v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
-                # read once: evict first from L2, so that the scores (read by step 2) stay there
-                k = tl.load(k_ptrs, mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0,
-                            eviction_policy="evict_first")  # [BC, BDK]
-                v = tl.load(v_ptrs, mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0,
-                            eviction_policy="evict_first")  # [BC, BDV]
+            # read once: evict first from L2, so that the scores (read by step 2) stay there
+            k = tl.load(k_ptrs, mask=m_k[:, None] & (o_dk < DK)[None, :], other=0.0,
+                        eviction_policy="evict_first")  # [BC, BDK]
+            v = tl.load(v_ptrs, mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0,
+                        eviction_policy="evict_first")  # [BC, BDV]
             s, m, l, o, p = _tile_softmax(q, k, v, valid, scale_log2, UPCAST)
             if TILE_IMP:  # [M, JW] probabilities times shared tokens over stride
                 if MAP_BF16:
@@ -614,21 +590,13 @@ def _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_w, skw_b, skw_t, skw_h
 @triton.jit
 def _selected_slot(q, K, V, BI, i_bh, slot, i_b, i_hk, t, S, m_i, l_i, acc, sk_b, sk_t, sk_h, sv_b, sv_t,
                    sv_h, o_r, o_dk, o_dv, G, scale_log2, num_selected, DK: tl.constexpr, DV: tl.constexpr,
-                   BS: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, BDK: tl.constexpr,
-                   BDV: tl.constexpr):
-    # the running softmax (m_i, l_i, acc) merged with the block in selection slot `slot` (none for -1);
-    # TMA: K and V are tensor descriptors with blocks [1, BS, 1, BDK / BDV]
+                   BS: tl.constexpr, UPCAST: tl.constexpr):
+    # the running softmax (m_i, l_i, acc) merged with the block in selection slot `slot` (none for -1)
     blk = tl.load(BI + i_bh * num_selected + slot, mask=slot < num_selected, other=-1)
     o_k = tl.maximum(blk, 0) * BS + tl.arange(0, BS)
     m_k = (o_k <= t) & (o_k < S) & (tl.zeros([BS], tl.int32) + blk >= 0)
-    if TMA:  # rows past t (cache slots not written yet) may hold anything: v's as 0
-        k = tl.reshape(K.load([i_b.to(tl.int32), tl.maximum(blk, 0) * BS, i_hk, 0]), [BS, BDK])
-        v = tl.reshape(V.load([i_b.to(tl.int32), tl.maximum(blk, 0) * BS, i_hk, 0]), [BS, BDV])
-        v = tl.where(m_k[:, None], v, 0.0)
-        _, m, l, o, _ = _tile_softmax(q, k, v, m_k[None, :] & (o_r < G)[:, None], scale_log2, UPCAST)
-    else:
-        _, m, l, o = _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r,
-                                      o_dk, o_dv, G, scale_log2, DK, DV, UPCAST)
+    _, m, l, o = _partial_softmax(q, K, V, i_b, i_hk, o_k, m_k, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk,
+                                  o_dv, G, scale_log2, DK, DV, UPCAST)
     return _merge(m_i, l_i, acc, m, l, o)
 
 
@@ -640,9 +608,7 @@ def _decode_attn_fused_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, M: tl.constexpr,
     BS: tl.constexpr, SPP: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, NPB: tl.constexpr,
     DVC: tl.constexpr, MERGE: tl.constexpr, SEL_STAGES: tl.constexpr, UPCAST: tl.constexpr,
-    TMA: tl.constexpr = False,
 ):
-    # TMA: K and V are tensor descriptors with blocks [1, BS, 1, BDK / BDV] (`DECODE_TMA`)
     # programs 0 .. NSELP-1: SPP selected-block slots each; NSELP ..: window chunks of WT * BW keys
     # (only with WINDOW_STEP = 3). Partials per i_bh: [0, NCMP) compression (step 1), then NSELP
     # selection, then NWP window.
@@ -657,14 +623,12 @@ def _decode_attn_fused_kernel(
             for j in tl.range(0, SPP, num_stages=SEL_STAGES):
                 m_i, l_i, acc = _selected_slot(q, K, V, BI, i_bh, i_p * SPP + j, i_b, i_hk, t, S, m_i, l_i,
                                                acc, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk, o_dv, G,
-                                               scale_log2, num_selected, DK, DV, BS, UPCAST, TMA,
-                                               BDK, BDV)
+                                               scale_log2, num_selected, DK, DV, BS, UPCAST)
         else:
             for j in tl.static_range(SPP):
                 m_i, l_i, acc = _selected_slot(q, K, V, BI, i_bh, i_p * SPP + j, i_b, i_hk, t, S, m_i, l_i,
                                                acc, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, o_r, o_dk, o_dv, G,
-                                               scale_log2, num_selected, DK, DV, BS, UPCAST, TMA,
-                                               BDK, BDV)
+                                               scale_log2, num_selected, DK, DV, BS, UPCAST)
     else:  # window chunks (WINDOW_STEP = 3; otherwise the grid has NSELP programs)
         m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_p - NSELP, skw_b, skw_t, skw_h,
                                         svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
@@ -857,17 +821,14 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     if topk.TOPK_FILTER_PICK not in topk.TOPK_FILTER_PICKS:
         raise ValueError(f"TOPK_FILTER_PICK must be one of {topk.TOPK_FILTER_PICKS}, got "
                          f"{topk.TOPK_FILTER_PICK!r}")
-    tma = DECODE_TMA and DK == BDK and tma_ok(k_cmp, v_cmp, k, v)
-    cmp_kv = (tma_descriptor(k_cmp, BC, BDK), tma_descriptor(v_cmp, BC, BDV)) if tma else (k_cmp, v_cmp)
     _decode_cmp_split_kernel[(n_cmp + (n_winp if WINDOW_STEP == 1 else 0), BH)](
-        q, *cmp_kv, lens, scores, tile_sums, tile_spill, tile_max, pm, pl, po, counter[0],
-        counter[1],
+        q, k_cmp, v_cmp, lens, scores, tile_sums, tile_spill, tile_max, pm, pl, po, counter[0], counter[1],
         k_swa, v_swa, q.stride(0), q.stride(2), *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_swa.stride()[:3],
         *v_swa.stride()[:3], TC, HKV, G, n_cmp, n_selp, npart, sc_len, n_tiles, S, window, scale_log2,
         block_len, stride, select_size, DK=DK, DV=DV, BDK=BDK, BDV=BDV, M=M, BC=BC, BW=BW, WT=WT,
         WIN=WINDOW_STEP == 1, TILE_IMP=tile_imp, JT=jt, JW=pow2(jt + nsp), NSP=nsp,
         MAP_BF16=TILE_MAP == "bf16x2" and min(block_len, select_size) <= 256 and not interp, UPCAST=interp,
-        num_warps=CMP_WARPS, num_stages=CMP_STAGES, TMA=tma,
+        num_warps=CMP_WARPS, num_stages=CMP_STAGES,
     )
 
     # 2. selection-block importances; the last program of each row takes its top-k
@@ -907,13 +868,12 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     # the final merge loads [npb, M, DVC] partials per branch at once: about 2048 values per 4 warps
     warps = ATTN_WARPS if npb * M <= 256 else 8
     dvc = MERGE_COLUMNS or min(BDV, max(4, 512 * warps // (npb * M)))
-    sel_kv = (tma_descriptor(k, select_size, BDK), tma_descriptor(v, select_size, BDV)) if tma else (k, v)
     _decode_attn_fused_kernel[(n_selp + (n_winp if WINDOW_STEP == 3 else 0), BH)](
-        q, *sel_kv, k_swa, v_swa, lens, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
+        q, k, v, k_swa, v_swa, lens, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
         S, HKV, G, n_selp, n_winp, n_cmp, npart, scale_log2, window, num_selected, DK=DK, DV=DV, BDK=BDK,
         BDV=BDV, M=M, BS=select_size, SPP=SPP, BW=BW, WT=WT, NPB=npb, DVC=dvc, MERGE=MERGE_IN_ATTN,
-        SEL_STAGES=SEL_STAGES, UPCAST=interp, num_warps=warps, TMA=tma,
+        SEL_STAGES=SEL_STAGES, UPCAST=interp, num_warps=warps,
     )
     if not MERGE_IN_ATTN:  # 4. the merge, one program per (chunk of output columns, row)
         _decode_merge_kernel[(BDV // dvc, BH)](
