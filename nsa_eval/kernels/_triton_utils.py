@@ -81,6 +81,15 @@ def tma_descriptor(t: torch.Tensor, rows: int, cols: int):
 
 
 @triton.jit
+def tma_load_pair(A, B, i_b, start, i_h, ROWS: tl.constexpr, COLS_A: tl.constexpr, COLS_B: tl.constexpr):
+    # rows [start, start + ROWS) of (batch i_b, head i_h) from two tensor descriptors (`tma_descriptor`,
+    # blocks [1, ROWS, 1, COLS]), one bulk copy each: [ROWS, COLS_A], [ROWS, COLS_B]
+    a = tl.reshape(A.load([i_b.to(tl.int32), start, i_h, 0]), [ROWS, COLS_A])
+    b = tl.reshape(B.load([i_b.to(tl.int32), start, i_h, 0]), [ROWS, COLS_B])
+    return a, b
+
+
+@triton.jit
 def load_kv(k_base, v_base, o_k, m_k, sk_t, sv_t, o_dk, o_dv, DK: tl.constexpr, DV: tl.constexpr,
             UPCAST: tl.constexpr):
     # keys and values of token positions o_k [BN] (rows with m_k false read as 0): k [BN, BDK], v [BN, BDV]

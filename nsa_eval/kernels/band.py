@@ -30,6 +30,7 @@ from nsa_eval.kernels._triton_utils import (
     split_zeros,
     store_tail,
     tma_descriptor,
+    tma_load_pair,
     tma_ok,
     wide_rows,
 )
@@ -130,8 +131,8 @@ def _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
     o_k = start + tl.arange(0, BN)  # [BN] key indices
     m_k = o_k < TK
     if TMA:
-        k = tl.trans(tl.reshape(k_base.load([i_b, start, i_hk, 0]), [BN, BDK]))  # [BDK, BN]
-        v = tl.reshape(v_base.load([i_b, start, i_hk, 0]), [BN, BDV])
+        k, v = tma_load_pair(k_base, v_base, i_b, start, i_hk, BN, BDK, BDV)
+        k = tl.trans(k)  # [BDK, BN]
     else:
         o_dk = tl.arange(0, BDK)
         o_dv = tl.arange(0, BDV)
@@ -196,7 +197,6 @@ def _band_fwd_kernel(
     m_t = o_t < T
     q, q2 = load_rows(Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t, m_t, DK, BDK, BDK2, UPCAST)
     k_base, v_base = _kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA)
-    i_b32 = i_b.to(tl.int32)
     lo, hi = _key_range(t0, T, TK, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
 
     m_i, l_i, acc = softmax_start(BM, BDV)
@@ -207,20 +207,20 @@ def _band_fwd_kernel(
                 m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
                                                TK, scale_log2, key_stride, key_offset, window, True,
                                                HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA,
-                                               i_b32, i_hk)
+                                               i_b, i_hk)
         for start in range(mid_lo, mid_hi, BN):  # interior: no mask
             m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
                                            TK, scale_log2, key_stride, key_offset, window, False, HAS_WINDOW,
-                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b32, i_hk)
+                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
         for start in range(mid_hi, hi, BN):  # the diagonal (and the keys past TK)
             m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
                                            TK, scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
-                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b32, i_hk)
+                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
     else:
         for start in range(lo, hi, BN):
             m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
                                            TK, scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
-                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b32, i_hk)
+                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
     o, lse = softmax_result(m_i, l_i, acc)
     tl.store(O + i_b * so_b + i_h * so_h + o_t[:, None].to(tl.int64) * so_t + o_dv[None, :],
              o.to(O.dtype.element_ty), mask=m_t[:, None] & (o_dv < DV)[None, :])
@@ -240,8 +240,7 @@ def _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk
     o_dv = tl.arange(0, BDV)
     m_k = o_k < TK
     if TMA:
-        k = tl.reshape(k_base.load([i_b, start, i_hk, 0]), [BN, BDK])
-        v = tl.reshape(v_base.load([i_b, start, i_hk, 0]), [BN, BDV])
+        k, v = tma_load_pair(k_base, v_base, i_b, start, i_hk, BN, BDK, BDV)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -307,7 +306,6 @@ def _band_bwd_dq_kernel(
     if UPCAST:
         do = do.to(tl.float32)
     k_base, v_base = _kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA)
-    i_b32 = i_b.to(tl.int32)
     lo, hi = _key_range(t0, T, TK, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
     dq, dq2 = split_zeros(BM, BDK, BDK2)
     if SPLIT_MASK:
@@ -316,20 +314,20 @@ def _band_bwd_dq_kernel(
             for start in range(lo, mid_lo, BN):
                 dq, dq2 = _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk_t,
                                         sv_t, TK, scale_log2, key_stride, key_offset, window, True,
-                                        HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b32, i_hk)
+                                        HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
         for start in range(mid_lo, mid_hi, BN):  # interior: no mask
             dq, dq2 = _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk_t,
                                     sv_t, TK, scale_log2, key_stride, key_offset, window, False,
-                                    HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b32, i_hk)
+                                    HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
         for start in range(mid_hi, hi, BN):  # the diagonal (and the keys past TK)
             dq, dq2 = _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk_t,
                                     sv_t, TK, scale_log2, key_stride, key_offset, window, True,
-                                    HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b32, i_hk)
+                                    HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
     else:
         for start in range(lo, hi, BN):
             dq, dq2 = _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk_t,
                                     sv_t, TK, scale_log2, key_stride, key_offset, window, True,
-                                    HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b32, i_hk)
+                                    HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
     if GATED:
         g = tl.load(GATE + row, mask=m_t, other=0.0).to(tl.float32)
         dq = dq * g[:, None]
@@ -357,8 +355,7 @@ def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i
     o_dv = tl.arange(0, BDV)
     row = (i_b * T + o_t.to(tl.int64)) * HQ + i_h  # [BM]
     if TMA:
-        q = tl.reshape(Q.load([i_b.to(tl.int32), start, i_h, 0]), [BM, BDK])
-        do = tl.reshape(DO.load([i_b.to(tl.int32), start, i_h, 0]), [BM, BDV])
+        q, do = tma_load_pair(Q, DO, i_b, start, i_h, BM, BDK, BDV)
     else:
         q_rows = Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t  # [BM]
         q_ptrs = q_rows[:, None] + o_dk[None, :]  # [BM, BDK]

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import interpreting, load_kv, pow2, tma_descriptor, tma_ok
+from nsa_eval.kernels._triton_utils import interpreting, load_kv, pow2, tma_descriptor, tma_load_pair, tma_ok
 
 
 @triton.jit
@@ -50,8 +50,7 @@ def _gather_blocks_sum_kernel(
     for i in range(0, tl.sum(usable.to(tl.int32), 0)):
         blk = tl.sum(tl.where(slot == i, idx, 0), 0)
         if TMA:
-            k = tl.reshape(K.load([i_b.to(tl.int32), blk * BS, i_hk, 0]), [BS, BDK])
-            v = tl.reshape(V.load([i_b.to(tl.int32), blk * BS, i_hk, 0]), [BS, BDV])
+            k, v = tma_load_pair(K, V, i_b, blk * BS, i_hk, BS, BDK, BDV)
         else:
             o_k = blk * BS + o_n
             k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)

@@ -49,6 +49,7 @@ from nsa_eval.kernels._triton_utils import (
     split_zeros,
     store_tail,
     tma_descriptor,
+    tma_load_pair,
     tma_ok,
     wide_rows,
 )
@@ -612,8 +613,7 @@ def _selected_pipelined_kernel(
             pos_has = tl.max((idx == blk).to(tl.int32), 1) > 0  # [BT]
             valid = valid & tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])[:, None]
         if TMA:
-            k = tl.reshape(K.load([i_b.to(tl.int32), blk * BS, i_hk, 0]), [BS, BDK])
-            v = tl.reshape(V.load([i_b.to(tl.int32), blk * BS, i_hk, 0]), [BS, BDV])
+            k, v = tma_load_pair(K, V, i_b, blk * BS, i_hk, BS, BDK, BDV)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
