@@ -81,6 +81,18 @@ def tma_descriptor(t: torch.Tensor, rows: int, cols: int):
 
 
 @triton.jit
+def kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA: tl.constexpr):
+    # where a program's key and value tiles come from: the tensor descriptors themselves (TMA), or the
+    # base pointers of its (batch, KV head)
+    if TMA:
+        k_src, v_src = K, V
+    else:
+        k_src = K + i_b * sk_b + i_hk * sk_h
+        v_src = V + i_b * sv_b + i_hk * sv_h
+    return k_src, v_src
+
+
+@triton.jit
 def tma_load_pair(A, B, i_b, start, i_h, ROWS: tl.constexpr, COLS_A: tl.constexpr, COLS_B: tl.constexpr):
     # rows [start, start + ROWS) of (batch i_b, head i_h) from two tensor descriptors (`tma_descriptor`,
     # blocks [1, ROWS, 1, COLS]), one bulk copy each: [ROWS, COLS_A], [ROWS, COLS_B]

@@ -17,6 +17,7 @@ from nsa_eval.kernels._triton_utils import (
     LOG2E,
     dk_tiles,
     interpreting,
+    kv_sources,
     load_kv,
     load_rows,
     load_tail,
@@ -109,18 +110,6 @@ def _query_interior(k0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDO
 
 
 @triton.jit
-def _kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA: tl.constexpr):
-    # where a program's key and value tiles come from: the tensor descriptors themselves (TMA), or the
-    # base pointers of its (batch, KV head)
-    if TMA:
-        k_src, v_src = K, V
-    else:
-        k_src = K + i_b * sk_b + i_hk * sk_h
-        v_src = V + i_b * sv_b + i_hk * sv_h
-    return k_src, v_src
-
-
-@triton.jit
 def _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK, scale_log2, key_stride,
                    key_offset, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
                    DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
@@ -196,7 +185,7 @@ def _band_fwd_kernel(
     o_dv = tl.arange(0, BDV)
     m_t = o_t < T
     q, q2 = load_rows(Q + i_b * sq_b + i_h * sq_h + o_t.to(tl.int64) * sq_t, m_t, DK, BDK, BDK2, UPCAST)
-    k_base, v_base = _kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA)
+    k_base, v_base = kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA)
     lo, hi = _key_range(t0, T, TK, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
 
     m_i, l_i, acc = softmax_start(BM, BDV)
@@ -305,7 +294,7 @@ def _band_bwd_dq_kernel(
     delta = tl.load(DELTA + row, mask=m_t, other=0.0)
     if UPCAST:
         do = do.to(tl.float32)
-    k_base, v_base = _kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA)
+    k_base, v_base = kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA)
     lo, hi = _key_range(t0, T, TK, key_stride, key_offset, window, HAS_WINDOW, BM, BN)
     dq, dq2 = split_zeros(BM, BDK, BDK2)
     if SPLIT_MASK:

@@ -20,7 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import interpreting, load_kv, pow2, tma_descriptor, tma_load_pair, tma_ok
+from nsa_eval.kernels._triton_utils import (
+    interpreting,
+    kv_sources,
+    load_kv,
+    pow2,
+    tma_descriptor,
+    tma_load_pair,
+    tma_ok,
+)
 
 
 @triton.jit
@@ -39,9 +47,7 @@ def _gather_blocks_sum_kernel(
     idx = tl.load(BI + row * NSEL + o_s, mask=o_s < NSEL, other=-1)  # [NP]
     usable = (idx >= 0) & (idx <= t // BS)
     slot = tl.where(usable, tl.cumsum(usable.to(tl.int32), 0) - 1, -1)  # walk order, as the forward
-    if not TMA:
-        k_base = K + i_b * sk_b + i_hk * sk_h
-        v_base = V + i_b * sv_b + i_hk * sv_h
+    k_base, v_base = kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA)
     o_n = tl.arange(0, BS)
     o_dk = tl.arange(0, BDK)
     o_dv = tl.arange(0, BDV)
@@ -50,7 +56,7 @@ def _gather_blocks_sum_kernel(
     for i in range(0, tl.sum(usable.to(tl.int32), 0)):
         blk = tl.sum(tl.where(slot == i, idx, 0), 0)
         if TMA:
-            k, v = tma_load_pair(K, V, i_b, blk * BS, i_hk, BS, BDK, BDV)
+            k, v = tma_load_pair(k_base, v_base, i_b, blk * BS, i_hk, BS, BDK, BDV)
         else:
             o_k = blk * BS + o_n
             k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)

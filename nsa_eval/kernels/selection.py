@@ -36,6 +36,7 @@ from nsa_eval.kernels._triton_utils import (
     default_scale,
     dk_tiles,
     interpreting,
+    kv_sources,
     load_kv,
     load_rows,
     load_tail,
@@ -595,9 +596,7 @@ def _selected_pipelined_kernel(
     slot = tl.where(keep > 0, tl.cumsum(keep, 0) - 1, -1)  # [N] walk order of each kept entry
     n_blk = tl.sum(keep, 0)
 
-    if not TMA:
-        k_base = K + i_b * sk_b + i_hk * sk_h
-        v_base = V + i_b * sv_b + i_hk * sv_h
+    k_base, v_base = kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA)
     o_n = tl.arange(0, BS)
     if BACKWARD:
         do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
@@ -613,7 +612,7 @@ def _selected_pipelined_kernel(
             pos_has = tl.max((idx == blk).to(tl.int32), 1) > 0  # [BT]
             valid = valid & tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])[:, None]
         if TMA:
-            k, v = tma_load_pair(K, V, i_b, blk * BS, i_hk, BS, BDK, BDV)
+            k, v = tma_load_pair(k_base, v_base, i_b, blk * BS, i_hk, BS, BDK, BDV)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
