@@ -220,45 +220,12 @@ def online_softmax_step(s, valid, v, m_i, l_i, acc):
 
 
 @triton.jit
-def exp2_poly(x):
-    # 2**x in float32 on the FMA units alone, for finite x (the special-function unit's ex2 does 16 a
-    # clock per SM against 128 FMA lanes). x = j + f with j = round(x) by the 1.5 * 2**23 trick (no
-    # conversion instruction, which would take the slow unit too), f in [-0.5, 0.5]; 2**f by a degree-5
-    # polynomial (relative error 3.2e-7, about ex2.approx's); j added to the exponent bits. Below -126
-    # (-inf included) 0, as ex2 flushes there; x at most 127.
-    y = tl.maximum(x, -126.0)
-    r = y + 12582912.0  # 1.5 * 2**23: y rounded to an integer, in the low bits of r's mantissa
-    j = r.to(tl.int32, bitcast=True) - 0x4B400000
-    f = y - (r - 12582912.0)
-    p = 0.0013260921696200967 * f + 0.009670175611972809
-    p = p * f + 0.055507123470306396
-    p = p * f + 0.2402222454547882
-    p = p * f + 0.6931470036506653
-    p = p * f + 1.0
-    p = (p.to(tl.int32, bitcast=True) + (j << 23)).to(tl.float32, bitcast=True)
-    return tl.where(x >= -126.0, p, 0.0)
-
-
-@triton.jit
-def exp2_split(x, POLY: tl.constexpr):
-    """2**x of a score tile [M, N]; POLY: every second column by `exp2_poly` (the FMA units), the rest by
-    ex2 (the special-function unit), so the two share the work."""
-    if POLY:
-        a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-        p = tl.reshape(tl.join(tl.exp2(a), exp2_poly(b)), [x.shape[0], x.shape[1]])
-    else:
-        p = tl.exp2(x)
-    return p
-
-
-@triton.jit
-def online_softmax_step_full(s, v, m_i, l_i, acc, POLY: tl.constexpr = False):
+def online_softmax_step_full(s, v, m_i, l_i, acc):
     # online_softmax_step for a tile where every score is usable: every row of s has a finite max, so
-    # neither the -inf fill nor the empty-row guard is needed (same result bit for bit). POLY: half of
-    # the exponentials by a polynomial (`exp2_split`)
+    # neither the -inf fill nor the empty-row guard is needed (same result bit for bit)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
-    p = exp2_split(s - m_new[:, None], POLY)
+    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc

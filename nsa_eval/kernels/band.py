@@ -113,8 +113,7 @@ def _query_interior(k0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDO
 def _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK, scale_log2, key_stride,
                    key_offset, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
                    DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
-                   BN: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr = False, i_b=0, i_hk=0,
-                   POLY: tl.constexpr = False):
+                   BN: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr = False, i_b=0, i_hk=0):
     # one key tile [start, start + BN) of the forward for queries o_t [BM]; q [BM, BDK] (q2 [BM, BDK2]:
     # the tail of a split head dim, if BDK2 > 0). TMA: k_base / v_base are tensor descriptors over
     # [B, TK, HKV, D] (blocks [1, BN, 1, BDK / BDV]) and i_b, i_hk the tile's batch and KV head
@@ -149,7 +148,7 @@ def _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
             valid = valid & (k_pos[None, :] > o_t[:, None] - window)
         m_i, l_i, acc = online_softmax_step(s, valid, v, m_i, l_i, acc)
     else:
-        m_i, l_i, acc = online_softmax_step_full(s, v, m_i, l_i, acc, POLY)
+        m_i, l_i, acc = online_softmax_step_full(s, v, m_i, l_i, acc)
     return m_i, l_i, acc
 
 
@@ -174,9 +173,9 @@ def _band_fwd_kernel(
     T, TK, HQ, G, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr, TMA: tl.constexpr = False, POLY: tl.constexpr = False,
+    SPLIT_MASK: tl.constexpr, TMA: tl.constexpr = False,
 ):
-    # TMA: K and V are tensor descriptors (`tma_descriptor`); POLY: `BAND_EXP2_POLY`
+    # TMA: K and V are tensor descriptors (`tma_descriptor`)
     i_m, i_bh = _query_tile_and_head(longest_first)
     i_b = (i_bh // HQ).to(tl.int64)
     i_h = i_bh % HQ
@@ -201,7 +200,7 @@ def _band_fwd_kernel(
         for start in range(mid_lo, mid_hi, BN):  # interior: no mask
             m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
                                            TK, scale_log2, key_stride, key_offset, window, False, HAS_WINDOW,
-                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk, POLY)
+                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
         for start in range(mid_hi, hi, BN):  # the diagonal (and the keys past TK)
             m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
                                            TK, scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
@@ -499,9 +498,6 @@ BAND_CONFIGS = {
 # whole NSA 123.56 ms with these parts, 125.82 with every part, 129.59 with the forwards' alone (129.84
 # - 130.62 with no TMA); the compression op 47.47 against 48.06 with its dq too.
 BAND_TMA = {"cmp": ("fwd", "dkv"), "swa": ("fwd", "dq", "dkv")}
-# the forwards' unmasked tiles take half their exponentials by a polynomial on the FMA units
-# (`_triton_utils.exp2_split`), beside the special-function unit's ex2 (16-bit inputs)
-BAND_EXP2_POLY = False
 
 
 def _tma(window, part: str) -> bool:
@@ -574,8 +570,7 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
         q, *kv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
         HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
-        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "fwd"), TMA=tma,
-        POLY=BAND_EXP2_POLY and q.dtype != torch.float32, **cfg,
+        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "fwd"), TMA=tma, **cfg,
     )
     return o, lse
 

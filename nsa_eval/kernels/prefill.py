@@ -44,31 +44,18 @@ FUSED_BACKWARD = True
 GATE_IN_BRANCHES = False
 # the window branch on a second CUDA stream (with FUSED_BACKWARD), beside the other branches
 WINDOW_STREAM = True
-# where the window's forward joins its stream: once the compression forward is queued ("compression",
-# beside the importances and the top-k) or once the block selection is ("selection", beside the
-# selected walk, which waits on L2 reads while the window's MMAs are compute-bound)
-WINDOW_FORWARD_AFTER = "compression"
-WINDOW_FORWARD_AFTERS = ("compression", "selection")
-# the compression branch's backward on a stream of its own, beside the selected backward (float32
-# atomics and gathered L2 reads) instead of after it on the main stream
-COMPRESSION_BACKWARD_STREAM = False
-# CUDA priority of the side streams (lower is higher: the block scheduler dispatches a waiting
-# kernel's programs there before the main stream's, as SMs free up)
-SIDE_STREAM_PRIORITY = 0
-_SIDE_STREAMS: dict[tuple, torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _side_stream(x: torch.Tensor, role: str = "window") -> torch.cuda.Stream | None:
-    """A second stream of x's device for `role` ("window" or "compression"; None on the CPU, under the
-    interpreter or without WINDOW_STREAM), made to wait for the work queued so far on the current
-    stream."""
+def _side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
+    """The second stream of x's device (None on the CPU, under the interpreter or without
+    WINDOW_STREAM), made to wait for the work queued so far on the current stream."""
     if not (WINDOW_STREAM and x.is_cuda and not interpreting()):
         return None
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    key = (device, role, SIDE_STREAM_PRIORITY)
-    side = _SIDE_STREAMS.get(key)
+    side = _SIDE_STREAMS.get(device)
     if side is None:
-        side = _SIDE_STREAMS[key] = torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     return side
 
@@ -89,25 +76,15 @@ class NSAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, params):
         block_len, stride, select_size, num_selected, num_init, num_local, window, scale = params
         q, k, v, k_cmp, v_cmp, k_swa, v_swa = contiguous(q, k, v, k_cmp, v_cmp, k_swa, v_swa)
-        if WINDOW_FORWARD_AFTER not in WINDOW_FORWARD_AFTERS:
-            raise ValueError(f"WINDOW_FORWARD_AFTER must be one of {WINDOW_FORWARD_AFTERS}, "
-                             f"got {WINDOW_FORWARD_AFTER!r}")
-
-        def window_forward():
-            side = _side_stream(q)
-            with torch.cuda.stream(side):  # no-op for None
-                o, lse = band_forward(q, k_swa, v_swa, scale=scale, key_stride=1, key_offset=0, window=window)
-            return side, o, lse
-
         o_cmp, lse_cmp = band_forward(q, k_cmp, v_cmp, scale=scale, key_stride=stride,
                                       key_offset=block_len - 1)
-        if WINDOW_FORWARD_AFTER == "compression":
-            side, o_swa, lse_swa = window_forward()
+        side = _side_stream(q)  # the window after the compression forward, beside the selection
+        with torch.cuda.stream(side):  # no-op for None
+            o_swa, lse_swa = band_forward(q, k_swa, v_swa, scale=scale, key_stride=1, key_offset=0,
+                                          window=window)
         bi = select_blocks(q, k_cmp, block_len=block_len, stride=stride, select_size=select_size,
                            num_selected=num_selected, num_init=num_init, num_local=num_local, scale=scale,
                            lse=lse_cmp)  # int32 [B, T, Hkv, n], contiguous
-        if WINDOW_FORWARD_AFTER == "selection":
-            side, o_swa, lse_swa = window_forward()
         o_slc, lse_slc = selected_forward(q, k, v, bi, select_size=select_size, scale=scale)
         _join(side, o_swa, lse_swa)
         g_cmp, g_slc, g_swa = contiguous(g_cmp, g_slc, g_swa)
@@ -140,24 +117,12 @@ class NSAFunction(torch.autograd.Function):
                                                    gate=gates[2])
         if side is None:
             del do_swa
-        # each branch's do_x is dropped as soon as that branch is done (a side stream's once it joins)
-        side_cmp = _side_stream(q, "compression") if COMPRESSION_BACKWARD_STREAM else None
-
-        def compression_backward(do_cmp):
-            with torch.cuda.stream(side_cmp):  # no-op for None
-                return band_backward(q, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp, scale=scale,
-                                     key_stride=stride, key_offset=block_len - 1, split_heads=True,
-                                     delta=delta[0], gate=gates[0])
-
-        if side_cmp is not None:  # queued first, so that the selected backward runs beside it
-            do_cmp = d_o.pop(0)
-            dq_cmp, dk_cmp, dv_cmp = compression_backward(do_cmp)
-        dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, d_o.pop(), select_size=select_size,
+        # each branch's do_x is dropped as soon as that branch is done
+        dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, d_o.pop(1), select_size=select_size,
                                            scale=scale, delta=delta[1], dq_float32=True, gate=gates[1])
-        if side_cmp is None:
-            dq_cmp, dk_cmp, dv_cmp = compression_backward(d_o.pop(0))
-        _join(side_cmp, dq_cmp, dk_cmp, dv_cmp)
-        do_cmp = None
+        dq_cmp, dk_cmp, dv_cmp = band_backward(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_o.pop(0), scale=scale,
+                                               key_stride=stride, key_offset=block_len - 1, split_heads=True,
+                                               delta=delta[0], gate=gates[0])
         _join(side, dq_swa, dk_swa, dv_swa)
         dq = sum3(dq_slc, dq_cmp, dq_swa, q.dtype, out=dq_cmp)  # dq_cmp: q's dtype and shape
         return (dq, dk, dv, dk_cmp, dv_cmp, *d_g, dk_swa, dv_swa, None)

@@ -35,7 +35,6 @@ from nsa_eval.kernels._triton_utils import (
     contiguous,
     default_scale,
     dk_tiles,
-    exp2_split,
     interpreting,
     kv_sources,
     load_kv,
@@ -138,9 +137,6 @@ SELECTED_DKV_ROWS = 64
 # forward. "fused": in the dk/dv kernel (per key block), which has ds already: one more MMA and a
 # float32 atomic add per (query, block) instead of reading each selected block's K/V again.
 SELECTED_DQ = "fused"  # run 5: 57.4 ms fwd+bwd at 64k, 59.6 with the dq walk
-# the importance pass's unmasked chunks take half their exponentials by a polynomial on the FMA units
-# (`_triton_utils.exp2_split`), beside the special-function unit's ex2 (16-bit inputs)
-IMPORTANCE_EXP2_POLY = False
 
 
 @triton.jit
@@ -150,10 +146,9 @@ def _importance_kernel(
     T, TC, HQ, G, NS, scale_log2, block_len: tl.constexpr, stride: tl.constexpr, select_size: tl.constexpr,
     DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
     BNS: tl.constexpr, RATIO: tl.constexpr, GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
-    UPCAST: tl.constexpr, SPLIT_MASK: tl.constexpr, LANES: tl.constexpr, POLY: tl.constexpr = False,
+    UPCAST: tl.constexpr, SPLIT_MASK: tl.constexpr, LANES: tl.constexpr,
 ):
-    # POLY: `IMPORTANCE_EXP2_POLY`; RESHAPE: the "reshape" map of IMPORTANCE_MAP (with GROUP_FIRST), K: its
-    # farthest block ahead;
+    # RESHAPE: the "reshape" map of IMPORTANCE_MAP (with GROUP_FIRST), K: its farthest block ahead;
     # SPLIT_MASK: chunks that every row sees whole skip the visibility mask (IMPORTANCE_SPLIT_MASK)
     BC: tl.constexpr = BNS * RATIO  # compressed blocks per chunk of BNS selection blocks
     M: tl.constexpr = BT * GP
@@ -196,7 +191,7 @@ def _importance_kernel(
             carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse_full, r_t, m_r, j0, TC, stride,
                                       block_len, scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS,
                                       select_size, DK, BDK, BDK2, BT, GP, BNS, RATIO, GROUP_FIRST, RESHAPE, K,
-                                      UPCAST, LANES, False, POLY)
+                                      UPCAST, LANES, False)
     for j0 in range(j_full, ns_hi, BNS):
         carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride, block_len,
                                   scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS, select_size,
@@ -223,8 +218,7 @@ def _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: 
                       select_size: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
                       BT: tl.constexpr, GP: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr,
                       GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
-                      UPCAST: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr,
-                      POLY: tl.constexpr = False):
+                      UPCAST: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr):
     # importances of selection blocks j0 .. j0 + BNS - 1 (plus `carry`, the weight spilled into them by
     # the previous chunk) stored; returns what spills into the next chunk. MASKED: the chunk may hold
     # blocks some row does not see (or past TC); unmasked chunks are visible to every row.
@@ -256,7 +250,7 @@ def _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: 
         visible = ((o_k * stride + block_len - 1)[None, :] <= r_t[:, None]) & m_k[None, :] & m_r[:, None]
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
     else:
-        p = exp2_split(s - lse[:, None], POLY)
+        p = tl.exp2(s - lse[:, None])
     if GROUP_FIRST:
         if LANES:  # the map over r first, in registers, then the group sum on 4x fewer values
             p5 = tl.reshape(p, [BT, GP, BNS // 4, 2, 4, 2])  # (position, head, i, h, l, e)
@@ -372,8 +366,7 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
         k_cmp.stride(2), T, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
         DK=DK, BDK=BDK, BDK2=BDK2, GP=GP, BT=BT, BNS=BNS, RATIO=ratio, GROUP_FIRST=IMPORTANCE_GROUP_FIRST,
         RESHAPE=reshape, K=shifts if reshape else 0, UPCAST=interpreting(), SPLIT_MASK=IMPORTANCE_SPLIT_MASK,
-        LANES=reshape and IMPORTANCE_LANE_MAP and ratio == 4,
-        POLY=IMPORTANCE_EXP2_POLY and q.dtype != torch.float32, **launch,
+        LANES=reshape and IMPORTANCE_LANE_MAP and ratio == 4, **launch,
     )
     return imp
 
