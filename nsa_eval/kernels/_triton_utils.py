@@ -206,28 +206,43 @@ def score_dot(a, b):
 
 
 @triton.jit
-def online_softmax_step(s, valid, v, m_i, l_i, acc):
-    # one tile of an online softmax in log2 units: scores s [M, BN] (valid: usable), values v [BN, BDV];
-    # running max m_i [M], sum l_i [M] and acc [M, BDV] -> their new values
+def online_softmax_step(s, valid, v, m_i, l_i, acc, scale):
+    # one tile of an online softmax in log2 units: scores s [M, BN] (valid: usable) times `scale` > 0,
+    # values v [BN, BDV]; running max m_i [M], sum l_i [M] and acc [M, BDV] -> their new values. The
+    # max of s times scale is the max of the products (rounding is monotonic), and s * scale - m is
+    # one FMA, so no score is multiplied on its own (an unscaled max saves a multiply per score)
     s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
 @triton.jit
-def online_softmax_step_full(s, v, m_i, l_i, acc):
+def online_softmax_step_full(s, v, m_i, l_i, acc, scale, LAZY: tl.constexpr = 0.0):
     # online_softmax_step for a tile where every score is usable: every row of s has a finite max, so
-    # neither the -inf fill nor the empty-row guard is needed (same result bit for bit)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    # neither the -inf fill nor the empty-row guard is needed (same result bit for bit). LAZY > 0: the
+    # running max (and acc, l_i) move only when some row's max grew by more than LAZY (log2 units)
+    # since they last did, so most tiles skip acc's rescale; probabilities stay below 2**LAZY
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    if LAZY > 0:
+        if tl.max(m_new - m_i, 0) > LAZY:
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s * scale - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_new = m_i
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 

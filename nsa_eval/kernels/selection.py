@@ -456,7 +456,7 @@ def _softmax_block(q, q2, k, k2, v, valid, scale_log2, m_i, l_i, acc, BDK2: tl.c
     s = score_dot(q, tl.trans(k))  # [M, BS]
     if BDK2 > 0:
         s += score_dot(q2, tl.trans(k2))
-    return online_softmax_step(s * scale_log2, valid, v, m_i, l_i, acc)
+    return online_softmax_step(s, valid, v, m_i, l_i, acc, scale_log2)
 
 
 @triton.jit
