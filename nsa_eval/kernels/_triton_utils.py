@@ -222,27 +222,14 @@ def online_softmax_step(s, valid, v, m_i, l_i, acc, scale):
 
 
 @triton.jit
-def online_softmax_step_full(s, v, m_i, l_i, acc, scale, LAZY: tl.constexpr = 0.0):
+def online_softmax_step_full(s, v, m_i, l_i, acc, scale):
     # online_softmax_step for a tile where every score is usable: every row of s has a finite max, so
-    # neither the -inf fill nor the empty-row guard is needed (same result bit for bit). LAZY > 0: the
-    # running max (and acc, l_i) move only when some row's max grew by more than LAZY (log2 units)
-    # since they last did, so most tiles skip acc's rescale; probabilities stay below 2**LAZY
+    # neither the -inf fill nor the empty-row guard is needed (same result bit for bit)
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-    if LAZY > 0:
-        if tl.max(m_new - m_i, 0) > LAZY:
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(s * scale - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_new = m_i
-    else:
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s * scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 

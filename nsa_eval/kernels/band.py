@@ -113,8 +113,7 @@ def _query_interior(k0, T, TK, lo, hi, key_stride, key_offset, window, HAS_WINDO
 def _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t, TK, scale_log2, key_stride,
                    key_offset, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DK: tl.constexpr,
                    DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
-                   BN: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr = False, i_b=0, i_hk=0,
-                   FOLD: tl.constexpr = True, LAZY: tl.constexpr = 0.0):
+                   BN: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr = False, i_b=0, i_hk=0):
     # one key tile [start, start + BN) of the forward for queries o_t [BM]; q [BM, BDK] (q2 [BM, BDK2]:
     # the tail of a split head dim, if BDK2 > 0). TMA: k_base / v_base are tensor descriptors over
     # [B, TK, HKV, D] (blocks [1, BN, 1, BDK / BDV]) and i_b, i_hk the tile's batch and KV head
@@ -141,9 +140,6 @@ def _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
     if BDK2 > 0:
         s += score_dot(q2, load_tail(k_base + o_k.to(tl.int64) * sk_t, o_k < TK, MASKED, BDK, BDK2, UPCAST,
                                      True))
-    if not FOLD:
-        s = s * scale_log2
-        scale_log2 = 1.0
     if MASKED:
         k_pos = o_k * key_stride + key_offset
         valid = (k_pos[None, :] <= o_t[:, None]) & m_k[None, :]
@@ -151,7 +147,7 @@ def _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
             valid = valid & (k_pos[None, :] > o_t[:, None] - window)
         m_i, l_i, acc = online_softmax_step(s, valid, v, m_i, l_i, acc, scale_log2)
     else:
-        m_i, l_i, acc = online_softmax_step_full(s, v, m_i, l_i, acc, scale_log2, LAZY)
+        m_i, l_i, acc = online_softmax_step_full(s, v, m_i, l_i, acc, scale_log2)
     return m_i, l_i, acc
 
 
@@ -176,8 +172,7 @@ def _band_fwd_kernel(
     T, TK, HQ, G, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr, TMA: tl.constexpr = False, FOLD: tl.constexpr = True,
-    LAZY: tl.constexpr = 0.0,
+    SPLIT_MASK: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # TMA: K and V are tensor descriptors (`tma_descriptor`)
     i_m, i_bh = _query_tile_and_head(longest_first)
@@ -200,20 +195,20 @@ def _band_fwd_kernel(
                 m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
                                                TK, scale_log2, key_stride, key_offset, window, True,
                                                HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA,
-                                               i_b, i_hk, FOLD, LAZY)
+                                               i_b, i_hk)
         for start in range(mid_lo, mid_hi, BN):  # interior: no mask
             m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
                                            TK, scale_log2, key_stride, key_offset, window, False, HAS_WINDOW,
-                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk, FOLD, LAZY)
+                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
         for start in range(mid_hi, hi, BN):  # the diagonal (and the keys past TK)
             m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
                                            TK, scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
-                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk, FOLD, LAZY)
+                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
     else:
         for start in range(lo, hi, BN):
             m_i, l_i, acc = _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
                                            TK, scale_log2, key_stride, key_offset, window, True, HAS_WINDOW,
-                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk, FOLD, LAZY)
+                                           DK, DV, BDK, BDK2, BDV, BN, UPCAST, TMA, i_b, i_hk)
     o, lse = softmax_result(m_i, l_i, acc)
     tl.store(O + i_b * so_b + i_h * so_h + o_t[:, None].to(tl.int64) * so_t + o_dv[None, :],
              o.to(O.dtype.element_ty), mask=m_t[:, None] & (o_dv < DV)[None, :])
@@ -502,8 +497,6 @@ BAND_CONFIGS = {
 # whole NSA 123.56 ms with these parts, 125.82 with every part, 129.59 with the forwards' alone (129.84
 # - 130.62 with no TMA); the compression op 47.47 against 48.06 with its dq too.
 BAND_TMA = {"cmp": ("fwd", "dkv"), "swa": ("fwd", "dq", "dkv")}
-FOLD_SCALE = True  # temporary A/B knob
-LAZY_RESCALE = 0.0  # temporary A/B knob
 
 
 def _tma(window, part: str) -> bool:
@@ -576,8 +569,7 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
         q, *kv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
         HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
-        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "fwd"), TMA=tma, FOLD=FOLD_SCALE,
-        LAZY=LAZY_RESCALE, **cfg,
+        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "fwd"), TMA=tma, **cfg,
     )
     return o, lse
 
