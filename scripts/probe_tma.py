@@ -3,7 +3,7 @@ forward (`selection.SELECTED_TMA`) and the banded forward (`band.BAND_TMA`) with
 TMA bulk copies from tensor descriptors, against per-thread loads, side by side on one GPU.
 
     PYTHONPATH=. python3 scripts/probe_tma.py [forward] [backward]   (default: both)
-    PYTHONPATH=. python3 scripts/probe_tma.py sweep | positions
+    PYTHONPATH=. python3 scripts/probe_tma.py sweep | positions | tiles
 
 forward (run 66), per shape (64k and 8k at 64/4 heads, 64k at 16/4): each op's forward with TMA off
 and on (and a few launches with it on), the max |diff| of TMA against the loads, and the whole NSA
@@ -11,7 +11,8 @@ forward both ways. backward (runs 67-68): each op's forward+backward and the who
 and on (`band.BAND_TMA` for the banded dq and dk/dv too), and the banded kernels' TMA by part. Those
 runs also timed the fused decode with TMA copies (`decode.DECODE_TMA`, at commit a42f3e0): slower,
 removed. sweep (run 71): launch configurations on the TMA defaults. positions (run 73): G = 16's
-selected forward at 2 and 4 positions a program.
+selected forward at 2 and 4 positions a program. tiles (run 82): the banded forwards' tiles again
+after the scale fold of run 78.
 """
 
 import sys
@@ -170,6 +171,25 @@ def probe_sweep(T, hq, hkv):
                 print(f"  G=4 {knobs}: selected {sel:.2f} ms, nsa fwd {whole:.2f} ms", flush=True)
 
 
+def probe_tiles(T, hq, hkv):
+    """The banded forwards' tiles after the scale fold (run 82): wider key tiles halve acc's rescale
+    per key, and 8 warps hold 128 x 128 tiles without spills."""
+    print(f"T={T}, {hq}/{hkv} heads, d={D}, bf16, on the defaults:", flush=True)
+    _, _, ops = problem(T, hq, hkv, grad=False)
+    ops.update(cmp=ops["compression"], swa=ops["window"])
+    wide = (dict(), dict(BM=128, num_warps=8), dict(BM=128, BN=128, num_warps=8, num_stages=2),
+            dict(BN=128, num_warps=8, num_stages=2), dict(BN=128, num_stages=2))
+    for branch, part in (("cmp", "fwd_tma"), ("swa", "fwd")):
+        for changes in wide:
+            try:
+                flags = band_part(branch, part, **changes)
+                with torch.no_grad():
+                    ms = _with_flags(band, flags, lambda fn=ops[branch]: _time(fn))
+                print(f"  {branch} fwd, {changes or 'defaults'}: {ms:.3f} ms", flush=True)
+            except Exception as e:  # a launch that does not fit is a result too
+                print(f"  {branch} fwd, {changes}: failed, {str(e).splitlines()[0][:160]}", flush=True)
+
+
 def probe_positions(T, hq=64, hkv=4):
     """G = 16's selected forward with TMA at 2 and 4 positions a program (`SELECTED_ROWS` 32 and 64:
     the union walk reads a block that several of its positions chose once), against one (run 73)."""
@@ -208,6 +228,10 @@ if __name__ == "__main__":
     if "positions" in modes:  # run 73
         for T in (65536, 8192):
             probe_positions(T)
+            torch.cuda.empty_cache()
+    if "tiles" in modes:  # run 82
+        for T, hq, hkv in ((65536, 64, 4), (8192, 64, 4)):
+            probe_tiles(T, hq, hkv)
             torch.cuda.empty_cache()
     if "sweep" in modes:  # run 71
         for T, hq, hkv in ((65536, 64, 4), (65536, 16, 4), (8192, 64, 4)):
