@@ -173,7 +173,7 @@ def probe_sweep(T, hq, hkv):
 
 def probe_tiles(T, hq, hkv):
     """The banded forwards' tiles after the scale fold (run 82): wider key tiles halve acc's rescale
-    per key, and 8 warps hold 128 x 128 tiles without spills."""
+    per key; 8 warps share the larger tiles."""
     print(f"T={T}, {hq}/{hkv} heads, d={D}, bf16, on the defaults:", flush=True)
     _, _, ops = problem(T, hq, hkv, grad=False)
     ops.update(cmp=ops["compression"], swa=ops["window"])
