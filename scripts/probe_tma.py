@@ -142,10 +142,7 @@ def probe_sweep(T, hq, hkv):
                                                dict(num_stages=4), dict(num_stages=2))]
     cases += [("swa", "fwd", c) for c in (dict(), dict(BM=128, num_warps=8), dict(num_stages=4),
                                           dict(num_stages=2), dict(BN=128, num_stages=2))]
-    for branch, part, changes in cases:
-        with torch.no_grad():
-            ms = _with_flags(band, band_part(branch, part, **changes), lambda fn=ops[branch]: _time(fn))
-        print(f"  {branch} fwd, {part} {changes or 'defaults'}: {ms:.3f} ms", flush=True)
+    time_forwards(ops, cases)
     cases = [("cmp", "dkv", c) for c in (dict(), dict(num_stages=3), dict(num_warps=8), dict(BM=32))]
     cases += [("cmp", "dq", c) for c in (dict(num_stages=3),)]
     cases += [("swa", "dq", c) for c in (dict(num_stages=3), dict(BN=32))]
@@ -179,15 +176,21 @@ def probe_tiles(T, hq, hkv):
     ops.update(cmp=ops["compression"], swa=ops["window"])
     wide = (dict(), dict(BM=128, num_warps=8), dict(BM=128, BN=128, num_warps=8, num_stages=2),
             dict(BN=128, num_warps=8, num_stages=2), dict(BN=128, num_stages=2))
-    for branch, part in (("cmp", "fwd_tma"), ("swa", "fwd")):
-        for changes in wide:
-            try:
-                flags = band_part(branch, part, **changes)
-                with torch.no_grad():
-                    ms = _with_flags(band, flags, lambda fn=ops[branch]: _time(fn))
-                print(f"  {branch} fwd, {changes or 'defaults'}: {ms:.3f} ms", flush=True)
-            except Exception as e:  # a launch that does not fit is a result too
-                print(f"  {branch} fwd, {changes}: failed, {str(e).splitlines()[0][:160]}", flush=True)
+    parts = (("cmp", "fwd_tma"), ("swa", "fwd"))
+    time_forwards(ops, [(branch, part, c) for branch, part in parts for c in wide])
+
+
+def time_forwards(ops, cases):
+    """Print each banded forward's time (ops by branch name) with its `BAND_CONFIGS[branch][part]`
+    changed as in cases [(branch, part, changes)]."""
+    for branch, part, changes in cases:
+        try:
+            flags = band_part(branch, part, **changes)
+            with torch.no_grad():
+                ms = _with_flags(band, flags, lambda fn=ops[branch]: _time(fn))
+            print(f"  {branch} fwd, {part} {changes or 'defaults'}: {ms:.3f} ms", flush=True)
+        except Exception as e:  # a launch that does not fit is a result too
+            print(f"  {branch} fwd, {part} {changes}: failed, {str(e).splitlines()[0][:160]}", flush=True)
 
 
 def probe_positions(T, hq=64, hkv=4):
