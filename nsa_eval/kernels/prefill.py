@@ -119,7 +119,8 @@ class NSAFunction(torch.autograd.Function):
             del do_swa
         # each branch's do_x is dropped as soon as that branch is done
         dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, d_o.pop(1), select_size=select_size,
-                                           scale=scale, delta=delta[1], dq_float32=True, gate=gates[1])
+                                           scale=scale, delta=delta[1], dq_float32=True, gate=gates[1],
+                                           presorted=True)
         dq_cmp, dk_cmp, dv_cmp = band_backward(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_o.pop(0), scale=scale,
                                                key_stride=stride, key_offset=block_len - 1, split_heads=True,
                                                delta=delta[0], gate=gates[0])

@@ -137,6 +137,18 @@ SELECTED_DKV_ROWS = 64
 # forward. "fused": in the dk/dv kernel (per key block), which has ds already: one more MMA and a
 # float32 atomic add per (query, block) instead of reading each selected block's K/V again.
 SELECTED_DQ = "fused"  # run 5: 57.4 ms fwd+bwd at 64k, 59.6 with the dq walk
+# Query positions per window of the dk/dv kernel's work list (0: one window, the whole sequence). The
+# inverted index groups the selections by (KV head, window, block), so the programs running side by
+# side read the q, do and dq rows of one window, which stay in L2, instead of rows scattered over the
+# whole sequence (run 83's Nsight Compute: 25% L2 hits, 2.6 TB/s from DRAM at 64k with one window).
+# Runs 84-85 (scripts/probe_order.py), the selected op's forward+backward at 64k: windows of 2048-8192
+# positions 50.3-51.0 ms against 51.7 with one, 44.6-45.9 against 45.1 with the positions preloaded;
+# the NSA's forward+backward moved by less than its spread. So one window.
+SELECTED_DKV_WINDOW = 0
+# the dk/dv kernel's positions loaded once per work item, not per step (`PRELOAD` of the kernel). Run 85
+# (scripts/probe_order.py) at 64k: the selected op's forward+backward 45.14 ms against 51.68, the NSA's
+# 117.81 against 122.91 / 123.09; the kernel alone (Nsight Compute) 27.95 ms against 35.84 (run 83)
+SELECTED_DKV_PRELOAD = True
 
 
 @triton.jit
@@ -686,21 +698,25 @@ def _selected_dkv_kernel(
     T, HQ, G, NS, NSEG, scale, scale_log2, CHUNK,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr,
-    GATED: tl.constexpr,
+    GATED: tl.constexpr, NW=1, PRELOAD: tl.constexpr = 0,
 ):
-    # One program per work item: up to CHUNK query positions (x G heads) of one (b, kv head, block)
-    # segment, gathered BQ positions at a time into M = BQ * GP rows of one MMA. Partial dk/dv go
-    # to the float32 DK32/DV32 [B, T, HKV, D] by atomics (one add per item, not per query).
+    # One program per work item: up to CHUNK query positions (x G heads) of one (b, kv head, window,
+    # block) segment (`inverted_index`), gathered BQ positions at a time into M = BQ * GP rows of one
+    # MMA. Partial dk/dv go to the float32 DK32/DV32 [B, T, HKV, D] by atomics (one add per item, not
+    # per query).
     # FUSE_DQ: also each query's dq share from this block, ds @ k, to the float32 DQ32 [B, T, HQ, DK]
     # by atomics (instead of the dq walk reading every selected block again). GATED: the output's
     # gradient is GATE [B, T, HQ] (per row) times DO, and DELTA rowsum(o * DO): the gates scale p.
+    # PRELOAD (= CHUNK, a power of two; 0: off): the item's positions are loaded once before the loop
+    # and each step's rows gathered from registers, so that no load in the loop depends on another
+    # (a position load there made Triton's pipeliner wait for every copy in flight at each step).
     M: tl.constexpr = BQ * GP
     i_item = tl.program_id(0)
     seg = tl.load(ITEM_SEG + i_item)
     if seg < NSEG:
         HKV = HQ // G
         blk = seg % NS
-        i_bh = seg // NS
+        i_bh = seg // NS // NW
         i_b = (i_bh // HKV).to(tl.int64)
         i_hk = i_bh % HKV
         seg_end = tl.load(SEG_START + seg + 1)
@@ -722,10 +738,17 @@ def _selected_dkv_kernel(
         r_h = i_hk * G + r_g  # [M] query head of each row
         dk, dk2 = split_zeros(BS, BDK, BDK2)
         dv = tl.zeros([BS, BDV], tl.float32)
+        if PRELOAD > 0:
+            o_c = tl.arange(0, PRELOAD)
+            item_pos = tl.load(POS + start + o_c, mask=start + o_c < end, other=0)  # [PRELOAD]
         for i0 in range(start, end, BQ):
             e = i0 + o_r // GP  # [M] entry of each row in the sorted list
             m_r = (e < end) & (r_g < G)
-            r_t = tl.load(POS + e, mask=m_r, other=0)  # [M] query position of each row
+            if PRELOAD > 0:
+                r_t = tl.gather(item_pos, tl.minimum(e - start, PRELOAD - 1), 0)
+                r_t = tl.where(m_r, r_t, 0)  # [M] query position of each row
+            else:
+                r_t = tl.load(POS + e, mask=m_r, other=0)  # [M] query position of each row
             row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
             q, q2 = load_rows(Q + i_b * sq_b + r_h * sq_h + r_t.to(tl.int64) * sq_t, m_r, DK, BDK, BDK2,
                               UPCAST)  # [M, BDK], [M, BDK2]
@@ -769,27 +792,33 @@ def _selected_dkv_kernel(
                       mask=m_k[:, None] & (o_dv < DV)[None, :], sem="relaxed")
 
 
-def inverted_index(bi, *, select_size, chunk):
+def inverted_index(bi, *, select_size, chunk, window=0, presorted=False):
     """Counting sort of the selections by key block, without a host sync.
 
     bi: int32 `[B, T, Hkv, n]`. Returns `(pos, seg_start, item_seg, item_chunk)`: `pos` int32, the
-    query positions grouped by segment `(b * Hkv + h) * Ns + block` (ascending within one);
+    query positions grouped by segment `((b * Hkv + h) * NW + t // window) * Ns + block` (ascending
+    within one; NW = ceil(T / window) windows of positions, one if `window` is 0);
     `seg_start` `[NSEG + 1]` where each segment starts in `pos`; one work item per `chunk` entries of
     a segment: `item_seg` (NSEG for unused items) and `item_chunk`, both `[n_items]` (an upper bound).
-    Padding, repeats within one list and blocks starting after the query are dropped.
+    Padding, repeats within one list and blocks starting after the query are dropped. `presorted`:
+    each list is already ascending with its -1 padding at the end (`select_blocks`' output), so
+    repeats are neighbours without a sort.
     """
     B, T, HKV, n = bi.shape
     ns = triton.cdiv(T, select_size)
-    nseg = B * HKV * ns
+    nw = triton.cdiv(T, window) if window else 1
+    nseg = B * HKV * nw * ns
     dev = bi.device
-    srt = bi.sort(dim=-1).values.long()  # [B, T, HKV, n]
+    srt = (bi if presorted else bi.sort(dim=-1).values).long()  # [B, T, HKV, n]
     dup = torch.zeros_like(srt, dtype=torch.bool)
     dup[..., 1:] = srt[..., 1:] == srt[..., :-1]
     t = torch.arange(T, device=dev).view(1, T, 1, 1)
     valid = (srt >= 0) & (srt < ns) & (srt * select_size <= t) & ~dup
     bh = torch.arange(B, device=dev).view(B, 1, 1, 1) * HKV + torch.arange(HKV, device=dev).view(1, 1, HKV, 1)
-    key = torch.where(valid, bh * ns + srt, nseg).flatten()  # [B*T*HKV*n]
-    key, perm = torch.sort(key, stable=True)
+    w = t // window if window else 0
+    key = torch.where(valid, (bh * nw + w) * ns + srt, nseg).flatten()  # [B*T*HKV*n]
+    # int32 keys: half the radix passes of int64
+    key, perm = torch.sort(key.to(torch.int32) if nseg < 2**31 - 1 else key, stable=True)
     pos = (perm // (HKV * n) % T).to(torch.int32)  # [E] query position of each sorted entry
     seg_start = torch.searchsorted(key, torch.arange(nseg + 1, device=dev, dtype=key.dtype))
     counts = seg_start[1:] - seg_start[:-1]  # [NSEG]
@@ -813,12 +842,13 @@ def selected_forward(q, k, v, bi, *, select_size, scale):
 
 
 def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None, dq_float32=False,
-                      gate=None):
+                      gate=None, presorted=False):
     """dq (one walk per query tile, as the forward) and dk/dv (per key block, inverted index).
     `delta`: float32 `[B, T, Hq]` rowsum(o * do) where the caller has it. `dq_float32`: with
     SELECTED_DQ = "fused", dq as its float32 accumulator (no cast), for a caller that adds more to
     it; with "walk" dq stays in q's dtype either way. `gate` (contiguous `[B, T, Hq]`): the output's
-    gradient is `gate[..., None] * do`, applied inside the kernels; `delta` stays rowsum(o * do)."""
+    gradient is `gate[..., None] * do`, applied inside the kernels; `delta` stays rowsum(o * do).
+    `presorted`: every list of bi is ascending, -1 padded at the end (as `select_blocks` writes them)."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
@@ -843,16 +873,20 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
     launch = selected_dkv_launch(q.dtype, DK, DV)
     BQ = max(1, (16 if interpreting() else launch.pop("rows")) // GP)  # positions per MMA
     chunk = BQ * (4 if interpreting() else 64)  # positions per work item
-    pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk)
+    window = SELECTED_DKV_WINDOW if SELECTED_DKV_WINDOW < T else 0
+    pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk,
+                                                          window=window, presorted=presorted)
     ns = triton.cdiv(T, select_size)
+    nw = triton.cdiv(T, window) if window else 1
     BDK, BDK2 = dk_tiles(DK)
     _selected_dkv_kernel[(item_seg.numel(),)](
         q, k, v, do, lse, delta, gate if gate is not None else delta, item_seg, item_chunk, seg_start, pos,
         dk32, dv32, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, scale, scale * LOG2E, chunk,
+        v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * nw * ns, scale, scale * LOG2E, chunk,
         DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, FUSE_DQ=fuse_dq,
-        UPCAST=interpreting(), GATED=gate is not None, **launch,
+        UPCAST=interpreting(), GATED=gate is not None, NW=nw, PRELOAD=chunk if SELECTED_DKV_PRELOAD else 0,
+        **launch,
     )
     return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
 

@@ -97,8 +97,10 @@ def prefill(name, dtype, D, DV=None):
     out[f"importance broadcast {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                  launch)
     config = s.selected_dkv_launch(dtype, D, DV)
-    consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BQ=max(1, config.pop("rows") // GP), BS=64,
-                  FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False, GATED=GATE_IN_BRANCHES)
+    BQ = max(1, config.pop("rows") // GP)
+    consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BQ=BQ, BS=64,
+                  FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False, GATED=GATE_IN_BRANCHES,
+                  PRELOAD=BQ * 64 if s.SELECTED_DKV_PRELOAD else 0)  # as selected_backward launches it
     out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + [p] + ["*i32"] * 4
                                          + ["*fp32"] * 3, consts, config)
     return {f"{key} d={D}/{DV}": size for key, size in out.items()}

@@ -1,0 +1,122 @@
+"""Work order of the backward's dk/dv kernels, for L2 reuse (run 84 on the H200, after run 83's Nsight
+Compute profile: the selected dk/dv hit L2 on 25% of its reads and the compression's dk/dv on 29%).
+
+    PYTHONPATH=. python3 scripts/probe_order.py [launches] [T]   (default 65536; 64/4 heads, d = 128, bf16)
+
+1. The compression op's forward+backward with its dk/dv programs walking their query tiles from the
+   first up or from the last down (`band.BAND_DKV_REVERSE`), in both launch orders
+   (`band.BAND_LONGEST_FIRST`).
+2. The selected op's forward+backward with the dk/dv kernel's work list cut into windows of
+   positions (`selection.SELECTED_DKV_WINDOW`, 0 = one window), with each work item's positions
+   loaded once before its loop or at every step (`selection.SELECTED_DKV_PRELOAD`).
+3. The whole NSA forward+backward with these, against none.
+`launches` (run 86): the selected dk/dv kernel's stages, rows and warps with its positions preloaded.
+Each line also gives the largest relative difference of dq, dk and dv from the first line of its
+section (same inputs and output gradient): the orders add the same terms in another order.
+"""
+
+import sys
+
+import torch
+
+from nsa_eval.bench import _inputs, _with_flags, nsa_prefill
+from nsa_eval.kernels import band, selection
+from nsa_eval.kernels.compression import compressed_attention
+from nsa_eval.kernels.selection import select_blocks, selected_attention
+
+D = 128
+
+
+def grads_and_time(fn, leaves, do, knobs):
+    """(gradients of fn's output against do, median ms of a forward+backward) under knobs:
+    {module: {name: value}}."""
+    def run():
+        for x in leaves:
+            x.grad = None
+        fn().backward(do)
+
+    def measure():
+        run()
+        got = [x.grad.clone() for x in leaves]
+        import triton
+
+        return got, triton.testing.do_bench(run, warmup=100, rep=1500, return_mode="median")
+
+    (band_knobs, sel_knobs) = knobs.get(band, {}), knobs.get(selection, {})
+    return _with_flags(band, band_knobs, lambda: _with_flags(selection, sel_knobs, measure))
+
+
+def section(title, fn, leaves, variants):
+    print(title, flush=True)
+    do = torch.randn_like(fn())
+    first = None
+    for label, knobs in variants.items():
+        try:
+            got, ms = grads_and_time(fn, leaves, do, knobs)
+        except Exception as e:  # a variant that fails is a result too
+            print(f"  {label}: failed, {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        if first is None:
+            first = got
+        diff = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                   for a, b in zip(got, first, strict=True))
+        print(f"  {label}: {ms:.2f} ms (gradients {diff:.1e} from the first)", flush=True)
+
+
+def launches(T):
+    """The selected op's forward+backward with the dk/dv kernel's launch around the defaults (its
+    positions preloaded): pipeline stages, rows per MMA (and so positions per work item)."""
+    x = _inputs(1, T, 64, 4, D, grad=True)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+    sel_fn = lambda: selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
+    section(f"T={T}, selected op, forward+backward, dk/dv launches:", sel_fn, [x["q"], x["k"], x["v"]], {
+        "defaults": {},
+        **{f"{n} stages": {selection: {"SELECTED_DKV_CONFIG": dict(num_stages=n)}} for n in (2, 4)},
+        **{f"{rows} rows": {selection: {"SELECTED_DKV_ROWS": rows}} for rows in (32, 128)},
+        "4 warps": {selection: {"SELECTED_DKV_CONFIG": dict(num_stages=3, num_warps=4)}},
+        "defaults (again)": {},
+    })
+
+
+def main(T):
+    x = _inputs(1, T, 64, 4, D, grad=True)
+    print(f"T={T}, 64/4 heads, d={D}, bf16", flush=True)
+    cmp_fn = lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0]  # noqa: E731
+    section("compression op, forward+backward:", cmp_fn, [x["q"], x["k_cmp"], x["v_cmp"]], {
+        "dk/dv upward (before)": {band: {"BAND_DKV_REVERSE": ()}},
+        "dk/dv downward": {band: {"BAND_DKV_REVERSE": ("cmp",)}},
+        "dk/dv upward, tiles in index order": {band: {"BAND_DKV_REVERSE": (), "BAND_LONGEST_FIRST": False}},
+        "dk/dv downward, tiles in index order": {band: {"BAND_DKV_REVERSE": ("cmp",),
+                                                        "BAND_LONGEST_FIRST": False}},
+    })
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
+    sel_fn = lambda: selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
+    section("selected op, forward+backward:", sel_fn, [x["q"], x["k"], x["v"]], {
+        f"dk/dv window {w or 'whole'}, positions {'preloaded' if pre else 'loaded per step'}":
+            {selection: {"SELECTED_DKV_WINDOW": w, "SELECTED_DKV_PRELOAD": pre}}
+        for pre in (False, True) for w in (0, 2048, 4096, 8192)
+    })
+    nsa_fn = lambda: nsa_prefill(**x)  # noqa: E731
+    leaves = [t for t in x.values() if t.requires_grad]
+    before = {band: {"BAND_DKV_REVERSE": ()},
+              selection: {"SELECTED_DKV_WINDOW": 0, "SELECTED_DKV_PRELOAD": False}}
+    section("NSA, forward+backward:", nsa_fn, leaves, {
+        "none (before)": before,
+        "positions preloaded": {band: {"BAND_DKV_REVERSE": ()},
+                                selection: {"SELECTED_DKV_WINDOW": 0, "SELECTED_DKV_PRELOAD": True}},
+        **{f"preloaded, downward, window {w}": {
+            band: {"BAND_DKV_REVERSE": ("cmp",)},
+            selection: {"SELECTED_DKV_WINDOW": w, "SELECTED_DKV_PRELOAD": True}} for w in (0, 2048, 4096)},
+        "none (again)": before,
+    })
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    mode = launches if args and args[0] == "launches" else main
+    args = args[1:] if mode is launches else args
+    mode(int(args[0]) if args else 65536)
