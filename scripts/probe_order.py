@@ -1,16 +1,13 @@
-"""Work order of the backward's dk/dv kernels, for L2 reuse (run 84 on the H200, after run 83's Nsight
-Compute profile: the selected dk/dv hit L2 on 25% of its reads and the compression's dk/dv on 29%).
+"""The backward's selected dk/dv kernel after run 83's Nsight Compute profile (ncu_run83.log), on the H200.
 
     PYTHONPATH=. python3 scripts/probe_order.py [launches] [T]   (default 65536; 64/4 heads, d = 128, bf16)
 
-1. The compression op's forward+backward with its dk/dv programs walking their query tiles from the
-   first up or from the last down (`band.BAND_DKV_REVERSE`), in both launch orders
-   (`band.BAND_LONGEST_FIRST`).
-2. The selected op's forward+backward with the dk/dv kernel's work list cut into windows of
-   positions (`selection.SELECTED_DKV_WINDOW`, 0 = one window), with each work item's positions
-   loaded once before its loop or at every step (`selection.SELECTED_DKV_PRELOAD`).
-3. The whole NSA forward+backward with these, against none.
-`launches` (run 86): the selected dk/dv kernel's stages, rows and warps with its positions preloaded.
+The selected op's and the whole NSA's forward+backward with each work item's positions loaded once
+before the kernel's loop or at every step (`selection.SELECTED_DKV_PRELOAD`; run 85).
+`launches` (run 86): the dk/dv kernel's stages, rows and warps with its positions preloaded.
+Runs 84-85 also timed two work orders for L2 reuse, since removed (at commit 2005e4d): the
+compression's dk/dv walking its query tiles downward, and the selected dk/dv's work list cut into
+windows of positions (docs/kernels.md).
 Each line also gives the largest relative difference of dq, dk and dv from the first line of its
 section (same inputs and output gradient): the orders add the same terms in another order.
 """
@@ -20,7 +17,7 @@ import sys
 import torch
 
 from nsa_eval.bench import _inputs, _with_flags, nsa_prefill
-from nsa_eval.kernels import band, selection
+from nsa_eval.kernels import selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.selection import select_blocks, selected_attention
 
@@ -29,7 +26,7 @@ D = 128
 
 def grads_and_time(fn, leaves, do, knobs):
     """(gradients of fn's output against do, median ms of a forward+backward) under knobs:
-    {module: {name: value}}."""
+    {selection: {name: value}}."""
     def run():
         for x in leaves:
             x.grad = None
@@ -42,8 +39,7 @@ def grads_and_time(fn, leaves, do, knobs):
 
         return got, triton.testing.do_bench(run, warmup=100, rep=1500, return_mode="median")
 
-    (band_knobs, sel_knobs) = knobs.get(band, {}), knobs.get(selection, {})
-    return _with_flags(band, band_knobs, lambda: _with_flags(selection, sel_knobs, measure))
+    return _with_flags(selection, knobs.get(selection, {}), measure)
 
 
 def section(title, fn, leaves, variants):
@@ -83,36 +79,18 @@ def launches(T):
 def main(T):
     x = _inputs(1, T, 64, 4, D, grad=True)
     print(f"T={T}, 64/4 heads, d={D}, bf16", flush=True)
-    cmp_fn = lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0]  # noqa: E731
-    section("compression op, forward+backward:", cmp_fn, [x["q"], x["k_cmp"], x["v_cmp"]], {
-        "dk/dv upward (before)": {band: {"BAND_DKV_REVERSE": ()}},
-        "dk/dv downward": {band: {"BAND_DKV_REVERSE": ("cmp",)}},
-        "dk/dv upward, tiles in index order": {band: {"BAND_DKV_REVERSE": (), "BAND_LONGEST_FIRST": False}},
-        "dk/dv downward, tiles in index order": {band: {"BAND_DKV_REVERSE": ("cmp",),
-                                                        "BAND_LONGEST_FIRST": False}},
-    })
     with torch.no_grad():
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
     sel_fn = lambda: selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
+    per_step, preloaded = ({selection: {"SELECTED_DKV_PRELOAD": pre}} for pre in (False, True))
     section("selected op, forward+backward:", sel_fn, [x["q"], x["k"], x["v"]], {
-        f"dk/dv window {w or 'whole'}, positions {'preloaded' if pre else 'loaded per step'}":
-            {selection: {"SELECTED_DKV_WINDOW": w, "SELECTED_DKV_PRELOAD": pre}}
-        for pre in (False, True) for w in (0, 2048, 4096, 8192)
-    })
+        "positions loaded per step (before)": per_step, "positions preloaded": preloaded})
     nsa_fn = lambda: nsa_prefill(**x)  # noqa: E731
     leaves = [t for t in x.values() if t.requires_grad]
-    before = {band: {"BAND_DKV_REVERSE": ()},
-              selection: {"SELECTED_DKV_WINDOW": 0, "SELECTED_DKV_PRELOAD": False}}
     section("NSA, forward+backward:", nsa_fn, leaves, {
-        "none (before)": before,
-        "positions preloaded": {band: {"BAND_DKV_REVERSE": ()},
-                                selection: {"SELECTED_DKV_WINDOW": 0, "SELECTED_DKV_PRELOAD": True}},
-        **{f"preloaded, downward, window {w}": {
-            band: {"BAND_DKV_REVERSE": ("cmp",)},
-            selection: {"SELECTED_DKV_WINDOW": w, "SELECTED_DKV_PRELOAD": True}} for w in (0, 2048, 4096)},
-        "none (again)": before,
-    })
+        "positions loaded per step (before)": per_step, "positions preloaded": preloaded,
+        "positions loaded per step (again)": per_step})
 
 
 if __name__ == "__main__":

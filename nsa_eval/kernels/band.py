@@ -47,13 +47,6 @@ from nsa_eval.kernels._triton_utils import (
 BAND_SPLIT_MASK = {"cmp": ("fwd", "dq", "dkv"), "swa": ("fwd",)}
 
 
-# The branches whose dk/dv programs walk their query tiles from the last one down (`REVERSE` of
-# `_band_bwd_dkv_kernel`, with the mask split): the compression's bands all end at T, so its programs
-# running side by side then read the same q and do tiles together. Run 84 (scripts/probe_order.py):
-# the compression op 46.77 / 47.61 ms against 46.96 / 47.20 upward, so off.
-BAND_DKV_REVERSE = ()
-
-
 def _split_mask(window, part: str) -> bool:
     if isinstance(BAND_SPLIT_MASK, bool):
         return BAND_SPLIT_MASK
@@ -405,14 +398,11 @@ def _band_bwd_dkv_kernel(
     T, TK, HQ, G, SPLIT, scale, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False, REVERSE: tl.constexpr = False,
+    SPLIT_MASK: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # One program per (key tile, kv head, head split); it loops over G // SPLIT query heads.
     # TMA: Q and DO are tensor descriptors (`_band_dkv_tile`).
     # DK_OUT / DV_OUT are contiguous [B, TK, HKV * SPLIT, D].
-    # REVERSE (with SPLIT_MASK): the query tiles from the last down, so that the programs of one head
-    # running side by side, whose bands all end at T, read the same q and do tiles at about the same
-    # time (from L2) instead of each from its own start.
     if longest_first:  # grid (heads, key tiles): the first key tiles, which see the most queries, first
         i_bh = tl.program_id(0)
         i_n = tl.program_id(1)
@@ -448,21 +438,15 @@ def _band_bwd_dkv_kernel(
     for j in range(0, heads):
         i_h = h_first + j
         if SPLIT_MASK:
-            # masked ranges: the diagonal [lo, mid_lo) and the end [mid_hi, hi) (the window's end, the
-            # queries past T), around the unmasked interior; REVERSE walks end, interior down, diagonal
-            first_lo, first_hi = (mid_hi, hi) if REVERSE else (lo, mid_lo)
-            last_lo, last_hi = (lo, mid_lo) if REVERSE else (mid_hi, hi)
-            for start in range(first_lo, first_hi, BM):
+            for start in range(lo, mid_lo, BM):  # the diagonal
                 dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i_b,
                                              i_h, start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
                                              HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST, GATED, TMA)
-            n_mid = (mid_hi - mid_lo) // BM
-            for i in range(0, n_mid):  # interior: no mask
-                start = mid_lo + (n_mid - 1 - i) * BM if REVERSE else mid_lo + i * BM
+            for start in range(mid_lo, mid_hi, BM):  # interior: no mask
                 dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i_b,
                                              i_h, start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, False,
                                              HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST, GATED, TMA)
-            for start in range(last_lo, last_hi, BM):
+            for start in range(mid_hi, hi, BM):  # the window's end and the queries past T
                 dk, dk2, dv = _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i_b,
                                              i_h, start, sq_b, sq_t, sq_h, T, HQ, scale_log2, window, True,
                                              HAS_WINDOW, DK, DV, BDK, BDK2, BDV, BM, UPCAST, GATED, TMA)
@@ -636,7 +620,6 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
         T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0,
         longest_first, **cfg, **common,
         SPLIT_MASK=_split_mask(window, "dkv"), GATED=gate is not None, TMA=tma,
-        REVERSE=_split_mask(window, "dkv") and ("cmp" if window is None else "swa") in BAND_DKV_REVERSE,
     )
     if split > 1:
         dk = dk.view(B, TK, HKV, split, DK).sum(3).to(k.dtype)  # [B, TK, HKV, DK]

@@ -137,14 +137,6 @@ SELECTED_DKV_ROWS = 64
 # forward. "fused": in the dk/dv kernel (per key block), which has ds already: one more MMA and a
 # float32 atomic add per (query, block) instead of reading each selected block's K/V again.
 SELECTED_DQ = "fused"  # run 5: 57.4 ms fwd+bwd at 64k, 59.6 with the dq walk
-# Query positions per window of the dk/dv kernel's work list (0: one window, the whole sequence). The
-# inverted index groups the selections by (KV head, window, block), so the programs running side by
-# side read the q, do and dq rows of one window, which stay in L2, instead of rows scattered over the
-# whole sequence (run 83's Nsight Compute: 25% L2 hits, 2.6 TB/s from DRAM at 64k with one window).
-# Runs 84-85 (scripts/probe_order.py), the selected op's forward+backward at 64k: windows of 2048-8192
-# positions 50.3-51.0 ms against 51.7 with one, 44.6-45.9 against 45.1 with the positions preloaded;
-# the NSA's forward+backward moved by less than its spread. So one window.
-SELECTED_DKV_WINDOW = 0
 # the dk/dv kernel's positions loaded once per work item, not per step (`PRELOAD` of the kernel). Run 85
 # (scripts/probe_order.py) at 64k: the selected op's forward+backward 45.14 ms against 51.68, the NSA's
 # 117.81 against 122.91 / 123.09; the kernel alone (Nsight Compute) 27.95 ms against 35.84 (run 83)
@@ -698,10 +690,10 @@ def _selected_dkv_kernel(
     T, HQ, G, NS, NSEG, scale, scale_log2, CHUNK,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr,
-    GATED: tl.constexpr, NW=1, PRELOAD: tl.constexpr = 0,
+    GATED: tl.constexpr, PRELOAD: tl.constexpr = 0,
 ):
-    # One program per work item: up to CHUNK query positions (x G heads) of one (b, kv head, window,
-    # block) segment (`inverted_index`), gathered BQ positions at a time into M = BQ * GP rows of one
+    # One program per work item: up to CHUNK query positions (x G heads) of one (b, kv head, block)
+    # segment (`inverted_index`), gathered BQ positions at a time into M = BQ * GP rows of one
     # MMA. Partial dk/dv go to the float32 DK32/DV32 [B, T, HKV, D] by atomics (one add per item, not
     # per query).
     # FUSE_DQ: also each query's dq share from this block, ds @ k, to the float32 DQ32 [B, T, HQ, DK]
@@ -716,7 +708,7 @@ def _selected_dkv_kernel(
     if seg < NSEG:
         HKV = HQ // G
         blk = seg % NS
-        i_bh = seg // NS // NW
+        i_bh = seg // NS
         i_b = (i_bh // HKV).to(tl.int64)
         i_hk = i_bh % HKV
         seg_end = tl.load(SEG_START + seg + 1)
@@ -792,12 +784,11 @@ def _selected_dkv_kernel(
                       mask=m_k[:, None] & (o_dv < DV)[None, :], sem="relaxed")
 
 
-def inverted_index(bi, *, select_size, chunk, window=0, presorted=False):
+def inverted_index(bi, *, select_size, chunk, presorted=False):
     """Counting sort of the selections by key block, without a host sync.
 
     bi: int32 `[B, T, Hkv, n]`. Returns `(pos, seg_start, item_seg, item_chunk)`: `pos` int32, the
-    query positions grouped by segment `((b * Hkv + h) * NW + t // window) * Ns + block` (ascending
-    within one; NW = ceil(T / window) windows of positions, one if `window` is 0);
+    query positions grouped by segment `(b * Hkv + h) * Ns + block` (ascending within one);
     `seg_start` `[NSEG + 1]` where each segment starts in `pos`; one work item per `chunk` entries of
     a segment: `item_seg` (NSEG for unused items) and `item_chunk`, both `[n_items]` (an upper bound).
     Padding, repeats within one list and blocks starting after the query are dropped. `presorted`:
@@ -806,8 +797,7 @@ def inverted_index(bi, *, select_size, chunk, window=0, presorted=False):
     """
     B, T, HKV, n = bi.shape
     ns = triton.cdiv(T, select_size)
-    nw = triton.cdiv(T, window) if window else 1
-    nseg = B * HKV * nw * ns
+    nseg = B * HKV * ns
     dev = bi.device
     srt = (bi if presorted else bi.sort(dim=-1).values).long()  # [B, T, HKV, n]
     dup = torch.zeros_like(srt, dtype=torch.bool)
@@ -815,8 +805,7 @@ def inverted_index(bi, *, select_size, chunk, window=0, presorted=False):
     t = torch.arange(T, device=dev).view(1, T, 1, 1)
     valid = (srt >= 0) & (srt < ns) & (srt * select_size <= t) & ~dup
     bh = torch.arange(B, device=dev).view(B, 1, 1, 1) * HKV + torch.arange(HKV, device=dev).view(1, 1, HKV, 1)
-    w = t // window if window else 0
-    key = torch.where(valid, (bh * nw + w) * ns + srt, nseg).flatten()  # [B*T*HKV*n]
+    key = torch.where(valid, bh * ns + srt, nseg).flatten()  # [B*T*HKV*n]
     # int32 keys: half the radix passes of int64
     key, perm = torch.sort(key.to(torch.int32) if nseg < 2**31 - 1 else key, stable=True)
     pos = (perm // (HKV * n) % T).to(torch.int32)  # [E] query position of each sorted entry
@@ -873,19 +862,17 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
     launch = selected_dkv_launch(q.dtype, DK, DV)
     BQ = max(1, (16 if interpreting() else launch.pop("rows")) // GP)  # positions per MMA
     chunk = BQ * (4 if interpreting() else 64)  # positions per work item
-    window = SELECTED_DKV_WINDOW if SELECTED_DKV_WINDOW < T else 0
     pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk,
-                                                          window=window, presorted=presorted)
+                                                          presorted=presorted)
     ns = triton.cdiv(T, select_size)
-    nw = triton.cdiv(T, window) if window else 1
     BDK, BDK2 = dk_tiles(DK)
     _selected_dkv_kernel[(item_seg.numel(),)](
         q, k, v, do, lse, delta, gate if gate is not None else delta, item_seg, item_chunk, seg_start, pos,
         dk32, dv32, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * nw * ns, scale, scale * LOG2E, chunk,
+        v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, scale, scale * LOG2E, chunk,
         DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, FUSE_DQ=fuse_dq,
-        UPCAST=interpreting(), GATED=gate is not None, NW=nw, PRELOAD=chunk if SELECTED_DKV_PRELOAD else 0,
+        UPCAST=interpreting(), GATED=gate is not None, PRELOAD=chunk if SELECTED_DKV_PRELOAD else 0,
         **launch,
     )
     return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)

@@ -1,9 +1,9 @@
 """The variants of the Triton selected attention against the PyTorch reference: both walks
 (`selection.SELECTED_WALK`: "pipelined", "union"), two tilings (`SELECTED_ROWS` 16 and 32 rows per
-program) and both dq paths (`SELECTED_DQ`: "walk", "fused"); outputs, the lse and gradients of q, k
-and v, on the CPU through Triton's interpreter and (`-m gpu`) in bf16 on a CUDA GPU; the dk/dv
-kernel's inverted index, in windows of positions or not. Also: the pipelined walk compiles for
-sm_90 to asynchronous, double-buffered K/V copies (no GPU needed)."""
+program) and both dq paths (`SELECTED_DQ`: "walk", "fused", the latter with its positions preloaded
+or not); outputs, the lse and gradients of q, k and v, on the CPU through Triton's interpreter and
+(`-m gpu`) in bf16 on a CUDA GPU; the dk/dv kernel's inverted index. Also: the pipelined walk
+compiles for sm_90 to asynchronous, double-buffered K/V copies (no GPU needed)."""
 
 
 import pytest
@@ -98,13 +98,13 @@ def test_two_positions_per_program(walk, shape):
 
 
 @interpreted
-@pytest.mark.parametrize("window", [0, 16, 24], ids=["one-window", "window16", "window24"])
+@pytest.mark.parametrize("preload", [True, False], ids=["preloaded", "per-step"])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=[IDS[1], IDS[3]])
-def test_fused_dq_matches_reference(monkeypatch, shape, window):
-    """SELECTED_DQ = "fused": dq from the dk/dv kernel's atomics, no dq walk; its work list in one
-    window of positions or in windows of 16 and 24 (SELECTED_DKV_WINDOW; 24: not a block multiple)."""
+def test_fused_dq_matches_reference(monkeypatch, shape, preload):
+    """SELECTED_DQ = "fused": dq from the dk/dv kernel's atomics, no dq walk; each work item's
+    positions loaded once before its loop or at every step (SELECTED_DKV_PRELOAD)."""
     monkeypatch.setattr(selection, "SELECTED_DQ", "fused")
-    monkeypatch.setattr(selection, "SELECTED_DKV_WINDOW", window)
+    monkeypatch.setattr(selection, "SELECTED_DKV_PRELOAD", preload)
     B, T, hq, hkv, dk, dv = shape
     x = make(*shape, seed=13)
     q, k, v = x["q"], x["k"], x["v"]
@@ -112,32 +112,28 @@ def test_fused_dq_matches_reference(monkeypatch, shape, window):
     assert_matches_reference(q, k, v, idx)
 
 
-@pytest.mark.parametrize("window", [0, 16, 40, 200])
-def test_inverted_index_groups_positions_by_window_and_block(window):
-    """inverted_index against a plain count: each (b, kv head, window, block) segment lists, in
-    ascending order, exactly the positions of that window whose list holds the block (usable: not
-    padding, not after the position; once, even if repeated); presorted lists give the same index."""
+def test_inverted_index_groups_positions_by_block():
+    """inverted_index against a plain count: each (b, kv head, block) segment lists, in ascending
+    order, exactly the positions whose list holds the block (usable: not padding, not after the
+    position; once, even if repeated); presorted lists give the same index."""
     B, T, hkv, n, size = 2, 150, 2, 5, 16
     idx = lists_with_edge_cases(B, T, hkv, n, size, seed=31)
-    ns, nw = -(-T // size), (-(-T // window) if window else 1)
-    pos, seg_start, item_seg, item_chunk = selection.inverted_index(idx, select_size=size, chunk=8,
-                                                                   window=window)
-    assert seg_start.numel() == B * hkv * nw * ns + 1
+    ns = -(-T // size)
+    pos, seg_start, item_seg, item_chunk = selection.inverted_index(idx, select_size=size, chunk=8)
+    assert seg_start.numel() == B * hkv * ns + 1
     for b in range(B):
         for h in range(hkv):
-            for w in range(nw):
-                for blk in range(ns):
-                    seg = ((b * hkv + h) * nw + w) * ns + blk
-                    got = pos[seg_start[seg]:seg_start[seg + 1]].tolist()
-                    lo, hi = (w * window, min(T, (w + 1) * window)) if window else (0, T)
-                    want = [t for t in range(max(lo, blk * size), hi) if blk in idx[b, t, h].tolist()]
-                    assert got == want, (b, h, w, blk)
+            for blk in range(ns):
+                seg = (b * hkv + h) * ns + blk
+                got = pos[seg_start[seg]:seg_start[seg + 1]].tolist()
+                want = [t for t in range(blk * size, T) if blk in idx[b, t, h].tolist()]
+                assert got == want, (b, h, blk)
     used = item_seg < seg_start.numel() - 1
     counts = (seg_start[1:] - seg_start[:-1]).long()
     assert torch.equal(torch.bincount(item_seg[used].long(), minlength=counts.numel()), (counts + 7) // 8)
     ordered = torch.where(idx < 0, ns, idx).sort(-1).values  # ascending, padding last
     again = selection.inverted_index(torch.where(ordered == ns, -1, ordered), select_size=size, chunk=8,
-                                     window=window, presorted=True)
+                                     presorted=True)
     assert all(torch.equal(a, b) for a, b in zip(again, (pos, seg_start, item_seg, item_chunk), strict=True))
 
 
@@ -201,8 +197,7 @@ GPU_VARIANTS = {
     "pipelined-rows32": dict(SELECTED_WALK="pipelined", SELECTED_ROWS=32),
     "fused-dq": dict(SELECTED_DQ="fused"),
     "fused-dq-rows32": dict(SELECTED_DQ="fused", SELECTED_DKV_ROWS=32),
-    "fused-dq-window1000": dict(SELECTED_DQ="fused", SELECTED_DKV_WINDOW=1000),
-    "fused-dq-one-window": dict(SELECTED_DQ="fused", SELECTED_DKV_WINDOW=0),
+    "fused-dq-per-step-positions": dict(SELECTED_DQ="fused", SELECTED_DKV_PRELOAD=False),
 }
 
 
