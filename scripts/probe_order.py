@@ -15,6 +15,7 @@ section (same inputs and output gradient): the orders add the same terms in anot
 import sys
 
 import torch
+import triton
 
 from nsa_eval.bench import _inputs, _with_flags, nsa_prefill
 from nsa_eval.kernels import selection
@@ -35,8 +36,6 @@ def grads_and_time(fn, leaves, do, knobs):
     def measure():
         run()
         got = [x.grad.clone() for x in leaves]
-        import triton
-
         return got, triton.testing.do_bench(run, warmup=100, rep=1500, return_mode="median")
 
     return _with_flags(selection, knobs.get(selection, {}), measure)
@@ -78,7 +77,7 @@ def launches(T):
 
 def main(T):
     x = _inputs(1, T, 64, 4, D, grad=True)
-    print(f"T={T}, 64/4 heads, d={D}, bf16", flush=True)
+    print(f"T={T}, 64/4 heads, d={D}, bf16, Triton {triton.__version__}", flush=True)
     with torch.no_grad():
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
@@ -90,7 +89,7 @@ def main(T):
     leaves = [t for t in x.values() if t.requires_grad]
     section("NSA, forward+backward:", nsa_fn, leaves, {
         "positions loaded per step (before)": per_step, "positions preloaded": preloaded,
-        "positions loaded per step (again)": per_step})
+        "positions loaded per step (again)": per_step, "positions preloaded (again)": preloaded})
 
 
 if __name__ == "__main__":

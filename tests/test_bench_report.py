@@ -1,6 +1,9 @@
 """The kernel benchmark's report (CPU): speed-ups are SDPA time / NSA time from rows of one run."""
 
-from nsa_eval.bench import Row, markdown_report
+import torch
+import triton
+
+from nsa_eval.bench import Row, markdown_report, software_versions
 
 
 def test_report_ratios_g4_per_head_and_variant_line():
@@ -33,3 +36,11 @@ def test_report_memory_floors():
     assert line == ("| 65536 | 16.00 | 12.00 (137.4 GB: 11.45 TB/s) | 0.75 | 0.040 | 185 MB at 4.60 TB/s | "
                     "3.00 | 12.00x |")
     assert "Memory floors" not in markdown_report(rows[:2])  # no floor rows, no table
+
+
+def test_report_names_the_software_it_ran_with():
+    rows = [Row("fwd", "nsa-triton", 8192, "64/4", 1, 2.0)]
+    md = markdown_report(rows, command="nsa-eval bench kernels", versions=software_versions())
+    assert f"Ran on: {software_versions()}" in md.splitlines()
+    assert f"Triton {triton.__version__}" in md and f"torch {torch.__version__}" in md
+    assert "Ran on" not in markdown_report(rows)
