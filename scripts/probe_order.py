@@ -60,16 +60,19 @@ def section(title, fn, leaves, variants):
 
 def launches(T):
     """The selected op's forward+backward with the dk/dv kernel's launch around the defaults (its
-    positions preloaded): pipeline stages, rows per MMA (and so positions per work item)."""
+    positions preloaded): pipeline stages, rows per MMA (and so positions per work item), warps."""
     x = _inputs(1, T, 64, 4, D, grad=True)
     with torch.no_grad():
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
     sel_fn = lambda: selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
-    section(f"T={T}, selected op, forward+backward, dk/dv launches:", sel_fn, [x["q"], x["k"], x["v"]], {
+    title = f"T={T}, Triton {triton.__version__}, selected op, forward+backward, dk/dv launches:"
+    section(title, sel_fn, [x["q"], x["k"], x["v"]], {
         "defaults": {},
         **{f"{n} stages": {selection: {"SELECTED_DKV_CONFIG": dict(num_stages=n)}} for n in (2, 4)},
         **{f"{rows} rows": {selection: {"SELECTED_DKV_ROWS": rows}} for rows in (32, 128)},
+        "128 rows, 2 stages": {selection: {"SELECTED_DKV_ROWS": 128,
+                                           "SELECTED_DKV_CONFIG": dict(num_stages=2)}},
         "4 warps": {selection: {"SELECTED_DKV_CONFIG": dict(num_stages=3, num_warps=4)}},
         "defaults (again)": {},
     })
