@@ -28,6 +28,14 @@ TO_US = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "nsec
 KERNEL = re.compile(r"^  (\w+) \(([\d, ]+)\)x\(([\d, ]+)\)")
 
 
+def to_number(text):
+    """A metric's value as ncu prints it ("1,184", "27.95", "n/a"): a float, or None if not a number."""
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
 def kernels(lines):
     """Yields (name, grid, {column: value}) per profiled launch, in launch order."""
     name, grid, vals = None, None, {}
@@ -41,7 +49,9 @@ def kernels(lines):
         for col, metric in FIELDS.items():
             if col not in vals and line.strip().startswith(metric + " "):
                 *_, unit, value = line.split()
-                vals[col] = float(value.replace(",", "")) * (TO_US.get(unit, 1.0) if col == "us" else 1.0)
+                number = to_number(value)
+                if number is not None:
+                    vals[col] = number * (TO_US.get(unit, 1.0) if col == "us" else 1.0)
     if name:
         yield name, grid, vals
 
@@ -56,9 +66,9 @@ def sass_summary(path, top=25):
     samples = "Warp Stall Sampling (All Samples)"
 
     def count(row, name):
-        return int(row[col[name]] or 0)
+        return int(to_number(row[col[name]] or "0") or 0)
 
-    data = [r for r in data if r[col[samples]].strip().isdigit()]
+    data = [r for r in data if to_number(r[col[samples]].strip() or "x") is not None]
     total = sum(count(r, samples) for r in data) or 1
     print(f"{path}: {total} samples")
     by_reason = collections.Counter({c: sum(count(r, c) for r in data) for c in reasons})

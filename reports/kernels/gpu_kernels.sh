@@ -2,7 +2,7 @@
 # One H200 round of the kernel work (docs/kernels.md): the GPU tests, then the benchmark.
 #   OUT=/some/dir [FLA_WHEELS=dir] [TESTS=0] [BENCH=0] bash reports/kernels/gpu_kernels.sh [RUN_NAME]
 # Writes $OUT/kernels.tar (gpu_tests_<run>.log, bench_<run>.log, kernels.csv, kernels.md). TESTS=0 or
-# BENCH=0 skips that half (the tests take 5-7 minutes, the benchmark 5; a device call may be limited to 10).
+# BENCH=0 skips that half (the tests take 4-6 minutes, the benchmark 5; a device call may be limited to 10).
 set -uo pipefail
 RUN=${1:-run}
 OUT=${OUT:-/tmp/nsa-kernels}
