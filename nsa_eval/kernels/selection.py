@@ -862,6 +862,8 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
     launch = selected_dkv_launch(q.dtype, DK, DV)
     BQ = max(1, (16 if interpreting() else launch.pop("rows")) // GP)  # positions per MMA
     chunk = BQ * (4 if interpreting() else 64)  # positions per work item
+    # PRELOAD = chunk sizes a tl.arange: a power of two, as BQ (rows and GP are) times 4 or 64 is
+    assert chunk & (chunk - 1) == 0, f"positions per work item must be a power of two, got {chunk}"
     pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk,
                                                           presorted=presorted)
     ns = triton.cdiv(T, select_size)
