@@ -6,11 +6,22 @@ Forward+backward of the compression and window branches (64/4 heads, random inpu
 default configuration, with the tiles launched in index order (`BAND_LONGEST_FIRST = False`) and
 with other dk/dv launches, masked or split (`BAND_SPLIT_MASK`); then the whole NSA with each launch
 order. Run 21: reports/kernels/band_run21.log.
+
+    PYTHONPATH=. python3 scripts/probe_band.py triton38
+
+Run 91, for the Triton the project pins (3.8; every default below was chosen under the H200 image's
+3.6, and run 88's benchmark timed the window's backward split at 12.96 ms against 13.40 masked, where
+3.6 had it at 17.8 against 14.4-15.0): the window's forward+backward with its dq and dk/dv each masked
+or split, the compression's dq and dk/dv launches (and its dq through TMA), the compression forward's
+launch at 8k and 64k, each in alternation with the default; then the whole NSA with the window's
+backward masked and split, twice each.
 """
+
+import sys
 
 import torch
 
-from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, bench_nsa_prefill
+from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, _with_flags, bench_nsa_prefill
 from nsa_eval.kernels import band
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.window import sliding_window_attention
@@ -54,7 +65,65 @@ def probe_branches():
                     print(f"{branch} dkv={cfg} split={split} failed: {str(err).splitlines()[0][:120]}")
 
 
+def with_band(fn, *, configs=None, split=None, tma=None):
+    """fn() with BAND_CONFIGS[branch][part] = cfg for each (branch, part, cfg) in configs, and the
+    branches' BAND_SPLIT_MASK / BAND_TMA parts replaced by split / tma ({branch: parts})."""
+    table = {b: dict(parts) for b, parts in band.BAND_CONFIGS.items()}
+    for branch, part, (bm, bn, warps, stages) in configs or ():
+        table[branch][part] = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
+    flags = {"BAND_CONFIGS": table, "BAND_SPLIT_MASK": {**band.BAND_SPLIT_MASK, **(split or {})},
+             "BAND_TMA": {**band.BAND_TMA, **(tma or {})}}
+    return _with_flags(band, flags, fn)
+
+
+def timed(label, fn, **changes):
+    try:
+        print(f"{label}: {with_band(fn, **changes):.2f} ms", flush=True)
+    except Exception as err:  # a launch may not compile or fit
+        print(f"{label} failed: {str(err).splitlines()[0][:120]}", flush=True)
+
+
+def probe_ops_triton38():
+    x = _inputs(1, T, 64, 4, 128, grad=True)
+    swa = _fwd_bwd(lambda: sliding_window_attention(x["q"], x["k"], x["v"]), x)
+    for rep in range(2):
+        for parts in (("fwd",), ("fwd", "dq"), ("fwd", "dkv"), ("fwd", "dq", "dkv")):
+            timed(f"[{rep}] swa fwd+bwd split {'+'.join(parts)}", lambda: _time(swa), split={"swa": parts})
+    cmp_fn = lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0]  # noqa: E731
+    cmp = _fwd_bwd(cmp_fn, x)
+    timed("cmp fwd+bwd default", lambda: _time(cmp))
+    for part, cfgs in (("dq", [(128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)]),
+                       ("dkv", [(64, 64, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2)])):
+        for cfg in cfgs:
+            timed(f"cmp fwd+bwd {part}={cfg}", lambda: _time(cmp), configs=[("cmp", part, cfg)])
+    timed("cmp fwd+bwd dq through TMA", lambda: _time(cmp), tma={"cmp": ("fwd", "dq", "dkv")})
+    timed("cmp fwd+bwd default", lambda: _time(cmp))
+    for t in (8192, T):
+        y = _inputs(1, t, 64, 4, 128, grad=False)
+        with torch.no_grad():
+            fwd = lambda y=y: compressed_attention(y["q"], y["k_cmp"], y["v_cmp"])[0]  # noqa: E731
+            for cfg in (None, (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)):
+                timed(f"T={t} cmp fwd fwd_tma={cfg or 'default'}", lambda: _time(fwd),  # noqa: B023
+                      configs=[("cmp", "fwd_tma", cfg)] if cfg else None)
+
+
+def probe_triton38():
+    probe_ops_triton38()
+    torch.cuda.empty_cache()
+    for rep in range(2):
+        for parts in (("fwd",), ("fwd", "dq", "dkv")):
+            fwd, fb = with_band(lambda: bench_nsa_prefill(T, 64, 4, 128), split={"swa": parts})
+            print(f"[{rep}] nsa 64/4 window split {'+'.join(parts)}: fwd {fwd:.2f} ms, fwd+bwd {fb:.2f} ms",
+                  flush=True)
+
+
 def main():
+    if sys.argv[1:] == ["triton38"]:
+        import triton
+
+        print(f"Triton {triton.__version__}, torch {torch.__version__}", flush=True)
+        probe_triton38()
+        return
     probe_branches()
     torch.cuda.empty_cache()
     for longest in (True, False, True, False):
