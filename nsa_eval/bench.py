@@ -57,9 +57,30 @@ def _inputs(B, T, hq, hkv, d, *, grad, device="cuda", dtype=None):
                    for g in ("g_cmp", "g_slc", "g_swa")})
 
 
+MIN_TIMED_CALLS = 5
+
+
+def timing_window(rep_ms: float, estimate_ms: float, min_calls: int = MIN_TIMED_CALLS) -> float:
+    """The `rep` (ms) to give `do_bench` so that it times at least `min_calls` calls of an
+    `estimate_ms` function: it times rep / estimate calls, a single one past `rep` (before run 92, the
+    64k forward+backward's median was one sample, and four such measurements spread 109.5-113.1 ms).
+    The 1.25 covers do_bench's own estimate, which clears L2 before each call."""
+    return max(rep_ms, 1.25 * min_calls * estimate_ms)
+
+
 def _time(fn, warmup=25, rep=100):
+    """Median ms of fn() over at least MIN_TIMED_CALLS calls (CUDA events, L2 cleared between)."""
+    import torch
     import triton
 
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    rep = timing_window(rep, start.elapsed_time(end))
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
@@ -391,8 +412,7 @@ def bench_variants(x, lse, idx):
                 else:
                     timed(name, band, "BAND_CONFIGS", table, _fwd_bwd(fn, x))
     # the banded kernels' single masked loop against the default split (masked edge tiles, unmasked
-    # interior), and the window's backward split too (its default is masked); "[dq " files a row under
-    # forward+backward
+    # interior); "[dq " files a row under forward+backward
     cmp, swa = branches["cmp"][1], branches["swa"][1]
     with torch.no_grad():
         timed("compressed_attention [masked loop]", band, "BAND_SPLIT_MASK", False, cmp)
@@ -406,7 +426,10 @@ def bench_variants(x, lse, idx):
         timed("selected_attention [loads]", selection, "SELECTED_TMA", False, fwd)
     timed("compressed_attention [dq dkv loads]", band, "BAND_TMA", False, _fwd_bwd(cmp, x))
     timed("sliding_window_attention [dq dkv loads]", band, "BAND_TMA", False, _fwd_bwd(swa, x))
-    timed("sliding_window_attention [dq dkv split]", band, "BAND_SPLIT_MASK", True, _fwd_bwd(swa, x))
+    # the window's backward the other way from its default (split with Triton 3.8, masked before)
+    other = {**band.BAND_SPLIT_MASK, "swa": ("fwd",) if band.TRITON_38 else ("fwd", "dq", "dkv")}
+    timed(f"sliding_window_attention [dq dkv {'masked' if band.TRITON_38 else 'split'}]", band,
+          "BAND_SPLIT_MASK", other, _fwd_bwd(swa, x))
     # the whole NSA as one autograd op (deltas from the gate backward, one dq sum) and composed from
     # the branches' ops, side by side
     from nsa_eval.kernels import prefill
@@ -656,7 +679,7 @@ def markdown_report(rows, *, heads=64, kv_heads=4, g4_heads=(16, 4), command="",
         lines += [f"Ran on: {versions}", ""]
     lines += [
         f"B=1, {heads} query heads, {kv_heads} KV heads, d=128, bf16, paper config (l=32, d=16, l'=64, n=16, "
-        "w=512), all three branches and gates; median ms from `triton.testing.do_bench`. "
+        "w=512), all three branches and gates; median ms of at least 5 calls from `triton.testing.do_bench`. "
         "Speed-up = SDPA time / NSA time (higher is better).",
         "",
         "| T | NSA fwd | cuDNN fwd | flash fwd | vs cuDNN | vs flash | NSA fwd+bwd | cuDNN fwd+bwd | "

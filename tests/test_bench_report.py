@@ -3,7 +3,7 @@
 import torch
 import triton
 
-from nsa_eval.bench import Row, markdown_report, software_versions
+from nsa_eval.bench import MIN_TIMED_CALLS, Row, markdown_report, software_versions, timing_window
 
 
 def test_report_ratios_g4_per_head_and_variant_line():
@@ -46,3 +46,11 @@ def test_report_names_the_software_it_ran_with():
     assert "Ran on" not in markdown_report(rows)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     assert software_versions() == f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}"
+
+
+def test_timing_window_times_at_least_five_calls_of_long_functions():
+    # do_bench times int(rep / its estimate) calls; its estimate clears L2 first, so runs a bit longer
+    for estimate in (0.05, 33.4, 110.0, 450.0):
+        rep = timing_window(100, estimate)
+        assert int(rep / (1.2 * estimate)) >= MIN_TIMED_CALLS
+    assert timing_window(100, 0.05) == 100  # short functions keep do_bench's 100 ms window
