@@ -42,9 +42,12 @@ from nsa_eval.kernels._triton_utils import (
 # tiles stay in ascending order either way, so the results are the same; the benchmark times both.
 # The kernels (per branch: "cmp", "swa") that split; True / False: all / none. Run 7 (H200, 64k, side
 # by side): compression forward 11.50 ms split / 13.46 masked, its forward+backward 54.81 / 60.07,
-# window forward 4.82 / 5.21. The window's forward+backward took 24.59 ms with its backward split,
-# against 17.91 masked in run 6 (not side by side), so the window's backward keeps the masked loop.
-BAND_SPLIT_MASK = {"cmp": ("fwd", "dq", "dkv"), "swa": ("fwd",)}
+# window forward 4.82 / 5.21. The window's backward depends on the Triton that compiles it: with the
+# H200 image's 3.6 it keeps the masked loop (its forward+backward 17.8 ms split against 14.4-15.0 in
+# runs 74-87); with 3.8, the version the project pins, it splits (12.96 against 13.40 in run 88, 12.79
+# / 13.08 against 13.33 / 13.27 in run 91, scripts/probe_band.py triton38).
+TRITON_38 = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
+BAND_SPLIT_MASK = {"cmp": ("fwd", "dq", "dkv"), "swa": ("fwd", "dq", "dkv") if TRITON_38 else ("fwd",)}
 
 
 def _split_mask(window, part: str) -> bool:
