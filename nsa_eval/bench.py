@@ -659,8 +659,8 @@ def _fmt(x, digits=2):
 
 def software_versions() -> str:
     """The GPU and the torch / Triton versions a benchmark ran with: the kernels' speed depends on
-    Triton's code generation (runs 87-88: the 64k forward+backward 116.5 ms with Triton 3.6, 109.5 with
-    3.8 on the same H200)."""
+    Triton's code generation (runs 87 and 92: the 64k forward+backward 116.5 ms with Triton 3.6,
+    110.4-112.6 with 3.8 on the same H200)."""
     import torch
     import triton
 

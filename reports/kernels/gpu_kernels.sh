@@ -3,6 +3,8 @@
 #   OUT=/some/dir [FLA_WHEELS=dir] [TESTS=0] [BENCH=0] bash reports/kernels/gpu_kernels.sh [RUN_NAME]
 # Writes $OUT/kernels.tar (gpu_tests_<run>.log, bench_<run>.log, kernels.csv, kernels.md). TESTS=0 or
 # BENCH=0 skips that half (the tests take 4-6 minutes, the benchmark 5; a device call may be limited to 10).
+# Runs 88-92 ran the Triton the project pins on the H200 (its image has 3.6): scripts/pack_triton.sh
+# packs it and says how to unpack it there, ahead on PYTHONPATH.
 set -uo pipefail
 RUN=${1:-run}
 OUT=${OUT:-/tmp/nsa-kernels}
