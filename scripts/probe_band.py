@@ -15,13 +15,18 @@ Run 91, for the Triton the project pins (3.8; every default below was chosen und
 or split, the compression's dq and dk/dv launches (and its dq through TMA), the compression forward's
 launch at 8k and 64k, each in alternation with the default; then the whole NSA with the window's
 backward masked and split, twice each.
+
+    PYTHONPATH=. python3 scripts/probe_band.py nsa38
+
+Run 93 (Triton 3.8): the whole NSA's 64k forward+backward, medians of at least 5 calls since run 92,
+three rounds of the defaults, the window's backward masked and the compression's dq through TMA.
 """
 
 import sys
 
 import torch
 
-from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, _with_flags, bench_nsa_prefill
+from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, _with_flags, bench_nsa_prefill, nsa_prefill
 from nsa_eval.kernels import band
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.window import sliding_window_attention
@@ -117,12 +122,23 @@ def probe_triton38():
                   flush=True)
 
 
+def probe_nsa38():
+    x = _inputs(1, T, 64, 4, 128, grad=True)
+    step = _fwd_bwd(lambda: nsa_prefill(**x), x)
+    variants = {"defaults": {}, "window backward masked": dict(split={"swa": ("fwd",)}),
+                "compression dq through TMA": dict(tma={"cmp": ("fwd", "dq", "dkv")})}
+    for rep in range(3):
+        for name, changes in variants.items():
+            timed(f"[{rep}] nsa 64/4 fwd+bwd {name}", lambda: _time(step), **changes)  # noqa: B023
+
+
 def main():
-    if sys.argv[1:] == ["triton38"]:
+    probes = {"triton38": probe_triton38, "nsa38": probe_nsa38}
+    if sys.argv[1:2] and sys.argv[1] in probes:
         import triton
 
         print(f"Triton {triton.__version__}, torch {torch.__version__}", flush=True)
-        probe_triton38()
+        probes[sys.argv[1]]()
         return
     probe_branches()
     torch.cuda.empty_cache()
