@@ -35,14 +35,22 @@ T = 65536
 DKV = [(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2)]  # (BM, BN, warps, stages) besides the default
 
 
-def with_dkv(branch, cfg, split, fn):
+def with_band(fn, *, configs=None, split=None, tma=None):
+    """fn() with BAND_CONFIGS[branch][part] = cfg for each (branch, part, cfg) in configs, and the
+    branches' BAND_SPLIT_MASK / BAND_TMA parts replaced by split / tma ({branch: parts})."""
     table = {b: dict(parts) for b, parts in band.BAND_CONFIGS.items()}
-    if cfg is not None:
-        table[branch]["dkv"] = dict(BM=cfg[0], BN=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-    masks = dict(band.BAND_SPLIT_MASK)
-    parts = set(masks[branch]) - {"dkv"}
-    masks[branch] = tuple(sorted(parts | ({"dkv"} if split else set())))
-    return _with_flag(band, "BAND_CONFIGS", table, lambda: _with_flag(band, "BAND_SPLIT_MASK", masks, fn))
+    for branch, part, (bm, bn, warps, stages) in configs or ():
+        table[branch][part] = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
+    flags = {"BAND_CONFIGS": table, "BAND_SPLIT_MASK": {**band.BAND_SPLIT_MASK, **(split or {})},
+             "BAND_TMA": {**band.BAND_TMA, **(tma or {})}}
+    return _with_flags(band, flags, fn)
+
+
+def with_dkv(branch, cfg, split, fn):
+    """fn() with the branch's dk/dv launch cfg (None: the default) and its dk/dv masked or split."""
+    parts = set(band.BAND_SPLIT_MASK[branch]) - {"dkv"}
+    return with_band(fn, configs=[(branch, "dkv", cfg)] if cfg is not None else None,
+                     split={branch: tuple(sorted(parts | ({"dkv"} if split else set())))})
 
 
 def probe_branches():
@@ -68,17 +76,6 @@ def probe_branches():
                     print(f"{branch} fwd+bwd dkv={cfg or 'default'} split={split}: {ms:.2f} ms", flush=True)
                 except Exception as err:  # a launch may not compile or fit
                     print(f"{branch} dkv={cfg} split={split} failed: {str(err).splitlines()[0][:120]}")
-
-
-def with_band(fn, *, configs=None, split=None, tma=None):
-    """fn() with BAND_CONFIGS[branch][part] = cfg for each (branch, part, cfg) in configs, and the
-    branches' BAND_SPLIT_MASK / BAND_TMA parts replaced by split / tma ({branch: parts})."""
-    table = {b: dict(parts) for b, parts in band.BAND_CONFIGS.items()}
-    for branch, part, (bm, bn, warps, stages) in configs or ():
-        table[branch][part] = dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages)
-    flags = {"BAND_CONFIGS": table, "BAND_SPLIT_MASK": {**band.BAND_SPLIT_MASK, **(split or {})},
-             "BAND_TMA": {**band.BAND_TMA, **(tma or {})}}
-    return _with_flags(band, flags, fn)
 
 
 def timed(label, fn, **changes):
