@@ -448,6 +448,8 @@ def bench_variants(x, lse, idx):
               forward)
     timed("nsa_attention [dq window on one stream]", prefill, "WINDOW_STREAM", False, whole)
     timed("nsa_attention [dq gates in the branches]", prefill, "GATE_IN_BRANCHES", True, whole)
+    for dq_sum in (m for m in prefill.DQ_SUMS if m != prefill.DQ_SUM):  # the branches' dq summed otherwise
+        timed(f"nsa_attention [dq sum {dq_sum}]", prefill, "DQ_SUM", dq_sum, whole)
     timed("nsa_attention [dq band tiles in index order]", band, "BAND_LONGEST_FIRST", False, whole)
     no_tma = lambda fn: lambda: _with_flag(band, "BAND_TMA", False, fn)  # noqa: E731
     with torch.no_grad():

@@ -20,6 +20,11 @@ backward masked and split, twice each.
 
 Run 93 (Triton 3.8): the whole NSA's 64k forward+backward, medians of at least 5 calls since run 92,
 three rounds of the defaults, the window's backward masked and the compression's dq through TMA.
+
+    PYTHONPATH=. python3 scripts/probe_band.py dqsum
+
+Run 94 (Triton 3.8): the NSA's 64k forward+backward (64/4 and 16/4 heads) with each way of summing
+the branches' dq (`prefill.DQ_SUM`), in alternation, and the peak memory of one step with each.
 """
 
 import sys
@@ -129,8 +134,33 @@ def probe_nsa38():
             timed(f"[{rep}] nsa 64/4 fwd+bwd {name}", lambda: _time(step), **changes)  # noqa: B023
 
 
+def probe_dq_sum():
+    for hq, rounds in ((64, 4), (16, 2)):
+        dq_sums(hq, rounds)
+        torch.cuda.empty_cache()
+
+
+def dq_sums(hq, rounds):
+    from nsa_eval.kernels import prefill
+
+    x = _inputs(1, T, hq, 4, 128, grad=True)
+    step = _fwd_bwd(lambda: nsa_prefill(**x), x)
+    for mode in prefill.DQ_SUMS:  # peak memory of one step above the inputs
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _with_flag(prefill, "DQ_SUM", mode, step)
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        print(f"nsa {hq}/4 fwd+bwd dq sum {mode}: peak {peak:.2f} GiB above the inputs", flush=True)
+    for rep in range(rounds):
+        for mode in prefill.DQ_SUMS:
+            ms = _with_flag(prefill, "DQ_SUM", mode, lambda: _time(step))
+            print(f"[{rep}] nsa {hq}/4 fwd+bwd dq sum {mode}: {ms:.2f} ms", flush=True)
+
+
 def main():
-    probes = {"triton38": probe_triton38, "nsa38": probe_nsa38}
+    probes = {"triton38": probe_triton38, "nsa38": probe_nsa38, "dqsum": probe_dq_sum}
     if sys.argv[1:2] and sys.argv[1] in probes:
         import triton
 

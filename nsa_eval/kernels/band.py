@@ -267,17 +267,19 @@ def _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk
 
 @triton.jit
 def _band_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, GATE, DQ,
+    Q, K, V, DO, LSE, DELTA, GATE, DQ, ADD1, ADD2,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, TK, HQ, G, scale, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False,
+    SPLIT_MASK: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False, NUM_ADD: tl.constexpr = 0,
 ):
     # TMA: K and V are tensor descriptors (`tma_descriptor`).
     # DO and DQ are contiguous [B, T, HQ, DV] / [B, T, HQ, DK]. GATED: this branch's output gradient
     # is GATE [B, T, HQ] (per row) times DO, and DELTA is rowsum(o * DO): ds = g * p * (dp - delta)
-    # for every key, so dq is the ungated one times g
+    # for every key, so dq is the ungated one times g. NUM_ADD: the first NUM_ADD of ADD1, ADD2
+    # (contiguous like DQ, any float dtype: other branches' dq) are added in float32 before DQ's one
+    # rounding
     i_m, i_bh = _query_tile_and_head(longest_first)
     i_b = (i_bh // HQ).to(tl.int64)
     i_h = i_bh % HQ
@@ -324,10 +326,26 @@ def _band_bwd_dq_kernel(
         dq = dq * g[:, None]
         if BDK2 > 0:
             dq2 = dq2 * g[:, None]
-    tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=m_t[:, None] & (o_dk < DK)[None, :])
+    dq = dq * scale
+    m_dq = m_t[:, None] & (o_dk < DK)[None, :]
     if BDK2 > 0:
-        store_tail(DQ + row * DK, dq2 * scale, m_t, BDK, BDK2)
+        dq2 = dq2 * scale
+    if NUM_ADD >= 1:
+        dq, dq2 = _add_rows(ADD1, row, o_dk, m_dq, m_t, dq, dq2, DK, BDK, BDK2)
+    if NUM_ADD >= 2:
+        dq, dq2 = _add_rows(ADD2, row, o_dk, m_dq, m_t, dq, dq2, DK, BDK, BDK2)
+    tl.store(DQ + row[:, None] * DK + o_dk[None, :], dq.to(DQ.dtype.element_ty), mask=m_dq)
+    if BDK2 > 0:
+        store_tail(DQ + row * DK, dq2, m_t, BDK, BDK2)
+
+
+@triton.jit
+def _add_rows(X, row, o_dk, m_dq, m_t, dq, dq2, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr):
+    # dq [BM, BDK] (and the tail dq2 [BM, BDK2]) plus the rows `row` of X [.., DK], in float32
+    dq += tl.load(X + row[:, None] * DK + o_dk[None, :], mask=m_dq, other=0.0).to(tl.float32)
+    if BDK2 > 0:
+        dq2 += load_tail(X + row * DK, m_t, True, BDK, BDK2, False, False).to(tl.float32)
+    return dq, dq2
 
 
 @triton.jit
@@ -584,29 +602,52 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     float32 `[B, T, Hq]` rowsum(o * do) where the caller has it (then `dlse` must be None). `gate`
     (contiguous `[B, T, Hq]`, with `dlse` None): the output's gradient is `gate[..., None] * do`,
     applied inside the kernels (no scaled copy of do); `delta` stays rowsum(o * do)."""
-    B, T, HQ, DK = q.shape
-    TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
-    G = HQ // HKV
     do = do.contiguous()
     if gate is not None and dlse is not None:
         raise ValueError("band_backward: gate and dlse cannot be combined")
     if delta is None:
         delta = row_delta(o.contiguous(), do, dlse)
-    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=q.dtype)
+    band = dict(scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, gate=gate)
+    dq = band_backward_dq(q, k, v, lse, do, delta, **band)
+    dk, dv = band_backward_dkv(q, k, v, lse, do, delta, split_heads=split_heads, **band)
+    return dq, dk, dv
+
+
+def band_backward_dq(q, k, v, lse, do, delta, *, scale, key_stride, key_offset, window=None, gate=None,
+                     add=(), dtype=None):
+    """dq `[B, T, Hq, Dk]` of `band_forward` (as `band_backward`; do contiguous, delta float32
+    `[B, T, Hq]`), plus the tensors in `add` (at most two, contiguous, of dq's shape, any float dtype:
+    the other branches' dq), summed in float32 and rounded once to `dtype` (default q's)."""
+    B, T, HQ, DK = q.shape
+    TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
+    if len(add) > 2 or any(a.shape != q.shape or not a.is_contiguous() for a in add):
+        raise ValueError("band_backward_dq: add takes at most two contiguous tensors of shape "
+                         f"{tuple(q.shape)}")
+    dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=dtype or q.dtype)
     BDK, BDK2 = dk_tiles(DK)
-    common = dict(HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
-                  UPCAST=interpreting())
     cfg = _band_config(window, "dq", q.dtype, DK, DV)
     grid, longest_first = _launch(triton.cdiv(T, cfg["BM"]), B * HQ)
     tma = _tma(window, "dq") and not BDK2 and tma_ok(k, v)
     kv = (tma_descriptor(k, cfg["BN"], BDK), tma_descriptor(v, cfg["BN"], pow2(DV))) if tma else (k, v)
+    adds = (*add, dq, dq)[:2]  # unused slots point at dq (never read)
     _band_bwd_dq_kernel[grid](
-        q, *kv, do, lse, delta, delta if gate is None else gate, dq, *_strides(q), *_strides(k),
+        q, *kv, do, lse, delta, delta if gate is None else gate, dq, *adds, *_strides(q), *_strides(k),
         *_strides(v),
-        T, TK, HQ, G, scale, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
-        **cfg, **common,
-        SPLIT_MASK=_split_mask(window, "dq"), GATED=gate is not None, TMA=tma,
+        T, TK, HQ, HQ // HKV, scale, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
+        **cfg, HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
+        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "dq"), GATED=gate is not None, TMA=tma,
+        NUM_ADD=len(add),
     )
+    return dq
+
+
+def band_backward_dkv(q, k, v, lse, do, delta, *, scale, key_stride, key_offset, window=None, gate=None,
+                      split_heads=False):
+    """(dk, dv) of `band_forward` (as `band_backward`; do contiguous, delta float32 `[B, T, Hq]`)."""
+    B, T, HQ, DK = q.shape
+    TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
+    G = HQ // HKV
+    BDK, BDK2 = dk_tiles(DK)
     split = G if split_heads else 1
     buf_dtype = torch.float32 if split > 1 else k.dtype
     dk = torch.empty(B, TK, HKV * split, DK, device=q.device, dtype=buf_dtype)
@@ -621,10 +662,10 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
         q_src, k, v, do_src, lse, delta, delta if gate is None else gate, dk, dv, *_strides(q), *_strides(k),
         *_strides(v),
         T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0,
-        longest_first, **cfg, **common,
-        SPLIT_MASK=_split_mask(window, "dkv"), GATED=gate is not None, TMA=tma,
+        longest_first, **cfg, HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
+        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "dkv"), GATED=gate is not None, TMA=tma,
     )
     if split > 1:
         dk = dk.view(B, TK, HKV, split, DK).sum(3).to(k.dtype)  # [B, TK, HKV, DK]
         dv = dv.view(B, TK, HKV, split, DV).sum(3).to(v.dtype)  # [B, TK, HKV, DV]
-    return dq, dk, dv
+    return dk, dv

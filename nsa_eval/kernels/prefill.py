@@ -7,10 +7,10 @@ Backward (`FUSED_BACKWARD`, the default): the gate backward writes each branch's
 also its softmax row term delta_x = g_x * dg_x (it sums o_x * do for dg_x anyway), so no branch runs
 its own delta pass over o_x and do_x (with `GATE_IN_BRANCHES`, a memory saving that costs time,
 each branch's kernels take do and g_x and apply the gate themselves, ds = g_x * p * (dp - dg_x), and
-no copy is written); and the three branches' dq, the selected one still in its float32
-accumulator, are summed in one pass with one rounding (`sum3`) instead of a cast and two adds. Each
-branch's copy of the output gradient is freed once that branch is done, and the dq sum goes into the
-compression branch's dq buffer, so the backward holds no more than the composed one.
+no copy is written). The three branches' dq, the selected one still in its float32 accumulator, are
+summed with one rounding (`DQ_SUM`): by the compression's dq kernel, launched last, in its epilogue
+(no pass of their own), or by one pass `sum3`. Each branch's copy of the output gradient is freed
+once that branch is done, so the backward holds no more than the composed one.
 Once differentiable (no double backward). With `FUSED_BACKWARD = False` the branches are composed
 from their own autograd functions (`compressed_attention`, `selected_attention`,
 `sliding_window_attention`, `gated_sum`), as before; the benchmark times both.
@@ -27,7 +27,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from nsa_eval.kernels._triton_utils import contiguous, default_scale, interpreting
-from nsa_eval.kernels.band import band_backward, band_forward
+from nsa_eval.kernels.band import band_backward_dkv, band_backward_dq, band_forward
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.gates import gate_backward, gate_forward, gated_sum, sum3
 from nsa_eval.kernels.selection import select_blocks, selected_attention, selected_backward, selected_forward
@@ -44,6 +44,17 @@ FUSED_BACKWARD = True
 GATE_IN_BRANCHES = False
 # the window branch on a second CUDA stream (with FUSED_BACKWARD), beside the other branches
 WINDOW_STREAM = True
+# How the fused backward sums the three branches' dq. "sum3": the selected branch's float32 atomics go
+# to a zeroed buffer and one pass `sum3` adds the three dq afterwards. "fold": the compression's dq
+# kernel runs last (after its dk/dv) and adds the selected float32 dq and the window's dq in its
+# epilogue (no sum pass). "chain": the window's dq kernel writes float32, the selected atomics add to
+# that (no zeroed buffer), and the compression's dq kernel adds the sum (neither pass). Run 94
+# (scripts/probe_band.py dqsum, Triton 3.8), 64k forward+backward, 64/4 heads, four rounds in
+# alternation: sum3 109.96-112.40 ms, fold 111.33-112.47, chain 111.51-112.04 (16/4: 38.87-39.51,
+# 39.67-40.28, 39.62-39.72): the same time within the spread, as the epilogue's reads cost what the
+# passes did, but a peak of 8.57 GiB above the inputs against 9.56 (fold) and 10.72 (sum3).
+DQ_SUM = "chain"
+DQ_SUMS = ("sum3", "fold", "chain")
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -109,23 +120,51 @@ class NSAFunction(torch.autograd.Function):
         if in_branches:  # every branch reads do itself and applies its gate
             d_o = [do] * 3
         gates = [g_cmp, g_slc, g_swa] if in_branches else [None] * 3
+        band = dict(scale=scale, key_stride=stride, key_offset=block_len - 1)
+        window_band = dict(scale=scale, key_stride=1, key_offset=0, window=window, gate=gates[2])
         side = _side_stream(q)  # the window beside the selected branch
         do_swa = d_o.pop(2)  # held until the streams join: the side stream reads it
         with torch.cuda.stream(side):  # no-op for None
-            dq_swa, dk_swa, dv_swa = band_backward(q, k_swa, v_swa, o_swa, lse_swa, do_swa, scale=scale,
-                                                   key_stride=1, key_offset=0, window=window, delta=delta[2],
-                                                   gate=gates[2])
+            # "chain": the window's dq is the float32 accumulator the selected backward adds to
+            dq_swa = band_backward_dq(q, k_swa, v_swa, lse_swa, do_swa, delta[2], **window_band,
+                                      dtype=torch.float32 if DQ_SUM == "chain" else None)
+            swa_dq_done = torch.cuda.Event() if side is not None else None
+            if swa_dq_done is not None:
+                swa_dq_done.record(side)
+            dk_swa, dv_swa = band_backward_dkv(q, k_swa, v_swa, lse_swa, do_swa, delta[2], **window_band)
         if side is None:
             del do_swa
-        # each branch's do_x is dropped as soon as that branch is done
-        dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, d_o.pop(1), select_size=select_size,
-                                           scale=scale, delta=delta[1], dq_float32=True, gate=gates[1],
-                                           presorted=True)
-        dq_cmp, dk_cmp, dv_cmp = band_backward(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_o.pop(0), scale=scale,
-                                               key_stride=stride, key_offset=block_len - 1, split_heads=True,
-                                               delta=delta[0], gate=gates[0])
-        _join(side, dq_swa, dk_swa, dv_swa)
-        dq = sum3(dq_slc, dq_cmp, dq_swa, q.dtype, out=dq_cmp)  # dq_cmp: q's dtype and shape
+        do_cmp, do_slc = d_o
+        del d_o  # each branch's do_x is dropped as soon as that branch is done
+        if DQ_SUM == "sum3":
+            dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, do_slc, select_size=select_size,
+                                               scale=scale, delta=delta[1], dq_float32=True, gate=gates[1],
+                                               presorted=True)
+            del do_slc
+            dq_cmp = band_backward_dq(q, k_cmp, v_cmp, lse_cmp, do_cmp, delta[0], **band, gate=gates[0])
+            dk_cmp, dv_cmp = band_backward_dkv(q, k_cmp, v_cmp, lse_cmp, do_cmp, delta[0], **band,
+                                               gate=gates[0], split_heads=True)
+            del do_cmp
+            _join(side, dq_swa, dk_swa, dv_swa)
+            dq = sum3(dq_slc, dq_cmp, dq_swa, q.dtype, out=dq_cmp)  # dq_cmp: q's dtype and shape
+        else:  # the compression's dq kernel goes last and adds the other branches' dq
+            chain = DQ_SUM == "chain"
+            if chain:  # the selected atomics wait for the window's dq: the compression's dk/dv first
+                dk_cmp, dv_cmp = band_backward_dkv(q, k_cmp, v_cmp, lse_cmp, do_cmp, delta[0], **band,
+                                                   gate=gates[0], split_heads=True)
+                if swa_dq_done is not None:
+                    torch.cuda.current_stream(q.device).wait_event(swa_dq_done)
+                    dq_swa.record_stream(torch.cuda.current_stream(q.device))
+            dq_slc, dk, dv = selected_backward(q, k, v, bi, o_slc, lse_slc, do_slc, select_size=select_size,
+                                               scale=scale, delta=delta[1], dq_float32=True, gate=gates[1],
+                                               presorted=True, dq_into=dq_swa if chain else None)
+            del do_slc
+            if not chain:  # the selected walk beside the window, as with "sum3"
+                dk_cmp, dv_cmp = band_backward_dkv(q, k_cmp, v_cmp, lse_cmp, do_cmp, delta[0], **band,
+                                                   gate=gates[0], split_heads=True)
+            _join(side, dq_swa, dk_swa, dv_swa)
+            add = (dq_slc,) if chain else (dq_slc, dq_swa)
+            dq = band_backward_dq(q, k_cmp, v_cmp, lse_cmp, do_cmp, delta[0], **band, gate=gates[0], add=add)
         return (dq, dk, dv, dk_cmp, dv_cmp, *d_g, dk_swa, dv_swa, None)
 
 

@@ -831,13 +831,15 @@ def selected_forward(q, k, v, bi, *, select_size, scale):
 
 
 def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None, dq_float32=False,
-                      gate=None, presorted=False):
+                      gate=None, presorted=False, dq_into=None):
     """dq (one walk per query tile, as the forward) and dk/dv (per key block, inverted index).
     `delta`: float32 `[B, T, Hq]` rowsum(o * do) where the caller has it. `dq_float32`: with
     SELECTED_DQ = "fused", dq as its float32 accumulator (no cast), for a caller that adds more to
     it; with "walk" dq stays in q's dtype either way. `gate` (contiguous `[B, T, Hq]`): the output's
     gradient is `gate[..., None] * do`, applied inside the kernels; `delta` stays rowsum(o * do).
-    `presorted`: every list of bi is ascending, -1 padded at the end (as `select_blocks` writes them)."""
+    `presorted`: every list of bi is ascending, -1 padded at the end (as `select_blocks` writes them).
+    `dq_into`: a contiguous float32 tensor of q's shape (another branch's dq) that this dq is added to
+    and that is returned as dq (instead of a zeroed accumulator)."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
@@ -847,15 +849,21 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
     if SELECTED_DQ not in ("walk", "fused"):
         raise ValueError(f"SELECTED_DQ must be 'walk' or 'fused', got {SELECTED_DQ!r}")
     fuse_dq = SELECTED_DQ == "fused"
+    if dq_into is not None and (dq_into.shape != q.shape or dq_into.dtype != torch.float32
+                                or not dq_into.is_contiguous()):
+        raise ValueError(f"selected_backward: dq_into must be a contiguous float32 tensor of shape "
+                         f"{tuple(q.shape)}")
     if fuse_dq:
-        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_into is None else dq_into
     else:
         dq = torch.empty_like(q)
         _launch_selected(q, k, v, bi, None, lse, do, delta, dq, select_size=select_size, scale=scale,
                          backward=True, gate=gate)
+        if dq_into is not None:
+            dq = dq_into.add_(dq)
     dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    dq_dtype = torch.float32 if dq_float32 and fuse_dq else q.dtype
+    dq_dtype = torch.float32 if (dq_float32 and fuse_dq) or dq_into is not None else q.dtype
     if B * T * HKV * bi.shape[-1] == 0:
         return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
     GP = pow2(G, 1)

@@ -180,17 +180,22 @@ def test_decode_matches_prefill(hq, hkv):
             assert rel_err(o_dec, o_ref) < BF16_TOL
 
 
-@pytest.mark.parametrize("fused, gate_in_branches", [(True, False), (True, True), (False, False)],
-                         ids=["fused-backward", "fused-backward-gates-in-branches", "composed"])
-def test_nsa_attention_triton_gradients(monkeypatch, fused, gate_in_branches):
+@pytest.mark.parametrize("fused, gate_in_branches, dq_sum", [
+    (True, False, "sum3"), (True, False, "fold"), (True, False, "chain"), (True, True, "sum3"),
+    (False, False, "sum3"),
+], ids=["fused-backward", "fused-backward-dq-fold", "fused-backward-dq-chain",
+        "fused-backward-gates-in-branches", "composed"])
+def test_nsa_attention_triton_gradients(monkeypatch, fused, gate_in_branches, dq_sum):
     """nsa_attention(impl="triton") (reused compression lse, fused gated sum, inverted-index selection
     backward with work items split over long block lists) against the float32 reference, G = 16, as
     one autograd op (prefill.FUSED_BACKWARD; the gates applied in the branches' kernels, or as
-    copies g_x * do: GATE_IN_BRANCHES) and composed from the branches' ops."""
+    copies g_x * do: GATE_IN_BRANCHES; the branches' dq summed by each DQ_SUM, across the window's
+    stream) and composed from the branches' ops."""
     from nsa_eval.kernels import prefill
 
     monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
     monkeypatch.setattr(prefill, "GATE_IN_BRANCHES", gate_in_branches)
+    monkeypatch.setattr(prefill, "DQ_SUM", dq_sum)
     g = torch.Generator(device="cuda").manual_seed(10)
     assert_nsa_matches_reference(with_gates(make(1, 4096, 16, 1, 128, grad=True), g), g)
 
@@ -250,13 +255,17 @@ def test_head_dims_and_float16(dk, dv, dtype):
         assert rel_err(o_dec, kernels.nsa_decode(*args, cache_seqlens=lens, impl="reference")) < BF16_TOL
 
 
-def test_window_side_stream_matches_one_stream(monkeypatch):
+@pytest.mark.parametrize("dq_sum", ["sum3", "fold", "chain"])
+def test_window_side_stream_matches_one_stream(monkeypatch, dq_sum):
     """prefill.WINDOW_STREAM: the window branch on a second stream gives the output of the single
     stream bit for bit, and the same gradients up to the order of the selected branch's float32
-    atomics; 20 calls in a row with fresh inputs (the allocator reusing memory across the streams)."""
+    atomics; 20 calls in a row with fresh inputs (the allocator reusing memory across the streams),
+    with each way of summing the branches' dq (prefill.DQ_SUM: "chain" has the selected atomics wait
+    for the window's dq on the other stream)."""
     from nsa_eval import kernels
     from nsa_eval.kernels import prefill
 
+    monkeypatch.setattr(prefill, "DQ_SUM", dq_sum)
     for seed in range(20):
         g = torch.Generator(device="cuda").manual_seed(seed)
         x = with_gates(make(1, 4096, 16, 1, 128, grad=True, seed=seed), g)

@@ -19,7 +19,7 @@ import json
 import sys
 import torch
 from nsa_eval.kernels import _triton_utils as u, band, selection as s
-from nsa_eval.kernels.prefill import GATE_IN_BRANCHES  # the backward's kernels as it launches them
+from nsa_eval.kernels.prefill import DQ_SUM, GATE_IN_BRANCHES  # the backward's kernels as it launches them
 from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
 
 sys.path.insert(0, "scripts")
@@ -67,10 +67,12 @@ def prefill(name, dtype, D, DV=None):
         out[f"band fwd {branch} {name}"] = shared(band._band_fwd_kernel, [p, *kv, p, "*fp32"], consts, cfg)
         tma = band._tma(window, "dq") and not BD2
         cfg = band._band_config(window, "dq", dtype, D, DV)
+        # the compression's dq adds the other branches' (float32 selected, window) unless DQ_SUM is "sum3"
+        adds = {"sum3": 0, "fold": 2, "chain": 1}[DQ_SUM] if branch == "cmp" else 0
         consts = dict(consts, BM=cfg.pop("BM"), BN=cfg.pop("BN"), SPLIT_MASK=band._split_mask(window, "dq"),
-                      GATED=GATE_IN_BRANCHES, TMA=tma)
+                      GATED=GATE_IN_BRANCHES, TMA=tma, NUM_ADD=adds)
         kv = [desc(name, consts["BN"], BD), desc(name, consts["BN"], BDV)] if tma else [p, p]
-        pointers = [p, *kv, p] + ["*fp32"] * 2 + [p, p]
+        pointers = [p, *kv, p] + ["*fp32"] * 2 + [p, p] + ["*fp32", p]
         out[f"band dq {branch} {name}"] = shared(band._band_bwd_dq_kernel, pointers, consts, cfg)
     for GP in (16, 4, 1):  # fewer heads: more positions a program
         launch = s.importance_launch("reshape", GP, dtype, D)

@@ -256,6 +256,48 @@ def test_split_head_dim(monkeypatch, split, walk, selected_dq, gate_in_branches)
     assert_nsa_attention_matches_reference(48, 16, seed=21)
 
 
+@pytest.mark.parametrize("dq_sum, selected_dq, dk, own_window", [
+    ("fold", "fused", 16, False), ("chain", "fused", 16, True), ("chain", "walk", 16, False),
+    ("fold", "fused", 48, True), ("chain", "fused", 48, False),
+], ids=["fold", "chain-own-window", "chain-dq-walk", "fold-split-dim-own-window", "chain-split-dim"])
+def test_nsa_attention_dq_sums(monkeypatch, dq_sum, selected_dq, dk, own_window):
+    """prefill.DQ_SUM: the three branches' dq added in the compression's dq kernel ("fold": the
+    selected float32 dq and the window's; "chain": the selected atomics into the window's float32 dq)
+    instead of a sum pass, with the selected dq fused or walked and a split head dim (48 = 32 + 16):
+    nsa_attention(impl="triton") against the reference, output and every gradient."""
+    from nsa_eval.kernels import prefill, selection
+
+    monkeypatch.setattr(prefill, "DQ_SUM", dq_sum)
+    monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
+    assert_nsa_attention_matches_reference(dk, 16, seed=31, own_window=own_window)
+
+
+@pytest.mark.parametrize("dk", [16, 48], ids=["dim-16", "split-dim-48"])
+def test_band_dq_adds_other_branches(dk):
+    """band_backward_dq's `add`: the dq of the band plus up to two other tensors (float32 and the
+    input dtype, float32 output too), equal to the sum of the band's own dq and them; more than two,
+    or a wrong shape, is a ValueError."""
+    from nsa_eval.kernels import _triton_utils as tu
+    from nsa_eval.kernels.band import band_backward_dq, band_forward
+
+    x = make(1, 72, 4, 2, dk, 16)
+    q, k, v = (x[n].detach() for n in ("q", "k", "v"))
+    band = dict(scale=dk ** -0.5, key_stride=1, key_offset=0, window=20)
+    o, lse = band_forward(q, k, v, **band)
+    g = torch.Generator().manual_seed(4)
+    do = torch.randn(o.shape, generator=g)
+    delta = tu.row_delta(o, do)
+    alone = band_backward_dq(q, k, v, lse, do, delta, **band)
+    a, b = (torch.randn(q.shape, generator=g) for _ in range(2))
+    both = band_backward_dq(q, k, v, lse, do, delta, **band, add=(a, b))
+    assert torch.allclose(both, alone + a + b, atol=1e-5)
+    one = band_backward_dq(q, k, v, lse, do, delta, **band, add=(a,), dtype=torch.float64)
+    assert one.dtype == torch.float64 and torch.allclose(one.float(), alone + a, atol=1e-5)
+    for bad in ((a, b, a), (a[:, :10].contiguous(),)):
+        with pytest.raises(ValueError, match="add takes at most two contiguous tensors"):
+            band_backward_dq(q, k, v, lse, do, delta, **band, add=bad)
+
+
 def test_gate_backward_deltas_and_sum3():
     """The gate backward's deltas equal each branch's rowsum(o_x * do_x) (rowsum(o_x * do) without the
     copies do_x); `sum3` equals its float32 reference, for mixed input dtypes, and rounds once to bf16."""
