@@ -2,8 +2,9 @@
 # One H200 round of the kernel work (docs/kernels.md): the GPU tests, then the benchmark.
 #   OUT=/some/dir [FLA_WHEELS=dir] [TESTS=0] [BENCH=0] bash reports/kernels/gpu_kernels.sh [RUN_NAME]
 # Writes $OUT/kernels.tar (gpu_tests_<run>.log, bench_<run>.log, kernels.csv, kernels.md). TESTS=0 or
-# BENCH=0 skips that half (the tests take 4-6 minutes, the benchmark 5; a device call may be limited to 10).
-# Runs 88-92 ran the Triton the project pins on the H200 (its image has 3.6): scripts/pack_triton.sh
+# BENCH=0 skips that half (the tests take 5-7 minutes, 404 s in run 95, the benchmark 5-8, 470 s in run 95; a device call may
+# be limited to 10).
+# Runs 88-95 ran the Triton the project pins on the H200 (its image has 3.6): scripts/pack_triton.sh
 # packs it and says how to unpack it there, ahead on PYTHONPATH.
 set -uo pipefail
 RUN=${1:-run}
@@ -13,7 +14,7 @@ mkdir -p "$OUT" "$DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ "${TESTS:-1}" != 0 ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$DIR/gpu_tests_$RUN.log"
-  timeout 480 python3 -m pytest -m gpu tests/kernels -q -s -p no:cacheprovider 2>&1 \
+  timeout 540 python3 -m pytest -m gpu tests/kernels -q -s -p no:cacheprovider 2>&1 \
     | tee -a "$DIR/gpu_tests_$RUN.log" | grep -E "passed|failed|error|Error|ms|x " | tail -n 40
 fi
 if [ "${BENCH:-1}" = 0 ]; then
@@ -26,6 +27,6 @@ FLA_WHEELS=${FLA_WHEELS:-.whl}
 if ls "$FLA_WHEELS"/*.whl > /dev/null 2>&1; then
   python3 -m pip install --no-deps -q "$FLA_WHEELS"/*.whl 2>&1 | grep -v WARNING
 fi
-timeout 500 python3 -m nsa_eval.commands.bench kernels --lengths 8k 64k --out "$DIR" 2>&1 \
+timeout 560 python3 -m nsa_eval.commands.bench kernels --lengths 8k 64k --out "$DIR" 2>&1 \
   | tee "$DIR/bench_$RUN.log" | tail -n 60
 tar -C "$DIR" -cf "$OUT/kernels.tar" .
