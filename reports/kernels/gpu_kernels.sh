@@ -2,8 +2,8 @@
 # One H200 round of the kernel work (docs/kernels.md): the GPU tests, then the benchmark.
 #   OUT=/some/dir [FLA_WHEELS=dir] [TESTS=0] [BENCH=0] bash reports/kernels/gpu_kernels.sh [RUN_NAME]
 # Writes $OUT/kernels.tar (gpu_tests_<run>.log, bench_<run>.log, kernels.csv, kernels.md). TESTS=0 or
-# BENCH=0 skips that half (the tests take 5-7 minutes, 404 s in run 95, the benchmark 5-8, 470 s in run 95; a device call may
-# be limited to 10).
+# BENCH=0 skips that half (in run 95 the tests took 404 s, the benchmark 470: one device call may be
+# limited to 10 minutes, so run each half in a call of its own).
 # Runs 88-95 ran the Triton the project pins on the H200 (its image has 3.6): scripts/pack_triton.sh
 # packs it and says how to unpack it there, ahead on PYTHONPATH.
 set -uo pipefail
