@@ -446,8 +446,10 @@ def bench_variants(x, lse, idx):
         timed("nsa_attention [window on one stream]", prefill, "WINDOW_STREAM", False, forward)
         timed("nsa_attention [band tiles in index order]", band, "BAND_LONGEST_FIRST", False,
               forward)
+        timed("nsa_attention [gated sum apart]", prefill, "GATE_IN_SELECTED", False, forward)
     timed("nsa_attention [dq window on one stream]", prefill, "WINDOW_STREAM", False, whole)
     timed("nsa_attention [dq gates in the branches]", prefill, "GATE_IN_BRANCHES", True, whole)
+    timed("nsa_attention [dq gated sum apart]", prefill, "GATE_IN_SELECTED", False, whole)
     for dq_sum in (m for m in prefill.DQ_SUMS if m != prefill.DQ_SUM):  # the branches' dq summed otherwise
         timed(f"nsa_attention [dq sum {dq_sum}]", prefill, "DQ_SUM", dq_sum, whole)
     timed("nsa_attention [dq band tiles in index order]", band, "BAND_LONGEST_FIRST", False, whole)

@@ -25,6 +25,12 @@ three rounds of the defaults, the window's backward masked and the compression's
 
 Run 94 (Triton 3.8): the NSA's 64k forward+backward (64/4 and 16/4 heads) with each way of summing
 the branches' dq (`prefill.DQ_SUM`), in alternation, and the peak memory of one step with each.
+
+    PYTHONPATH=. python3 scripts/probe_band.py gatesum
+
+Run 96 (Triton 3.8): the NSA's forward (64k at 64/4 and 16/4 heads, 8k at 64/4) and 64k
+forward+backward with the gated sum in the selected forward's epilogue (`prefill.GATE_IN_SELECTED`)
+and as a pass of its own, in alternation, three rounds.
 """
 
 import sys
@@ -159,8 +165,29 @@ def dq_sums(hq, rounds):
             print(f"[{rep}] nsa {hq}/4 fwd+bwd dq sum {mode}: {ms:.2f} ms", flush=True)
 
 
+def probe_gate_sum():
+    for t, hq, grad in ((T, 64, False), (T, 16, False), (8192, 64, False), (T, 64, True)):
+        gate_sums(t, hq, grad)
+        torch.cuda.empty_cache()
+
+
+def gate_sums(t, hq, grad):
+    from nsa_eval.kernels import prefill
+
+    x = _inputs(1, t, hq, 4, 128, grad=grad)
+    fn = _fwd_bwd(lambda: nsa_prefill(**x), x) if grad else lambda: nsa_prefill(**x)
+    label = f"T={t} nsa {hq}/4 {'fwd+bwd' if grad else 'fwd'}"
+    for rep in range(3):
+        for fused in (True, False):
+            with torch.set_grad_enabled(grad):
+                ms = _with_flag(prefill, "GATE_IN_SELECTED", fused, lambda: _time(fn))
+            where = "in selected" if fused else "apart"
+            print(f"[{rep}] {label} gated sum {where}: {ms:.3f} ms", flush=True)
+
+
 def main():
-    probes = {"triton38": probe_triton38, "nsa38": probe_nsa38, "dqsum": probe_dq_sum}
+    probes = {"triton38": probe_triton38, "nsa38": probe_nsa38, "dqsum": probe_dq_sum,
+              "gatesum": probe_gate_sum}
     if sys.argv[1:2] and sys.argv[1] in probes:
         import triton
 

@@ -1,7 +1,8 @@
 """Triton NSA for prefill and training: the three branches and their gated sum as one autograd op.
 
-Forward: the compression branch (its lse also feeds the selection), `select_blocks`, the selected
-branch, the sliding window, then `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa` in one pass.
+Forward: the compression branch (its lse also feeds the selection), `select_blocks`, the sliding
+window, then the selected branch, whose epilogue also writes `g_cmp * o_cmp + g_slc * o_slc + g_swa *
+o_swa` (`GATE_IN_SELECTED`; else a pass of its own).
 
 Backward (`FUSED_BACKWARD`, the default): the gate backward writes each branch's copy g_x * do and
 also its softmax row term delta_x = g_x * dg_x (it sums o_x * do for dg_x anyway), so no branch runs
@@ -30,7 +31,13 @@ from nsa_eval.kernels._triton_utils import contiguous, default_scale, interpreti
 from nsa_eval.kernels.band import band_backward_dkv, band_backward_dq, band_forward
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.gates import gate_backward, gate_forward, gated_sum, sum3
-from nsa_eval.kernels.selection import select_blocks, selected_attention, selected_backward, selected_forward
+from nsa_eval.kernels.selection import (
+    select_blocks,
+    selected_attention,
+    selected_backward,
+    selected_forward,
+    selected_forward_gated,
+)
 from nsa_eval.kernels.window import sliding_window_attention
 
 FUSED_BACKWARD = True
@@ -44,6 +51,10 @@ FUSED_BACKWARD = True
 GATE_IN_BRANCHES = False
 # the window branch on a second CUDA stream (with FUSED_BACKWARD), beside the other branches
 WINDOW_STREAM = True
+# with FUSED_BACKWARD: the gated sum of the three outputs written by the selected forward's epilogue
+# (`selection.selected_forward_gated`, once the window's output is done), instead of a pass of its own
+# (`gates.gate_forward`) that reads o_slc back; without gradients o_slc is not stored at all
+GATE_IN_SELECTED = True
 # How the fused backward sums the three branches' dq. "sum3": the selected branch's float32 atomics go
 # to a zeroed buffer and one pass `sum3` adds the three dq afterwards. "fold": the compression's dq
 # kernel runs last (after its dk/dv) and adds the selected float32 dq and the window's dq in its
@@ -84,7 +95,9 @@ def _join(side: torch.cuda.Stream | None, *made_there: torch.Tensor) -> None:
 
 class NSAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, params):
+    def forward(ctx, q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, params, needs_grad):
+        # needs_grad: a backward may follow (grad mode on, an input requiring a gradient; inside
+        # forward grad mode is always off, and ctx.needs_input_grad ignores torch.no_grad)
         block_len, stride, select_size, num_selected, num_init, num_local, window, scale = params
         q, k, v, k_cmp, v_cmp, k_swa, v_swa = contiguous(q, k, v, k_cmp, v_cmp, k_swa, v_swa)
         o_cmp, lse_cmp = band_forward(q, k_cmp, v_cmp, scale=scale, key_stride=stride,
@@ -96,10 +109,16 @@ class NSAFunction(torch.autograd.Function):
         bi = select_blocks(q, k_cmp, block_len=block_len, stride=stride, select_size=select_size,
                            num_selected=num_selected, num_init=num_init, num_local=num_local, scale=scale,
                            lse=lse_cmp)  # int32 [B, T, Hkv, n], contiguous
-        o_slc, lse_slc = selected_forward(q, k, v, bi, select_size=select_size, scale=scale)
-        _join(side, o_swa, lse_swa)
         g_cmp, g_slc, g_swa = contiguous(g_cmp, g_slc, g_swa)
-        o = gate_forward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
+        if GATE_IN_SELECTED:  # the window's output first: the selected forward's epilogue reads it
+            _join(side, o_swa, lse_swa)
+            o, o_slc, lse_slc = selected_forward_gated(q, k, v, bi, o_cmp, o_swa, g_cmp, g_slc, g_swa,
+                                                       select_size=select_size, scale=scale,
+                                                       keep_o=needs_grad)
+        else:
+            o_slc, lse_slc = selected_forward(q, k, v, bi, select_size=select_size, scale=scale)
+            _join(side, o_swa, lse_swa)
+            o = gate_forward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
         ctx.save_for_backward(q, k, v, k_cmp, v_cmp, k_swa, v_swa, g_cmp, g_slc, g_swa, bi,
                               o_cmp, lse_cmp, o_slc, lse_slc, o_swa, lse_swa)
         ctx.params = params
@@ -165,7 +184,7 @@ class NSAFunction(torch.autograd.Function):
             _join(side, dq_swa, dk_swa, dv_swa)
             add = (dq_slc,) if chain else (dq_slc, dq_swa)
             dq = band_backward_dq(q, k_cmp, v_cmp, lse_cmp, do_cmp, delta[0], **band, gate=gates[0], add=add)
-        return (dq, dk, dv, dk_cmp, dv_cmp, *d_g, dk_swa, dv_swa, None)
+        return (dq, dk, dv, dk_cmp, dv_cmp, *d_g, dk_swa, dv_swa, None, None)
 
 
 def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_swa=None, block_len=32,
@@ -183,7 +202,9 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_s
     scale = default_scale(scale, q.shape[-1])
     if FUSED_BACKWARD:
         params = (block_len, stride, select_size, num_selected, num_init, num_local, window, scale)
-        o, bi = NSAFunction.apply(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, params)
+        inputs = (q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        o, bi = NSAFunction.apply(*inputs, params, needs_grad)
     else:
         o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, block_len=block_len, stride=stride, scale=scale)
         # the selection reuses the compression lse instead of recomputing it

@@ -489,26 +489,42 @@ def _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK: tl.constexpr, BDK: tl.cons
 
 
 @triton.jit
-def _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV: tl.constexpr):
-    # o = acc / l_i (0 for rows with no usable token) and lse (natural log, -inf for those rows)
+def _store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV: tl.constexpr,
+                   GATE_SUM: tl.constexpr, STORE_O: tl.constexpr):
+    # o = acc / l_i (0 for rows with no usable token; to O if STORE_O) and lse (natural log, -inf for
+    # those rows). GATE_SUM: also NSA's output OUT = GC * OC + GS * o + GW * OW for the rows (gates
+    # [B, T, HQ], the other branches' outputs OC, OW [B, T, HQ, DV], all contiguous), with o rounded
+    # to O's dtype first and the sum in `gates.gate_forward`'s order, so OUT is that kernel's result
     o, lse_out = softmax_result(m_i, l_i, acc)  # [M, BDV], [M]
-    tl.store(O + row[:, None] * DV + o_dv[None, :], o.to(O.dtype.element_ty),
-             mask=m_r[:, None] & (o_dv < DV)[None, :])
+    offs = row[:, None] * DV + o_dv[None, :]
+    mask = m_r[:, None] & (o_dv < DV)[None, :]
+    o = o.to(O.dtype.element_ty)
+    if STORE_O:
+        tl.store(O + offs, o, mask=mask)
     tl.store(LSE + row, lse_out, mask=m_r)
+    if GATE_SUM:
+        gc = tl.load(GC + row, mask=m_r, other=0.0).to(tl.float32)
+        gs = tl.load(GS + row, mask=m_r, other=0.0).to(tl.float32)
+        gw = tl.load(GW + row, mask=m_r, other=0.0).to(tl.float32)
+        out = gc[:, None] * tl.load(OC + offs, mask=mask, other=0.0).to(tl.float32)
+        out += gs[:, None] * o.to(tl.float32)
+        out += gw[:, None] * tl.load(OW + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _selected_kernel(
-    Q, K, V, BI, O, LSE, DO, DELTA, GATE, DQ,
+    Q, K, V, BI, O, LSE, DO, DELTA, GATE, DQ, OC, OW, GC, GS, GW, OUT,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NSEL, scale, scale_log2,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr,
-    UPCAST: tl.constexpr, GATED: tl.constexpr,
+    UPCAST: tl.constexpr, GATED: tl.constexpr, GATE_SUM: tl.constexpr = False, STORE_O: tl.constexpr = True,
 ):
     # Forward (BACKWARD=False): O, LSE. Backward: DQ only (dk/dv: `_selected_dkv_kernel`); GATED: the
     # output's gradient is GATE [B, T, HQ] (per row) times DO, DELTA rowsum(o * DO).
     # O, DO, DQ contiguous [B, T, HQ, D]; BI contiguous [B, T, HKV, NSEL].
+    # GATE_SUM (forward): also OUT = GC * OC + GS * O + GW * OW (`_store_forward`); STORE_O: O is written.
     M: tl.constexpr = BT * GP
     i_b, i_hk, t0, r_t, m_r, row, q, q2 = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, BDK2, GP, BT,
                                                          UPCAST)
@@ -555,17 +571,18 @@ def _selected_kernel(
     if BACKWARD:
         _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK, BDK, BDK2, GATED)
     else:
-        _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV)
+        _store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV, GATE_SUM, STORE_O)
 
 
 @triton.jit
 def _selected_pipelined_kernel(
-    Q, K, V, BI, O, LSE, DO, DELTA, GATE, DQ,
+    Q, K, V, BI, O, LSE, DO, DELTA, GATE, DQ, OC, OW, GC, GS, GW, OUT,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NSEL, scale, scale_log2,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr,
-    UPCAST: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False,
+    UPCAST: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False, GATE_SUM: tl.constexpr = False,
+    STORE_O: tl.constexpr = True,
 ):
     # Same contract as `_selected_kernel`. The distinct usable blocks of the BT lists are numbered
     # 0 .. n_blk-1 up front; iteration i reads block i, with no branch, so loads can run ahead.
@@ -633,7 +650,7 @@ def _selected_pipelined_kernel(
     if BACKWARD:
         _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK, BDK, BDK2, GATED)
     else:
-        _store_o_lse(O, LSE, row, m_r, o_dv, m_i, l_i, acc, DV)
+        _store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV, GATE_SUM, STORE_O)
 
 
 _SELECTED_WALKS = {"pipelined": _selected_pipelined_kernel, "union": _selected_kernel}
@@ -644,7 +661,9 @@ def _tiling(G: int):
     return GP, max(1, SELECTED_ROWS // GP)
 
 
-def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, backward, gate=None):
+def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, backward, gate=None,
+                     gated_sum=None, store_o=True):
+    # gated_sum (forward): (o_cmp, o_swa, g_cmp, g_slc, g_swa, out) for `_store_forward`'s GATE_SUM
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
@@ -660,10 +679,12 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
         q, *kv, bi, dummy, lse, do if do is not None else dummy,
         delta if delta is not None else lse,
         gate if gate is not None else lse, dq if dq is not None else dummy,
+        *(gated_sum if gated_sum is not None else (dummy,) * 6),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
         DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
-        BACKWARD=backward, UPCAST=interpreting(), GATED=gate is not None,
+        BACKWARD=backward, UPCAST=interpreting(), GATED=gate is not None, GATE_SUM=gated_sum is not None,
+        STORE_O=store_o,
         **({"TMA": True} if tma else {}),  # the union walk has no TMA path
         **(SELECTED_DQ_CONFIG if backward else selected_fwd_launch(BT, DK, tma)),
     )
@@ -828,6 +849,21 @@ def selected_forward(q, k, v, bi, *, select_size, scale):
     _launch_selected(q, k, v, bi, o, lse, None, None, None, select_size=select_size, scale=scale,
                      backward=False)
     return o, lse
+
+
+def selected_forward_gated(q, k, v, bi, o_cmp, o_swa, g_cmp, g_slc, g_swa, *, select_size, scale,
+                           keep_o=True):
+    """The selection branch's forward that also writes NSA's output,
+    `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa`, from its epilogue (no pass of its own over the
+    three outputs). Inputs contiguous, bi int32; o_cmp, o_swa `[B, T, Hq, Dv]`, gates `[B, T, Hq]`.
+    Returns (o `[B, T, Hq, Dv]`, o_slc or None without `keep_o`, lse_slc `[B, T, Hq]` float32)."""
+    B, T, HQ, _ = q.shape
+    o = torch.empty(B, T, HQ, v.shape[3], device=q.device, dtype=q.dtype)
+    o_slc = torch.empty_like(o) if keep_o else o  # without keep_o the kernel writes only o
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    _launch_selected(q, k, v, bi, o_slc, lse, None, None, None, select_size=select_size, scale=scale,
+                     backward=False, gated_sum=(o_cmp, o_swa, g_cmp, g_slc, g_swa, o), store_o=keep_o)
+    return o, (o_slc if keep_o else None), lse
 
 
 def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None, dq_float32=False,

@@ -255,6 +255,30 @@ def test_head_dims_and_float16(dk, dv, dtype):
         assert rel_err(o_dec, kernels.nsa_decode(*args, cache_seqlens=lens, impl="reference")) < BF16_TOL
 
 
+@pytest.mark.parametrize("hq", [16, 4], ids=["G16", "G4"])
+def test_gated_sum_in_selected_forward(monkeypatch, hq):
+    """prefill.GATE_IN_SELECTED: NSA's output from the selected forward's epilogue, without gradients
+    (o_slc not stored) and with them, against the separate gate pass and the float32 reference
+    (T = 4096, bf16, 4 KV heads at G = 16 and G = 4)."""
+    from nsa_eval import kernels
+    from nsa_eval.kernels import prefill
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    x = with_gates(make(1, 4096, hq * 4, 4, 128, grad=True), g)
+    args = [x[n] for n in NSA_ARGS]
+    out = {}
+    for fused in (False, True):
+        monkeypatch.setattr(prefill, "GATE_IN_SELECTED", fused)
+        with torch.no_grad():
+            out[fused, False] = kernels.nsa_attention(*args, impl="triton")
+        out[fused, True] = kernels.nsa_attention(*args, impl="triton").detach()
+    for key in ((True, False), (True, True), (False, True)):
+        assert rel_err(out[key], out[False, False]) < 1e-3, key
+    with torch.no_grad():
+        o_ref = kernels.nsa_attention(*[x[n].float() for n in NSA_ARGS], impl="reference")
+    assert rel_err(out[True, False], o_ref) < BF16_TOL
+
+
 @pytest.mark.parametrize("dq_sum", ["sum3", "fold", "chain"])
 def test_window_side_stream_matches_one_stream(monkeypatch, dq_sum):
     """prefill.WINDOW_STREAM: the window branch on a second stream gives the output of the single

@@ -19,7 +19,7 @@ import json
 import sys
 import torch
 from nsa_eval.kernels import _triton_utils as u, band, selection as s
-from nsa_eval.kernels.prefill import DQ_SUM, GATE_IN_BRANCHES  # the backward's kernels as it launches them
+from nsa_eval.kernels.prefill import DQ_SUM, GATE_IN_BRANCHES, GATE_IN_SELECTED  # as the prefill launches
 from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
 
 sys.path.insert(0, "scripts")
@@ -85,9 +85,9 @@ def prefill(name, dtype, D, DV=None):
     GP = 16
     tma = s.SELECTED_TMA and not BD2
     consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False,
-                  UPCAST=False, GATED=False, TMA=tma)
+                  UPCAST=False, GATED=False, TMA=tma, GATE_SUM=GATE_IN_SELECTED)  # as the prefill runs it
     kv = [desc(name, 64, BD), desc(name, 64, BDV)] if tma else [p, p]
-    selected = [p, *kv, "*i32", p, "*fp32"] + [p, "*fp32", p, p]
+    selected = [p, *kv, "*i32", p, "*fp32"] + [p, "*fp32", p, p] + [p] * 6
     fwd = s._selected_pipelined_kernel
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(1, D, tma))
     consts = dict(consts, GP=4, BT=4)  # G = 4: four positions a program

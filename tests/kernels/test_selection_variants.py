@@ -157,8 +157,9 @@ def compile_for_h200(kernel, *, backward, config, G=16, d=128, select_size=64, n
     consts = dict(DK=d, DV=d, BDK=d, BDK2=0, BDV=d, GP=GP, BT=BT, BS=select_size, NP=n, BACKWARD=backward,
                   UPCAST=False, GATED=False)
     types = ["*bf16", "*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16"]
+    types += ["*bf16"] * 6  # the gated sum's operands (OC, OW, GC, GS, GW, OUT)
     types += ["i32"] * 13 + ["fp32", "fp32"]
-    divisible = range(23)  # pointers, strides, T, HQ, G, NSEL
+    divisible = range(29)  # pointers, strides, T, HQ, G, NSEL
     return compile_sm90(kernel, types, consts, config, divisible).asm["ttgir"]
 
 

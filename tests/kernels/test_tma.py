@@ -134,7 +134,7 @@ out = {}
 consts = dict(DK=128, DV=128, BDK=128, BDK2=0, BDV=128, GP=16, BT=1, BS=64, NP=16, BACKWARD=False,
               UPCAST=False, GATED=False, TMA=True)
 fwd = s._selected_pipelined_kernel
-pointers = ["*bf16", desc(64, 128), desc(64, 128), "*i32", "*bf16", "*fp32", "*bf16", "*fp32"] + ["*bf16"] * 2
+pointers = ["*bf16", desc(64, 128), desc(64, 128), "*i32", "*bf16", "*fp32", "*bf16", "*fp32"] + ["*bf16"] * 8
 out["selected fwd"] = compile_sm90(fwd, pointers_then_scalars(fwd, pointers, consts), consts,
                                    s.selected_fwd_launch(1, 128, True)).asm["ptx"]
 cfg = band._band_config(None, "fwd", torch.bfloat16, tma=True)

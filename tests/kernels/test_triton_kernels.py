@@ -272,6 +272,38 @@ def test_nsa_attention_dq_sums(monkeypatch, dq_sum, selected_dq, dk, own_window)
     assert_nsa_attention_matches_reference(dk, 16, seed=31, own_window=own_window)
 
 
+@pytest.mark.parametrize("walk, hq", [("pipelined", 4), ("pipelined", 16), ("union", 4)],
+                         ids=["pipelined-G2", "pipelined-G8", "union-G2"])
+def test_gated_sum_in_selected_forward(monkeypatch, walk, hq):
+    """prefill.GATE_IN_SELECTED: NSA's output written by the selected forward's epilogue equals the
+    separate gate pass's, with gradients (o_slc kept for the backward, whose gradients match the
+    reference) and without (o_slc not stored), for the pipelined and the union walk."""
+    from nsa_eval import kernels
+    from nsa_eval.kernels import prefill, selection
+
+    monkeypatch.setattr(selection, "SELECTED_WALK", walk)
+    B, T, hkv, d = 1, 72, 2, 16
+    x = make(B, T, hq, hkv, d, d, seed=41)
+    g = torch.Generator().manual_seed(42)
+    gates = [torch.rand(B, T, hq, generator=g).requires_grad_() for _ in range(3)]
+    ins = (x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates)
+    params = dict(select_size=16, num_selected=3, window=20, impl="triton")
+    out = {}
+    for fused in (False, True):
+        monkeypatch.setattr(prefill, "GATE_IN_SELECTED", fused)
+        with torch.no_grad():
+            o_nograd = kernels.nsa_attention(*ins, **params)
+        o = kernels.nsa_attention(*ins, **params)
+        out[fused] = (o_nograd, o, grads([o], ins))
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-6)
+    assert torch.allclose(out[True][1], out[False][1], atol=1e-6)
+    assert torch.allclose(out[True][0], out[True][1])
+    o_ref = kernels.nsa_attention(*ins, **dict(params, impl="reference"))
+    assert rel_err(out[True][1], o_ref) < TOL
+    for a, b in zip(out[True][2], grads([o_ref], ins), strict=True):
+        assert rel_err(a, b) < TOL
+
+
 @pytest.mark.parametrize("dk", [16, 48], ids=["dim-16", "split-dim-48"])
 def test_band_dq_adds_other_branches(dk):
     """band_backward_dq's `add`: the dq of the band plus up to two other tensors (float32 and the
