@@ -446,10 +446,13 @@ def bench_variants(x, lse, idx):
         timed("nsa_attention [window on one stream]", prefill, "WINDOW_STREAM", False, forward)
         timed("nsa_attention [band tiles in index order]", band, "BAND_LONGEST_FIRST", False,
               forward)
-        timed("nsa_attention [gated sum apart]", prefill, "GATE_IN_SELECTED", False, forward)
+        gate_other = "apart" if prefill.GATE_IN_SELECTED else "in selected"  # the other choice
+        timed(f"nsa_attention [gated sum {gate_other}]", prefill, "GATE_IN_SELECTED",
+              not prefill.GATE_IN_SELECTED, forward)
     timed("nsa_attention [dq window on one stream]", prefill, "WINDOW_STREAM", False, whole)
     timed("nsa_attention [dq gates in the branches]", prefill, "GATE_IN_BRANCHES", True, whole)
-    timed("nsa_attention [dq gated sum apart]", prefill, "GATE_IN_SELECTED", False, whole)
+    timed(f"nsa_attention [dq gated sum {gate_other}]", prefill, "GATE_IN_SELECTED",
+          not prefill.GATE_IN_SELECTED, whole)
     for dq_sum in (m for m in prefill.DQ_SUMS if m != prefill.DQ_SUM):  # the branches' dq summed otherwise
         timed(f"nsa_attention [dq sum {dq_sum}]", prefill, "DQ_SUM", dq_sum, whole)
     timed("nsa_attention [dq band tiles in index order]", band, "BAND_LONGEST_FIRST", False, whole)

@@ -1,8 +1,8 @@
 """Triton NSA for prefill and training: the three branches and their gated sum as one autograd op.
 
-Forward: the compression branch (its lse also feeds the selection), `select_blocks`, the sliding
-window, then the selected branch, whose epilogue also writes `g_cmp * o_cmp + g_slc * o_slc + g_swa *
-o_swa` (`GATE_IN_SELECTED`; else a pass of its own).
+Forward: the compression branch (its lse also feeds the selection), `select_blocks`, the selected
+branch, the sliding window, then `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa` in one pass (or, with
+`GATE_IN_SELECTED`, in the selected forward's epilogue).
 
 Backward (`FUSED_BACKWARD`, the default): the gate backward writes each branch's copy g_x * do and
 also its softmax row term delta_x = g_x * dg_x (it sums o_x * do for dg_x anyway), so no branch runs
@@ -53,8 +53,13 @@ GATE_IN_BRANCHES = False
 WINDOW_STREAM = True
 # with FUSED_BACKWARD: the gated sum of the three outputs written by the selected forward's epilogue
 # (`selection.selected_forward_gated`, once the window's output is done), instead of a pass of its own
-# (`gates.gate_forward`) that reads o_slc back; without gradients o_slc is not stored at all
-GATE_IN_SELECTED = True
+# (`gates.gate_forward`) that reads o_slc back; without gradients o_slc is not stored at all. Off: run 96
+# (scripts/probe_band.py gatesum, Triton 3.8, three rounds in alternation, in selected / apart) had the
+# 64k forward at 32.83 / 33.24, 34.75 / 33.50, 34.65 / 33.22 ms (16/4 heads 17.57-18.45 against
+# 17.27-17.43: slower, as the walk waits for the window and reads the two outputs), the 8k forward at
+# 2.32-2.34 against 2.37-2.39 (faster) and the 64k forward+backward at 108.80-110.43 against
+# 110.13-110.52 (within the spread); the benchmark times it (`[gated sum in selected]`)
+GATE_IN_SELECTED = False
 # How the fused backward sums the three branches' dq. "sum3": the selected branch's float32 atomics go
 # to a zeroed buffer and one pass `sum3` adds the three dq afterwards. "fold": the compression's dq
 # kernel runs last (after its dk/dv) and adds the selected float32 dq and the window's dq in its
