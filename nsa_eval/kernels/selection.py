@@ -494,7 +494,7 @@ def _store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, ac
     # o = acc / l_i (0 for rows with no usable token; to O if STORE_O) and lse (natural log, -inf for
     # those rows). GATE_SUM: also NSA's output OUT = GC * OC + GS * o + GW * OW for the rows (gates
     # [B, T, HQ], the other branches' outputs OC, OW [B, T, HQ, DV], all contiguous), with o rounded
-    # to O's dtype first and the sum in `gates.gate_forward`'s order, so OUT is that kernel's result
+    # to O's dtype first and the sum in `gates.gate_forward`'s order, as that kernel computes it
     o, lse_out = softmax_result(m_i, l_i, acc)  # [M, BDV], [M]
     offs = row[:, None] * DV + o_dv[None, :]
     mask = m_r[:, None] & (o_dv < DV)[None, :]
