@@ -613,6 +613,13 @@ def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offs
     return dq, dk, dv
 
 
+def _band_consts(window, dk: int, dv: int) -> dict:
+    """The constexprs both backward kernels take from the branch and the head dims."""
+    bdk, bdk2 = dk_tiles(dk)
+    return dict(HAS_WINDOW=window is not None, DK=dk, DV=dv, BDK=bdk, BDK2=bdk2, BDV=pow2(dv),
+                UPCAST=interpreting())
+
+
 def band_backward_dq(q, k, v, lse, do, delta, *, scale, key_stride, key_offset, window=None, gate=None,
                      add=(), dtype=None):
     """dq `[B, T, Hq, Dk]` of `band_forward` (as `band_backward`; do contiguous, delta float32
@@ -634,9 +641,8 @@ def band_backward_dq(q, k, v, lse, do, delta, *, scale, key_stride, key_offset, 
         q, *kv, do, lse, delta, delta if gate is None else gate, dq, *adds, *_strides(q), *_strides(k),
         *_strides(v),
         T, TK, HQ, HQ // HKV, scale, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
-        **cfg, HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
-        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "dq"), GATED=gate is not None, TMA=tma,
-        NUM_ADD=len(add),
+        **cfg, **_band_consts(window, DK, DV), SPLIT_MASK=_split_mask(window, "dq"), GATED=gate is not None,
+        TMA=tma, NUM_ADD=len(add),
     )
     return dq
 
@@ -662,8 +668,8 @@ def band_backward_dkv(q, k, v, lse, do, delta, *, scale, key_stride, key_offset,
         q_src, k, v, do_src, lse, delta, delta if gate is None else gate, dk, dv, *_strides(q), *_strides(k),
         *_strides(v),
         T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0,
-        longest_first, **cfg, HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
-        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "dkv"), GATED=gate is not None, TMA=tma,
+        longest_first, **cfg, **_band_consts(window, DK, DV), SPLIT_MASK=_split_mask(window, "dkv"),
+        GATED=gate is not None, TMA=tma,
     )
     if split > 1:
         dk = dk.view(B, TK, HKV, split, DK).sum(3).to(k.dtype)  # [B, TK, HKV, DK]
