@@ -280,7 +280,8 @@ def bench_selected_floor(T, hq, hkv, d=128):
 
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.floors import gather_blocks_sum
-    from nsa_eval.kernels.selection import select_blocks, selected_attention
+    from nsa_eval.kernels.importance import select_blocks
+    from nsa_eval.kernels.selection import selected_attention
 
     x = _inputs(1, T, hq, hkv, d, grad=False)
     with torch.no_grad():
@@ -299,7 +300,8 @@ def bench_ops(T, hq, hkv, d=128):
     import torch
 
     from nsa_eval.kernels.compression import compressed_attention
-    from nsa_eval.kernels.selection import select_blocks, selected_attention
+    from nsa_eval.kernels.importance import select_blocks
+    from nsa_eval.kernels.selection import selected_attention
     from nsa_eval.kernels.window import sliding_window_attention
 
     x = _inputs(1, T, hq, hkv, d, grad=True)
@@ -332,7 +334,7 @@ def bench_variants(x, lse, idx):
     the banded tiles in index order, and without TMA."""
     import torch
 
-    from nsa_eval.kernels import band, selection, topk
+    from nsa_eval.kernels import band, importance, selection, topk
 
     out = {}
 
@@ -343,12 +345,12 @@ def bench_variants(x, lse, idx):
             print(f"variant {name} failed: {str(err).splitlines()[0][:160]}")
 
     with torch.no_grad():
-        sel = lambda: selection.select_blocks(x["q"], x["k_cmp"], lse=lse)  # noqa: E731
+        sel = lambda: importance.select_blocks(x["q"], x["k_cmp"], lse=lse)  # noqa: E731
         for method in (m for m in topk.TOPK_METHODS if m != topk.TOPK_METHOD):
             timed(f"select_blocks [{method} top-k]", topk, "TOPK_METHOD", method, sel)
         # the top-k alone, every method, on the importances of this input
         T, hkv = x["q"].shape[1], x["k_cmp"].shape[2]
-        imp = selection.block_importance(x["q"], x["k_cmp"], lse, block_len=PAPER["block_len"],
+        imp = importance.block_importance(x["q"], x["k_cmp"], lse, block_len=PAPER["block_len"],
                                          stride=PAPER["stride"], select_size=PAPER["select_size"],
                                          scale=x["q"].shape[-1] ** -0.5)
         run_topk = lambda: topk.topk_blocks(  # noqa: E731
@@ -363,16 +365,17 @@ def bench_variants(x, lse, idx):
                 label = f"topk_blocks [{method}, {rows} rows, {warps} warps]"
                 timed(label, topk, "TOPK_CONFIG", dict(rows=rows, num_warps=warps),
                       lambda: _with_flag(topk, "TOPK_METHOD", method, run_topk))  # noqa: B023
-        timed("select_blocks [importance, all masked]", selection, "IMPORTANCE_SPLIT_MASK", False, sel)
-        timed("select_blocks [importance, plain map]", selection, "IMPORTANCE_LANE_MAP", False, sel)
+        timed("select_blocks [importance, all masked]", importance, "IMPORTANCE_SPLIT_MASK", False, sel)
+        timed("select_blocks [importance, plain map]", importance, "IMPORTANCE_LANE_MAP", False, sel)
         fwd = lambda: selection.selected_attention(x["q"], x["k"], x["v"], idx)  # noqa: E731
         for warps, stages in ((2, 2), (1, 3)):
             timed(f"selected_attention [warps={warps} stages={stages}]", selection, "SELECTED_FWD_CONFIG",
                   dict(num_warps=warps, num_stages=stages), fwd)
-        timed("select_blocks [importance broadcast]", selection, "IMPORTANCE_MAP", "broadcast", sel)
+        timed("select_blocks [importance broadcast]", importance, "IMPORTANCE_MAP", "broadcast", sel)
         for rows, warps in ((128, 8), (128, 4), (256, 16)):
-            config = dict(selection.IMPORTANCE_CONFIG, reshape=dict(rows=rows, num_warps=warps, num_stages=3))
-            timed(f"select_blocks [importance {rows} rows, {warps} warps]", selection, "IMPORTANCE_CONFIG",
+            reshape = dict(rows=rows, num_warps=warps, num_stages=3)
+            config = dict(importance.IMPORTANCE_CONFIG, reshape=reshape)
+            timed(f"select_blocks [importance {rows} rows, {warps} warps]", importance, "IMPORTANCE_CONFIG",
                   config, sel)
     fwd_bwd = _fwd_bwd(fwd, x)
     timed("selected_attention [dq walk]", selection, "SELECTED_DQ", "walk", fwd_bwd)

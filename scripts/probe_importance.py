@@ -12,14 +12,14 @@ top-k. Runs 18, 19 and 22: reports/kernels/probe_run18.log, probe_run19.log, pro
 import torch
 
 from nsa_eval.bench import _inputs, _time, _with_flag, _with_flags, bench_nsa_prefill
-from nsa_eval.kernels import selection, topk
+from nsa_eval.kernels import importance, topk
 from nsa_eval.kernels.compression import compressed_attention
 
 T = 65536
 
 
 def with_flags(split, lanes, fn):
-    return _with_flags(selection, dict(IMPORTANCE_SPLIT_MASK=split, IMPORTANCE_LANE_MAP=lanes), fn)
+    return _with_flags(importance, dict(IMPORTANCE_SPLIT_MASK=split, IMPORTANCE_LANE_MAP=lanes), fn)
 
 
 def probe(hq):
@@ -29,7 +29,7 @@ def probe(hq):
         _, lse = compressed_attention(q, k_cmp, x["v_cmp"])
 
         def importance():
-            return selection.block_importance(q, k_cmp, lse, block_len=32, stride=16, select_size=64,
+            return importance.block_importance(q, k_cmp, lse, block_len=32, stride=16, select_size=64,
                                               scale=128 ** -0.5)
 
         ns = T // 64

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nsa_eval.bench import _inputs, _time
-from nsa_eval.kernels import floors, selection
+from nsa_eval.kernels import floors, importance
 from nsa_eval.kernels._triton_utils import load_kv, pow2
 from nsa_eval.kernels.compression import compressed_attention
 
@@ -82,7 +82,7 @@ def main():
     x = _inputs(1, T, 64, 4, 128, grad=False)
     with torch.no_grad():
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        bi = selection.select_blocks(x["q"], x["k_cmp"], lse=lse)
+        bi = importance.select_blocks(x["q"], x["k_cmp"], lse=lse)
     k, v = x["k"], x["v"]
     want = floors.gather_blocks_sum_reference(k, v, bi)
     base = _time(lambda: floors.gather_blocks_sum(k, v, bi))

@@ -20,7 +20,8 @@ import triton
 from nsa_eval.bench import _inputs, _with_flags, nsa_prefill
 from nsa_eval.kernels import selection
 from nsa_eval.kernels.compression import compressed_attention
-from nsa_eval.kernels.selection import select_blocks, selected_attention
+from nsa_eval.kernels.importance import select_blocks
+from nsa_eval.kernels.selection import selected_attention
 
 D = 128
 

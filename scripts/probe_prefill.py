@@ -41,9 +41,10 @@ import sys
 import torch
 
 from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, _with_flags, nsa_prefill
-from nsa_eval.kernels import _triton_utils, band, prefill, selection
+from nsa_eval.kernels import _triton_utils, band, importance, prefill, selection
 from nsa_eval.kernels.compression import compressed_attention
-from nsa_eval.kernels.selection import select_blocks, selected_attention
+from nsa_eval.kernels.importance import select_blocks
+from nsa_eval.kernels.selection import selected_attention
 from nsa_eval.kernels.window import sliding_window_attention
 
 D = 128
@@ -267,9 +268,9 @@ def probe_dims192b(T, hq=64, hkv=4, dk=192, dv=128):
     with torch.no_grad():
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         for changes in ({}, dict(rows=128), dict(num_stages=2), dict(rows=128, num_stages=2)):
-            config = dict(selection.IMPORTANCE_CONFIG)
+            config = dict(importance.IMPORTANCE_CONFIG)
             config["reshape"] = dict(config["reshape"], **changes)
-            ms = with_knobs({"IMPORTANCE_CONFIG": config},
+            ms = _with_flag(importance, "IMPORTANCE_CONFIG", config,
                             lambda: _time(lambda: select_blocks(x["q"], x["k_cmp"], lse=lse)))
             print(f"T={T} Dk={dk} Dv={dv} select_blocks, importance {changes or 'defaults'}: {ms:.2f} ms",
                   flush=True)

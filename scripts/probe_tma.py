@@ -22,7 +22,8 @@ import torch
 from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flags, nsa_prefill
 from nsa_eval.kernels import band, selection
 from nsa_eval.kernels.compression import compressed_attention
-from nsa_eval.kernels.selection import select_blocks, selected_attention
+from nsa_eval.kernels.importance import select_blocks
+from nsa_eval.kernels.selection import selected_attention
 from nsa_eval.kernels.window import sliding_window_attention
 
 D = 128

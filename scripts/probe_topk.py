@@ -19,7 +19,7 @@ import sys
 import torch
 
 from nsa_eval.bench import _inputs, _time, _time_graph, _with_flag, _with_flags, bench_nsa_prefill
-from nsa_eval.kernels import selection, topk
+from nsa_eval.kernels import importance, topk
 from nsa_eval.kernels.compression import compressed_attention
 
 T = 65536
@@ -32,7 +32,7 @@ def topk_of_random_inputs(hq):
     x = _inputs(1, T, hq, 4, 128, grad=False)
     with torch.no_grad():
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        imp = selection.block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
+        imp = importance.block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
                                          scale=128 ** -0.5)
     return lambda: topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
                                     num_local=2)

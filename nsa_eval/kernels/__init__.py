@@ -18,8 +18,8 @@ Shapes use the flash-attn layout; ``Hq = G * Hkv``; ``Dk`` (q/k) may differ from
 - ``nsa_decode(q[B,1,Hq,Dk], k[B,S,Hkv,Dk], v, k_cmp[B,Sc,Hkv,Dk], v_cmp, gates[B,1,Hq],``
   ``cache_seqlens[B]) -> o[B,1,Hq,Dv]``
 
-The Triton versions live in ``compression.py`` (``compressed_attention``), ``selection.py``
-(``select_blocks``, ``selected_attention``), ``window.py`` (``sliding_window_attention``),
+The Triton versions live in ``compression.py`` (``compressed_attention``), ``importance.py``
+(``select_blocks``), ``selection.py`` (``selected_attention``), ``window.py`` (``sliding_window_attention``),
 ``prefill.py`` (``nsa_attention``: the branches and gates as one autograd op) and ``decode.py``
 (``nsa_decode``), each with the reference's signature minus ``impl``.
 """
@@ -44,7 +44,7 @@ __all__ = [
 # public name -> module of its Triton version
 _TRITON_MODULES = {
     "compressed_attention": "nsa_eval.kernels.compression",
-    "select_blocks": "nsa_eval.kernels.selection",
+    "select_blocks": "nsa_eval.kernels.importance",
     "selected_attention": "nsa_eval.kernels.selection",
     "sliding_window_attention": "nsa_eval.kernels.window",
     "nsa_attention": "nsa_eval.kernels.prefill",

@@ -1,7 +1,7 @@
 """Triton helpers shared by the NSA kernels: tile loads (with a q/k head dim split into two column
 tiles, `dk_tiles`), online-softmax steps, and the softmax-backward row statistic
 `delta = rowsum(o * do)`. The kernels themselves live beside them: `band.py` (the banded attention
-of the compression and window branches), `selection.py`, `topk.py`, `gates.py`, `decode.py`.
+of the compression and window branches), `importance.py`, `selection.py`, `topk.py`, `gates.py`, `decode.py`.
 
 Under TRITON_INTERPRET=1 every `tl.dot` runs on float32 operands (`UPCAST`): the interpreter
 multiplies bf16 bit patterns as integers (triton-lang/triton#11584).

@@ -31,8 +31,8 @@ from nsa_eval.kernels._triton_utils import contiguous, default_scale, interpreti
 from nsa_eval.kernels.band import band_backward_dkv, band_backward_dq, band_forward
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.gates import gate_backward, gate_forward, gated_sum, sum3
+from nsa_eval.kernels.importance import select_blocks
 from nsa_eval.kernels.selection import (
-    select_blocks,
     selected_attention,
     selected_backward,
     selected_forward,

@@ -39,7 +39,7 @@ def test_stream_sum_matches_reference():
 @pytest.mark.gpu
 def test_gather_blocks_sum_at_scale_on_gpu():
     """bf16, the benchmark's shape at 8k, lists from the Triton select_blocks."""
-    from nsa_eval.kernels.selection import select_blocks
+    from nsa_eval.kernels.importance import select_blocks
 
     g = torch.Generator(device="cuda").manual_seed(0)
     T, hq, hkv, d = 8192, 64, 4, 128

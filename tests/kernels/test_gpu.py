@@ -66,7 +66,8 @@ def assert_same_selection(idx, idx_ref, importances, rel=1e-3):
                          ids=["T1k-G16", "T8k-G4", "T8k-G3", "T64k-G16"])
 def test_forward_bf16_vs_reference(T, hq, hkv):
     from nsa_eval.kernels.compression import compressed_attention
-    from nsa_eval.kernels.selection import select_blocks, selected_attention
+    from nsa_eval.kernels.importance import select_blocks
+    from nsa_eval.kernels.selection import selected_attention
     from nsa_eval.kernels.window import sliding_window_attention
 
     x = make(1, T, hq, hkv, 128)
@@ -95,7 +96,7 @@ def test_float32_selection_matches_reference(layout):
     default for float32, scores move by ~1e-3 and nearly tied blocks swap."""
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.decode import nsa_decode
-    from nsa_eval.kernels.selection import select_blocks
+    from nsa_eval.kernels.importance import select_blocks
 
     B, T = 2, 8192
     tc = (T - layout["block_len"]) // layout["stride"] + 1
@@ -150,7 +151,8 @@ def test_gradients_vs_fp32_reference(dtype, tol):
 def test_decode_matches_prefill(hq, hkv):
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.decode import nsa_decode
-    from nsa_eval.kernels.selection import select_blocks, selected_attention
+    from nsa_eval.kernels.importance import select_blocks
+    from nsa_eval.kernels.selection import selected_attention
     from nsa_eval.kernels.window import sliding_window_attention
 
     B, T = 2, 8192

@@ -18,7 +18,7 @@ COMPILE = r"""
 import json
 import sys
 import torch
-from nsa_eval.kernels import _triton_utils as u, band, selection as s
+from nsa_eval.kernels import _triton_utils as u, band, importance as imp, selection as s
 from nsa_eval.kernels.prefill import DQ_SUM, GATE_IN_BRANCHES, GATE_IN_SELECTED  # as the prefill launches
 from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
 
@@ -75,12 +75,12 @@ def prefill(name, dtype, D, DV=None):
         pointers = [p, *kv, p] + ["*fp32"] * 2 + [p, p] + ["*fp32", p]
         out[f"band dq {branch} {name}"] = shared(band._band_bwd_dq_kernel, pointers, consts, cfg)
     for GP in (16, 4, 1):  # fewer heads: more positions a program
-        launch = s.importance_launch("reshape", GP, dtype, D)
+        launch = imp.importance_launch("reshape", GP, dtype, D)
         rows = launch.pop("rows")
         consts = dict(DK=D, BDK=BD, BDK2=BD2, GP=GP, BT=rows // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
-                      RESHAPE=True, K=1, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
-                      LANES=s.IMPORTANCE_LANE_MAP, block_len=32, stride=16, select_size=64)
-        out[f"importance G'={GP} {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
+                      RESHAPE=True, K=1, UPCAST=False, SPLIT_MASK=imp.IMPORTANCE_SPLIT_MASK,
+                      LANES=imp.IMPORTANCE_LANE_MAP, block_len=32, stride=16, select_size=64)
+        out[f"importance G'={GP} {name}"] = shared(imp._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                    launch)
     GP = 16
     tma = s.SELECTED_TMA and not BD2
@@ -92,11 +92,11 @@ def prefill(name, dtype, D, DV=None):
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(1, D, tma))
     consts = dict(consts, GP=4, BT=4)  # G = 4: four positions a program
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(4, D, tma))
-    launch = s.importance_launch("broadcast", GP, dtype, D)
+    launch = imp.importance_launch("broadcast", GP, dtype, D)
     consts = dict(DK=D, BDK=BD, BDK2=BD2, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4,
-                  GROUP_FIRST=True, RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=s.IMPORTANCE_SPLIT_MASK,
+                  GROUP_FIRST=True, RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=imp.IMPORTANCE_SPLIT_MASK,
                   LANES=False, block_len=32, stride=16, select_size=64)
-    out[f"importance broadcast {name}"] = shared(s._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
+    out[f"importance broadcast {name}"] = shared(imp._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                  launch)
     config = s.selected_dkv_launch(dtype, D, DV)
     BQ = max(1, config.pop("rows") // GP)

@@ -1,5 +1,5 @@
 """The two ways the importance kernel maps probabilities onto selection blocks
-(`selection.IMPORTANCE_MAP`: "broadcast", "reshape"): equal importances up to float32 rounding and
+(`importance.IMPORTANCE_MAP`: "broadcast", "reshape"): equal importances up to float32 rounding and
 the same selected blocks (also against the PyTorch reference), on the CPU through Triton's
 interpreter; and both compile for sm_90 at the benchmark's launch (no GPU needed), with ptxas's
 register and spill counts."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from nsa_eval.kernels import importance
 from nsa_eval.kernels import reference as ref
-from nsa_eval.kernels import selection
 from nsa_eval.kernels._triton_utils import interpreting
 from nsa_eval.kernels.topk import topk_blocks
 from tests.kernels.sm90 import compile_sm90, json_from_fresh_python
@@ -38,8 +38,8 @@ def shifts(block_len, stride, select_size):
 
 def importances(monkeypatch, mapping, q, k_cmp, lse, geometry):
     block_len, stride, select_size = geometry
-    monkeypatch.setattr(selection, "IMPORTANCE_MAP", mapping)
-    return selection.block_importance(q, k_cmp, lse, block_len=block_len, stride=stride,
+    monkeypatch.setattr(importance, "IMPORTANCE_MAP", mapping)
+    return importance.block_importance(q, k_cmp, lse, block_len=block_len, stride=stride,
                                       select_size=select_size, scale=q.shape[-1] ** -0.5)
 
 
@@ -50,7 +50,7 @@ def test_reshape_matches_broadcast(monkeypatch, geometry, group):
     """Importances equal up to float32 rounding; the blocks chosen from them identical to each other
     and, up to ties, to the reference's."""
     block_len, stride, select_size = GEOMETRIES[geometry]
-    assert shifts(block_len, stride, select_size) <= selection.IMPORTANCE_RESHAPE_MAX_K  # reshape runs
+    assert shifts(block_len, stride, select_size) <= importance.IMPORTANCE_RESHAPE_MAX_K  # reshape runs
     (hq, hkv), T, d = GROUPS[group], 200, 16
     g = torch.Generator().manual_seed(7)
     tc = (T - block_len) // stride + 1
@@ -95,8 +95,8 @@ def test_split_mask_and_lane_map(monkeypatch, geometry, group):
     own = (torch.arange(ns)[None, :] <= (torch.arange(T) // select_size)[:, None]).repeat_interleave(hkv, 0)
     imp = {}
     for fast in (False, True):
-        monkeypatch.setattr(selection, "IMPORTANCE_SPLIT_MASK", fast)
-        monkeypatch.setattr(selection, "IMPORTANCE_LANE_MAP", fast)
+        monkeypatch.setattr(importance, "IMPORTANCE_SPLIT_MASK", fast)
+        monkeypatch.setattr(importance, "IMPORTANCE_LANE_MAP", fast)
         imp[fast] = importances(monkeypatch, "reshape", q, k_cmp, lse, GEOMETRIES[geometry])[own]
     torch.testing.assert_close(imp[True], imp[False], rtol=1e-5, atol=1e-7)
     assert imp[True].abs().sum() > 0
@@ -117,7 +117,7 @@ def test_reshape_falls_back_beyond_max_k(monkeypatch):
     """K = 3 (l = 96, d = 16, l' = 32) is past IMPORTANCE_RESHAPE_MAX_K: the broadcast map runs, bit
     for bit, and an unknown map is rejected."""
     geometry = (96, 16, 32)
-    assert shifts(*geometry) > selection.IMPORTANCE_RESHAPE_MAX_K
+    assert shifts(*geometry) > importance.IMPORTANCE_RESHAPE_MAX_K
     T, tc = 150, (150 - 96) // 16 + 1
     g = torch.Generator().manual_seed(3)
     q, k_cmp = torch.randn(1, T, 4, 16, generator=g), torch.randn(1, tc, 2, 16, generator=g)
@@ -137,19 +137,19 @@ def compile_importance(mapping, rows, G=16, d=128, geometry=(32, 16, 64)):
     process, which must not have run the interpreter (it leaves triton.language patched)."""
     block_len, stride, select_size = geometry
     k = (select_size - stride + block_len - 1) // select_size
-    reshape = mapping == "reshape" and k <= selection.IMPORTANCE_RESHAPE_MAX_K
-    GP = selection.pow2(G, 1)
+    reshape = mapping == "reshape" and k <= importance.IMPORTANCE_RESHAPE_MAX_K
+    GP = importance.pow2(G, 1)
     ratio = select_size // stride
     consts = dict(DK=d, BDK=d, BDK2=0, GP=GP, BT=max(1, rows // GP), BNS=16, RATIO=ratio, GROUP_FIRST=True,
                   RESHAPE=reshape, K=k if reshape else 0, UPCAST=False,
-                  SPLIT_MASK=selection.IMPORTANCE_SPLIT_MASK,
-                  LANES=reshape and selection.IMPORTANCE_LANE_MAP and ratio == 4)
+                  SPLIT_MASK=importance.IMPORTANCE_SPLIT_MASK,
+                  LANES=reshape and importance.IMPORTANCE_LANE_MAP and ratio == 4)
     consts.update(block_len=block_len, stride=stride, select_size=select_size)
     types = ["*bf16", "*bf16", "*fp32", "*fp32"] + ["i32"] * 11 + ["fp32"]
-    names = selection._importance_kernel.arg_names
+    names = importance._importance_kernel.arg_names
     divisible = [i for i, n in enumerate(names[:16]) if n not in ("TC", "scale_log2")]
     launch = dict(num_warps=4 if rows <= 64 else 8, num_stages=3)
-    return compile_sm90(selection._importance_kernel, types, consts, launch, divisible).asm["ptx"]
+    return compile_sm90(importance._importance_kernel, types, consts, launch, divisible).asm["ptx"]
 
 
 def ptxas_usage(ptx, workdir):

@@ -100,7 +100,7 @@ def test_gpu_tma_matches_loads():
     (`BAND_CONFIGS["cmp"]["fwd_tma"]`) and the selected dk/dv adds float32 atomics in any order; a
     wrong or missing tile would be off by ~1e-1."""
     from nsa_eval.bench import _inputs
-    from nsa_eval.kernels.selection import select_blocks
+    from nsa_eval.kernels.importance import select_blocks
 
     torch.manual_seed(0)
     for hq, hkv in ((16, 1), (16, 4)):

@@ -10,7 +10,8 @@ import torch
 from nsa_eval.kernels import reference as ref
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.decode import nsa_decode
-from nsa_eval.kernels.selection import select_blocks, selected_attention
+from nsa_eval.kernels.importance import select_blocks
+from nsa_eval.kernels.selection import selected_attention
 from nsa_eval.kernels.window import sliding_window_attention
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
