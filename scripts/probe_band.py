@@ -31,6 +31,14 @@ the branches' dq (`prefill.DQ_SUM`), in alternation, and the peak memory of one 
 Run 96 (Triton 3.8): the NSA's forward (64k at 64/4 and 16/4 heads, 8k at 64/4) and 64k
 forward+backward with the gated sum in the selected forward's epilogue (`prefill.GATE_IN_SELECTED`)
 and as a pass of its own, in alternation, three rounds.
+
+    PYTHONPATH=. python3 scripts/probe_band.py order
+
+Run 98 (Triton 3.8): runs 92, 95 and 97 timed the 64k forward 0.6-0.8 ms faster with every banded
+kernel in index order (`BAND_LONGEST_FIRST = False`) and the forward+backward 1.9-4.1 ms slower. The
+NSA's forward (64k at 64/4 and 16/4 heads, 8k at 64/4) with each branch's forward in either order,
+three rounds in alternation, then the 64k forward+backward with the forwards in index order and the
+backward longest first, against the default.
 """
 
 import sys
@@ -185,9 +193,37 @@ def gate_sums(t, hq, grad):
             print(f"[{rep}] {label} gated sum {where}: {ms:.3f} ms", flush=True)
 
 
+ORDERS = {  # BAND_LONGEST_FIRST: the kernels launched longest first, per branch
+    "longest first": True,
+    "index order": False,
+    "cmp fwd in index order": {"cmp": ("dq", "dkv"), "swa": ("fwd", "dq", "dkv")},
+    "swa fwd in index order": {"cmp": ("fwd", "dq", "dkv"), "swa": ("dq", "dkv")},
+    "forwards in index order": {"cmp": ("dq", "dkv"), "swa": ("dq", "dkv")},
+}
+
+
+def probe_order():
+    for t, hq in ((T, 64), (T, 16), (8192, 64)):
+        x = _inputs(1, t, hq, 4, 128, grad=False)
+        forward = lambda: _time(lambda: nsa_prefill(**x))  # noqa: B023, E731
+        for rep in range(3):
+            for name, order in ORDERS.items():
+                with torch.no_grad():
+                    ms = _with_flag(band, "BAND_LONGEST_FIRST", order, forward)
+                print(f"[{rep}] T={t} nsa {hq}/4 fwd, {name}: {ms:.3f} ms", flush=True)
+        del x, forward
+        torch.cuda.empty_cache()
+    x = _inputs(1, T, 64, 4, 128, grad=True)
+    step = _fwd_bwd(lambda: nsa_prefill(**x), x)
+    for rep in range(3):
+        for name in ("longest first", "forwards in index order"):
+            ms = _with_flag(band, "BAND_LONGEST_FIRST", ORDERS[name], lambda: _time(step))
+            print(f"[{rep}] T={T} nsa 64/4 fwd+bwd, {name}: {ms:.2f} ms", flush=True)
+
+
 def main():
     probes = {"triton38": probe_triton38, "nsa38": probe_nsa38, "dqsum": probe_dq_sum,
-              "gatesum": probe_gate_sum}
+              "gatesum": probe_gate_sum, "order": probe_order}
     if sys.argv[1:2] and sys.argv[1] in probes:
         import triton
 

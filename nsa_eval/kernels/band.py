@@ -50,10 +50,16 @@ TRITON_38 = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
 BAND_SPLIT_MASK = {"cmp": ("fwd", "dq", "dkv"), "swa": ("fwd", "dq", "dkv") if TRITON_38 else ("fwd",)}
 
 
+def _applies(setting, window, part: str) -> bool:
+    """A per-part knob (`BAND_SPLIT_MASK`, `BAND_TMA`, `BAND_LONGEST_FIRST`): True / False for every
+    kernel, or {branch: parts} naming the kernels ("fwd", "dq", "dkv") of each branch it applies to."""
+    if isinstance(setting, bool):
+        return setting
+    return part in setting["cmp" if window is None else "swa"]
+
+
 def _split_mask(window, part: str) -> bool:
-    if isinstance(BAND_SPLIT_MASK, bool):
-        return BAND_SPLIT_MASK
-    return part in BAND_SPLIT_MASK["cmp" if window is None else "swa"]
+    return _applies(BAND_SPLIT_MASK, window, part)
 
 
 @triton.jit
@@ -521,23 +527,24 @@ BAND_TMA = {"cmp": ("fwd", "dkv"), "swa": ("fwd", "dq", "dkv")}
 
 
 def _tma(window, part: str) -> bool:
-    if isinstance(BAND_TMA, bool):
-        return BAND_TMA
-    return part in BAND_TMA["cmp" if window is None else "swa"]
+    return _applies(BAND_TMA, window, part)
 
 
 # Launch order of the banded kernels' programs: True, heads fastest and the longest tiles first (the
 # last query tiles of the forward and dq, the first key tiles of dk/dv: with the compression's causal
 # band they do up to 64x the work of the shortest, and a long program launched last keeps its SM busy
-# after the others are done); False, tiles fastest in index order (the first versions).
+# after the others are done); False, tiles fastest in index order (the first versions). Per kernel
+# as BAND_SPLIT_MASK ({branch: parts} with True). Run 98 (scripts/probe_band.py order), in alternation:
+# the forwards in index order (either or both) gained nothing, 64k forward 33.32-34.70 ms against
+# 33.05-33.56, forward+backward 108.21-108.77 against 107.42-108.25
 BAND_LONGEST_FIRST = True
 
 
-def _launch(tiles: int, heads: int) -> tuple[tuple[int, int], int]:
+def _launch(tiles: int, heads: int, window, part: str) -> tuple[tuple[int, int], int]:
     """(grid, longest_first) of a banded launch. The longest-first grid puts the tiles on CUDA's grid
     y, which holds at most 65,535 tiles (4M tokens in 64-token tiles, 2M keys in the 32-key dk/dv
     tiles of q/k dims past 128): beyond that, index order."""
-    longest_first = BAND_LONGEST_FIRST and tiles <= 65535
+    longest_first = _applies(BAND_LONGEST_FIRST, window, part) and tiles <= 65535
     return ((heads, tiles) if longest_first else (tiles, heads)), int(longest_first)
 
 
@@ -584,7 +591,7 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
     tma = _tma(window, "fwd") and not BDK2 and tma_ok(k, v)
     cfg = _band_config(window, "fwd", q.dtype, DK, DV, tma=tma)
     BM = cfg["BM"]
-    grid, longest_first = _launch(triton.cdiv(T, BM), B * HQ)
+    grid, longest_first = _launch(triton.cdiv(T, BM), B * HQ, window, "fwd")
     kv = (tma_descriptor(k, cfg["BN"], BDK), tma_descriptor(v, cfg["BN"], pow2(DV))) if tma else (k, v)
     _band_fwd_kernel[grid](
         q, *kv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
@@ -633,7 +640,7 @@ def band_backward_dq(q, k, v, lse, do, delta, *, scale, key_stride, key_offset, 
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=dtype or q.dtype)
     BDK, BDK2 = dk_tiles(DK)
     cfg = _band_config(window, "dq", q.dtype, DK, DV)
-    grid, longest_first = _launch(triton.cdiv(T, cfg["BM"]), B * HQ)
+    grid, longest_first = _launch(triton.cdiv(T, cfg["BM"]), B * HQ, window, "dq")
     tma = _tma(window, "dq") and not BDK2 and tma_ok(k, v)
     kv = (tma_descriptor(k, cfg["BN"], BDK), tma_descriptor(v, cfg["BN"], pow2(DV))) if tma else (k, v)
     adds = (*add, dq, dq)[:2]  # unused slots point at dq (never read)
@@ -659,7 +666,7 @@ def band_backward_dkv(q, k, v, lse, do, delta, *, scale, key_stride, key_offset,
     dk = torch.empty(B, TK, HKV * split, DK, device=q.device, dtype=buf_dtype)
     dv = torch.empty(B, TK, HKV * split, DV, device=q.device, dtype=buf_dtype)
     cfg = _band_config(window, "dkv", q.dtype, DK, DV)
-    grid, longest_first = _launch(triton.cdiv(TK, cfg["BN"]), B * HKV * split)
+    grid, longest_first = _launch(triton.cdiv(TK, cfg["BN"]), B * HKV * split, window, "dkv")
     tma = _tma(window, "dkv") and not BDK2 and tma_ok(q, do)
     q_src, do_src = q, do
     if tma:

@@ -135,9 +135,15 @@ def test_split_kernels_compile_for_h200():
 
 def test_launch_order_falls_back_beyond_grid_y(monkeypatch):
     """The longest-first grid puts the tiles on CUDA's grid y (at most 65,535): beyond that, and with
-    BAND_LONGEST_FIRST off, the tiles go on x in index order, and the kernels are told which."""
+    BAND_LONGEST_FIRST off, the tiles go on x in index order, and the kernels are told which; per
+    branch and kernel as {branch: parts} (window None: the compression)."""
     monkeypatch.setattr(band, "BAND_LONGEST_FIRST", True)
-    assert band._launch(65535, 64) == ((64, 65535), 1)
-    assert band._launch(65536, 64) == ((65536, 64), 0)
+    assert band._launch(65535, 64, None, "fwd") == ((64, 65535), 1)
+    assert band._launch(65536, 64, None, "fwd") == ((65536, 64), 0)
     monkeypatch.setattr(band, "BAND_LONGEST_FIRST", False)
-    assert band._launch(10, 64) == ((10, 64), 0)
+    assert band._launch(10, 64, 512, "dkv") == ((10, 64), 0)
+    monkeypatch.setattr(band, "BAND_LONGEST_FIRST", {"cmp": ("dq", "dkv"), "swa": ("fwd",)})
+    assert band._launch(10, 64, None, "fwd") == ((10, 64), 0)
+    assert band._launch(10, 64, None, "dq") == ((64, 10), 1)
+    assert band._launch(10, 64, 512, "fwd") == ((64, 10), 1)
+    assert band._launch(10, 64, 512, "dkv") == ((10, 64), 0)
