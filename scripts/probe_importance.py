@@ -28,22 +28,22 @@ def probe(hq):
     with torch.no_grad():
         _, lse = compressed_attention(q, k_cmp, x["v_cmp"])
 
-        def importance():
+        def importances():
             return importance.block_importance(q, k_cmp, lse, block_len=32, stride=16, select_size=64,
-                                              scale=128 ** -0.5)
+                                               scale=128 ** -0.5)
 
         ns = T // 64
         own = (torch.arange(ns, device="cuda")[None, :] <= (torch.arange(T, device="cuda") // 64)[:, None])
         own = own.repeat_interleave(4, 0)
-        want = with_flags(False, False, importance)[own]
+        want = with_flags(False, False, importances)[own]
         for split in (False, True):
             for lanes in (False, True):
-                got = with_flags(split, lanes, importance)[own]
+                got = with_flags(split, lanes, importances)[own]
                 err = ((got - want).abs() / want.abs().clamp_min(1e-6)).max().item()
-                ms = with_flags(split, lanes, lambda: _time(importance))
+                ms = with_flags(split, lanes, lambda: _time(importances))
                 print(f"hq={hq} importance split_mask={split!s:5s} lane_map={lanes!s:5s}: {ms:.3f} ms, "
                       f"max rel diff {err:.1e}", flush=True)
-        imp = importance()
+        imp = importances()
 
         def run_topk():
             return topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,

@@ -535,8 +535,8 @@ def _tma(window, part: str) -> bool:
 # band they do up to 64x the work of the shortest, and a long program launched last keeps its SM busy
 # after the others are done); False, tiles fastest in index order (the first versions). Per kernel
 # as BAND_SPLIT_MASK ({branch: parts} with True). Run 98 (scripts/probe_band.py order), in alternation:
-# the forwards in index order (either or both) gained nothing, 64k forward 33.32-34.70 ms against
-# 33.05-33.56, forward+backward 108.21-108.77 against 107.42-108.25
+# the forwards in index order (either, both, or with every kernel) gained nothing, 64k forward
+# 33.15-34.70 ms against 33.05-33.56, forward+backward 108.21-108.77 against 107.42-108.25
 BAND_LONGEST_FIRST = True
 
 

@@ -98,8 +98,6 @@ SELECTED_DQ = "fused"  # run 5: 57.4 ms fwd+bwd at 64k, 59.6 with the dq walk
 SELECTED_DKV_PRELOAD = True
 
 
-
-
 @triton.jit
 def _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
                    GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
