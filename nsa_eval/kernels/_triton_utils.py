@@ -146,6 +146,22 @@ def store_tail(row_ptrs, x, m_rows, BDK: tl.constexpr, BDK2: tl.constexpr):
 
 
 @triton.jit
+def group_rows(T, HQ, G, GP: tl.constexpr, BT: tl.constexpr):
+    # the rows of a program on grid (position tiles, B * Hkv) that holds BT positions x the G query
+    # heads of one KV head's group, padded to GP (M = BT * GP rows, position-major): batch, KV head,
+    # first position, row offsets o_r [M], position r_t [M] and mask m_r [M] of each row
+    i_bh = tl.program_id(1)
+    HKV = HQ // G
+    i_b = (i_bh // HKV).to(tl.int64)
+    i_hk = i_bh % HKV
+    t0 = tl.program_id(0) * BT
+    o_r = tl.arange(0, BT * GP)
+    r_t = t0 + o_r // GP  # [M] position of each row
+    m_r = (r_t < T) & (o_r % GP < G)
+    return i_b, i_hk, t0, o_r, r_t, m_r
+
+
+@triton.jit
 def load_rows(row_ptrs, m_rows, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
               UPCAST: tl.constexpr):
     # q/k rows starting at row_ptrs [R] (rows where m_rows is false read as 0): x [R, BDK] (columns past

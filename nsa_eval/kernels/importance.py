@@ -24,6 +24,7 @@ from nsa_eval.kernels._triton_utils import (
     contiguous,
     default_scale,
     dk_tiles,
+    group_rows,
     interpreting,
     load_rows,
     load_tail,
@@ -79,17 +80,9 @@ def _importance_kernel(
     # RESHAPE: the "reshape" map of IMPORTANCE_MAP (with GROUP_FIRST), K: its farthest block ahead;
     # SPLIT_MASK: chunks that every row sees whole skip the visibility mask (IMPORTANCE_SPLIT_MASK)
     BC: tl.constexpr = BNS * RATIO  # compressed blocks per chunk of BNS selection blocks
-    M: tl.constexpr = BT * GP
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
     HKV = HQ // G
-    i_b = (i_bh // HKV).to(tl.int64)
-    i_hk = i_bh % HKV
-    t0 = i_t * BT
-    o_r = tl.arange(0, M)
-    r_t = t0 + o_r // GP  # [M] position of each row
+    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
     r_g = o_r % GP
-    m_r = (r_t < T) & (r_g < G)
     o_dk = tl.arange(0, BDK)
     q, q2 = load_rows(Q + i_b * sq_b + (i_hk * G + r_g) * sq_h + r_t.to(tl.int64) * sq_t, m_r, DK, BDK, BDK2,
                       UPCAST)  # [M, BDK], [M, BDK2]

@@ -26,6 +26,7 @@ from nsa_eval.kernels._triton_utils import (
     contiguous,
     default_scale,
     dk_tiles,
+    group_rows,
     interpreting,
     kv_sources,
     load_kv,
@@ -104,17 +105,8 @@ def _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK: tl.constexpr, BDK: tl.cons
     # the program's M = BT * GP rows (BT positions x the group's heads, padded to GP): batch, KV head,
     # first position, position [M] and mask [M] of each row, flat (b, t, h) [M], q [M, BDK] and the
     # tail of a split head dim q2 [M, BDK2] (`dk_tiles`; q itself without one)
-    M: tl.constexpr = BT * GP
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    HKV = HQ // G
-    i_b = (i_bh // HKV).to(tl.int64)
-    i_hk = i_bh % HKV
-    t0 = i_t * BT
-    o_r = tl.arange(0, M)
-    r_t = t0 + o_r // GP  # [M] position of each row
+    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
     r_h = i_hk * G + o_r % GP
-    m_r = (r_t < T) & (o_r % GP < G)
     row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
     q, q2 = load_rows(Q + i_b * sq_b + r_h * sq_h + r_t.to(tl.int64) * sq_t, m_r, DK, BDK, BDK2, UPCAST)
     return i_b, i_hk, t0, r_t, m_r, row, q, q2
