@@ -154,8 +154,9 @@ def bench_fla_prefill(T, hq, hkv, d):
     return t_fwd, t_fb
 
 
-def bench_decode(T, batch, hq, hkv, d):
-    """NSA decode (CUDA graph) vs SDPA decode over the full cache (flash and cuDNN, CUDA graph)."""
+def bench_decode(T, batch, hq, hkv, d, variants=True):
+    """NSA decode (CUDA graph) vs SDPA decode over the full cache (flash and cuDNN, CUDA graph), the
+    decode's memory floor and, with `variants`, the other decode settings."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -191,6 +192,8 @@ def bench_decode(T, batch, hq, hkv, d):
         "nsa_unrolled": lambda: _with_flag(decode, "SEL_STAGES", 0, lambda: _time_graph(nsa)),
         "floor": lambda: decode_floor(T, batch, hq, hkv, d, k, v),
     }
+    if not variants:
+        beside = {"floor": beside["floor"]}
     for name, measure in beside.items():
         try:
             value = measure()
@@ -534,8 +537,10 @@ def _profile_decode(T, hq, hkv, d, batch, log=print):
 
 
 def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_heads=4, dim=128,
-                         decode_batch=16, g4_heads=(16, 4), fla=True, log=print) -> list[Row]:
-    """Measure everything; returns one Row per (case, impl, T)."""
+                         decode_batch=16, g4_heads=(16, 4), fla=True, variants=True, log=print) -> list[Row]:
+    """Measure everything; returns one Row per (case, impl, T). `variants=False`: the report's tables
+    only (NSA, SDPA, fla, G=4, decode and its floor), without the other settings, the per-kernel
+    profiles, the ops alone and the selected branch's floor."""
     import torch
 
     rows: list[Row] = []
@@ -578,40 +583,29 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
         f, fb = bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim)
         add("fwd", "nsa-triton", T, g4, 1, f)
         add("fwd+bwd", "nsa-triton", T, g4, 1, fb)
-        dec = bench_decode(T, decode_batch, heads, kv_heads, dim)
+        dec = bench_decode(T, decode_batch, heads, kv_heads, dim, variants=variants)
         add("decode", "nsa-triton", T, hs, decode_batch, dec["nsa"], "CUDA graph")
         add("decode", "nsa-triton-nograph", T, hs, decode_batch, dec["nsa_nograph"], "plain launches")
-        add("decode", "nsa-triton [v1]", T, hs, decode_batch, dec.get("nsa_v1"), "CUDA graph, first version")
-        from nsa_eval.kernels.decode import MERGE_IN_ATTN
-
-        add("decode", f"nsa-triton [MERGE_IN_ATTN={not MERGE_IN_ATTN}]", T, hs, decode_batch,
-            dec.get("nsa_merge"), "CUDA graph")
-        add("decode", "nsa-triton [head-major cache]", T, hs, decode_batch, dec.get("nsa_headmajor"),
-            "CUDA graph, caches stored [B, Hkv, T, d]")
-        for label in _decode_topk_variants():
-            add("decode", f"nsa-triton [{label}]", T, hs, decode_batch, dec.get(f"nsa_topk[{label}]"),
-                "CUDA graph")
-        add("decode", "nsa-triton [importance from stored scores]", T, hs, decode_batch,
-            dec.get("nsa_scores"), "CUDA graph, DECODE_IMPORTANCE='scores'")
-        add("decode", "nsa-triton [tile map in tf32x3]", T, hs, decode_batch, dec.get("nsa_tf32"),
-            "CUDA graph, TILE_MAP='tf32x3'")
-        add("decode", "nsa-triton [step 3 unrolled]", T, hs, decode_batch, dec.get("nsa_unrolled"),
-            "CUDA graph, SEL_STAGES=0")
+        if variants:
+            _add_decode_variants(add, dec, T, hs, decode_batch)
         if "floor_ms" in dec:
             add("floor", "decode: NSA bytes at HBM bandwidth", T, hs, decode_batch, dec["floor_ms"],
                 f"{dec['nsa_bytes'] / 1e6:.0f} MB at {dec['hbm_tb_s']:.2f} TB/s (read of the full caches)")
-        try:
-            f, reads, gb = bench_selected_floor(T, heads, kv_heads, dim)
-            add("floor", "selected_attention fwd", T, hs, 1, f)
-            add("floor", "selected_attention fwd: its reads alone", T, hs, 1, reads,
-                f"{gb:.1f} GB: {gb / reads:.2f} TB/s")
-        except Exception as err:  # a measurement beside the table's: keep going
-            log(f"selected floor failed: {str(err).splitlines()[0][:160]}")
-        _profile_decode(T, heads, kv_heads, dim, decode_batch, log)
+        if variants:
+            try:
+                f, reads, gb = bench_selected_floor(T, heads, kv_heads, dim)
+                add("floor", "selected_attention fwd", T, hs, 1, f)
+                add("floor", "selected_attention fwd: its reads alone", T, hs, 1, reads,
+                    f"{gb:.1f} GB: {gb / reads:.2f} TB/s")
+            except Exception as err:  # a measurement beside the table's: keep going
+                log(f"selected floor failed: {str(err).splitlines()[0][:160]}")
+            _profile_decode(T, heads, kv_heads, dim, decode_batch, log)
         for name in ("flash", "cudnn"):
             note = dec.get(name + "_error", "CUDA graph")
             add("decode", f"sdpa-{name}", T, hs, decode_batch, dec[name], note)
         torch.cuda.empty_cache()
+    if not variants:
+        return rows
     T = max(lengths)
     try:
         profile_prefill(T, heads, kv_heads, dim, log, g4_heads=g4_heads)
@@ -628,6 +622,25 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
     for row in _g4_variants(T, g4_heads, dim):
         add("fwd", *row)
     return rows
+
+
+def _add_decode_variants(add, dec, T, hs, batch):
+    """The rows of the decode's other settings, from `bench_decode`'s measurements (None where one failed)."""
+    from nsa_eval.kernels.decode import MERGE_IN_ATTN
+
+    add("decode", "nsa-triton [v1]", T, hs, batch, dec.get("nsa_v1"), "CUDA graph, first version")
+    add("decode", f"nsa-triton [MERGE_IN_ATTN={not MERGE_IN_ATTN}]", T, hs, batch, dec.get("nsa_merge"),
+        "CUDA graph")
+    add("decode", "nsa-triton [head-major cache]", T, hs, batch, dec.get("nsa_headmajor"),
+        "CUDA graph, caches stored [B, Hkv, T, d]")
+    for label in _decode_topk_variants():
+        add("decode", f"nsa-triton [{label}]", T, hs, batch, dec.get(f"nsa_topk[{label}]"), "CUDA graph")
+    add("decode", "nsa-triton [importance from stored scores]", T, hs, batch, dec.get("nsa_scores"),
+        "CUDA graph, DECODE_IMPORTANCE='scores'")
+    add("decode", "nsa-triton [tile map in tf32x3]", T, hs, batch, dec.get("nsa_tf32"),
+        "CUDA graph, TILE_MAP='tf32x3'")
+    add("decode", "nsa-triton [step 3 unrolled]", T, hs, batch, dec.get("nsa_unrolled"),
+        "CUDA graph, SEL_STAGES=0")
 
 
 def _g4_variants(T, g4_heads, dim):

@@ -54,3 +54,37 @@ def test_timing_window_times_at_least_five_calls_of_long_functions():
         rep = timing_window(100, estimate)
         assert int(rep / (1.2 * estimate)) >= MIN_TIMED_CALLS
     assert timing_window(100, 0.05) == 100  # short functions keep do_bench's 100 ms window
+
+
+def test_table_only_measures_the_tables_alone(monkeypatch):
+    """`bench kernels --table-only` (variants=False): every row of the report's tables, for each length,
+    and nothing beside them (no other settings, profiles, ops alone, selected floor). The timing
+    functions need a CUDA GPU, so stand-ins return fixed times here; what is checked is which
+    measurements the benchmark asks for and the report it makes of them."""
+    from nsa_eval import bench
+
+    asked = []
+
+    def stand_in(name, value):
+        def measure(*args, **kwargs):
+            asked.append((name, kwargs.get("variants")))
+            return value
+        return measure
+
+    monkeypatch.setattr(bench, "bench_nsa_prefill", stand_in("nsa", (2.0, 8.0)))
+    monkeypatch.setattr(bench, "bench_sdpa_prefill", stand_in("sdpa", (3.0, 9.0)))
+    monkeypatch.setattr(bench, "bench_fla_prefill", stand_in("fla", (4.0, 10.0)))
+    monkeypatch.setattr(bench, "bench_decode", stand_in("decode", {
+        "nsa": 0.05, "nsa_nograph": 0.5, "flash": 0.2, "cudnn": 0.25, "floor_ms": 0.04, "nsa_bytes": 185e6,
+        "hbm_tb_s": 4.6}))
+    for name in ("bench_selected_floor", "_profile_decode", "profile_prefill", "bench_ops", "_g4_variants"):
+        monkeypatch.setattr(bench, name, stand_in(name, None))
+    rows = bench.run_kernel_benchmark([8192, 16384], fla=False, variants=False, log=lambda *a: None)
+    assert {name for name, _ in asked} == {"nsa", "sdpa", "decode"}
+    assert ("decode", False) in asked
+    md = bench.markdown_report(rows)
+    for T in (8192, 16384):
+        assert f"| {T} | 2.00 | 3.00 | 3.00 | 1.50x | 1.50x | 8.00 | 9.00 | 9.00 | 1.12x | 1.12x |" in md
+        assert f"| {T} | 0.050 | 0.500 | n/a | 0.200 | 0.250 | 4.00x | 5.00x |" in md
+    assert " with [" not in md and "Where the time goes" not in md
+    assert sorted({r.case for r in rows}) == ["decode", "floor", "fwd", "fwd+bwd"]

@@ -28,6 +28,9 @@ def register(subparsers) -> None:
                         help="output folder for kernels.csv and kernels.md")
     parser.add_argument("--decode-batch", type=int, default=16, help="decode batch size (default 16)")
     parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention's parallel_nsa")
+    parser.add_argument("--table-only", action="store_true",
+                        help="only the report's tables (no other settings, profiles, ops alone or the "
+                        "selected branch's floor)")
     parser.set_defaults(handler=run)
 
 
@@ -41,7 +44,8 @@ def run(args) -> int:
         raise UsageError("bench kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
     from nsa_eval.bench import run_kernel_benchmark, write_outputs
 
-    rows = run_kernel_benchmark(lengths, decode_batch=args.decode_batch, fla=not args.no_fla)
+    rows = run_kernel_benchmark(lengths, decode_batch=args.decode_batch, fla=not args.no_fla,
+                                variants=not args.table_only)
     command = "nsa-eval bench kernels " + " ".join(a for a in sys.argv[1:] if a not in ("bench", "kernels"))
     csv_path, md_path = write_outputs(rows, args.out, command=command.strip())
     print(md_path.read_text())
