@@ -1,5 +1,6 @@
 """The kernel benchmark's report (CPU): speed-ups are SDPA time / NSA time from rows of one run."""
 
+import pytest
 import torch
 import triton
 
@@ -88,3 +89,24 @@ def test_table_only_measures_the_tables_alone(monkeypatch):
         assert f"| {T} | 0.050 | 0.500 | n/a | 0.200 | 0.250 | 4.00x | 5.00x |" in md
     assert " with [" not in md and "Where the time goes" not in md
     assert sorted({r.case for r in rows}) == ["decode", "floor", "fwd", "fwd+bwd"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--lengths", "8x"], "--lengths: expected integers like 8192 or 8k, got '8x'"),
+    (["--lengths", "512"], "--lengths: each length must be >= 1024, got 512"),
+    (["--decode-batch", "0"], "--decode-batch must be >= 1, got 0"),
+])
+def test_bench_bad_input_exits_2_in_both_entry_points(args, message, capsys):
+    """`nsa-eval bench kernels` and `python -m nsa_eval.commands.bench kernels` (the entry point for
+    machines without lm-eval) reject bad arguments alike: one line, exit code 2, before any GPU work."""
+    import subprocess
+    import sys
+
+    from nsa_eval.cli import main
+
+    assert main(["bench", "kernels", *args]) == 2
+    assert capsys.readouterr().err.strip() == f"nsa-eval: error: {message}"
+    done = subprocess.run([sys.executable, "-m", "nsa_eval.commands.bench", "kernels", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"nsa-eval: error: {message}"

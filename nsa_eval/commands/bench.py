@@ -59,4 +59,8 @@ if __name__ == "__main__":  # `python -m nsa_eval.commands.bench kernels ...` (m
     _parser = argparse.ArgumentParser(prog="nsa-eval")
     register(_parser.add_subparsers())
     _args = _parser.parse_args(["bench", *sys.argv[1:]])
-    sys.exit(_args.handler(_args))
+    try:
+        sys.exit(_args.handler(_args))
+    except UsageError as err:  # as the nsa-eval CLI reports it: one line, exit code 2
+        print(f"nsa-eval: error: {err}", file=sys.stderr)
+        sys.exit(2)

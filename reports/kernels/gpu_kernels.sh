@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One H200 round of the kernel work (docs/kernels.md): the GPU tests, then the benchmark.
-#   OUT=/some/dir [FLA_WHEELS=dir] [TESTS=0] [BENCH=0] bash reports/kernels/gpu_kernels.sh [RUN_NAME]
+#   OUT=/some/dir [FLA_WHEELS=dir] [TESTS=0] [BENCH=0] [BENCH_ARGS=...] bash reports/kernels/gpu_kernels.sh [RUN_NAME]
 # Writes $OUT/kernels.tar (gpu_tests_<run>.log, bench_<run>.log, kernels.csv, kernels.md). TESTS=0 or
 # BENCH=0 skips that half (in run 95 the tests took 404 s, the benchmark 470: one device call may be
-# limited to 10 minutes, so run each half in a call of its own).
+# limited to 10 minutes, so run each half in a call of its own). BENCH_ARGS (default `--lengths 8k
+# 64k`) replaces the benchmark's arguments, e.g. `--table-only --lengths 8k 16k 32k 64k`.
 # Runs 88-95 ran the Triton the project pins on the H200 (its image has 3.6): scripts/pack_triton.sh
 # packs it and says how to unpack it there, ahead on PYTHONPATH.
 set -uo pipefail
@@ -27,6 +28,7 @@ FLA_WHEELS=${FLA_WHEELS:-.whl}
 if ls "$FLA_WHEELS"/*.whl > /dev/null 2>&1; then
   python3 -m pip install --no-deps -q "$FLA_WHEELS"/*.whl 2>&1 | grep -v WARNING
 fi
-timeout 560 python3 -m nsa_eval.commands.bench kernels --lengths 8k 64k --out "$DIR" 2>&1 \
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+timeout 560 python3 -m nsa_eval.commands.bench kernels ${BENCH_ARGS:---lengths 8k 64k} --out "$DIR" 2>&1 \
   | tee "$DIR/bench_$RUN.log" | tail -n 60
 tar -C "$DIR" -cf "$OUT/kernels.tar" .
