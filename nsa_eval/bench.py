@@ -586,12 +586,11 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
         dec = bench_decode(T, decode_batch, heads, kv_heads, dim, variants=variants)
         add("decode", "nsa-triton", T, hs, decode_batch, dec["nsa"], "CUDA graph")
         add("decode", "nsa-triton-nograph", T, hs, decode_batch, dec["nsa_nograph"], "plain launches")
-        if variants:
-            _add_decode_variants(add, dec, T, hs, decode_batch)
         if "floor_ms" in dec:
             add("floor", "decode: NSA bytes at HBM bandwidth", T, hs, decode_batch, dec["floor_ms"],
                 f"{dec['nsa_bytes'] / 1e6:.0f} MB at {dec['hbm_tb_s']:.2f} TB/s (read of the full caches)")
         if variants:
+            _add_decode_variants(add, dec, T, hs, decode_batch)
             try:
                 f, reads, gb = bench_selected_floor(T, heads, kv_heads, dim)
                 add("floor", "selected_attention fwd", T, hs, 1, f)
