@@ -7,7 +7,7 @@ before the kernel's loop or at every step (`selection.SELECTED_DKV_PRELOAD`; run
 `launches` (run 86): the dk/dv kernel's stages, rows and warps with its positions preloaded.
 Runs 84-85 also timed two work orders for L2 reuse (added in commit 2005e4d, removed in cf65d50):
 the compression's dk/dv walking its query tiles downward, and the selected dk/dv's work list cut
-into windows of positions (docs/kernels.md).
+into windows of positions (docs/kernel_runs.md).
 Each line also gives the largest relative difference of dq, dk and dv from the first line of its
 section (same inputs and output gradient): the orders add the same terms in another order.
 """

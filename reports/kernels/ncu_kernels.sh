@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Nsight Compute over one call of each workload of scripts/ncu_workloads.py (docs/kernels.md, run 83):
+# Nsight Compute over one call of each workload of scripts/ncu_workloads.py (docs/kernel_runs.md, run 83):
 #   OUT=/some/dir [WORKLOADS="prefill decode g4"] [KERNELS=regex:...] [T=65536] [SET=full] \
 #     bash reports/kernels/ncu_kernels.sh
 # Writes $OUT/ncu.tar.gz: ncu_<workload>.txt (every profiled kernel's sections: speed of light, memory,
