@@ -23,7 +23,9 @@ parallel) each process evaluates its share and the statistics are merged over pr
 
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -260,7 +262,25 @@ def _data_parallel_accelerator():
     # cpu=True on GPU-less hosts: without it accelerate ignores the launcher's processes (one process)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(weeks=52))])
-    return accelerator if accelerator.num_processes > 1 else None
+    if accelerator.num_processes <= 1:
+        return None
+    atexit.unregister(_destroy_process_group_at_exit)  # once, however many models a process loads
+    atexit.register(_destroy_process_group_at_exit)
+    return accelerator
+
+
+def _destroy_process_group_at_exit() -> None:
+    """On a clean exit, the default process group destroyed while the interpreter still runs. Left to
+    the interpreter's teardown, gloo's worker threads can free tensors after the GIL is gone and the
+    process aborts ("terminate called without an active exception", SIGABRT: pytorch/pytorch#190489;
+    seen here in tests/models/test_data_parallel.py). After an unhandled exception it is left alone:
+    destroying it while other processes still communicate can hang."""
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def merge_stats(parts: list[dict]) -> dict:

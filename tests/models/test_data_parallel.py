@@ -1,4 +1,5 @@
-"""Two CPU processes under `accelerate launch --multi_gpu` (gloo) give the same results as one process."""
+"""Two CPU processes under `accelerate launch --multi_gpu` (gloo) give the same results as one process,
+and each ends its process group before exiting."""
 
 from __future__ import annotations
 
@@ -12,7 +13,17 @@ from pathlib import Path
 import pytest
 
 SCRIPT = """
-import json, sys
+import atexit, json, os, sys
+
+
+def record_process_group():  # registered first, so it runs after nsa-eval's own exit handler
+    import torch.distributed as dist
+    if "RANK" in os.environ:
+        with open(sys.argv[3] + ".pg_at_exit." + os.environ["RANK"], "w") as f:
+            f.write(str(dist.is_initialized()))
+
+
+atexit.register(record_process_group)
 import lm_eval
 import nsa_eval  # registers nsa-eval
 from lm_eval.tasks import TaskManager
@@ -58,6 +69,10 @@ def test_two_cpu_processes_match_one(tiny_nsa_dir, tasks_dir, tmp_path):
     one = json.loads((tmp_path / "one.json").read_text())
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["world_size"] == 2 and two["processes"] == 2  # sharded, and stats gathered from both
+    # each process destroyed its process group before the interpreter's teardown (a gloo group left
+    # to it can abort the process at exit, SIGABRT)
+    for rank in (0, 1):
+        assert (tmp_path / f"two.json.pg_at_exit.{rank}").read_text() == "False"
     assert one["results"] == two["results"]
     # max_length=256 keeps each perplexity text in one window, so no rank computes padding windows
     assert one["queries"] == two["queries"] and one["mean"] == pytest.approx(two["mean"])
