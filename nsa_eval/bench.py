@@ -232,10 +232,12 @@ def _decode_topk_variants() -> dict[str, dict]:
     from nsa_eval.kernels import topk
 
     variants = {"bitonic top-k": dict(TOPK_METHOD="bitonic"), "arg-max top-k": dict(TOPK_METHOD="argmax")}
-    for pick in topk.TOPK_FILTER_PICKS:  # the pick matters only to the filter: the default's, elsewhere
-        if topk.TOPK_METHOD == "filter" or pick == topk.TOPK_FILTER_PICK:
+    # the decode takes the filter for "lean" too (`decode._step2_topk`), and the pick matters only to it
+    method = "filter" if topk.TOPK_METHOD == "lean" else topk.TOPK_METHOD
+    for pick in topk.TOPK_FILTER_PICKS:
+        if method == "filter" or pick == topk.TOPK_FILTER_PICK:
             variants[f"filter top-k, {pick} picks"] = dict(TOPK_METHOD="filter", TOPK_FILTER_PICK=pick)
-    default = {"TOPK_METHOD": topk.TOPK_METHOD, "TOPK_FILTER_PICK": topk.TOPK_FILTER_PICK}
+    default = {"TOPK_METHOD": method, "TOPK_FILTER_PICK": topk.TOPK_FILTER_PICK}
     same = lambda flags: all(default[k] == v for k, v in flags.items())  # noqa: E731
     return {label: flags for label, flags in variants.items() if not same(flags)}
 

@@ -1,6 +1,6 @@
 """The prefill top-k alone, every method and launch shape, and the whole forward with the best ones (H200).
 
-    PYTHONPATH=. python3 scripts/probe_topk.py [picks]
+    PYTHONPATH=. python3 scripts/probe_topk.py [picks | lean]
 
 Times `topk_blocks` on the importances of random inputs at 64k (64/4 and 16/4 heads), checks that
 every method and launch gives the default's blocks, then the NSA forward at both group sizes with
@@ -12,6 +12,11 @@ arg-max pass per pick), side by side, repeated in alternation: `topk_blocks` alo
 blocks asserted), the decode at 8k and 64k (B = 16, CUDA graph; there the arg-max passes over the
 whole row were the default before), and the NSA forward and forward+backward at 8k and 64k (64/4
 and 16/4 heads).
+
+`lean`: the lean filter (`TOPK_METHOD = "lean"`) at each register cap (`TOPK_LEAN_MAXNREG`) against
+the filter, in alternation: `topk_blocks` alone on the importances of random inputs at 64k (64/4 and
+16/4 heads) and 8k (same blocks asserted), then the NSA forward and forward+backward at 8k and 64k
+(64/4 and 16/4 heads) with each method.
 """
 
 import sys
@@ -26,16 +31,16 @@ T = 65536
 LAUNCHES = ((4, 4), (1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 4))  # (rows, warps)
 
 
-def topk_of_random_inputs(hq):
-    """`topk_blocks` (a function of no arguments) on the importances of random inputs at 64k, hq/4
-    heads."""
-    x = _inputs(1, T, hq, 4, 128, grad=False)
+def topk_of_random_inputs(hq, length=T):
+    """`topk_blocks` (a function of no arguments) on the importances of random inputs at `length`
+    (64k by default), hq/4 heads."""
+    x = _inputs(1, length, hq, 4, 128, grad=False)
     with torch.no_grad():
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         imp = importance.block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
                                          scale=128 ** -0.5)
-    return lambda: topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1,
-                                    num_local=2)
+    return lambda: topk.topk_blocks(imp, T=length, num_kv_heads=4, select_size=64, num_selected=16,
+                                    num_init=1, num_local=2)
 
 
 def time_topk(hq):
@@ -119,5 +124,36 @@ def picks():
             torch.cuda.empty_cache()
 
 
+LEAN = {"filter": dict(TOPK_METHOD="filter"),
+        **{f"lean, maxnreg {cap}": dict(TOPK_METHOD="lean", TOPK_LEAN_MAXNREG=cap)
+           for cap in (80, 72, 64, None)}}
+
+
+def _lean_topk_alone(hq, length):
+    run_topk = topk_of_random_inputs(hq, length)
+    want = _with_flags(topk, LEAN["filter"], run_topk)
+    for rep in range(3):
+        for name, flags in LEAN.items():
+            ms, got = _with_flags(topk, flags, lambda: (_time(run_topk), run_topk()))  # noqa: B023
+            print(f"[{rep}] topk_blocks T={length} {hq}/4 {name}: {ms:.3f} ms, "
+                  f"same={torch.equal(got, want)}", flush=True)
+
+
+def lean():
+    for hq, length in ((64, T), (16, T), (64, 8192)):
+        _lean_topk_alone(hq, length)
+        torch.cuda.empty_cache()
+    for length in (8192, T):
+        for hq in (64, 16):
+            for rep in range(2):
+                for name in ("filter", "lean, maxnreg 80"):
+                    fwd, fb = _with_flags(topk, LEAN[name],
+                                          lambda: bench_nsa_prefill(length, hq, 4, 128))  # noqa: B023
+                    print(f"[{rep}] NSA T={length} {hq}/4 {name}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms",
+                          flush=True)
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    picks() if sys.argv[1:] == ["picks"] else main()
+    modes = {"picks": picks, "lean": lean}
+    modes[sys.argv[1]]() if sys.argv[1:] and sys.argv[1] in modes else main()

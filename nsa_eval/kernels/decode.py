@@ -506,13 +506,14 @@ def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, 
 
 def _step2_topk(bns_all: int, nsel2: int) -> str:
     """How the last program of step 2 takes its row's top-k, after `topk.TOPK_METHOD`:
-    "bitonic"; "filter-rank" or "filter-argmax" (the filter, picks by `TOPK_FILTER_PICK`) where its 32
+    "bitonic"; "filter-rank" or "filter-argmax" (the filter, also for "lean", the prefill's leaner form
+    of it; picks by `TOPK_FILTER_PICK`) where its 32
     group maxima hold num_selected candidates (rows of >= 128 blocks, num_selected <= 32), the arg-max
     passes over the whole row where not or where it finds too many candidates; else "argmax"."""
     method = topk.TOPK_METHOD
     if method == "bitonic":
         return "bitonic"
-    if method == "filter" and topk.filter_fits(bns_all, nsel2):
+    if method in ("filter", "lean") and topk.filter_fits(bns_all, nsel2):
         return "filter-" + topk.TOPK_FILTER_PICK
     return "argmax"
 

@@ -12,15 +12,21 @@ import triton.language as tl
 
 from nsa_eval.kernels._triton_utils import interpreting, pow2
 
-# "filter" (the default since run 19): a bound from 32 group maxima keeps ~22 candidate blocks of a
+# "filter" (the default from run 19 to run 100): a bound from 32 group maxima keeps ~22 candidate blocks of a
 # row, compacted, then picked among those (`filtered_top`: by rank since run 54, `TOPK_FILTER_PICK`,
 # before by one arg-max pass per pick); "argmax": one arg-max
 # pass per pick over the whole row; "radix": the k-th largest by a bitwise search (31 counting
 # passes); "bitonic": `tl.topk` over int64 keys (importance, -index), a bitonic top-k, then a sort of
 # the k winners by index. The top-k alone at 64k, one row per 1-warp program (run 19): 1.55 ms filter,
 # 2.12 arg-max, 2.18 radix, 3.08 bitonic. The benchmark times all.
-TOPK_METHOD = "filter"
-TOPK_METHODS = ("argmax", "radix", "bitonic", "filter")
+# "lean" (`lean_filtered_top`, the default since run 100): the filter in half the instructions (its
+# path ~1,200 SASS instructions a row against ~2,400, compiled for sm_90), at a register cap that
+# leaves that path unspilled (`TOPK_LEAN_MAXNREG`); rows of at most 2,048 blocks (longer ones take the
+# filter). Run 100 (`scripts/probe_topk.py lean`), alone at 64k: 0.424 ms against 1.109 for the filter
+# (the same blocks; 8k: 0.048 against 0.062); the NSA forward at 64k 33.25 / 33.72 ms against 33.61 /
+# 34.31, G = 4 17.07 / 17.53 against 17.34 / 17.99. The decode's last program takes the filter for it.
+TOPK_METHOD = "lean"
+TOPK_METHODS = ("argmax", "radix", "bitonic", "filter", "lean")
 # "filter": candidates per row (the blocks at or above the filter's bound, ~22 on random inputs) that
 # fit its compacted slots; a row with more takes the arg-max passes over the whole row instead
 TOPK_FILTER_CAP = 64
@@ -38,6 +44,12 @@ TOPK_FILTER_PICKS = ("rank", "argmax")
 # 2 / 2 2.49; radix 2.18 and bitonic 3.08 at their best, one row per warp). The whole forward: 40.46
 # ms against 40.85 (G = 16), 21.79 against 22.32 (G = 4).
 TOPK_CONFIG = dict(rows=1, num_warps=1)
+# "lean": the registers its launch may take. Its own path needs ~62, the whole kernel 168 (the full pass
+# that the rows it does not take fall back to), which would leave 12 one-warp programs an SM; at 80 the
+# full pass spills and its own path does not (compiled for sm_90 with Triton 3.8), 25 programs an SM.
+# None: the compiler's choice. Run 100, alone at 64k: 0.424 ms at 80, 0.442 at 72, 0.440 at 64, 0.567
+# uncapped.
+TOPK_LEAN_MAXNREG = 80
 
 
 @triton.jit
@@ -143,6 +155,106 @@ def filtered_top(imp, o_j, cur, SCR, row, num_selected, num_init, num_local, NS,
 
 
 @triton.jit
+def lean_filtered_top(IMP, OUT, SCR, row, cur, num_selected, num_init, num_local, NS, BNS: tl.constexpr,
+                      NSEL: tl.constexpr, CAP: tl.constexpr):
+    """One row's blocks, as `filtered_top` but in fewer instructions -> done (the row is written to
+    OUT). It reads only the pickable blocks (after the initial ones, before the local ones), bounds the
+    picks-th largest importance (not the NSEL-th) by the group maxima, which leaves ~16 candidates on
+    random inputs instead of ~22, and compacts them through a bit mask per thread: each lane stores its
+    own candidates, lowest first, at its offset among the warp's (index and value bits into the row's
+    2 x CAP int32 slots of SCR). Ranked there as int64 keys (importance, -index), in 32 slots when they
+    fit; each pick goes straight to its output slot, its place among the picks by block index. Not
+    done where `filtered_top` is not (then the caller takes the full pass). BNS <= 2048: 64 bits a
+    lane."""
+    R: tl.constexpr = BNS // 128  # runs of 4 blocks a lane holds (Triton's layout of a row, one warp)
+    n_init = tl.minimum(num_init, cur + 1)
+    lo_local = tl.maximum(num_init, cur - num_local + 1)  # the first forced local block after the initial
+    picks = num_selected - n_init - tl.maximum(cur - lo_local + 1, 0)
+    done = (tl.minimum(cur + 1, NS) > num_selected) & (picks >= 1)
+    if done:
+        o_j = tl.arange(0, BNS)
+        # read whole runs of 4 (vector loads), then keep the pickable blocks: forced ones are placed
+        x = tl.load(IMP + row * NS + o_j, mask=(o_j >= num_init // 4 * 4) & (o_j < (lo_local + 3) // 4 * 4),
+                    other=float("-inf"))
+        x = tl.where((o_j >= num_init) & (o_j < lo_local), x, float("-inf"))
+        x3 = tl.reshape(x, [R, 32, 4])  # [run, lane, 4 adjacent blocks]: a lane's blocks, no shuffles
+        group_max = tl.max(tl.max(x3, 2), 0)  # [32]
+        top = tl.topk(group_max, NSEL)  # largest first
+        tau = tl.max(tl.where(tl.arange(0, NSEL) == picks - 1, top, float("-inf")), 0)  # picks-th largest
+        # picks groups hold a value >= tau, so the picks largest importances are all at least tau; with
+        # fewer groups (tau = -inf) every pickable block is a candidate, and importances are >= 0
+        tau = tl.maximum(tau, 0.0)
+        MASK: tl.constexpr = tl.int32 if R <= 8 else tl.int64
+        position = tl.arange(0, R)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]  # [R, 1, 4]
+        bit = tl.full([1], 1, MASK) << position.to(MASK)
+        lane_bits = tl.sum(tl.sum(tl.where(x3 >= tau, bit, 0), 2), 0)  # [32] a lane's candidates by position
+        lane_count = _popcount(lane_bits)  # [32]
+        n_cand = tl.sum(lane_count, 0)
+        done = n_cand <= CAP
+        if done:
+            base = SCR + row * (2 * CAP)
+            slot = tl.cumsum(lane_count, 0) - lane_count  # [32] a lane's first slot
+            lane = tl.arange(0, 32)
+            for _ in range(tl.max(lane_count, 0)):
+                low = lane_bits & (0 - lane_bits)  # the lowest candidate bit left (0 when none)
+                # its position, from the exponent of the float the power of two converts to exactly
+                b = ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+                blk = (b // 4) * 128 + lane * 4 + b % 4
+                has = lane_bits != 0
+                value = tl.load(IMP + row * NS + blk, mask=has, other=0.0) + 0.0
+                tl.store(base + slot, blk, mask=has)
+                tl.store(base + CAP + slot, value.to(tl.int32, bitcast=True), mask=has)
+                slot += 1
+                lane_bits = lane_bits & (lane_bits - 1)
+            tl.debug_barrier()  # the compacted candidates, stored by other threads, before they are read
+            out_row = OUT + row * num_selected
+            if n_cand <= 32:
+                _rank_and_store(base, out_row, n_cand, picks, n_init, BNS, CAP, 32)
+            else:
+                _rank_and_store(base, out_row, n_cand, picks, n_init, BNS, CAP, CAP)
+            # the initial blocks first, the local ones last
+            o_s = tl.arange(0, NSEL)
+            forced = tl.where(o_s < n_init, o_s, lo_local + o_s - n_init - picks)
+            local = (o_s >= n_init + picks) & (o_s < num_selected)
+            tl.store(out_row + o_s, forced, mask=(o_s < n_init) | local)
+    return done
+
+
+@triton.jit
+def _popcount(v):
+    # the set bits of each element of an int32 or int64 tensor -> int32 (SWAR: bit counts of pairs,
+    # nibbles, bytes, then the bytes summed by one multiply)
+    if v.dtype == tl.int64:
+        u = v.to(tl.uint64, bitcast=True)
+        u = u - ((u >> 1) & 0x5555555555555555)
+        u = (u & 0x3333333333333333) + ((u >> 2) & 0x3333333333333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F0F0F0F0F
+        return ((u * 0x0101010101010101) >> 56).to(tl.int32)
+    else:
+        u = v.to(tl.uint32, bitcast=True)
+        u = u - ((u >> 1) & 0x55555555)
+        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F
+        return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _rank_and_store(base, out_row, n_cand, picks, n_init, BNS: tl.constexpr, CAP: tl.constexpr,
+                    C: tl.constexpr):
+    # the picks largest of the n_cand <= C compacted candidates (indices at base, value bits at base +
+    # CAP), each stored at out_row + n_init + its place among the picks by block index
+    o_c = tl.arange(0, C)
+    m_c = o_c < n_cand
+    blk = tl.load(base + o_c, mask=m_c, other=BNS)
+    bits = tl.load(base + CAP + o_c, mask=m_c, other=0)  # >= 0: non-negative floats, ordered like them
+    key = tl.where(m_c, (bits.to(tl.int64) << 32) + (BNS - 1 - blk).to(tl.int64), -1)
+    rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)  # keys are distinct (the index)
+    pick = tl.where((rank < picks) & m_c, blk, BNS)
+    place = tl.sum((pick[None, :] < pick[:, None]).to(tl.int32), 1)
+    tl.store(out_row + n_init + place, blk, mask=pick < BNS)
+
+
+@triton.jit
 def _topk_blocks_kernel(
     IMP, POS, OUT, SCR, N_ROWS, NS, T, HKV, select_size, num_selected, num_init, num_local,
     HAS_POS: tl.constexpr, BR: tl.constexpr, BNS: tl.constexpr, NSEL: tl.constexpr, METHOD: tl.constexpr,
@@ -150,15 +262,32 @@ def _topk_blocks_kernel(
 ):
     # IMP [N_ROWS, NS] float32 (rows ordered (b, t, h_kv)); OUT [N_ROWS, num_selected] int32.
     # Picks forced blocks, then the largest importances (ties: lower block index), writes the
-    # chosen indices ascending, -1 after them. SCR [N_ROWS, CAP] int64: the "filter" method's scratch.
+    # chosen indices ascending, -1 after them. SCR: the filter methods' scratch, [N_ROWS, CAP] int64
+    # ("filter") or [N_ROWS, 2, CAP] int32 ("lean").
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
     m_r = rows < N_ROWS
     if HAS_POS:
         t = tl.load(POS + rows // HKV, mask=m_r, other=0)
     else:
         t = ((rows // HKV) % T).to(tl.int32)
-    o_j = tl.arange(0, BNS)  # [BNS]
     cur = t // select_size  # block holding t
+    if METHOD == "lean":  # BR = 1
+        done = lean_filtered_top(IMP, OUT, SCR, tl.sum(rows, 0), tl.sum(cur, 0), num_selected, num_init,
+                                 num_local, NS, BNS, NSEL, CAP)
+        if 1 - done.to(tl.int32) > 0:  # the few rows the filter does not take: the whole row's passes
+            _top_of_rows(IMP, OUT, SCR, rows, m_r, cur, NS, num_selected, num_init, num_local, BR, BNS, NSEL,
+                         "argmax", CAP, RANK)
+    else:
+        _top_of_rows(IMP, OUT, SCR, rows, m_r, cur, NS, num_selected, num_init, num_local, BR, BNS, NSEL,
+                     METHOD, CAP, RANK)
+
+
+@triton.jit
+def _top_of_rows(IMP, OUT, SCR, rows, m_r, cur, NS, num_selected, num_init, num_local, BR: tl.constexpr,
+                 BNS: tl.constexpr, NSEL: tl.constexpr, METHOD: tl.constexpr, CAP: tl.constexpr,
+                 RANK: tl.constexpr):
+    # the rows [BR] by METHOD ("bitonic", "filter", "radix" or "argmax"), from their whole rows of IMP
+    o_j = tl.arange(0, BNS)  # [BNS]
     imp = tl.load(IMP + rows[:, None] * NS + o_j[None, :], mask=m_r[:, None] & (o_j < NS)[None, :],
                   other=0.0)  # [BR, BNS]
     o_s = tl.arange(0, NSEL)
@@ -231,15 +360,23 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
     if n_rows <= 128 and not interpreting():  # decode: few rows, one per program, 4 warps each
         BR, warps = 1, 4
     method, scratch = TOPK_METHOD, out
-    if method == "filter":
+    if method == "lean" and BNS > 2048:  # its per-lane bit masks hold 64 blocks
+        method = "filter"
+    if method in ("filter", "lean"):
         if filter_fits(BNS, NSEL):
             BR = 1
-            scratch = torch.empty(n_rows, TOPK_FILTER_CAP, device=imp.device, dtype=torch.int64)
+            # "filter": int64 keys; "lean": int32 block indices, then the value bits
+            slots, dtype = ((TOPK_FILTER_CAP, torch.int64) if method == "filter"
+                            else (2 * TOPK_FILTER_CAP, torch.int32))
+            scratch = torch.empty(n_rows, slots, device=imp.device, dtype=dtype)
         else:
             method = "argmax"
+    launch = dict(num_warps=warps)
+    if method == "lean" and TOPK_LEAN_MAXNREG and not interpreting():
+        launch["maxnreg"] = TOPK_LEAN_MAXNREG
     _topk_blocks_kernel[(triton.cdiv(n_rows, BR),)](
         imp, positions if positions is not None else imp, out, scratch, n_rows, ns, T, num_kv_heads,
         select_size, num_selected, num_init, num_local, HAS_POS=positions is not None, BR=BR, BNS=BNS,
-        NSEL=NSEL, METHOD=method, CAP=TOPK_FILTER_CAP, RANK=TOPK_FILTER_PICK == "rank", num_warps=warps,
+        NSEL=NSEL, METHOD=method, CAP=TOPK_FILTER_CAP, RANK=TOPK_FILTER_PICK == "rank", **launch,
     )
     return out

@@ -88,6 +88,31 @@ def test_forward_bf16_vs_reference(T, hq, hkv):
         assert rel_err(o, ref.sliding_window_attention(x["q"], x["k"], x["v"])) < BF16_TOL
 
 
+@pytest.mark.parametrize("T,hq", [(65536, 64), (65536, 16), (8192, 64)],
+                         ids=["T64k-G16", "T64k-G4", "T8k-G16"])
+def test_topk_methods_agree(monkeypatch, T, hq):
+    """Every top-k method, and the lean filter at each register cap (its full pass spills below the
+    compiler's choice), takes the filter's blocks from the same importances: the benchmark's inputs
+    (4 KV heads), one call each."""
+    from nsa_eval.kernels import topk
+    from nsa_eval.kernels.compression import compressed_attention
+    from nsa_eval.kernels.importance import block_importance
+
+    x = make(1, T, hq, 4, 128)
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        imp = block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
+                               scale=128 ** -0.5)
+    run = functools.partial(topk.topk_blocks, imp, T=T, num_kv_heads=4, select_size=64, num_selected=16,
+                            num_init=1, num_local=2)
+    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
+    want = run()
+    for method, cap in [(m, None) for m in topk.TOPK_METHODS] + [("lean", 80), ("lean", 64)]:
+        monkeypatch.setattr(topk, "TOPK_METHOD", method)
+        monkeypatch.setattr(topk, "TOPK_LEAN_MAXNREG", cap)
+        assert torch.equal(run(), want), (method, cap)
+
+
 @pytest.mark.parametrize("layout", [dict(block_len=32, stride=16), dict(block_len=64, stride=64)],
                          ids=["paper", "fla"])
 def test_float32_selection_matches_reference(layout):
