@@ -12,7 +12,7 @@ import triton.language as tl
 
 from nsa_eval.kernels._triton_utils import interpreting, pow2
 
-# "filter" (the default from run 19 to run 100): a bound from 32 group maxima keeps ~22 candidate blocks of a
+# "filter" (the default from run 19 to run 99): a bound from 32 group maxima keeps ~22 candidate blocks of a
 # row, compacted, then picked among those (`filtered_top`: by rank since run 54, `TOPK_FILTER_PICK`,
 # before by one arg-max pass per pick); "argmax": one arg-max
 # pass per pick over the whole row; "radix": the k-th largest by a bitwise search (31 counting
@@ -24,7 +24,9 @@ from nsa_eval.kernels._triton_utils import interpreting, pow2
 # leaves that path unspilled (`TOPK_LEAN_MAXNREG`); rows of at most 2,048 blocks (longer ones take the
 # filter). Run 100 (`scripts/probe_topk.py lean`), alone at 64k: 0.424 ms against 1.109 for the filter
 # (the same blocks; 8k: 0.048 against 0.062); the NSA forward at 64k 33.25 / 33.72 ms against 33.61 /
-# 34.31, G = 4 17.07 / 17.53 against 17.34 / 17.99. The decode's last program takes the filter for it.
+# 34.31, G = 4 17.07 / 17.53 against 17.34 / 17.99 (run 102: 32.91 / 33.54 against 33.39 / 34.20); at
+# 8k the same within the spread.
+# The fused decode's step 2 takes the filter for it (`decode._step2_topk`).
 TOPK_METHOD = "lean"
 TOPK_METHODS = ("argmax", "radix", "bitonic", "filter", "lean")
 # "filter": candidates per row (the blocks at or above the filter's bound, ~22 on random inputs) that
@@ -160,53 +162,34 @@ def lean_filtered_top(IMP, OUT, SCR, row, cur, num_selected, num_init, num_local
     """One row's blocks, as `filtered_top` but in fewer instructions -> done (the row is written to
     OUT). It reads only the pickable blocks (after the initial ones, before the local ones), bounds the
     picks-th largest importance (not the NSEL-th) by the group maxima, which leaves ~16 candidates on
-    random inputs instead of ~22, and compacts them through a bit mask per thread: each lane stores its
-    own candidates, lowest first, at its offset among the warp's (index and value bits into the row's
-    2 x CAP int32 slots of SCR). Ranked there as int64 keys (importance, -index), in 32 slots when they
-    fit; each pick goes straight to its output slot, its place among the picks by block index. Not
-    done where `filtered_top` is not (then the caller takes the full pass). BNS <= 2048: 64 bits a
-    lane."""
+    random inputs instead of ~22, and compacts them through a bit mask per lane (`_compact_candidates`)
+    into the row's 2 x CAP int32 slots of SCR, where they are ranked (`_rank_and_store`). Not done
+    (nothing written; the caller takes the full pass) for rows of at most num_selected blocks, with
+    more forced blocks than slots, or with more than CAP candidates. One warp; BNS <= 2048."""
     R: tl.constexpr = BNS // 128  # runs of 4 blocks a lane holds (Triton's layout of a row, one warp)
     n_init = tl.minimum(num_init, cur + 1)
-    lo_local = tl.maximum(num_init, cur - num_local + 1)  # the first forced local block after the initial
+    # the first forced local block after the initial ones (a negative num_local forces none, as 0)
+    lo_local = tl.maximum(num_init, cur - tl.maximum(num_local, 0) + 1)
     picks = num_selected - n_init - tl.maximum(cur - lo_local + 1, 0)
     done = (tl.minimum(cur + 1, NS) > num_selected) & (picks >= 1)
     if done:
         o_j = tl.arange(0, BNS)
-        # read whole runs of 4 (vector loads), then keep the pickable blocks: forced ones are placed
-        x = tl.load(IMP + row * NS + o_j, mask=(o_j >= num_init // 4 * 4) & (o_j < (lo_local + 3) // 4 * 4),
-                    other=float("-inf"))
+        # whole runs of 4 (vector loads) where the row's length allows, then the pickable blocks only:
+        # forced ones are placed, not picked
+        hi = tl.minimum((lo_local + 3) // 4 * 4, NS)
+        x = tl.load(IMP + row * NS + o_j, mask=(o_j >= num_init // 4 * 4) & (o_j < hi), other=float("-inf"))
         x = tl.where((o_j >= num_init) & (o_j < lo_local), x, float("-inf"))
-        x3 = tl.reshape(x, [R, 32, 4])  # [run, lane, 4 adjacent blocks]: a lane's blocks, no shuffles
-        group_max = tl.max(tl.max(x3, 2), 0)  # [32]
-        top = tl.topk(group_max, NSEL)  # largest first
+        runs = tl.reshape(x, [R, 32, 4])  # [run, lane, 4 adjacent blocks]: a lane's blocks, no shuffles
+        group_max = tl.max(tl.max(runs, 2), 0)  # [32]
+        top = tl.topk(group_max, NSEL)  # [NSEL] largest first (picks <= num_selected <= NSEL)
         tau = tl.max(tl.where(tl.arange(0, NSEL) == picks - 1, top, float("-inf")), 0)  # picks-th largest
         # picks groups hold a value >= tau, so the picks largest importances are all at least tau; with
-        # fewer groups (tau = -inf) every pickable block is a candidate, and importances are >= 0
-        tau = tl.maximum(tau, 0.0)
-        MASK: tl.constexpr = tl.int32 if R <= 8 else tl.int64
-        position = tl.arange(0, R)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]  # [R, 1, 4]
-        bit = tl.full([1], 1, MASK) << position.to(MASK)
-        lane_bits = tl.sum(tl.sum(tl.where(x3 >= tau, bit, 0), 2), 0)  # [32] a lane's candidates by position
-        lane_count = _popcount(lane_bits)  # [32]
-        n_cand = tl.sum(lane_count, 0)
+        # fewer groups (tau = -inf) every pickable block is a candidate (the floor keeps -inf out)
+        tau = tl.maximum(tau, -3.4028234663852886e38)
+        base = SCR + row * (2 * CAP)
+        n_cand = _compact_candidates(IMP + row * NS, base, runs >= tau, R, CAP)
         done = n_cand <= CAP
         if done:
-            base = SCR + row * (2 * CAP)
-            slot = tl.cumsum(lane_count, 0) - lane_count  # [32] a lane's first slot
-            lane = tl.arange(0, 32)
-            for _ in range(tl.max(lane_count, 0)):
-                low = lane_bits & (0 - lane_bits)  # the lowest candidate bit left (0 when none)
-                # its position, from the exponent of the float the power of two converts to exactly
-                b = ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-                blk = (b // 4) * 128 + lane * 4 + b % 4
-                has = lane_bits != 0
-                value = tl.load(IMP + row * NS + blk, mask=has, other=0.0) + 0.0
-                tl.store(base + slot, blk, mask=has)
-                tl.store(base + CAP + slot, value.to(tl.int32, bitcast=True), mask=has)
-                slot += 1
-                lane_bits = lane_bits & (lane_bits - 1)
-            tl.debug_barrier()  # the compacted candidates, stored by other threads, before they are read
             out_row = OUT + row * num_selected
             if n_cand <= 32:
                 _rank_and_store(base, out_row, n_cand, picks, n_init, BNS, CAP, 32)
@@ -218,6 +201,35 @@ def lean_filtered_top(IMP, OUT, SCR, row, cur, num_selected, num_init, num_local
             local = (o_s >= n_init + picks) & (o_s < num_selected)
             tl.store(out_row + o_s, forced, mask=(o_s < n_init) | local)
     return done
+
+
+@triton.jit
+def _compact_candidates(IMP_ROW, base, candidate, R: tl.constexpr, CAP: tl.constexpr):
+    """candidate bool [R, 32, 4] (run, lane, block of the run; block 128 * run + 4 * lane + i) -> their
+    count; where it is at most CAP, each lane stores its own candidates, lowest block first, at its
+    offset among the warp's: block indices at base[0:CAP], their value bits at base[CAP:2 * CAP]."""
+    MASK_DTYPE: tl.constexpr = tl.int32 if R <= 8 else tl.int64
+    position = tl.arange(0, R)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]  # [R, 1, 4]
+    bit = tl.full([1], 1, MASK_DTYPE) << position.to(MASK_DTYPE)
+    lane_bits = tl.sum(tl.sum(tl.where(candidate, bit, 0), 2), 0)  # [32] MASK_DTYPE: a lane's candidates
+    lane_count = _popcount(lane_bits)  # [32] int32
+    n_cand = tl.sum(lane_count, 0)
+    if n_cand <= CAP:
+        slot = tl.cumsum(lane_count, 0) - lane_count  # [32] int32: a lane's next slot
+        lane = tl.arange(0, 32)
+        for _ in range(tl.max(lane_count, 0)):
+            lowest = lane_bits & (0 - lane_bits)  # the lowest candidate bit left (0 when none)
+            # its position, from the exponent of the float the power of two converts to exactly
+            bit_pos = ((lowest.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            blk = (bit_pos // 4) * 128 + lane * 4 + bit_pos % 4
+            left = lane_bits != 0
+            value = tl.load(IMP_ROW + blk, mask=left, other=0.0) + 0.0  # -0.0 -> +0.0
+            tl.store(base + slot, blk, mask=left)
+            tl.store(base + CAP + slot, value.to(tl.int32, bitcast=True), mask=left)
+            slot += 1
+            lane_bits = lane_bits & (lane_bits - 1)
+        tl.debug_barrier()  # the compacted candidates, stored by other lanes, before they are read
+    return n_cand
 
 
 @triton.jit
@@ -240,10 +252,10 @@ def _popcount(v):
 
 @triton.jit
 def _rank_and_store(base, out_row, n_cand, picks, n_init, BNS: tl.constexpr, CAP: tl.constexpr,
-                    C: tl.constexpr):
-    # the picks largest of the n_cand <= C compacted candidates (indices at base, value bits at base +
-    # CAP), each stored at out_row + n_init + its place among the picks by block index
-    o_c = tl.arange(0, C)
+                    SLOTS: tl.constexpr):
+    # the picks largest of the n_cand <= SLOTS compacted candidates (indices at base, value bits at base
+    # + CAP), each stored at out_row + n_init + its place among the picks by block index
+    o_c = tl.arange(0, SLOTS)
     m_c = o_c < n_cand
     blk = tl.load(base + o_c, mask=m_c, other=BNS)
     bits = tl.load(base + CAP + o_c, mask=m_c, other=0)  # >= 0: non-negative floats, ordered like them
@@ -274,7 +286,7 @@ def _topk_blocks_kernel(
     if METHOD == "lean":  # BR = 1
         done = lean_filtered_top(IMP, OUT, SCR, tl.sum(rows, 0), tl.sum(cur, 0), num_selected, num_init,
                                  num_local, NS, BNS, NSEL, CAP)
-        if 1 - done.to(tl.int32) > 0:  # the few rows the filter does not take: the whole row's passes
+        if done == 0:  # the few rows the filter does not take: arg-max passes over the whole row
             _top_of_rows(IMP, OUT, SCR, rows, m_r, cur, NS, num_selected, num_init, num_local, BR, BNS, NSEL,
                          "argmax", CAP, RANK)
     else:

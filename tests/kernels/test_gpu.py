@@ -91,9 +91,10 @@ def test_forward_bf16_vs_reference(T, hq, hkv):
 @pytest.mark.parametrize("T,hq", [(65536, 64), (65536, 16), (8192, 64)],
                          ids=["T64k-G16", "T64k-G4", "T8k-G16"])
 def test_topk_methods_agree(monkeypatch, T, hq):
-    """Every top-k method, and the lean filter at each register cap (its full pass spills below the
-    compiler's choice), takes the filter's blocks from the same importances: the benchmark's inputs
-    (4 KV heads), one call each."""
+    """Every top-k method, and the lean filter uncapped and capped at 80, 72 and 64 registers (its
+    full pass spills below the compiler's choice), takes the filter's blocks from the same
+    importances: the benchmark's inputs (4 KV heads), one call each; and a decode-sized call (64 rows
+    at given positions, which runs over 4 warps) of the lean filter against the filter."""
     from nsa_eval.kernels import topk
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.importance import block_importance
@@ -107,10 +108,18 @@ def test_topk_methods_agree(monkeypatch, T, hq):
                             num_init=1, num_local=2)
     monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
     want = run()
-    for method, cap in [(m, None) for m in topk.TOPK_METHODS] + [("lean", 80), ("lean", 64)]:
+    for method, cap in [(m, None) for m in topk.TOPK_METHODS] + [("lean", c) for c in (80, 72, 64)]:
         monkeypatch.setattr(topk, "TOPK_METHOD", method)
         monkeypatch.setattr(topk, "TOPK_LEAN_MAXNREG", cap)
         assert torch.equal(run(), want), (method, cap)
+    rows = torch.arange(T * 4 - 64 * 97, T * 4, 97, device="cuda")  # 64 rows (b, t, h_kv) of the last
+    few = functools.partial(topk.topk_blocks, imp[rows], T=T, num_kv_heads=1, select_size=64,
+                            num_selected=16, num_init=1, num_local=2, positions=(rows // 4).int())
+    monkeypatch.setattr(topk, "TOPK_METHOD", "lean")
+    monkeypatch.setattr(topk, "TOPK_LEAN_MAXNREG", 80)
+    got = few()
+    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
+    assert torch.equal(got, few()) and torch.equal(got, want[rows])
 
 
 @pytest.mark.parametrize("layout", [dict(block_len=32, stride=16), dict(block_len=64, stride=64)],

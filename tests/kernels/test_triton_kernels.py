@@ -436,7 +436,9 @@ def test_topk_lean_wide_rows(monkeypatch, ns):
 def test_topk_blocks_ties_and_forced(monkeypatch, method, rows, n):
     """Every top-k method, one or several rows per program, 5 blocks or 1: forced blocks, no block
     after t, largest importances with ties (many equal values, zeros and -0.0) going to the lower
-    index, ascending output, -1 padding."""
+    index, ascending output, -1 padding. Rows of 20 blocks are below the filters' 128, so "filter"
+    and "lean" take their full pass here; test_topk_filter and test_topk_lean_wide_rows cover their
+    own paths."""
     from nsa_eval.kernels import topk
 
     monkeypatch.setattr(topk, "TOPK_METHOD", method)
