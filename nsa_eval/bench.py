@@ -230,10 +230,10 @@ def _decode_topk_variants() -> dict[str, dict]:
     """The top-k settings the decode is timed with beside the defaults: label -> `topk` flags
     (those that differ from the defaults)."""
     from nsa_eval.kernels import topk
+    from nsa_eval.kernels.decode import step2_method
 
     variants = {"bitonic top-k": dict(TOPK_METHOD="bitonic"), "arg-max top-k": dict(TOPK_METHOD="argmax")}
-    # the decode takes the filter for "lean" too (`decode._step2_topk`), and the pick matters only to it
-    method = "filter" if topk.TOPK_METHOD == "lean" else topk.TOPK_METHOD
+    method = step2_method()  # the pick matters only to the filter
     for pick in topk.TOPK_FILTER_PICKS:
         if method == "filter" or pick == topk.TOPK_FILTER_PICK:
             variants[f"filter top-k, {pick} picks"] = dict(TOPK_METHOD="filter", TOPK_FILTER_PICK=pick)

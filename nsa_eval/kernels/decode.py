@@ -504,16 +504,21 @@ def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, 
                 tl.store(bi_row + rank, o_a, mask=chosen > 0)
 
 
+def step2_method() -> str:
+    """`topk.TOPK_METHOD` as the fused decode's step 2 takes it: "lean", the prefill's one-warp form
+    of the filter, is the filter here."""
+    return "filter" if topk.TOPK_METHOD == "lean" else topk.TOPK_METHOD
+
+
 def _step2_topk(bns_all: int, nsel2: int) -> str:
-    """How the last program of step 2 takes its row's top-k, after `topk.TOPK_METHOD`:
-    "bitonic"; "filter-rank" or "filter-argmax" (the filter, also for "lean", the prefill's leaner form
-    of it; picks by `TOPK_FILTER_PICK`) where its 32
+    """How the last program of step 2 takes its row's top-k, after `step2_method()`: "bitonic";
+    "filter-rank" or "filter-argmax" (the filter, picks by `TOPK_FILTER_PICK`) where its 32
     group maxima hold num_selected candidates (rows of >= 128 blocks, num_selected <= 32), the arg-max
     passes over the whole row where not or where it finds too many candidates; else "argmax"."""
-    method = topk.TOPK_METHOD
+    method = step2_method()
     if method == "bitonic":
         return "bitonic"
-    if method in ("filter", "lean") and topk.filter_fits(bns_all, nsel2):
+    if method == "filter" and topk.filter_fits(bns_all, nsel2):
         return "filter-" + topk.TOPK_FILTER_PICK
     return "argmax"
 
