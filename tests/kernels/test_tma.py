@@ -1,8 +1,8 @@
 """TMA copies (`band.BAND_TMA`, `selection.SELECTED_TMA`): the banded kernels and the selected forward
 read their tiles through tensor descriptors (Hopper's tensor memory accelerator) by default; with it
-off, through per-thread loads. On the CPU (Triton's interpreter) both paths must give the same bits,
-and the reference's values; inputs TMA cannot address fall back to the loads; `tma_ok` says which.
-On a GPU (`-m gpu`) the two paths are compared at 8k in bf16."""
+off, through per-thread loads. On the CPU (Triton's interpreter) both paths must give the same
+values up to float32 rounding, and the reference's; inputs TMA cannot address fall back to the
+loads; `tma_ok` says which. On a GPU (`-m gpu`) the two paths are compared at 8k in bf16."""
 
 from __future__ import annotations
 
@@ -48,8 +48,11 @@ def random_blocks(B, T, hkv, n, select_size, seed=0):
 @interpreter_only
 @pytest.mark.parametrize("shape", [(1, 83, 16, 1, 16, 16), (2, 77, 8, 2, 16, 32), (1, 97, 2, 2, 32, 32)],
                          ids=["G16", "G4", "G1"])
-def test_tma_matches_loads_bit_for_bit(monkeypatch, shape):
-    """Every branch forward and backward, T not a multiple of any tile (TMA's zero rows past T)."""
+def test_tma_matches_loads(monkeypatch, shape):
+    """Every branch forward and backward, T not a multiple of any tile (TMA's zero rows past T): the
+    same values up to float32 rounding. (Not the same bits: the interpreter's products are numpy's,
+    whose BLAS may sum in another order for a tile of another memory layout; with numpy 2.4.6 the
+    banded kernels at G = 1, d = 32 differ by up to 2e-6.)"""
     x = make(*shape)
     bi = random_blocks(shape[0], shape[1], shape[3], 3, 32)
     monkeypatch.setattr(band, "BAND_TMA", EVERY_PART)
@@ -58,7 +61,7 @@ def test_tma_matches_loads_bit_for_bit(monkeypatch, shape):
     monkeypatch.setattr(band, "BAND_TMA", False)
     monkeypatch.setattr(selection, "SELECTED_TMA", False)
     for a, b in zip(with_tma, branches(x, bi), strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     o_ref = ref.selected_attention(x["q"], x["k"], x["v"], bi.long(), select_size=32)
     assert rel_err(with_tma[3], o_ref) < TOL
 
