@@ -89,6 +89,21 @@ SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
 # 53.40 / 54.43 (11), 53.51 / 54.49 (12); float32 inputs keep 2 (see `selected_dkv_launch`)
 SELECTED_DKV_CONFIG = dict(num_stages=3)
 SELECTED_DKV_ROWS = 64
+# The launches at 16-bit q/k and v dims {(dk, dv): launch} (`selected_dkv_launch`; elsewhere the one
+# above). Over 64 rows, 8 warps compute the scores and dp twice: Triton lays a dot whose result feeds
+# another dot out as warpsPerCTA = [8, 1], 128 rows of warps, so both warpgroups hold the same 64
+# rows. 128 rows fill both. At 128 / 128 the q/k dim in two column halves of 64 (`split_dk`, as
+# `dk_tiles` splits the paper's 192) keeps dq's and dk's products from spilling (compiled for sm_90
+# without a GPU, ptxas: 60 / 32 bytes stored / loaded at 2 stages, against 120 / 88 for 64 rows);
+# 3 stages need 264,192 bytes of shared memory (the H200's compile). Run 103 at 64k
+# (scripts/probe_order.py dkv): the selected op's forward+backward 44.41-44.54 ms against 45.25-46.54,
+# the NSA's 107.49 / 107.62 against 109.21 / 109.82, and at G = 4 (16/4 heads) 36.75 against 38.75;
+# 128 rows without the split 54.65, the split alone 44.76-45.06, the scores as k q^T (which leaves p^T
+# and ds^T as the accumulators of dv's and dk's MMAs) 45.30-45.85 at 64 rows and 57.47 at 128. At the
+# paper's 192 / 128 (already in two column tiles), 2 stages need 271,360 bytes; at 1 the selected op
+# took 77.36 ms against 80.68-80.70 (run 105, `probe_order.py dkv192`)
+SELECTED_DKV_WIDE = {(128, 128): dict(rows=128, split_dk=True, num_stages=2),
+                     (192, 128): dict(rows=128, num_stages=1)}
 # Where the selected backward computes dq. "walk": a second walk of every query's blocks, as the
 # forward. "fused": in the dk/dv kernel (per key block), which has ds already: one more MMA and a
 # float32 atomic add per (query, block) instead of reading each selected block's K/V again.
@@ -590,14 +605,15 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
         return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
     GP = pow2(G, 1)
     launch = selected_dkv_launch(q.dtype, DK, DV)
-    BQ = max(1, (16 if interpreting() else launch.pop("rows")) // GP)  # positions per MMA
+    rows = launch.pop("rows")
+    BQ = max(1, (16 if interpreting() else rows) // GP)  # positions per MMA
     chunk = BQ * (4 if interpreting() else 64)  # positions per work item
     # PRELOAD = chunk sizes a tl.arange: a power of two, as BQ (rows and GP are) times 4 or 64 is
     assert chunk & (chunk - 1) == 0, f"positions per work item must be a power of two, got {chunk}"
     pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk,
                                                           presorted=presorted)
     ns = triton.cdiv(T, select_size)
-    BDK, BDK2 = dk_tiles(DK)
+    BDK, BDK2 = dkv_column_tiles(DK, launch.pop("split_dk"))
     _selected_dkv_kernel[(item_seg.numel(),)](
         q, k, v, do, lse, delta, gate if gate is not None else delta, item_seg, item_chunk, seg_start, pos,
         dk32, dv32, dq,
@@ -616,13 +632,27 @@ def selected_dkv_launch(dtype, dk: int, dv: int) -> dict:
     the paper's 192 + 128) run at most 2 stages: in float32 at d = 128 a third buffer overflows the
     H200's shared memory (2 stages already take 230,144 of its 232,448 bytes). Past 192 + 128 they
     also take 32 rows: at 256 + 256 in bf16, 64 rows need 263,168 bytes at 3 stages and 262,912 at 2,
-    32 rows 147,840 at 2 (192 + 128: 214,272 at the defaults padded to 256, 156,928 split)."""
-    config = dict(rows=SELECTED_DKV_ROWS, num_warps=8 if max(dk, dv) >= 128 else 4) | SELECTED_DKV_CONFIG
+    32 rows 147,840 at 2 (192 + 128: 214,272 at the defaults padded to 256, 156,928 split).
+    `split_dk`: the q/k dim in two column halves. At the 16-bit dims in `SELECTED_DKV_WIDE`, its launch."""
+    config = dict(rows=SELECTED_DKV_ROWS, num_warps=8 if max(dk, dv) >= 128 else 4, split_dk=False)
+    config |= SELECTED_DKV_CONFIG
+    if (dk, dv) in (SELECTED_DKV_WIDE or {}) and not wide_rows(dtype, dk, dv):
+        config |= SELECTED_DKV_WIDE[dk, dv]
     if wide_rows(dtype, dk, dv):
         config["num_stages"] = min(config.get("num_stages", 2), 2)
     if pow2(dk) + pow2(dv) > 384:
         config["rows"] = min(config["rows"], 32)
     return config
+
+
+def dkv_column_tiles(dk: int, split: bool) -> tuple[int, int]:
+    """`(BDK, BDK2)` of the dk/dv kernel: `dk_tiles`, or with `split` (`selected_dkv_launch`'s
+    `split_dk`) a power-of-two dim >= 32 in two halves, so that dq's and dk's products take two MMAs
+    of half the registers each."""
+    head, tail = dk_tiles(dk)
+    if split and tail == 0 and head == dk >= 32:
+        return dk // 2, dk // 2
+    return head, tail
 
 
 class SelectedAttentionFunction(torch.autograd.Function):

@@ -100,7 +100,8 @@ def prefill(name, dtype, D, DV=None):
                                                  launch)
     config = s.selected_dkv_launch(dtype, D, DV)
     BQ = max(1, config.pop("rows") // GP)
-    consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BQ=BQ, BS=64,
+    BK, BK2 = s.dkv_column_tiles(D, config.pop("split_dk"))
+    consts = dict(DK=D, DV=DV, BDK=BK, BDK2=BK2, BDV=BDV, GP=GP, BQ=BQ, BS=64,
                   FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False, GATED=GATE_IN_BRANCHES,
                   PRELOAD=BQ * 64 if s.SELECTED_DKV_PRELOAD else 0)  # as selected_backward launches it
     out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + [p] + ["*i32"] * 4

@@ -1,9 +1,10 @@
 """The variants of the Triton selected attention against the PyTorch reference: both walks
 (`selection.SELECTED_WALK`: "pipelined", "union"), two tilings (`SELECTED_ROWS` 16 and 32 rows per
 program) and both dq paths (`SELECTED_DQ`: "walk", "fused", the latter with its positions preloaded
-or not); outputs, the lse and gradients of q, k and v, on the CPU through Triton's interpreter and
-(`-m gpu`) in bf16 on a CUDA GPU; the dk/dv kernel's inverted index. Also: the pipelined walk
-compiles for sm_90 to asynchronous, double-buffered K/V copies (no GPU needed)."""
+or not, and its q/k dim in two halves or whole); outputs, the lse and gradients of q, k and v, on the
+CPU through Triton's interpreter and (`-m gpu`) in bf16 on a CUDA GPU; the dk/dv kernel's inverted
+index. Also: the pipelined walk compiles for sm_90 to asynchronous, double-buffered K/V copies (no
+GPU needed)."""
 
 
 import pytest
@@ -112,6 +113,20 @@ def test_fused_dq_matches_reference(monkeypatch, shape, preload):
     assert_matches_reference(q, k, v, idx)
 
 
+@interpreted
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]], ids=[IDS[0], IDS[2]])
+def test_fused_dq_with_head_dim_in_halves_matches_reference(monkeypatch, shape):
+    """The dk/dv kernel with its q/k dim in two column halves (`split_dk`, which SELECTED_DKV_WIDE
+    takes at 16-bit dims of 128): dq and dk in two products each."""
+    launch = selection.selected_dkv_launch
+    monkeypatch.setattr(selection, "selected_dkv_launch", lambda *args: launch(*args) | dict(split_dk=True))
+    monkeypatch.setattr(selection, "SELECTED_DQ", "fused")
+    B, T, hq, hkv, dk, dv = shape
+    x = make(*shape, seed=15)
+    idx = lists_with_edge_cases(B, T, hkv, 5, 16, seed=16)
+    assert_matches_reference(x["q"], x["k"], x["v"], idx)
+
+
 def test_inverted_index_groups_positions_by_block():
     """inverted_index against a plain count: each (b, kv head, block) segment lists, in ascending
     order, exactly the positions whose list holds the block (usable: not padding, not after the
@@ -197,7 +212,8 @@ GPU_VARIANTS = {
     "pipelined": dict(SELECTED_WALK="pipelined"),
     "pipelined-rows32": dict(SELECTED_WALK="pipelined", SELECTED_ROWS=32),
     "fused-dq": dict(SELECTED_DQ="fused"),
-    "fused-dq-rows32": dict(SELECTED_DQ="fused", SELECTED_DKV_ROWS=32),
+    "fused-dq-rows32": dict(SELECTED_DQ="fused", SELECTED_DKV_WIDE=None, SELECTED_DKV_ROWS=32),
+    "fused-dq-rows64": dict(SELECTED_DQ="fused", SELECTED_DKV_WIDE=None),
     "fused-dq-per-step-positions": dict(SELECTED_DQ="fused", SELECTED_DKV_PRELOAD=False),
 }
 
