@@ -39,6 +39,11 @@ kernel in index order (`BAND_LONGEST_FIRST = False`) and the forward+backward 1.
 NSA's forward (64k at 64/4 and 16/4 heads, 8k at 64/4) with each branch's forward in either order,
 three rounds in alternation, then the 64k forward+backward with the forwards in index order and the
 backward longest first, against the default.
+
+    PYTHONPATH=. python3 scripts/probe_band.py widekeys
+
+Run 104 (Triton 3.8): the dk/dv kernels over 128-key tiles at 8 warps (`probe_wide_keys`); they
+lost in both branches and in the NSA (112.21 / 111.44 ms against 107.34 / 108.19).
 """
 
 import sys
@@ -221,9 +226,44 @@ def probe_order():
             print(f"[{rep}] T={T} nsa 64/4 fwd+bwd, {name}: {ms:.2f} ms", flush=True)
 
 
+WIDE_KEYS = [(32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 2)]  # (BM, BN, warps, stages), 128 keys
+
+
+def probe_wide_keys():
+    """Run 104: the banded dk/dv over 128-key tiles at 8 warps. Every 8-warp dk/dv launch timed before
+    (runs 5-91) had 64-key tiles, over which Triton's [8, 1] warps for a chained dot compute the scores
+    and dp twice (run 103, `selection.SELECTED_DKV_WIDE`); 128 keys give each warpgroup its own 64, and
+    halve the reads of the query and do tiles. Each branch's forward+backward, then the NSA's."""
+    x = _inputs(1, T, 64, 4, 128, grad=True)
+    branches = {"cmp": lambda: compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])[0],
+                "swa": lambda: sliding_window_attention(x["q"], x["k"], x["v"])}
+    fastest = {}
+    for branch, fn in branches.items():
+        step = _fwd_bwd(fn, x)
+        timed(f"{branch} fwd+bwd default", lambda: _time(step))  # noqa: B023
+        best = None  # (ms, cfg)
+        for cfg in WIDE_KEYS:
+            try:
+                ms = with_band(lambda: _time(step), configs=[(branch, "dkv", cfg)])  # noqa: B023
+            except Exception as err:  # a launch may not compile or fit
+                print(f"{branch} fwd+bwd dkv={cfg} failed: {str(err).splitlines()[0][:120]}", flush=True)
+                continue
+            print(f"{branch} fwd+bwd dkv={cfg}: {ms:.2f} ms", flush=True)
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        timed(f"{branch} fwd+bwd default (again)", lambda: _time(step))  # noqa: B023
+        if best is not None:
+            fastest[branch] = best[1]
+    step = _fwd_bwd(lambda: nsa_prefill(**x), x)
+    configs = [(branch, "dkv", cfg) for branch, cfg in fastest.items()]
+    for rep in range(2):
+        timed(f"[{rep}] nsa 64/4 fwd+bwd default", lambda: _time(step))
+        timed(f"[{rep}] nsa 64/4 fwd+bwd dkv {fastest}", lambda: _time(step), configs=configs)
+
+
 def main():
     probes = {"triton38": probe_triton38, "nsa38": probe_nsa38, "dqsum": probe_dq_sum,
-              "gatesum": probe_gate_sum, "order": probe_order}
+              "gatesum": probe_gate_sum, "order": probe_order, "widekeys": probe_wide_keys}
     if sys.argv[1:2] and sys.argv[1] in probes:
         import triton
 

@@ -1,6 +1,6 @@
 """The importance kernel's unmasked chunks and lane-ordered map, and the top-k, timed side by side (H200).
 
-    PYTHONPATH=. python3 scripts/probe_importance.py
+    PYTHONPATH=. python3 scripts/probe_importance.py [launches]
 
 At 64k (64/4 and 16/4 heads, random inputs): `block_importance` alone with
 `IMPORTANCE_SPLIT_MASK` and `IMPORTANCE_LANE_MAP` each on and off (and a check that all four give
@@ -8,6 +8,8 @@ the same importances up to float32 rounding), `topk_blocks` alone for every meth
 forward with both importance flags on (the defaults) and off, each with the arg-max and the filter
 top-k. Runs 18, 19 and 22: reports/kernels/probe_run18.log, probe_run19.log, probe_run22.log.
 """
+
+import sys
 
 import torch
 
@@ -57,6 +59,55 @@ def probe(hq):
     torch.cuda.empty_cache()
 
 
+LAUNCHES = ((128, 8, 3), (128, 8, 2), (128, 8, 4), (128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2),
+            (64, 4, 4), (64, 8, 3), (128, 8, 3))  # (rows, warps, stages), the default first and last
+
+
+def with_launch(launch, fn):
+    rows, warps, stages = launch
+    config = {**importance.IMPORTANCE_CONFIG, "reshape": dict(rows=rows, num_warps=warps, num_stages=stages)}
+    return _with_flag(importance, "IMPORTANCE_CONFIG", config, fn)
+
+
+def importance_launches():
+    """{(rows, warps, stages): ms} of the importance kernel alone at 16/4 heads, printed as measured."""
+    x = _inputs(1, T, 16, 4, 128, grad=False)
+    q, k_cmp = x["q"], x["k_cmp"]
+    with torch.no_grad():
+        _, lse = compressed_attention(q, k_cmp, x["v_cmp"])
+
+        def importances():
+            return importance.block_importance(q, k_cmp, lse, block_len=32, stride=16, select_size=64,
+                                               scale=128 ** -0.5)
+
+        want = importances()
+        own = want > 0
+        timed = {}
+        for launch in LAUNCHES:
+            label = "hq=16 importance {} rows, {} warps, {} stages".format(*launch)
+            try:
+                got = with_launch(launch, importances)
+                ms = with_launch(launch, lambda: _time(importances))
+            except Exception as e:  # a launch that does not fit is a result too
+                print(f"{label}: failed, {type(e).__name__}", flush=True)
+                continue
+            err = ((got[own] - want[own]).abs() / want[own]).max().item()
+            timed[launch] = ms
+            print(f"{label}: {ms:.3f} ms, max rel diff {err:.1e}", flush=True)
+    return timed
+
+
+def launches():
+    """Run 103: the importance kernel's launch at G = 4 (16/4 heads; `importance_launch` caps its rows
+    at 128 below G' = 16), alone and in the forward, around the default (128 rows, 8 warps, 3 stages)."""
+    timed = importance_launches()
+    torch.cuda.empty_cache()
+    best = min(timed, key=timed.get)
+    for label, launch in (("default", (128, 8, 3)), ("fastest", best)) * 2:
+        fwd, _ = with_launch(launch, lambda: bench_nsa_prefill(T, 16, 4, 128))
+        print(f"prefill fwd hq=16, importance {label} {launch}: {fwd:.2f} ms", flush=True)
+
+
 def main():
     for hq in (64, 16):
         probe(hq)
@@ -70,4 +121,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    launches() if sys.argv[1:] == ["launches"] else main()
