@@ -24,16 +24,19 @@ def with_flags(split, lanes, fn):
     return _with_flags(importance, dict(IMPORTANCE_SPLIT_MASK=split, IMPORTANCE_LANE_MAP=lanes), fn)
 
 
-def probe(hq):
+def importance_fn(hq):
+    """`block_importance` at T, hq/4 heads, d = 128, on random inputs and their compression lse, as a
+    function of no arguments."""
     x = _inputs(1, T, hq, 4, 128, grad=False)
-    q, k_cmp = x["q"], x["k_cmp"]
     with torch.no_grad():
-        _, lse = compressed_attention(q, k_cmp, x["v_cmp"])
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+    return lambda: importance.block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16,
+                                               select_size=64, scale=128 ** -0.5)
 
-        def importances():
-            return importance.block_importance(q, k_cmp, lse, block_len=32, stride=16, select_size=64,
-                                               scale=128 ** -0.5)
 
+def probe(hq):
+    importances = importance_fn(hq)
+    with torch.no_grad():
         ns = T // 64
         own = (torch.arange(ns, device="cuda")[None, :] <= (torch.arange(T, device="cuda") // 64)[:, None])
         own = own.repeat_interleave(4, 0)
@@ -71,15 +74,8 @@ def with_launch(launch, fn):
 
 def importance_launches():
     """{(rows, warps, stages): ms} of the importance kernel alone at 16/4 heads, printed as measured."""
-    x = _inputs(1, T, 16, 4, 128, grad=False)
-    q, k_cmp = x["q"], x["k_cmp"]
+    importances = importance_fn(16)
     with torch.no_grad():
-        _, lse = compressed_attention(q, k_cmp, x["v_cmp"])
-
-        def importances():
-            return importance.block_importance(q, k_cmp, lse, block_len=32, stride=16, select_size=64,
-                                               scale=128 ** -0.5)
-
         want = importances()
         own = want > 0
         timed = {}

@@ -105,10 +105,9 @@ def dkv_tiles(T):
     }
     best = {k: variants[k] for k in ("defaults (128 rows, split, 2 stages)",
                                      "64 rows, 3 stages (before run 103)")}
-    for hq in (64, 16):
-        _dkv_sections(T, hq, variants if hq == 64 else best, best if hq == 16 else
-                      {**best, **{f"{k} (again)": v for k, v in best.items()}})
-        torch.cuda.empty_cache()
+    _dkv_sections(T, 64, variants, {**best, **{f"{k} (again)": v for k, v in best.items()}})
+    torch.cuda.empty_cache()
+    _dkv_sections(T, 16, best, best)
 
 
 def dkv_paper_dims(T):
@@ -128,7 +127,7 @@ def dkv_paper_dims(T):
     sel_fn = lambda: selected_attention(q, k, v, idx)  # noqa: E731
 
     def paper(launch):  # SELECTED_DKV_WIDE with 192 / 128's launch replaced (None: left out)
-        table = {dims: cfg for dims, cfg in selection.SELECTED_DKV_WIDE.items() if dims != (192, 128)}
+        table = {dims: cfg for dims, cfg in (selection.SELECTED_DKV_WIDE or {}).items() if dims != (192, 128)}
         return {selection: {"SELECTED_DKV_WIDE": table | ({(192, 128): launch} if launch else {})}}
 
     before = paper(None)

@@ -242,8 +242,10 @@ def probe_dims192(T, hq=64, hkv=4, dk=192, dv=128):
                                 lambda k=knobs: with_knobs(k, lambda: _time(selected)))
             tiles = "split" if split else "padded"
             print(f"T={T} Dk={dk} Dv={dv} selected fwd, {tiles} {config}: {ms:.2f} ms", flush=True)
+    # run 45's dk/dv launches, around the one before run 105 (which SELECTED_DKV_WIDE now replaces)
     for knobs in ({}, {"SELECTED_DKV_ROWS": 32}, {"SELECTED_DKV_CONFIG": dict(num_stages=2)},
                   {"SELECTED_DKV_CONFIG": dict(num_stages=3, num_warps=4)}):
+        knobs = {"SELECTED_DKV_WIDE": None, **knobs}
         ms = with_knobs(knobs, lambda: _time(_fwd_bwd(selected, x)))
         print(f"T={T} Dk={dk} Dv={dv} selected fwd+bwd, {knobs or 'defaults'}: {ms:.2f} ms", flush=True)
 

@@ -101,7 +101,7 @@ SELECTED_DKV_ROWS = 64
 # 128 rows without the split 54.65, the split alone 44.76-45.06, the scores as k q^T (which leaves p^T
 # and ds^T as the accumulators of dv's and dk's MMAs) 45.30-45.85 at 64 rows and 57.47 at 128. At the
 # paper's 192 / 128 (already in two column tiles), 2 stages need 271,360 bytes; at 1 the selected op
-# took 77.36 ms against 80.68-80.70 (run 105, `probe_order.py dkv192`)
+# took 77.34-77.36 ms against 80.66-80.69 (run 105, `probe_order.py dkv192`)
 SELECTED_DKV_WIDE = {(128, 128): dict(rows=128, split_dk=True, num_stages=2),
                      (192, 128): dict(rows=128, num_stages=1)}
 # Where the selected backward computes dq. "walk": a second walk of every query's blocks, as the
@@ -605,7 +605,7 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
         return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
     GP = pow2(G, 1)
     launch = selected_dkv_launch(q.dtype, DK, DV)
-    rows = launch.pop("rows")
+    rows = launch.pop("rows")  # not a launch option; the interpreter takes 16 whatever the default
     BQ = max(1, (16 if interpreting() else rows) // GP)  # positions per MMA
     chunk = BQ * (4 if interpreting() else 64)  # positions per work item
     # PRELOAD = chunk sizes a tl.arange: a power of two, as BQ (rows and GP are) times 4 or 64 is
@@ -633,12 +633,14 @@ def selected_dkv_launch(dtype, dk: int, dv: int) -> dict:
     H200's shared memory (2 stages already take 230,144 of its 232,448 bytes). Past 192 + 128 they
     also take 32 rows: at 256 + 256 in bf16, 64 rows need 263,168 bytes at 3 stages and 262,912 at 2,
     32 rows 147,840 at 2 (192 + 128: 214,272 at the defaults padded to 256, 156,928 split).
-    `split_dk`: the q/k dim in two column halves. At the 16-bit dims in `SELECTED_DKV_WIDE`, its launch."""
+    `split_dk`: the q/k dim in two column halves. At the 16-bit dims in `SELECTED_DKV_WIDE`, its launch
+    replaces what it names of `SELECTED_DKV_ROWS` and `SELECTED_DKV_CONFIG`."""
     config = dict(rows=SELECTED_DKV_ROWS, num_warps=8 if max(dk, dv) >= 128 else 4, split_dk=False)
     config |= SELECTED_DKV_CONFIG
-    if (dk, dv) in (SELECTED_DKV_WIDE or {}) and not wide_rows(dtype, dk, dv):
+    wide = wide_rows(dtype, dk, dv)
+    if (dk, dv) in (SELECTED_DKV_WIDE or {}) and not wide:
         config |= SELECTED_DKV_WIDE[dk, dv]
-    if wide_rows(dtype, dk, dv):
+    if wide:
         config["num_stages"] = min(config.get("num_stages", 2), 2)
     if pow2(dk) + pow2(dv) > 384:
         config["rows"] = min(config["rows"], 32)

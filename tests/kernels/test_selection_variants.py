@@ -118,6 +118,7 @@ def test_fused_dq_matches_reference(monkeypatch, shape, preload):
 def test_fused_dq_with_head_dim_in_halves_matches_reference(monkeypatch, shape):
     """The dk/dv kernel with its q/k dim in two column halves (`split_dk`, which SELECTED_DKV_WIDE
     takes at 16-bit dims of 128): dq and dk in two products each."""
+    assert selection.dkv_column_tiles(shape[4], True) == (shape[4] // 2, shape[4] // 2)  # the split taken
     launch = selection.selected_dkv_launch
     monkeypatch.setattr(selection, "selected_dkv_launch", lambda *args: launch(*args) | dict(split_dk=True))
     monkeypatch.setattr(selection, "SELECTED_DQ", "fused")
