@@ -1,6 +1,6 @@
 """Knobs of the fused decode timed side by side on one GPU (run 34 on the H200).
 
-    PYTHONPATH=. python3 scripts/probe_decode.py [dims]
+    PYTHONPATH=. python3 scripts/probe_decode.py [dims | batches | launches | step2]
 
 Batch 16, 64/4 heads, d = 128, bf16, caches at 8k and 64k (the benchmark's decode shape, lengths
 T - 97 b): the CUDA-graph time of the fused decode under each setting in CONFIGS (keys name
@@ -14,6 +14,9 @@ decode's kernels at each batch (plain launches): how much of the decode is laten
 
 `launches` (run 62): the fused decode at 64k, batch 64 and 16, under other launch shapes
 (LAUNCH_CONFIGS).
+
+`step2` (run 106): the fused decode at 64k and 8k with step 2's top-k by the lean filter
+(`decode.STEP2_LEAN`, the default since) and by the filter, three rounds in alternation.
 
 `dims` (run 52): the fused decode at 64k by head dims, 128 / 128, the paper's 192 / 128 (the decode
 pads Dk to 256, unlike the prefill's kernels: masked columns are not read) and 256 / 256, beside
@@ -142,7 +145,16 @@ LAUNCH_CONFIGS = [
     dict(),
 ]
 
+# run 106: step 2's top-k by the lean filter (the default since) against the filter, in alternation
+STEP2_CONFIGS = [dict(), dict(STEP2_LEAN=False)] * 3
+
+
 def main():
+    if sys.argv[1:] == ["step2"]:
+        for T in (65536, 8192):
+            probe(T, B, STEP2_CONFIGS)
+            torch.cuda.empty_cache()
+        return
     if sys.argv[1:] == ["batches"]:
         probe_batches()
         return

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from nsa_eval.kernels import topk
 from nsa_eval.kernels._triton_utils import LOG2E, default_scale, interpreting, pow2, score_dot, softmax_start
-from nsa_eval.kernels.topk import block_keys, filtered_top, top_blocks, topk_blocks
+from nsa_eval.kernels.topk import block_keys, filtered_top, lean_filtered_top, top_blocks, topk_blocks
 
 # "fused" (four launches, see the module docstring) or "v1" (the first split-K version, five launches)
 DECODE_VARIANT = "fused"
@@ -125,6 +125,11 @@ IMP_LAUNCH = dict(num_warps=4)
 # `topk.TOPK_METHOD` (`_step2_topk`): the filter, bitonic, or arg-max passes over the whole
 # row for the others (radix exists only in `topk_blocks`).
 TOPK_IN_STEP2 = True
+# With `topk.TOPK_METHOD = "lean"`, step 2 takes the lean filter (`_step2_topk`: "lean", rows of up to
+# 2,048 blocks) rather than the filter. Run 106 (scripts/probe_decode.py step2), B = 16, CUDA graph, in
+# alternation: 64k 65.6 us (three rounds) against 66.7-66.8, 8k 36.1-36.9 against 35.9-36.8; the
+# same outputs
+STEP2_LEAN = True
 # fused: output columns per program of the merge (step 4); None: about 2,048 partial values per program
 # per branch (32 columns at d = 128 with 4 partials per branch). Run 62, 64k (CUDA graph): 32 columns
 # 68.3 us at B = 16 and 220.4 at B = 64, 16 columns 68.1 / 220.4, against 71.0 / 226.1 for 64 (the rule
@@ -466,8 +471,8 @@ def _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, SCR, i_c, i_bh, TC, HKV, G
 @triton.jit
 def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
                      BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, TOPK_KIND: tl.constexpr, CAP: tl.constexpr):
-    # TOPK_KIND (`_step2_topk`): "bitonic", "filter-rank" / "filter-argmax" (SCR [B*HKV, CAP] int64, the
-    # filter's scratch), or "argmax"
+    # TOPK_KIND (`_step2_topk`): "bitonic", "lean" (SCR [B*HKV, 2 * CAP] int32), "filter-rank" /
+    # "filter-argmax" (SCR [B*HKV, CAP] int64, the filter's scratch), or "argmax"
     tl.debug_barrier()  # all threads' stores before the release of the counter increment
     arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
     if arrived == NIMP - 1:
@@ -482,7 +487,11 @@ def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, 
             tl.store(bi_row + o_n, tl.where(blk < BNS_ALL, blk, -1), mask=o_n < num_selected)
         else:
             rest = 1  # whether the row still needs the arg-max passes over all its blocks
-            if TOPK_KIND != "argmax":  # the filter of `topk_blocks`, on this row
+            if TOPK_KIND == "lean":  # as `topk_blocks` with "lean", through L2 (.cg) after the acquire
+                done = lean_filtered_top(IMP, BI, SCR, i_bh.to(tl.int64), t // select_size, num_selected,
+                                         num_init, num_local, NS, BNS_ALL, NSEL2, CAP, ".cg")
+                rest = 1 - done.to(tl.int32)
+            elif TOPK_KIND != "argmax":  # the filter of `topk_blocks`, on this row
                 o_a = tl.arange(0, BNS_ALL)
                 cur = t // select_size
                 imp = tl.load(IMP + i_bh.to(tl.int64) * NS + o_a, mask=o_a < NS, other=0.0,
@@ -505,19 +514,23 @@ def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, 
 
 
 def step2_method() -> str:
-    """`topk.TOPK_METHOD` as the fused decode's step 2 takes it: "lean", the prefill's one-warp form
-    of the filter, is the filter here."""
-    return "filter" if topk.TOPK_METHOD == "lean" else topk.TOPK_METHOD
+    """`topk.TOPK_METHOD` as the fused decode's step 2 takes it: "lean" is the filter there unless
+    STEP2_LEAN."""
+    return "filter" if topk.TOPK_METHOD == "lean" and not STEP2_LEAN else topk.TOPK_METHOD
 
 
 def _step2_topk(bns_all: int, nsel2: int) -> str:
     """How the last program of step 2 takes its row's top-k, after `step2_method()`: "bitonic";
-    "filter-rank" or "filter-argmax" (the filter, picks by `TOPK_FILTER_PICK`) where its 32
+    "lean" (the lean filter, rows of up to 2,048 blocks; the filter past that), or "filter-rank" or
+    "filter-argmax" (the filter, picks by `TOPK_FILTER_PICK`), each where its 32
     group maxima hold num_selected candidates (rows of >= 128 blocks, num_selected <= 32), the arg-max
     passes over the whole row where not or where it finds too many candidates; else "argmax"."""
     method = step2_method()
     if method == "bitonic":
         return "bitonic"
+    if method == "lean" and topk.filter_fits(bns_all, nsel2):
+        # its per-lane bit masks hold 64 blocks (as in `topk_blocks`): the filter past 2,048
+        return "lean" if bns_all <= 2048 else "filter-" + topk.TOPK_FILTER_PICK
     if method == "filter" and topk.filter_fits(bns_all, nsel2):
         return "filter-" + topk.TOPK_FILTER_PICK
     return "argmax"
@@ -847,8 +860,10 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     nsel2 = pow2(num_selected, 2)  # >= 2 for tl.topk
     bns_all = max(pow2(ns), nsel2)
     topk_kind = _step2_topk(bns_all, nsel2)
-    scratch = torch.empty(BH if topk_kind.startswith("filter") else 1, topk.TOPK_FILTER_CAP,
-                          device=dev, dtype=torch.int64)
+    scratch = torch.empty(BH if topk_kind.startswith("filter") or topk_kind == "lean" else 1,
+                          topk.TOPK_FILTER_CAP, device=dev, dtype=torch.int64)
+    if topk_kind == "lean":  # its 2 x CAP int32 slots a row
+        scratch = scratch.view(torch.int32)
     ct = pow2(IMP_TILES_PER_PROGRAM, 1)
     if tile_imp:
         n_imp = triton.cdiv(triton.cdiv(ns, jt), ct)

@@ -158,14 +158,15 @@ def filtered_top(imp, o_j, cur, SCR, row, num_selected, num_init, num_local, NS,
 
 @triton.jit
 def lean_filtered_top(IMP, OUT, SCR, row, cur, num_selected, num_init, num_local, NS, BNS: tl.constexpr,
-                      NSEL: tl.constexpr, CAP: tl.constexpr):
+                      NSEL: tl.constexpr, CAP: tl.constexpr, CACHE: tl.constexpr = ""):
     """One row's blocks, as `filtered_top` but in fewer instructions -> done (the row is written to
     OUT). It reads only the pickable blocks (after the initial ones, before the local ones), bounds the
     picks-th largest importance (not the NSEL-th) by the group maxima, which leaves ~16 candidates on
     random inputs instead of ~22, and compacts them through a bit mask per lane (`_compact_candidates`)
     into the row's 2 x CAP int32 slots of SCR, where they are ranked (`_rank_and_store`). Not done
     (nothing written; the caller takes the full pass) for rows of at most num_selected blocks, with
-    more forced blocks than slots, or with more than CAP candidates. One warp; BNS <= 2048."""
+    more forced blocks than slots, or with more than CAP candidates. One warp; BNS <= 2048. CACHE: the
+    loads' cache modifier (".cg" where other programs of the launch wrote IMP)."""
     R: tl.constexpr = BNS // 128  # runs of 4 blocks a lane holds (Triton's layout of a row, one warp)
     n_init = tl.minimum(num_init, cur + 1)
     # the first forced local block after the initial ones (a negative num_local forces none, as 0)
@@ -177,7 +178,8 @@ def lean_filtered_top(IMP, OUT, SCR, row, cur, num_selected, num_init, num_local
         # whole runs of 4 (vector loads) where the row's length allows, then the pickable blocks only:
         # forced ones are placed, not picked
         hi = tl.minimum((lo_local + 3) // 4 * 4, NS)
-        x = tl.load(IMP + row * NS + o_j, mask=(o_j >= num_init // 4 * 4) & (o_j < hi), other=float("-inf"))
+        x = tl.load(IMP + row * NS + o_j, mask=(o_j >= num_init // 4 * 4) & (o_j < hi), other=float("-inf"),
+                    cache_modifier=CACHE)
         x = tl.where((o_j >= num_init) & (o_j < lo_local), x, float("-inf"))
         runs = tl.reshape(x, [R, 32, 4])  # [run, lane, 4 adjacent blocks]: a lane's blocks, no shuffles
         group_max = tl.max(tl.max(runs, 2), 0)  # [32]
@@ -187,7 +189,7 @@ def lean_filtered_top(IMP, OUT, SCR, row, cur, num_selected, num_init, num_local
         # fewer groups (tau = -inf) every pickable block is a candidate (the floor keeps -inf out)
         tau = tl.maximum(tau, -3.4028234663852886e38)
         base = SCR + row * (2 * CAP)
-        n_cand = _compact_candidates(IMP + row * NS, base, runs >= tau, R, CAP)
+        n_cand = _compact_candidates(IMP + row * NS, base, runs >= tau, R, CAP, CACHE)
         done = n_cand <= CAP
         if done:
             out_row = OUT + row * num_selected
@@ -204,7 +206,7 @@ def lean_filtered_top(IMP, OUT, SCR, row, cur, num_selected, num_init, num_local
 
 
 @triton.jit
-def _compact_candidates(IMP_ROW, base, candidate, R: tl.constexpr, CAP: tl.constexpr):
+def _compact_candidates(IMP_ROW, base, candidate, R: tl.constexpr, CAP: tl.constexpr, CACHE: tl.constexpr):
     """candidate bool [R, 32, 4] (run, lane, block of the run; block 128 * run + 4 * lane + i) -> their
     count; where it is at most CAP, each lane stores its own candidates, lowest block first, at its
     offset among the warp's: block indices at base[0:CAP], their value bits at base[CAP:2 * CAP]."""
@@ -223,7 +225,7 @@ def _compact_candidates(IMP_ROW, base, candidate, R: tl.constexpr, CAP: tl.const
             bit_pos = ((lowest.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
             blk = (bit_pos // 4) * 128 + lane * 4 + bit_pos % 4
             left = lane_bits != 0
-            value = tl.load(IMP_ROW + blk, mask=left, other=0.0) + 0.0  # -0.0 -> +0.0
+            value = tl.load(IMP_ROW + blk, mask=left, other=0.0, cache_modifier=CACHE) + 0.0  # -0.0 -> +0.0
             tl.store(base + slot, blk, mask=left)
             tl.store(base + CAP + slot, value.to(tl.int32, bitcast=True), mask=left)
             slot += 1

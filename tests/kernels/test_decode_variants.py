@@ -226,18 +226,20 @@ def test_bitonic_topk(monkeypatch, in_step2):
 
 
 @interpreter_only
-@pytest.mark.parametrize("pick", ["rank", "argmax"])
-def test_filter_topk_in_step2(monkeypatch, pick):
-    """The filter top-k (TOPK_METHOD = "filter", its candidates picked by rank or by arg-max passes) in
-    the last importance program, on rows of up to 132 selection blocks: random importances (its
-    compacted candidates), exact ties everywhere (more candidates than TOPK_FILTER_CAP: the passes
-    over the whole row instead), and a row with fewer blocks than slots."""
+@pytest.mark.parametrize("method,pick", [("filter", "rank"), ("filter", "argmax"), ("lean", "rank")],
+                         ids=["filter-rank", "filter-argmax", "lean"])
+def test_filter_topk_in_step2(monkeypatch, method, pick):
+    """The filter top-k (TOPK_METHOD = "filter", its candidates picked by rank or by arg-max passes)
+    and the lean one in the last importance program, on rows of up to 132 selection blocks: random
+    importances (its compacted candidates), exact ties everywhere (more candidates than
+    TOPK_FILTER_CAP: the passes over the whole row instead), and a row with fewer blocks than slots."""
     from nsa_eval.kernels import topk
 
-    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
+    monkeypatch.setattr(topk, "TOPK_METHOD", method)
     monkeypatch.setattr(topk, "TOPK_FILTER_PICK", pick)
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
-    assert decode._step2_topk(256, 8) == "filter-" + pick and decode._step2_topk(64, 8) == "argmax"
+    kind = "lean" if method == "lean" else "filter-" + pick
+    assert decode._step2_topk(256, 8) == kind and decode._step2_topk(64, 8) == "argmax"
     q, kv, gates = _inputs(3, 2100, 4, 1, 16, 16, seed=3)
     params = dict(select_size=16, num_selected=8, window=32)
     _check(q, kv, gates, [2100, 1500, 70], **params)
@@ -341,6 +343,7 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(TOPK_IN_STEP2=False),
     dict(TOPK_METHOD="bitonic"),
     dict(TOPK_METHOD="bitonic", TOPK_IN_STEP2=False),
+    dict(STEP2_LEAN=False),  # step 2's top-k by the filter, as before run 106
     dict(IMP_LAUNCH=dict(num_warps=4, maxnreg=128)),
     dict(IMP_LAUNCH=dict(num_warps=8)),
     dict(IMP_LAUNCH=dict(num_warps=2)),
