@@ -22,9 +22,10 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    chunk from the compressed blocks just before it comes from a 16-wide tile). The program that
    finishes last for its (sequence, KV head) takes the top-k of the whole row, like `topk_blocks`:
    forced blocks taken at once, then the largest of int64 keys ordered like (importance, -block
-   index), so ties go to the lower index. By default (`topk.TOPK_METHOD = "filter"`) the
-   keys at or above a bound from 32 group maxima are compacted and picked by rank (`_step2_topk`);
-   rows without that path take one max reduction per pick over the whole row (with
+   index), so ties go to the lower index. By default (`topk.TOPK_METHOD = "lean"`, `STEP2_LEAN`)
+   the keys at or above a bound from 32 group maxima are compacted and ranked (`_step2_topk`;
+   "filter" compacts them as `filtered_top` does and picks by rank); rows without that path take
+   one max reduction per pick over the whole row (with
    `TOPK_IN_STEP2 = False`, `topk_blocks` does it in a launch of its own; with
    `topk.TOPK_METHOD = "bitonic"`, `tl.topk` of the same keys). With `WINDOW_STEP = 2`
    (default) the same launch has one more program per window chunk (`WIN_TILES_PER_PROGRAM` tiles
@@ -122,8 +123,8 @@ IMP_LAUNCH = dict(num_warps=4)
 # fused: the top-k by the last importance program of each row (True), or by `topk_blocks` in a
 # launch of its own (False: no serial tail in step 2). Runs 13-16, B=16 at 64k: 113.2-115.7 us
 # against 110.6-115.0 (the launch alone 7-8 us). In step 2 the top-k follows
-# `topk.TOPK_METHOD` (`_step2_topk`): the filter, bitonic, or arg-max passes over the whole
-# row for the others (radix exists only in `topk_blocks`).
+# `topk.TOPK_METHOD` (`_step2_topk`): the lean filter, the filter, bitonic, or arg-max passes over
+# the whole row for the others (radix exists only in `topk_blocks`).
 TOPK_IN_STEP2 = True
 # With `topk.TOPK_METHOD = "lean"`, step 2 takes the lean filter (`_step2_topk`: "lean", rows of up to
 # 2,048 blocks) rather than the filter. Run 106 (scripts/probe_decode.py step2), B = 16, CUDA graph, in
