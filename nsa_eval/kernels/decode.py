@@ -529,10 +529,9 @@ def _step2_topk(bns_all: int, nsel2: int) -> str:
     method = step2_method()
     if method == "bitonic":
         return "bitonic"
-    if method == "lean" and topk.filter_fits(bns_all, nsel2):
-        # its per-lane bit masks hold 64 blocks (as in `topk_blocks`): the filter past 2,048
-        return "lean" if bns_all <= 2048 else "filter-" + topk.TOPK_FILTER_PICK
-    if method == "filter" and topk.filter_fits(bns_all, nsel2):
+    if method == "lean" and topk.filter_fits(bns_all, nsel2) and topk.lean_fits(bns_all):
+        return "lean"
+    if method in ("filter", "lean") and topk.filter_fits(bns_all, nsel2):
         return "filter-" + topk.TOPK_FILTER_PICK
     return "argmax"
 
@@ -861,10 +860,8 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     nsel2 = pow2(num_selected, 2)  # >= 2 for tl.topk
     bns_all = max(pow2(ns), nsel2)
     topk_kind = _step2_topk(bns_all, nsel2)
-    scratch = torch.empty(BH if topk_kind.startswith("filter") or topk_kind == "lean" else 1,
-                          topk.TOPK_FILTER_CAP, device=dev, dtype=torch.int64)
-    if topk_kind == "lean":  # its 2 x CAP int32 slots a row
-        scratch = scratch.view(torch.int32)
+    filters = topk_kind == "lean" or topk_kind.startswith("filter")
+    scratch = topk.filter_scratch(BH if filters else 1, "lean" if topk_kind == "lean" else "filter", dev)
     ct = pow2(IMP_TILES_PER_PROGRAM, 1)
     if tile_imp:
         n_imp = triton.cdiv(triton.cdiv(ns, jt), ct)

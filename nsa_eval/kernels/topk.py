@@ -25,8 +25,8 @@ from nsa_eval.kernels._triton_utils import interpreting, pow2
 # filter). Run 100 (`scripts/probe_topk.py lean`), alone at 64k: 0.424 ms against 1.109 for the filter
 # (the same blocks; 8k: 0.048 against 0.062); the NSA forward at 64k 33.25 / 33.72 ms against 33.61 /
 # 34.31, G = 4 17.07 / 17.53 against 17.34 / 17.99 (run 102: 32.91 / 33.54 against 33.39 / 34.20); at
-# 8k the same within the spread.
-# The fused decode's step 2 takes the filter for it (`decode._step2_topk`).
+# 8k the same within the spread. The fused decode's step 2 takes it too since run 106
+# (`decode._step2_topk`).
 TOPK_METHOD = "lean"
 TOPK_METHODS = ("argmax", "radix", "bitonic", "filter", "lean")
 # "filter": candidates per row (the blocks at or above the filter's bound, ~22 on random inputs) that
@@ -355,6 +355,20 @@ def filter_fits(bns: int, nsel: int) -> bool:
     return nsel <= 32 and bns >= 128
 
 
+def lean_fits(bns: int) -> bool:
+    """Whether the lean filter (`lean_filtered_top`) takes rows padded to bns blocks: a lane's bit
+    mask holds at most 64 of them (rows past that take the filter)."""
+    return bns <= 2048
+
+
+def filter_scratch(rows: int, method: str, device) -> torch.Tensor:
+    """The compaction slots of `rows` rows for "filter" (CAP int64 keys a row) or "lean" (2 x CAP
+    int32: block indices, then their value bits)."""
+    if method == "lean":
+        return torch.empty(rows, 2 * TOPK_FILTER_CAP, device=device, dtype=torch.int32)
+    return torch.empty(rows, TOPK_FILTER_CAP, device=device, dtype=torch.int64)
+
+
 def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, num_local, positions=None):
     """imp [N_ROWS, NS] float32 (rows (b, t, h_kv)), importances >= 0 (sums of probabilities: the
     filter and bitonic methods order their bit patterns) -> int32 [N_ROWS, num_selected], ascending,
@@ -374,15 +388,12 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
     if n_rows <= 128 and not interpreting():  # decode: few rows, one per program, 4 warps each
         BR, warps = 1, 4
     method, scratch = TOPK_METHOD, out
-    if method == "lean" and BNS > 2048:  # its per-lane bit masks hold 64 blocks
+    if method == "lean" and not lean_fits(BNS):
         method = "filter"
     if method in ("filter", "lean"):
         if filter_fits(BNS, NSEL):
             BR = 1
-            # "filter": int64 keys; "lean": int32 block indices, then the value bits
-            slots, dtype = ((TOPK_FILTER_CAP, torch.int64) if method == "filter"
-                            else (2 * TOPK_FILTER_CAP, torch.int32))
-            scratch = torch.empty(n_rows, slots, device=imp.device, dtype=dtype)
+            scratch = filter_scratch(n_rows, method, imp.device)
         else:
             method = "argmax"
     launch = dict(num_warps=warps)
