@@ -1,6 +1,6 @@
 """The importance kernel's unmasked chunks and lane-ordered map, and the top-k, timed side by side (H200).
 
-    PYTHONPATH=. python3 scripts/probe_importance.py [launches]
+    PYTHONPATH=. python3 scripts/probe_importance.py [launches | g4rounds]
 
 At 64k (64/4 and 16/4 heads, random inputs): `block_importance` alone with
 `IMPORTANCE_SPLIT_MASK` and `IMPORTANCE_LANE_MAP` each on and off (and a check that all four give
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from nsa_eval.bench import _inputs, _time, _with_flag, _with_flags, bench_nsa_prefill
+from nsa_eval.bench import _inputs, _time, _with_flag, _with_flags, bench_nsa_prefill, nsa_prefill
 from nsa_eval.kernels import importance, topk
 from nsa_eval.kernels.compression import compressed_attention
 
@@ -69,7 +69,7 @@ LAUNCHES = ((128, 8, 3), (128, 8, 2), (128, 8, 4), (128, 4, 3), (128, 4, 2), (64
 def with_launch(launch, fn):
     rows, warps, stages = launch
     config = {**importance.IMPORTANCE_CONFIG, "reshape": dict(rows=rows, num_warps=warps, num_stages=stages)}
-    return _with_flag(importance, "IMPORTANCE_CONFIG", config, fn)
+    return _with_flags(importance, dict(IMPORTANCE_CONFIG=config, RESHAPE_LAUNCH_BY_GROUP=None), fn)
 
 
 def importance_launches():
@@ -104,6 +104,25 @@ def launches():
         print(f"prefill fwd hq=16, importance {label} {launch}: {fwd:.2f} ms", flush=True)
 
 
+def g4_rounds(rounds=5):
+    """Run 108: run 103's fastest G = 4 launch (128 rows, 4 warps, 2 stages; the default since run
+    108, `importance.RESHAPE_LAUNCH_BY_GROUP`) against the launch before it in the G = 4 forward,
+    `rounds` rounds in alternation, each beside the G = 16 forward (which keeps its launch) for the
+    per-head ratio of the issue's target (4 x G = 4's forward / G = 16's <= 2)."""
+    inputs = {hq: _inputs(1, T, hq, 4, 128, grad=False) for hq in (64, 16)}
+
+    def forward(hq):
+        with torch.no_grad():
+            return _time(lambda: nsa_prefill(**inputs[hq]))
+
+    for r in range(rounds):
+        g16 = forward(64)
+        for label, launch in (("8 warps, 3 stages", (128, 8, 3)), ("4 warps, 2 stages", (128, 4, 2))):
+            g4 = with_launch(launch, lambda: forward(16))
+            print(f"round {r}: G=4 forward, importance {label}: {g4:.2f} ms; G=16 forward {g16:.2f} ms; "
+                  f"per-head ratio {4 * g4 / g16:.3f}", flush=True)
+
+
 def main():
     for hq in (64, 16):
         probe(hq)
@@ -117,4 +136,4 @@ def main():
 
 
 if __name__ == "__main__":
-    launches() if sys.argv[1:] == ["launches"] else main()
+    {"launches": launches, "g4rounds": g4_rounds}.get(" ".join(sys.argv[1:]), main)()

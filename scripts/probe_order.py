@@ -1,6 +1,6 @@
 """The backward's selected dk/dv kernel after run 83's Nsight Compute profile (ncu_run83.log), on the H200.
 
-    PYTHONPATH=. python3 scripts/probe_order.py [launches | dkv | dkv192] [T]
+    PYTHONPATH=. python3 scripts/probe_order.py [launches | dkv | dkv192 | nsa192] [T]
     (default 65536; 64/4 heads, d = 128, bf16)
 
 The selected op's and the whole NSA's forward+backward with each work item's positions loaded once
@@ -138,6 +138,20 @@ def dkv_paper_dims(T):
                                 "defaults (again)": {}, "64 rows, 3 stages (again)": before})
 
 
+def nsa_paper_dims(T):
+    """Run 108: the whole NSA's forward+backward at the paper's dims (q/k 192, v 128, 64/4 heads) with
+    run 105's dk/dv launch for them (the default) and the one before it, in alternation."""
+    x = _inputs(1, T, 64, 4, 192, grad=True)
+    for name in ("v", "v_cmp"):
+        x[name] = x[name][..., :128].detach().contiguous().requires_grad_()
+    table = {dims: cfg for dims, cfg in selection.SELECTED_DKV_WIDE.items() if dims != (192, 128)}
+    before = {selection: {"SELECTED_DKV_WIDE": table}}
+    section(f"T={T}, 64/4 heads, Dk=192, Dv=128, Triton {triton.__version__}, NSA, forward+backward:",
+            lambda: nsa_prefill(**x), [t for t in x.values() if t.requires_grad],
+            {"defaults (128 rows, 1 stage)": {}, "64 rows, 3 stages (before run 105)": before,
+             "defaults (again)": {}, "64 rows, 3 stages (again)": before})
+
+
 def _dkv_sections(T, hq, op_variants, nsa_variants):
     x = _inputs(1, T, hq, 4, D, grad=True)
     with torch.no_grad():
@@ -170,7 +184,7 @@ def main(T):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    modes = {"launches": launches, "dkv": dkv_tiles, "dkv192": dkv_paper_dims}
+    modes = {"launches": launches, "dkv": dkv_tiles, "dkv192": dkv_paper_dims, "nsa192": nsa_paper_dims}
     mode = modes.get(args[0] if args else "", main)
     args = args[1:] if mode is not main else args
     mode(int(args[0]) if args else 65536)

@@ -49,6 +49,11 @@ IMPORTANCE_GROUP_FIRST = True
 # elsewhere 128.
 IMPORTANCE_CONFIG = {"reshape": dict(rows=256, num_warps=8, num_stages=3),
                      "broadcast": dict(rows=64, num_warps=4, num_stages=3)}
+# warps and stages of the reshape map by G' below 16, where rows are 128 (`importance_launch`), for
+# 16-bit q/k dims up to 128 (where it was measured). G = 4 at 64k: the kernel alone 1.664 ms at 4 warps
+# and 2 stages against 1.724-1.727 for 8 and 3 (run 103, scripts/probe_importance.py launches); the G = 4
+# forward 16.69-16.92 ms against 16.76-18.17 in five rounds in alternation (run 108, `... g4rounds`)
+RESHAPE_LAUNCH_BY_GROUP = {4: dict(num_warps=4, num_stages=2)}
 # How the group's probabilities pg [BT, BC] (IMPORTANCE_GROUP_FIRST) are mapped onto the chunk's BNS
 # selection blocks; the benchmark times both.
 #   "broadcast": products with the [BC, BNS] overlap weights, a [BT, BC, BNS] broadcast reduced across
@@ -239,11 +244,14 @@ def importance_launch(map_name: str, GP: int, dtype: torch.dtype, dk: int = 128)
     262,144 bytes. The paper's 192 in 16-bit takes the same launch: there the defaults hold one
     program per SM (173,056 bytes); select_blocks at 64k and 192 / 128 took 9.05 ms against 9.78
     (run 47; 128 rows alone 10.96, 2 stages alone 10.54). 256 keeps the defaults (`_band_config`
-    says why)."""
+    says why). The reshape map at 16-bit dims up to 128 takes `RESHAPE_LAUNCH_BY_GROUP`'s warps and
+    stages for its G'."""
     launch = dict(IMPORTANCE_CONFIG[map_name])
     wide = wide_rows(dtype, dk) or 128 < dk <= 192
     if wide or GP < 16:
         launch["rows"] = min(launch["rows"], 128)
+    if map_name == "reshape" and not wide and dk <= 128:
+        launch.update((RESHAPE_LAUNCH_BY_GROUP or {}).get(GP, {}))
     if wide:
         launch["num_stages"] = min(launch["num_stages"], 2)
     return launch

@@ -188,3 +188,15 @@ print(json.dumps({{f"{{m}} rows={{r}}": ptxas_usage(compile_importance(m, r), {s
         b, r = usage[f"broadcast rows={rows}"], usage[f"reshape rows={rows}"]
         if b is not None and r is not None:
             assert r[1] <= b[1], (rows, usage)
+
+
+def test_reshape_launch_by_group():
+    """`RESHAPE_LAUNCH_BY_GROUP` sets the warps and stages of the reshape map where it was measured (G' = 4,
+    16-bit q/k dims up to 128) and nowhere else: not at G' = 16, not for float32 or the paper's 192,
+    not for the broadcast map."""
+    launch, config = importance.importance_launch, importance.IMPORTANCE_CONFIG
+    assert launch("reshape", 4, torch.bfloat16, 128) == dict(rows=128, num_warps=4, num_stages=2)
+    assert launch("reshape", 16, torch.bfloat16, 128) == config["reshape"]
+    for dtype, dk in ((torch.float32, 128), (torch.bfloat16, 192), (torch.bfloat16, 256)):
+        assert launch("reshape", 4, dtype, dk)["num_warps"] == config["reshape"]["num_warps"]
+    assert launch("broadcast", 4, torch.bfloat16, 128) == config["broadcast"]
