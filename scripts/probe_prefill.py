@@ -1,7 +1,7 @@
 """Questions about the prefill forward, timed side by side on one GPU (runs 37-50 on the H200).
 
     PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4]   (default: both)
-    PYTHONPATH=. python3 scripts/probe_prefill.py dims | dims192 | dims192b | dims192c | gates
+    PYTHONPATH=. python3 scripts/probe_prefill.py dims | dims192 | dims192b | dims192c | gates | g4steps
 
 1. Overlap of the branches across KV heads. The compression forward and the importances are
    compute-bound, the selected walk waits on L2 reads. The benchmark's heads split into P
@@ -30,6 +30,10 @@
 8. `gates` (run 56): the fused backward with each branch's gate applied inside its kernels
    (`prefill.GATE_IN_BRANCHES`) against the gate backward writing three copies g_x * do: time and
    peak memory of a forward+backward at 64k.
+
+9. `g4steps` (run 109): G = 4's pipelined walk finding each step's block and the positions that
+   chose it by one reduction of packed entries (`selection.SELECTED_PACKED_STEP`, the default) or
+   by two (before), three rounds in alternation at 8k and 64k.
 
 Sections 5-7 ran before the rules they led to (`band._band_config` caps the dq and dk/dv
 key tiles at 32 past 128 q/k dims, `selection.selected_fwd_launch` takes 2 warps or more): run again,
@@ -140,13 +144,13 @@ def with_knobs(knobs, fn):
     return _with_flags(selection, knobs, fn)
 
 
-def probe_g4(T, hq=16, hkv=4):
+def probe_g4(T, hq=16, hkv=4, configs=None):
     x = _inputs(1, T, hq, hkv, D, grad=False)
     with torch.no_grad():
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
         want = nsa_prefill(**x)
-        for knobs in G4_CONFIGS:
+        for knobs in configs or G4_CONFIGS:
             got = with_knobs(knobs, lambda: nsa_prefill(**x))
             err = (got.float() - want.float()).abs().max().item()
             whole = with_knobs(knobs, lambda: _time(lambda: nsa_prefill(**x)))
@@ -322,6 +326,10 @@ HEAD_DIM_PROBES = {"dims": probe_dims, "dims192": probe_dims192, "dims192b": pro
 
 def main():
     parts = sys.argv[1:] or ["overlap", "g4"]
+    if parts == ["g4steps"]:
+        for T in (8192, 65536):
+            probe_g4(T, configs=[{}, dict(SELECTED_PACKED_STEP=False)] * 3)
+        return
     if len(parts) == 1 and parts[0] in HEAD_DIM_PROBES:
         HEAD_DIM_PROBES[parts[0]](65536)
         return

@@ -53,6 +53,13 @@ from nsa_eval.kernels._triton_utils import (
 #   "union": the first version: per list entry a scalar index load, a 'seen' reduction and an `if`
 #       around the block, which leaves every block's load latency exposed.
 SELECTED_WALK = "pipelined"
+# Several positions a program (G < 16): how the pipelined walk finds block i and the positions that
+# chose it. True: one reduction per step of [N] int64 entries packing the block index with a bit per
+# position whose list holds it (built with the dedup, up front); False: the block by one reduction and
+# those positions by a second over the [BT, NP] lists. Run 109 (scripts/probe_prefill.py g4steps), G = 4
+# at 64k: the selected op 11.32-11.34 ms against 11.37-12.00, faster in all six rounds; the forward
+# 16.63-17.12 against 16.64-17.38 (within the spread); outputs identical.
+SELECTED_PACKED_STEP = True
 # rows (positions x G') per selected-attention program: BT = max(1, SELECTED_ROWS // G') positions
 SELECTED_ROWS = 16
 # launch configurations of the selected-attention forward and dq walk (the benchmark times alternatives).
@@ -283,7 +290,7 @@ def _selected_pipelined_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr,
     UPCAST: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False, GATE_SUM: tl.constexpr = False,
-    STORE_O: tl.constexpr = True,
+    STORE_O: tl.constexpr = True, PACKED: tl.constexpr = False,
 ):
     # Same contract as `_selected_kernel`. The distinct usable blocks of the BT lists are numbered
     # 0 .. n_blk-1 up front; iteration i reads block i, with no branch, so loads can run ahead.
@@ -307,14 +314,19 @@ def _selected_pipelined_kernel(
                   mask=(t_p < T)[:, None] & (o_s < NSEL)[None, :], other=-1)  # [BT, NP]
     idx = tl.where((idx >= 0) & (idx <= t_p[:, None] // BS), idx, -1)
     first = idx >= 0  # [BT, NP]
+    chosen_by = tl.zeros([BT, NP], dtype=tl.int64)  # PACKED: bit pp set if position pp's list holds it
     for pp in tl.static_range(BT):
         list_pp = tl.sum(tl.where(o_p[:, None] == pp, idx, 0), 0)  # [NP] the list of position pp
         before = (o_p[:, None, None] > pp) | (
             (o_p[:, None, None] == pp) & (o_s[None, None, :] < o_s[None, :, None]))  # [BT, NP, NP]
-        repeat = (idx[:, :, None] == list_pp[None, None, :]) & before  # [BT, NP, NP]
-        first = first & (tl.max(repeat.to(tl.int32), 2) == 0)
+        same = idx[:, :, None] == list_pp[None, None, :]  # [BT, NP, NP]
+        first = first & (tl.max((same & before).to(tl.int32), 2) == 0)
+        if PACKED:
+            chosen_by = chosen_by | (tl.max(same.to(tl.int64), 2) << pp)
     keep = tl.reshape(first.to(tl.int32), [N])  # [N]
     blocks = tl.reshape(idx, [N])  # [N]
+    if PACKED:  # block index above BT bits of positions
+        blocks = tl.reshape((idx.to(tl.int64) << BT) | chosen_by, [N])
     slot = tl.where(keep > 0, tl.cumsum(keep, 0) - 1, -1)  # [N] walk order of each kept entry
     n_blk = tl.sum(keep, 0)
 
@@ -327,10 +339,13 @@ def _selected_pipelined_kernel(
         m_i, l_i, acc = softmax_start(M, BDV)
 
     for i in range(0, n_blk):
-        blk = tl.sum(tl.where(slot == i, blocks, 0), 0)  # block i, from registers
+        entry = tl.sum(tl.where(slot == i, blocks, 0), 0)  # block i, from registers
+        blk = (entry >> BT).to(tl.int32) if PACKED else entry
         o_k = blk * BS + o_n  # [BS] token positions
         valid = (o_k[None, :] <= r_t[:, None]) & m_r[:, None]  # [M, BS]
-        if BT > 1:  # only the rows whose position chose blk
+        if PACKED:  # only the rows whose position chose blk
+            valid = valid & (((entry >> (r_t - t0).to(tl.int64)) & 1) != 0)[:, None]
+        elif BT > 1:
             pos_has = tl.max((idx == blk).to(tl.int32), 1) > 0  # [BT]
             valid = valid & tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])[:, None]
         if TMA:
@@ -387,6 +402,7 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
         BACKWARD=backward, UPCAST=interpreting(), GATED=gate is not None, GATE_SUM=gated_sum is not None,
         STORE_O=store_o,
         **({"TMA": True} if tma else {}),  # the union walk has no TMA path
+        **({"PACKED": True} if SELECTED_PACKED_STEP and BT > 1 and SELECTED_WALK == "pipelined" else {}),
         **(SELECTED_DQ_CONFIG if backward else selected_fwd_launch(BT, DK, tma)),
     )
 

@@ -1,5 +1,6 @@
 """The variants of the Triton selected attention against the PyTorch reference: both walks
-(`selection.SELECTED_WALK`: "pipelined", "union"), two tilings (`SELECTED_ROWS` 16 and 32 rows per
+(`selection.SELECTED_WALK`: "pipelined", "union"; the pipelined one's steps with packed entries or
+not, `SELECTED_PACKED_STEP`), two tilings (`SELECTED_ROWS` 16 and 32 rows per
 program) and both dq paths (`SELECTED_DQ`: "walk", "fused", the latter with its positions preloaded
 or not, and its q/k dim in two halves or whole); outputs, the lse and gradients of q, k and v, on the
 CPU through Triton's interpreter and (`-m gpu`) in bf16 on a CUDA GPU; the dk/dv kernel's inverted
@@ -19,14 +20,17 @@ from tests.kernels.test_triton_kernels import IDS, SHAPES, TOL, grads, make, rel
 interpreted = pytest.mark.skipif(not interpreting(),
                                  reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
 
-WALKS = ["pipelined", "union"]
+WALKS = ["pipelined", "pipelined-lists", "union"]  # -lists: SELECTED_PACKED_STEP off
 
 
 @pytest.fixture
 def walk(request, monkeypatch):
-    """Set SELECTED_WALK (and SELECTED_ROWS, from an optional second parameter) for one test."""
+    """Set SELECTED_WALK, SELECTED_PACKED_STEP (off for "pipelined-lists") and SELECTED_ROWS (from an
+    optional second parameter) for one test."""
     name, rows = request.param if isinstance(request.param, tuple) else (request.param, 16)
-    monkeypatch.setattr(selection, "SELECTED_WALK", name)
+    walk_name, _, steps = name.partition("-")
+    monkeypatch.setattr(selection, "SELECTED_WALK", walk_name)
+    monkeypatch.setattr(selection, "SELECTED_PACKED_STEP", steps != "lists")
     monkeypatch.setattr(selection, "SELECTED_ROWS", rows)
     return name, rows
 
@@ -172,6 +176,8 @@ def compile_for_h200(kernel, *, backward, config, G=16, d=128, select_size=64, n
     GP, BT = selection.pow2(G, 1), max(1, selection.SELECTED_ROWS // G)
     consts = dict(DK=d, DV=d, BDK=d, BDK2=0, BDV=d, GP=GP, BT=BT, BS=select_size, NP=n, BACKWARD=backward,
                   UPCAST=False, GATED=False)
+    if kernel is selection._selected_pipelined_kernel:  # as `_launch_selected` sets it
+        consts["PACKED"] = selection.SELECTED_PACKED_STEP and BT > 1
     types = ["*bf16", "*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16"]
     types += ["*bf16"] * 6  # the gated sum's operands (OC, OW, GC, GS, GW, OUT)
     types += ["i32"] * 13 + ["fp32", "fp32"]
@@ -211,6 +217,7 @@ def test_pipelined_walk_prefetches_on_h200():
 GPU_VARIANTS = {
     "union": dict(SELECTED_WALK="union"),
     "pipelined": dict(SELECTED_WALK="pipelined"),
+    "pipelined-lists": dict(SELECTED_WALK="pipelined", SELECTED_PACKED_STEP=False),
     "pipelined-rows32": dict(SELECTED_WALK="pipelined", SELECTED_ROWS=32),
     "fused-dq": dict(SELECTED_DQ="fused"),
     "fused-dq-rows32": dict(SELECTED_DQ="fused", SELECTED_DKV_WIDE=None, SELECTED_DKV_ROWS=32),
