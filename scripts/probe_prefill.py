@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4]   (default: both)
     PYTHONPATH=. python3 scripts/probe_prefill.py dims | dims192 | dims192b | dims192c | gates | g4steps
+    PYTHONPATH=. python3 scripts/probe_prefill.py g4launch
 
 1. Overlap of the branches across KV heads. The compression forward and the importances are
    compute-bound, the selected walk waits on L2 reads. The benchmark's heads split into P
@@ -34,6 +35,10 @@
 9. `g4steps` (run 109): G = 4's pipelined walk finding each step's block and the positions that
    chose it by one reduction of packed entries (`selection.SELECTED_PACKED_STEP`, the default) or
    by two (before), three rounds in alternation at 8k and 64k.
+
+10. `g4launch` (run 111): on the packed steps, G = 4's TMA launch (`SELECTED_FWD_CONFIG_MULTI_TMA`,
+   2 warps and 3 stages, chosen in run 66 before them) against other warps and stages, and 8
+   positions a program, two rounds at 8k and 64k.
 
 Sections 5-7 ran before the rules they led to (`band._band_config` caps the dq and dk/dv
 key tiles at 32 past 128 q/k dims, `selection.selected_fwd_launch` takes 2 warps or more): run again,
@@ -137,6 +142,13 @@ G4_CONFIGS = [
     dict(SELECTED_ROWS=32, SELECTED_FWD_CONFIG_MULTI=dict(num_warps=4, num_stages=2)),
     dict(SELECTED_ROWS=32, SELECTED_FWD_CONFIG_MULTI=dict(num_warps=2, num_stages=3)),
     dict(),
+]
+
+G4_TMA_LAUNCHES = [
+    dict(),
+    *(dict(SELECTED_FWD_CONFIG_MULTI_TMA=dict(num_warps=w, num_stages=n))
+      for w, n in ((1, 3), (1, 4), (2, 4), (4, 3), (4, 2))),
+    dict(SELECTED_ROWS=32),
 ]
 
 
@@ -326,6 +338,10 @@ HEAD_DIM_PROBES = {"dims": probe_dims, "dims192": probe_dims192, "dims192b": pro
 
 def main():
     parts = sys.argv[1:] or ["overlap", "g4"]
+    if parts == ["g4launch"]:
+        for T in (8192, 65536):
+            probe_g4(T, configs=G4_TMA_LAUNCHES * 2)
+        return
     if parts == ["g4steps"]:
         for T in (8192, 65536):
             probe_g4(T, configs=[{}, dict(SELECTED_PACKED_STEP=False)] * 3)
