@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/probe_prefill.py [overlap] [g4]   (default: both)
     PYTHONPATH=. python3 scripts/probe_prefill.py dims | dims192 | dims192b | dims192c | gates | g4steps
-    PYTHONPATH=. python3 scripts/probe_prefill.py g4launch
+    PYTHONPATH=. python3 scripts/probe_prefill.py g4launch | g4window
 
 1. Overlap of the branches across KV heads. The compression forward and the importances are
    compute-bound, the selected walk waits on L2 reads. The benchmark's heads split into P
@@ -40,16 +40,21 @@
    2 warps and 3 stages, chosen in run 66 before them) against other warps and stages, and 8
    positions a program, two rounds at 8k and 64k.
 
+11. `g4window` (run 112): the kernels of the G = 4 and G = 16 forwards at 64k (torch.profiler), and the window
+   branch on its own stream (`prefill.WINDOW_STREAM`, the default) or on the main one, at G = 4 and
+   G = 16, three rounds in alternation.
+
 Sections 5-7 ran before the rules they led to (`band._band_config` caps the dq and dk/dv
 key tiles at 32 past 128 q/k dims, `selection.selected_fwd_launch` takes 2 warps or more): run again,
 rows asking for more keys or 1 warp launch the capped configuration.
 """
 
 import sys
+from functools import partial
 
 import torch
 
-from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, _with_flags, nsa_prefill
+from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, _with_flags, nsa_prefill, profile_kernels
 from nsa_eval.kernels import _triton_utils, band, importance, prefill, selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.importance import select_blocks
@@ -169,6 +174,26 @@ def probe_g4(T, hq=16, hkv=4, configs=None):
             sel = with_knobs(knobs, lambda: _time(lambda: selected_attention(x["q"], x["k"], x["v"], idx)))
             print(f"T={T} G=4 {knobs or 'defaults'}: forward {whole:.2f} ms, selected op {sel:.2f} ms, "
                   f"max |diff| {err:.1e}", flush=True)
+
+
+def _time_forward(x):
+    return _time(lambda: nsa_prefill(**x))
+
+
+def probe_g4_window(T):
+    g4 = _inputs(1, T, 16, 4, D, grad=False)
+    with torch.no_grad():
+        print(f"kernels of the G = 4 forward, T={T}:")
+        profile_kernels(lambda: nsa_prefill(**g4), top=12)
+        g16 = _inputs(1, T, 64, 4, D, grad=False)
+        print(f"kernels of the G = 16 forward, T={T}:")
+        profile_kernels(lambda: nsa_prefill(**g16), top=12)
+        for _ in range(3):
+            for stream in (True, False):
+                t4, t16 = (_with_flag(prefill, "WINDOW_STREAM", stream, partial(_time_forward, x))
+                           for x in (g4, g16))
+                print(f"T={T} window stream {stream}: G = 4 forward {t4:.2f} ms, G = 16 {t16:.2f} ms, "
+                      f"per-head ratio {4 * t4 / t16:.3f}", flush=True)
 
 
 def dims_inputs(T, hq, hkv, dk, dv):
@@ -338,6 +363,9 @@ HEAD_DIM_PROBES = {"dims": probe_dims, "dims192": probe_dims192, "dims192b": pro
 
 def main():
     parts = sys.argv[1:] or ["overlap", "g4"]
+    if parts == ["g4window"]:
+        probe_g4_window(65536)
+        return
     if parts == ["g4launch"]:
         for T in (8192, 65536):
             probe_g4(T, configs=G4_TMA_LAUNCHES * 2)
