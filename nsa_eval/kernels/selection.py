@@ -402,9 +402,16 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
         BACKWARD=backward, UPCAST=interpreting(), GATED=gate is not None, GATE_SUM=gated_sum is not None,
         STORE_O=store_o,
         **({"TMA": True} if tma else {}),  # the union walk has no TMA path
-        **({"PACKED": True} if SELECTED_PACKED_STEP and BT > 1 and SELECTED_WALK == "pipelined" else {}),
+        **({"PACKED": True} if packed_steps(BT) else {}),
         **(SELECTED_DQ_CONFIG if backward else selected_fwd_launch(BT, DK, tma)),
     )
+
+
+def packed_steps(positions: int) -> bool:
+    """Whether the pipelined walk of `positions` positions a program packs its steps
+    (`SELECTED_PACKED_STEP`): a bit per position beside a block index of up to 31 bits fits int64
+    up to 32 positions."""
+    return SELECTED_PACKED_STEP and SELECTED_WALK == "pipelined" and 1 < positions <= 32
 
 
 def selected_fwd_launch(positions: int, dk: int, tma: bool = False) -> dict:

@@ -90,7 +90,7 @@ def prefill(name, dtype, D, DV=None):
     selected = [p, *kv, "*i32", p, "*fp32"] + [p, "*fp32", p, p] + [p] * 6
     fwd = s._selected_pipelined_kernel
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(1, D, tma))
-    consts = dict(consts, GP=4, BT=4, PACKED=s.SELECTED_PACKED_STEP)  # G = 4: four positions a program
+    consts = dict(consts, GP=4, BT=4, PACKED=s.packed_steps(4))  # G = 4: four positions a program
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(4, D, tma))
     launch = imp.importance_launch("broadcast", GP, dtype, D)
     consts = dict(DK=D, BDK=BD, BDK2=BD2, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4,

@@ -103,6 +103,19 @@ def test_two_positions_per_program(walk, shape):
 
 
 @interpreted
+@pytest.mark.parametrize("walk", [("pipelined", 32), ("pipelined", 64)], ids=["rows32", "rows64"],
+                         indirect=True)
+def test_packed_steps_up_to_32_positions(walk):
+    """G = 1 at 32 rows packs a bit per position beside the block index (32 positions); at 64 rows the
+    64 bits would not fit int64 beside it, so the walk takes the step's lists instead."""
+    shape = SHAPES[0]  # G = 1
+    assert selection.packed_steps(walk[1]) == (walk[1] <= 32)
+    x = make(*shape, seed=11)
+    idx = lists_with_edge_cases(shape[0], shape[1], shape[3], 5, 16, seed=12)
+    assert_matches_reference(x["q"], x["k"], x["v"], idx)
+
+
+@interpreted
 @pytest.mark.parametrize("preload", [True, False], ids=["preloaded", "per-step"])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=[IDS[1], IDS[3]])
 def test_fused_dq_matches_reference(monkeypatch, shape, preload):
@@ -177,7 +190,7 @@ def compile_for_h200(kernel, *, backward, config, G=16, d=128, select_size=64, n
     consts = dict(DK=d, DV=d, BDK=d, BDK2=0, BDV=d, GP=GP, BT=BT, BS=select_size, NP=n, BACKWARD=backward,
                   UPCAST=False, GATED=False)
     if kernel is selection._selected_pipelined_kernel:  # as `_launch_selected` sets it
-        consts["PACKED"] = selection.SELECTED_PACKED_STEP and BT > 1
+        consts["PACKED"] = selection.packed_steps(BT)
     types = ["*bf16", "*bf16", "*bf16", "*i32", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "*bf16"]
     types += ["*bf16"] * 6  # the gated sum's operands (OC, OW, GC, GS, GW, OUT)
     types += ["i32"] * 13 + ["fp32", "fp32"]
