@@ -357,25 +357,25 @@ def probe_gates(T):
         torch.cuda.empty_cache()
 
 
-HEAD_DIM_PROBES = {"dims": probe_dims, "dims192": probe_dims192, "dims192b": probe_dims192b,
-                   "dims192c": probe_dims192c, "gates": probe_gates}  # at 64k, one per call
+def probe_g4_configs(configs):
+    """`probe_g4` over `configs` at 8k and 64k."""
+    def run(_T):
+        for T in (8192, 65536):
+            probe_g4(T, configs=configs)
+    return run
+
+
+# the probes run alone, one per call, each called with T = 64k (the G = 4 configurations time 8k too)
+SINGLE_PROBES = {"dims": probe_dims, "dims192": probe_dims192, "dims192b": probe_dims192b,
+                 "dims192c": probe_dims192c, "gates": probe_gates, "g4window": probe_g4_window,
+                 "g4launch": probe_g4_configs(G4_TMA_LAUNCHES * 2),
+                 "g4steps": probe_g4_configs([{}, dict(SELECTED_PACKED_STEP=False)] * 3)}
 
 
 def main():
     parts = sys.argv[1:] or ["overlap", "g4"]
-    if parts == ["g4window"]:
-        probe_g4_window(65536)
-        return
-    if parts == ["g4launch"]:
-        for T in (8192, 65536):
-            probe_g4(T, configs=G4_TMA_LAUNCHES * 2)
-        return
-    if parts == ["g4steps"]:
-        for T in (8192, 65536):
-            probe_g4(T, configs=[{}, dict(SELECTED_PACKED_STEP=False)] * 3)
-        return
-    if len(parts) == 1 and parts[0] in HEAD_DIM_PROBES:
-        HEAD_DIM_PROBES[parts[0]](65536)
+    if len(parts) == 1 and parts[0] in SINGLE_PROBES:
+        SINGLE_PROBES[parts[0]](65536)
         return
     for T in (8192, 65536):
         if "g4" in parts:
