@@ -643,22 +643,29 @@ def _add_decode_variants(add, dec, T, hs, batch):
 
 
 def _g4_variants(T, g4_heads, dim):
-    """The G=4 forward with other launches of the selected forward for several positions per program
-    (`SELECTED_FWD_CONFIG_MULTI`, or `..._TMA` where the forward copies with TMA: the other stage
-    count, 2 <-> 3; 4 warps), to set beside the default G=4 row of the same run:
+    """The G=4 forward with the selected forward's other paths, to set beside the default G=4 row of
+    the same run: where it runs per key block at this length (`selection.by_block`), the walk and
+    float32 partials; where it walks, the walk's other launches (`SELECTED_FWD_CONFIG_MULTI`, or
+    `..._TMA` where the forward copies with TMA: the other stage count, 2 <-> 3; 4 warps):
     [(impl, T, heads, batch, ms)]."""
-    from nsa_eval.kernels import selection
+    from nsa_eval.kernels import selected_by_block, selection
 
+    hq, hkv = g4_heads
+    run = lambda: bench_nsa_prefill(T, hq, hkv, dim)[0]  # noqa: E731
+    if selection.by_block(hq // hkv, T * hkv):
+        walk = _with_flag(selection, "SELECTED_BY_BLOCK_MAX_GROUP", 0, run)
+        fp32 = _with_flag(selected_by_block, "BY_BLOCK_PARTIALS", "float32", run)
+        return [("nsa-triton [selected walk]", T, f"{hq}/{hkv}", 1, walk),
+                ("nsa-triton [by block, float32 partials]", T, f"{hq}/{hkv}", 1, fp32)]
     name = "SELECTED_FWD_CONFIG_MULTI_TMA" if selection.SELECTED_TMA else "SELECTED_FWD_CONFIG_MULTI"
     default = getattr(selection, name)
     rows = []
     others = [dict(default, num_stages=5 - default["num_stages"]), dict(default, num_warps=4)]
     for other in (o for o in others if o != default):
-        ms, _ = _with_flag(selection, name, other,
-                           lambda: bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim))  # noqa: B023
+        ms = _with_flag(selection, name, other, run)
         label = " ".join(f"{k[4:] if k.startswith('num_') else k}={v}" for k, v in other.items()
                          if v != default[k])
-        rows.append((f"nsa-triton [selected {label}]", T, f"{g4_heads[0]}/{g4_heads[1]}", 1, ms))
+        rows.append((f"nsa-triton [selected {label}]", T, f"{hq}/{hkv}", 1, ms))
     return rows
 
 

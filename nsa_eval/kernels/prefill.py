@@ -119,9 +119,10 @@ class NSAFunction(torch.autograd.Function):
             _join(side, o_swa, lse_swa)
             o, o_slc, lse_slc = selected_forward_gated(q, k, v, bi, o_cmp, o_swa, g_cmp, g_slc, g_swa,
                                                        select_size=select_size, scale=scale,
-                                                       keep_o=needs_grad)
+                                                       keep_o=needs_grad, presorted=True)
         else:
-            o_slc, lse_slc = selected_forward(q, k, v, bi, select_size=select_size, scale=scale)
+            o_slc, lse_slc = selected_forward(q, k, v, bi, select_size=select_size, scale=scale,
+                                              presorted=True)
             _join(side, o_swa, lse_swa)
             o = gate_forward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
         ctx.save_for_backward(q, k, v, k_cmp, v_cmp, k_swa, v_swa, g_cmp, g_slc, g_swa, bi,

@@ -1,18 +1,19 @@
 """Triton selected-block attention (NSA's selection branch over the blocks `importance.select_blocks`
 chose, with the group-centric tiling of the paper's kernel).
 
-`selected_attention`: one program per (tile of query positions, KV head) holds all G query heads
-of the group for `BT` positions (`SELECTED_ROWS` rows per program, `G'` = G rounded up to a power
-of two). The program walks the union of the block lists of its `BT` positions once each (a block chosen by
-several positions, or repeated in one list, is read once) with a per-row mask saying which rows
-selected it and a token-level causal mask. `SELECTED_WALK = "pipelined"` numbers the distinct usable
-blocks up front from the preloaded lists and walks them with no branch (so the next block's K/V can
-be loaded during the current MMAs); "union" is the first version (an index load, a 'seen' test and
-an `if` per list entry). Backward: dq in the same walk (`SELECTED_DQ = "fused"`: in the dk/dv kernel
-instead, by float32 atomics); dk/dv per key block through an inverted index (a counting sort of the
-selections by block, `inverted_index`): a program takes up to `CHUNK` of the positions that selected
-one block, gathers `BQ` positions x the group's heads into one MMA, and adds its partial dk/dv once
-with a float32 atomic (work items split long lists, e.g. the forced block 0).
+`selected_attention`: one program per (tile of query positions, KV head) holds all G query heads of the
+group for `BT` positions (`SELECTED_ROWS` rows per program, `G'` = G rounded up to a power of two). The
+program walks the union of the block lists of its `BT` positions once each (a block chosen by several
+positions, or repeated in one list, is read once) with a per-row mask saying which rows selected it and
+a token-level causal mask. `SELECTED_WALK = "pipelined"` numbers the distinct usable blocks up front
+from the preloaded lists and walks them with no branch (so the next block's K/V can be loaded during the
+current MMAs); "union" is the first version (an index load, a 'seen' test and an `if` per list entry).
+Small groups on long inputs run the forward per key block instead (`selected_by_block`,
+`SELECTED_BY_BLOCK_MAX_GROUP`). Backward: dq in the same walk (`SELECTED_DQ = "fused"`: in the dk/dv
+kernel instead, by float32 atomics); dk/dv per key block through an inverted index (a counting sort of
+the selections by block, `inverted_index`): a program takes up to `CHUNK` of the positions that selected
+one block, gathers `BQ` positions x the group's heads into one MMA, and adds its partial dk/dv once with
+a float32 atomic (work items split long lists, e.g. the forced block 0).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from nsa_eval.kernels._triton_utils import (
     pow2,
     row_delta,
     score_dot,
-    softmax_result,
     softmax_start,
     split_zeros,
     store_tail,
@@ -44,6 +44,13 @@ from nsa_eval.kernels._triton_utils import (
     tma_load_pair,
     tma_ok,
     wide_rows,
+)
+from nsa_eval.kernels.selected_by_block import (
+    block_kv,
+    inverted_index,
+    item_range,
+    selected_forward_by_block,
+    store_forward,
 )
 
 # How a selected-attention program (forward and dq walk) walks its blocks; the benchmark times both.
@@ -119,6 +126,16 @@ SELECTED_DQ = "fused"  # run 5: 57.4 ms fwd+bwd at 64k, 59.6 with the dq walk
 # (scripts/probe_order.py) at 64k: the selected op's forward+backward 45.14 ms against 51.68, the NSA's
 # 117.81 against 122.91 / 123.09; the kernel alone (Nsight Compute) 27.95 ms against 35.84 (run 83)
 SELECTED_DKV_PRELOAD = True
+# Groups of up to this many query heads run the forward per key block (`selected_by_block`: each
+# block's K/V read once for every position that chose it, partials merged per position) instead of
+# the walk, once the keys have at least SELECTED_BY_BLOCK_MIN_ROWS rows (B x T x Hkv); 0: always the
+# walk. Run 115 (scripts/probe_by_block.py), 16/4 heads (G = 4), the selected op with bf16 partials
+# against the walk: 64k 6.65 ms against 11.38, 32k 3.38 against 5.27, 16k 1.78 against 2.38, and 8k
+# 1.18 against 1.04, where the walk's K/V (16 MB) stay in L2 (the NSA forward there 1.88-2.65 against
+# 1.31 ms); at 32/4 (G = 8) and 64k 12.51 against 12.35, at 64/4 (G = 16) 19.53 against 13.86 (run
+# 115's first round, float32 partials and the first merge).
+SELECTED_BY_BLOCK_MAX_GROUP = 4
+SELECTED_BY_BLOCK_MIN_ROWS = 16384 * 4
 
 
 @triton.jit
@@ -197,30 +214,6 @@ def _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK: tl.constexpr, BDK: tl.cons
 
 
 @triton.jit
-def _store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV: tl.constexpr,
-                   GATE_SUM: tl.constexpr, STORE_O: tl.constexpr):
-    # o = acc / l_i (0 for rows with no usable token; to O if STORE_O) and lse (natural log, -inf for
-    # those rows). GATE_SUM: also NSA's output OUT = GC * OC + GS * o + GW * OW for the rows (gates
-    # [B, T, HQ], the other branches' outputs OC, OW [B, T, HQ, DV], all contiguous), with o rounded
-    # to O's dtype first and the sum in `gates.gate_forward`'s order, as that kernel computes it
-    o, lse_out = softmax_result(m_i, l_i, acc)  # [M, BDV], [M]
-    offs = row[:, None] * DV + o_dv[None, :]
-    mask = m_r[:, None] & (o_dv < DV)[None, :]
-    o = o.to(O.dtype.element_ty)
-    if STORE_O:
-        tl.store(O + offs, o, mask=mask)
-    tl.store(LSE + row, lse_out, mask=m_r)
-    if GATE_SUM:
-        gc = tl.load(GC + row, mask=m_r, other=0.0).to(tl.float32)
-        gs = tl.load(GS + row, mask=m_r, other=0.0).to(tl.float32)
-        gw = tl.load(GW + row, mask=m_r, other=0.0).to(tl.float32)
-        out = gc[:, None] * tl.load(OC + offs, mask=mask, other=0.0).to(tl.float32)
-        out += gs[:, None] * o.to(tl.float32)
-        out += gw[:, None] * tl.load(OW + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _selected_kernel(
     Q, K, V, BI, O, LSE, DO, DELTA, GATE, DQ, OC, OW, GC, GS, GW, OUT,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
@@ -232,7 +225,7 @@ def _selected_kernel(
     # Forward (BACKWARD=False): O, LSE. Backward: DQ only (dk/dv: `_selected_dkv_kernel`); GATED: the
     # output's gradient is GATE [B, T, HQ] (per row) times DO, DELTA rowsum(o * DO).
     # O, DO, DQ contiguous [B, T, HQ, D]; BI contiguous [B, T, HKV, NSEL].
-    # GATE_SUM (forward): also OUT = GC * OC + GS * O + GW * OW (`_store_forward`); STORE_O: O is written.
+    # GATE_SUM (forward): also OUT = GC * OC + GS * O + GW * OW (`store_forward`); STORE_O: O is written.
     M: tl.constexpr = BT * GP
     i_b, i_hk, t0, r_t, m_r, row, q, q2 = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, BDK2, GP, BT,
                                                          UPCAST)
@@ -279,7 +272,7 @@ def _selected_kernel(
     if BACKWARD:
         _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK, BDK, BDK2, GATED)
     else:
-        _store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV, GATE_SUM, STORE_O)
+        store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV, GATE_SUM, STORE_O)
 
 
 @triton.jit
@@ -366,7 +359,7 @@ def _selected_pipelined_kernel(
     if BACKWARD:
         _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK, BDK, BDK2, GATED)
     else:
-        _store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV, GATE_SUM, STORE_O)
+        store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV, GATE_SUM, STORE_O)
 
 
 _SELECTED_WALKS = {"pipelined": _selected_pipelined_kernel, "union": _selected_kernel}
@@ -379,7 +372,7 @@ def _tiling(G: int):
 
 def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, backward, gate=None,
                      gated_sum=None, store_o=True):
-    # gated_sum (forward): (o_cmp, o_swa, g_cmp, g_slc, g_swa, out) for `_store_forward`'s GATE_SUM
+    # gated_sum (forward): (o_cmp, o_swa, g_cmp, g_slc, g_swa, out) for `store_forward`'s GATE_SUM
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
@@ -452,24 +445,12 @@ def _selected_dkv_kernel(
     seg = tl.load(ITEM_SEG + i_item)
     if seg < NSEG:
         HKV = HQ // G
-        blk = seg % NS
-        i_bh = seg // NS
-        i_b = (i_bh // HKV).to(tl.int64)
-        i_hk = i_bh % HKV
-        seg_end = tl.load(SEG_START + seg + 1)
-        start = tl.load(SEG_START + seg) + tl.load(ITEM_CHUNK + i_item) * CHUNK
-        end = tl.minimum(start + CHUNK, seg_end)
-        o_n = tl.arange(0, BS)
-        o_k = blk * BS + o_n  # [BS] token positions of the block
-        m_k = o_k < T
+        blk, i_b, i_hk, start, end = item_range(ITEM_CHUNK, SEG_START, seg, i_item, HQ, G, NS, CHUNK)
+        # o_k [BS] token positions of the block, k [BS, BDK], k2 [BS, BDK2], v [BS, BDV]
+        o_k, m_k, k, k2, v = block_kv(K, V, i_b, i_hk, blk, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, DK, DV,
+                                      BDK, BDK2, BDV, BS, UPCAST)
         o_dk = tl.arange(0, BDK)
         o_dv = tl.arange(0, BDV)
-        k, k2 = load_rows(K + i_b * sk_b + i_hk * sk_h + o_k.to(tl.int64) * sk_t, m_k, DK, BDK, BDK2,
-                          UPCAST)  # [BS, BDK], [BS, BDK2]
-        v = tl.load(V + i_b * sv_b + i_hk * sv_h + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
-                    mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BS, BDV]
-        if UPCAST:
-            v = v.to(tl.float32)
         o_r = tl.arange(0, M)
         r_g = o_r % GP
         r_h = i_hk * G + r_g  # [M] query head of each row
@@ -529,54 +510,35 @@ def _selected_dkv_kernel(
                       mask=m_k[:, None] & (o_dv < DV)[None, :], sem="relaxed")
 
 
-def inverted_index(bi, *, select_size, chunk, presorted=False):
-    """Counting sort of the selections by key block, without a host sync.
-
-    bi: int32 `[B, T, Hkv, n]`. Returns `(pos, seg_start, item_seg, item_chunk)`: `pos` int32, the
-    query positions grouped by segment `(b * Hkv + h) * Ns + block` (ascending within one);
-    `seg_start` `[NSEG + 1]` where each segment starts in `pos`; one work item per `chunk` entries of
-    a segment: `item_seg` (NSEG for unused items) and `item_chunk`, both `[n_items]` (an upper bound).
-    Padding, repeats within one list and blocks starting after the query are dropped. `presorted`:
-    each list is already ascending with its -1 padding at the end (`select_blocks`' output), so
-    repeats are neighbours without a sort.
-    """
-    B, T, HKV, n = bi.shape
-    ns = triton.cdiv(T, select_size)
-    nseg = B * HKV * ns
-    dev = bi.device
-    srt = (bi if presorted else bi.sort(dim=-1).values).long()  # [B, T, HKV, n]
-    dup = torch.zeros_like(srt, dtype=torch.bool)
-    dup[..., 1:] = srt[..., 1:] == srt[..., :-1]
-    t = torch.arange(T, device=dev).view(1, T, 1, 1)
-    valid = (srt >= 0) & (srt < ns) & (srt * select_size <= t) & ~dup
-    bh = torch.arange(B, device=dev).view(B, 1, 1, 1) * HKV + torch.arange(HKV, device=dev).view(1, 1, HKV, 1)
-    key = torch.where(valid, bh * ns + srt, nseg).flatten()  # [B*T*HKV*n]
-    # int32 keys: half the radix passes of int64
-    key, perm = torch.sort(key.to(torch.int32) if nseg < 2**31 - 1 else key, stable=True)
-    pos = (perm // (HKV * n) % T).to(torch.int32)  # [E] query position of each sorted entry
-    seg_start = torch.searchsorted(key, torch.arange(nseg + 1, device=dev, dtype=key.dtype))
-    counts = seg_start[1:] - seg_start[:-1]  # [NSEG]
-    n_chunks = (counts + chunk - 1) // chunk
-    chunk_end = torch.cumsum(n_chunks, 0)  # [NSEG]
-    n_items = triton.cdiv(key.numel(), chunk) + nseg  # >= sum(n_chunks), known without a sync
-    items = torch.arange(n_items, device=dev)
-    item_seg = torch.searchsorted(chunk_end, items, right=True)  # [n_items]
-    first = (chunk_end - n_chunks)[item_seg.clamp_max(nseg - 1)]
-    return pos, seg_start.to(torch.int32), item_seg.to(torch.int32), (items - first).to(torch.int32)
+def by_block(G: int, kv_rows: int) -> bool:
+    """Whether the forward of a group of G query heads over `kv_rows` = B x T x Hkv key rows runs per
+    key block (`selected_by_block`) instead of the position-major walk (`SELECTED_BY_BLOCK_MAX_GROUP`,
+    `SELECTED_BY_BLOCK_MIN_ROWS`)."""
+    return G <= SELECTED_BY_BLOCK_MAX_GROUP and kv_rows >= SELECTED_BY_BLOCK_MIN_ROWS
 
 
-def selected_forward(q, k, v, bi, *, select_size, scale):
-    """o [B,T,Hq,Dv], lse [B,T,Hq] of the selection branch (inputs contiguous, bi int32)."""
+def _forward(q, k, v, bi, o, lse, *, select_size, scale, presorted, gated_sum=None, store_o=True):
+    B, T, HKV = k.shape[:3]
+    if by_block(q.shape[2] // HKV, B * T * HKV):
+        selected_forward_by_block(q, k, v, bi, o, lse, select_size=select_size, scale=scale,
+                                  presorted=presorted, gated_sum=gated_sum, store_o=store_o)
+    else:
+        _launch_selected(q, k, v, bi, o, lse, None, None, None, select_size=select_size, scale=scale,
+                         backward=False, gated_sum=gated_sum, store_o=store_o)
+
+
+def selected_forward(q, k, v, bi, *, select_size, scale, presorted=False):
+    """o [B,T,Hq,Dv], lse [B,T,Hq] of the selection branch (inputs contiguous, bi int32; `presorted`:
+    every list ascending, as `select_blocks` writes them)."""
     B, T, HQ, _ = q.shape
     o = torch.empty(B, T, HQ, v.shape[3], device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    _launch_selected(q, k, v, bi, o, lse, None, None, None, select_size=select_size, scale=scale,
-                     backward=False)
+    _forward(q, k, v, bi, o, lse, select_size=select_size, scale=scale, presorted=presorted)
     return o, lse
 
 
 def selected_forward_gated(q, k, v, bi, o_cmp, o_swa, g_cmp, g_slc, g_swa, *, select_size, scale,
-                           keep_o=True):
+                           keep_o=True, presorted=False):
     """The selection branch's forward that also writes NSA's output,
     `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa`, from its epilogue (no pass of its own over the
     three outputs). Inputs contiguous, bi int32; o_cmp, o_swa `[B, T, Hq, Dv]`, gates `[B, T, Hq]`.
@@ -585,8 +547,8 @@ def selected_forward_gated(q, k, v, bi, o_cmp, o_swa, g_cmp, g_slc, g_swa, *, se
     o = torch.empty(B, T, HQ, v.shape[3], device=q.device, dtype=q.dtype)
     o_slc = torch.empty_like(o) if keep_o else o  # without keep_o the kernel writes only o
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    _launch_selected(q, k, v, bi, o_slc, lse, None, None, None, select_size=select_size, scale=scale,
-                     backward=False, gated_sum=(o_cmp, o_swa, g_cmp, g_slc, g_swa, o), store_o=keep_o)
+    _forward(q, k, v, bi, o_slc, lse, select_size=select_size, scale=scale, presorted=presorted,
+             gated_sum=(o_cmp, o_swa, g_cmp, g_slc, g_swa, o), store_o=keep_o)
     return o, (o_slc if keep_o else None), lse
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nsa_eval.kernels import reference as ref
-from nsa_eval.kernels import selection
+from nsa_eval.kernels import selected_by_block, selection
 from nsa_eval.kernels._triton_utils import interpreting
 from tests.kernels.sm90 import compile_sm90, json_from_fresh_python
 from tests.kernels.test_triton_kernels import IDS, SHAPES, TOL, grads, make, rel_err
@@ -32,6 +32,7 @@ def walk(request, monkeypatch):
     monkeypatch.setattr(selection, "SELECTED_WALK", walk_name)
     monkeypatch.setattr(selection, "SELECTED_PACKED_STEP", steps != "lists")
     monkeypatch.setattr(selection, "SELECTED_ROWS", rows)
+    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MAX_GROUP", 0)  # the walk at every group size
     return name, rows
 
 
@@ -174,6 +175,7 @@ def test_inverted_index_groups_positions_by_block():
 @pytest.mark.parametrize("flag", ["SELECTED_WALK", "SELECTED_DQ"])
 def test_unknown_variant_is_rejected(monkeypatch, flag):
     monkeypatch.setattr(selection, flag, "nope")
+    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MAX_GROUP", 0)  # the walk checks SELECTED_WALK
     x = make(1, 32, 2, 1, 16, 16)
     idx = torch.zeros(1, 32, 1, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match=flag):
@@ -227,11 +229,15 @@ def test_pipelined_walk_prefetches_on_h200():
     assert "async_copy_global_to_local" not in ttgir["union"]
 
 
+WALK = dict(SELECTED_BY_BLOCK_MAX_GROUP=0)  # the forward's walk at every group size
 GPU_VARIANTS = {
-    "union": dict(SELECTED_WALK="union"),
-    "pipelined": dict(SELECTED_WALK="pipelined"),
-    "pipelined-lists": dict(SELECTED_WALK="pipelined", SELECTED_PACKED_STEP=False),
-    "pipelined-rows32": dict(SELECTED_WALK="pipelined", SELECTED_ROWS=32),
+    "union": dict(WALK, SELECTED_WALK="union"),
+    "pipelined": dict(WALK, SELECTED_WALK="pipelined"),
+    "pipelined-lists": dict(WALK, SELECTED_WALK="pipelined", SELECTED_PACKED_STEP=False),
+    "pipelined-rows32": dict(WALK, SELECTED_WALK="pipelined", SELECTED_ROWS=32),
+    "by-block": dict(SELECTED_BY_BLOCK_MAX_GROUP=16, SELECTED_BY_BLOCK_MIN_ROWS=0),
+    "by-block-float32-partials": dict(SELECTED_BY_BLOCK_MAX_GROUP=16, SELECTED_BY_BLOCK_MIN_ROWS=0,
+                                      BY_BLOCK_PARTIALS="float32"),
     "fused-dq": dict(SELECTED_DQ="fused"),
     "fused-dq-rows32": dict(SELECTED_DQ="fused", SELECTED_DKV_WIDE=None, SELECTED_DKV_ROWS=32),
     "fused-dq-rows64": dict(SELECTED_DQ="fused", SELECTED_DKV_WIDE=None),
@@ -247,7 +253,7 @@ def test_variant_on_gpu_bf16(monkeypatch, variant, hq, hkv):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     for flag, value in GPU_VARIANTS[variant].items():
-        monkeypatch.setattr(selection, flag, value)
+        monkeypatch.setattr(selected_by_block if flag.startswith("BY_BLOCK") else selection, flag, value)
     B, T, d, n = 1, 4096, 128, 16
     g = torch.Generator(device="cuda").manual_seed(21)
     x32 = {name: torch.randn(B, T, h, d, generator=g, device="cuda")

@@ -273,16 +273,22 @@ def test_nsa_attention_dq_sums(monkeypatch, dq_sum, selected_dq, dk, own_window)
     assert_nsa_attention_matches_reference(dk, 16, seed=31, own_window=own_window)
 
 
-@pytest.mark.parametrize("walk, hq", [("pipelined", 4), ("pipelined", 16), ("union", 4)],
-                         ids=["pipelined-G2", "pipelined-G8", "union-G2"])
+@pytest.mark.parametrize("walk, hq", [("pipelined", 4), ("pipelined", 16), ("union", 4), ("by-block", 4),
+                                       ("by-block", 16)],
+                         ids=["pipelined-G2", "pipelined-G8", "union-G2", "by-block-G2", "by-block-G8"])
 def test_gated_sum_in_selected_forward(monkeypatch, walk, hq):
     """prefill.GATE_IN_SELECTED: NSA's output written by the selected forward's epilogue equals the
     separate gate pass's, with gradients (o_slc kept for the backward, whose gradients match the
-    reference) and without (o_slc not stored), for the pipelined and the union walk."""
+    reference) and without (o_slc not stored), for the pipelined and the union walk and for the
+    forward per key block (its merge writes the sum)."""
     from nsa_eval import kernels
     from nsa_eval.kernels import prefill, selection
 
-    monkeypatch.setattr(selection, "SELECTED_WALK", walk)
+    by_block = walk == "by-block"
+    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MAX_GROUP", 16 if by_block else 0)
+    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MIN_ROWS", 0)
+    if not by_block:
+        monkeypatch.setattr(selection, "SELECTED_WALK", walk)
     B, T, hkv, d = 1, 72, 2, 16
     x = make(B, T, hq, hkv, d, d, seed=41)
     g = torch.Generator().manual_seed(42)

@@ -1,0 +1,136 @@
+"""The selected forward per key block (`selected_by_block`) against the position-major walk, side by
+side on one GPU (run 115 on the H200).
+
+    PYTHONPATH=. python3 scripts/probe_by_block.py [compare] [launch] [profile] [accuracy]
+
+(default: compare)
+
+- `compare`: at 8k-64k for 16/4 heads (G = 4) and at 64k also for 32/4 (G = 8), the selected op's
+  forward both ways (the walk: `selection.SELECTED_BY_BLOCK_MAX_GROUP = 0`; per block with float32 partials
+  and with partials in the inputs' dtype), the largest differences of o and lse from the walk, the peak
+  memory above the inputs, then the whole NSA forward at G = 4 and G = 16 both ways (by block: the
+  defaults, G = 16 keeps the walk), two rounds in alternation, with the per-head ratio the benchmark
+  reports (4 x G = 4's time / G = 16's).
+- `launch`: the block-major kernel's rows per MMA, positions per work item, warps and stages, and the
+  merge's warps, G = 4 at 64k and 8k.
+- `profile`: the kernels of the G = 4 forward per block at 64k and 8k (torch.profiler).
+- `accuracy`: the selected op's bf16 outputs both ways against the float32 reference at 8k.
+"""
+
+import sys
+
+import torch
+
+from nsa_eval.bench import _inputs, _time, _with_flags, nsa_prefill, profile_kernels
+from nsa_eval.kernels import selected_by_block, selection
+from nsa_eval.kernels.compression import compressed_attention
+from nsa_eval.kernels.importance import select_blocks
+
+D = 128
+WALK = dict(SELECTED_BY_BLOCK_MAX_GROUP=0)
+BY_BLOCK = dict(SELECTED_BY_BLOCK_MAX_GROUP=16, SELECTED_BY_BLOCK_MIN_ROWS=0)
+
+
+def _selected(x, idx, knobs, partials="float32"):
+    def run():
+        return selection.selected_forward(x["q"], x["k"], x["v"], idx, select_size=64, scale=D**-0.5,
+                                          presorted=True)
+    return lambda: _with_flags(selected_by_block, dict(BY_BLOCK_PARTIALS=partials),
+                               lambda: _with_flags(selection, knobs, run))
+
+
+def _peak_gib(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def compare_op(T, hq):
+    x = _inputs(1, T, hq, 4, D, grad=False)
+    with torch.no_grad():
+        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
+        o_w, lse_w = _selected(x, idx, WALK)()
+        line = [f"T={T} {hq}/4: walk {_time(_selected(x, idx, WALK)):.3f} ms"]
+        for partials in ("float32", "input"):
+            fn = _selected(x, idx, BY_BLOCK, partials)
+            o_b, lse_b = fn()
+            do = (o_b.float() - o_w.float()).abs().max().item()
+            dl = (lse_b - lse_w).abs().max().item()
+            line.append(f"by block ({partials}) {_time(fn):.3f} ms, max |do| {do:.1e}, |dlse| {dl:.1e}, "
+                        f"peak {_peak_gib(fn):.2f} GiB")
+        print("; ".join(line) + f" (walk {_peak_gib(_selected(x, idx, WALK)):.2f})", flush=True)
+
+
+def compare_forward(T, rounds):
+    g4 = _inputs(1, T, 16, 4, D, grad=False)
+    g16 = _inputs(1, T, 64, 4, D, grad=False)
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, knobs in (("walk", WALK), ("by block up to G = 8", {})):
+                t4, t16 = (_with_flags(selection, knobs, lambda x=x: _time(lambda: nsa_prefill(**x)))
+                           for x in (g4, g16))
+                print(f"T={T} NSA forward, {name}: G = 4 {t4:.2f} ms, G = 16 {t16:.2f} ms, per-head "
+                      f"ratio {4 * t4 / t16:.3f}", flush=True)
+
+
+def compare():
+    for T in (8192, 16384, 32768, 65536):
+        for hq in (16, 32) if T == 65536 else (16,):
+            compare_op(T, hq)
+            torch.cuda.empty_cache()
+        compare_forward(T, 2)
+        torch.cuda.empty_cache()
+
+
+LAUNCHES = [{}] + [dict(BY_BLOCK_ROWS=r) for r in (32, 128)] + [
+    dict(BY_BLOCK_CHUNK_STEPS=c) for c in (4, 64)] + [
+    dict(BY_BLOCK_CONFIG=dict(num_warps=w, num_stages=s)) for w, s in ((4, 2), (8, 3), (8, 2), (4, 4))] + [
+    dict(MERGE_CONFIG=dict(num_warps=w, num_stages=1)) for w in (2, 8)]
+
+
+def launch():
+    for T in (65536, 8192):
+        x = _inputs(1, T, 16, 4, D, grad=False)
+        with torch.no_grad():
+            _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+            idx = select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
+            fn = _selected(x, idx, BY_BLOCK)
+            for knobs in LAUNCHES:
+                ms = _with_flags(selected_by_block, knobs, lambda fn=fn: _time(fn))
+                print(f"T={T} 16/4 by block {knobs or 'defaults'}: {ms:.3f} ms", flush=True)
+
+
+def profile():
+    for T in (65536, 8192):
+        x = _inputs(1, T, 16, 4, D, grad=False)
+        with torch.no_grad():
+            print(f"kernels of the G = 4 forward per block, T={T}:")
+            profile_kernels(lambda x=x: nsa_prefill(**x), top=8)
+
+
+def accuracy():
+    """rel. error (||a - b|| / ||b||) and max |a - b| of the bf16 outputs against the float32 reference
+    at 8k, 16/4 heads: the walk and the forward per block with each partials' dtype."""
+    from nsa_eval.kernels import reference as ref
+
+    x = _inputs(1, 8192, 16, 4, D, grad=False)
+    with torch.no_grad():
+        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
+        want = ref.selected_attention(x["q"].float(), x["k"].float(), x["v"].float(), idx, select_size=64)
+        ways = (("walk", _selected(x, idx, WALK)),
+                ("by block, float32 partials", _selected(x, idx, BY_BLOCK)),
+                ("by block, bf16 partials", _selected(x, idx, BY_BLOCK, "input")))
+        for name, fn in ways:
+            diff = fn()[0].float() - want
+            print(f"T=8192 16/4 {name}: rel. error {(diff.norm() / want.norm()).item():.3e}, max |diff| "
+                  f"{diff.abs().max().item():.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    for mode in sys.argv[1:] or ["compare"]:
+        {"compare": compare, "launch": launch, "profile": profile, "accuracy": accuracy}[mode]()

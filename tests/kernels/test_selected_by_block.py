@@ -1,0 +1,117 @@
+"""The selected forward per key block (`selected_by_block`, the default for groups of up to
+`selection.SELECTED_BY_BLOCK_MAX_GROUP` heads on long inputs): against the PyTorch reference and the
+walk on the CPU through Triton's interpreter (lists with padding, repeats, future blocks and rows with nothing
+usable; G = 1, 3, 4, 16), the inverted index's entries, and (`-m gpu`) against the walk in bf16 at
+64k."""
+
+import pytest
+import torch
+
+from nsa_eval.kernels import selected_by_block, selection
+from nsa_eval.kernels._triton_utils import interpreting
+from tests.kernels.test_selection_variants import (
+    assert_matches_reference,
+    lists_with_edge_cases,
+    reference_lse,
+)
+from tests.kernels.test_triton_kernels import IDS, SHAPES, TOL, make, rel_err
+
+interpreted = pytest.mark.skipif(not interpreting(),
+                                 reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+
+def use_by_block(monkeypatch, on=True):
+    """The forward per key block at every group size and length (on), or the walk (off)."""
+    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MAX_GROUP", 16 if on else 0)
+    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MIN_ROWS", 0)
+
+
+@pytest.fixture
+def by_block(monkeypatch):
+    use_by_block(monkeypatch)
+
+
+def forward(x, idx, **kw):
+    return selection.selected_forward(x["q"].detach(), x["k"].detach(), x["v"].detach(), idx, select_size=16,
+                                      scale=x["q"].shape[-1] ** -0.5, **kw)
+
+
+@interpreted
+@pytest.mark.usefixtures("by_block")
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_by_block_matches_reference(shape):
+    """Output, lse (-inf and a zero output where no token is usable) and, through the unchanged
+    backward, the gradients of q, k and v."""
+    B, T, hq, hkv, dk, dv = shape
+    x = make(*shape, seed=51)
+    idx = lists_with_edge_cases(B, T, hkv, 5, 16, seed=52)
+    o, lse = forward(x, idx)
+    lse_ref = reference_lse(x["q"].detach(), x["k"].detach(), idx, 16)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    assert (o[:, 3] == 0).all() and (o[:, 5] == 0).all()
+    fin = torch.isfinite(lse_ref)
+    assert rel_err(lse[fin], lse_ref[fin]) < TOL
+    assert_matches_reference(x["q"], x["k"], x["v"], idx)
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2]], ids=[IDS[1], IDS[2]])
+def test_by_block_equals_walk_and_presorted_lists(monkeypatch, shape):
+    """The same o and lse as the walk; lists sorted ascending with their padding last (as
+    `select_blocks` writes them) give the same result with `presorted=True`, which skips the sort."""
+    B, T, hq, hkv, dk, dv = shape
+    x = make(*shape, seed=53)
+    idx = lists_with_edge_cases(B, T, hkv, 6, 16, seed=54)
+    use_by_block(monkeypatch, False)
+    o_walk, lse_walk = forward(x, idx)
+    use_by_block(monkeypatch)
+    o, lse = forward(x, idx)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_walk))
+    assert torch.allclose(o, o_walk, atol=1e-5) and torch.allclose(lse, lse_walk, atol=1e-5)
+    ns = -(-T // 16)
+    ordered = torch.where(idx < 0, ns, idx).sort(-1).values
+    presorted = torch.where(ordered == ns, -1, ordered).contiguous()
+    o2, lse2 = forward(x, presorted, presorted=True)
+    assert torch.allclose(o2, o, atol=1e-6) and torch.equal(torch.isinf(lse2), torch.isinf(lse))
+
+
+def test_inverted_index_entries_point_into_the_lists():
+    """`entries=True`: each sorted entry's flat index into the (sorted) lists holds the block of its
+    segment at its position, and the positions are the ones `pos` gives."""
+    B, T, hkv, n, size = 2, 150, 2, 5, 16
+    idx = lists_with_edge_cases(B, T, hkv, n, size, seed=55)
+    ns = -(-T // size)
+    pos, seg_start, _, _, entry = selected_by_block.inverted_index(idx, select_size=size, chunk=8,
+                                                                   entries=True)
+    srt = idx.sort(-1).values.flatten()
+    seg_of = torch.repeat_interleave(torch.arange(B * hkv * ns), (seg_start[1:] - seg_start[:-1]).long())
+    used = int(seg_start[-1])  # entries past the last segment are the dropped ones
+    entry = entry.long()[:used]
+    assert torch.equal(srt[entry].long(), seg_of % ns)  # the segment's block
+    assert torch.equal(entry // (hkv * n) % T, pos[:used].long())
+    assert torch.equal(entry // (T * hkv * n) * hkv + entry // n % hkv, seg_of // ns)  # its (b, kv head)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("partials", ["float32", "input"])
+def test_by_block_matches_walk_at_64k(monkeypatch, partials):
+    """bf16 at T = 65536, 16/4 heads, d = 128, the selection of the benchmark's inputs: the forward
+    per block (bf16 partials, the default, or float32) against the walk."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from nsa_eval.bench import _inputs
+    from nsa_eval.kernels.compression import compressed_attention
+    from nsa_eval.kernels.importance import select_blocks
+
+    x = _inputs(1, 65536, 16, 4, 128, grad=False)
+    with torch.no_grad():
+        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
+        args = (x["q"], x["k"], x["v"], idx)
+        use_by_block(monkeypatch, False)
+        o_walk, lse_walk = selection.selected_forward(*args, select_size=64, scale=128**-0.5, presorted=True)
+        use_by_block(monkeypatch)
+        monkeypatch.setattr(selected_by_block, "BY_BLOCK_PARTIALS", partials)
+        o, lse = selection.selected_forward(*args, select_size=64, scale=128**-0.5, presorted=True)
+    assert rel_err(o, o_walk) < 1e-2
+    assert (lse - lse_walk).abs().max().item() < 1e-4
