@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from suite_fixtures import make_tiny_llama, tiny_suite_text
 
 from nsa_eval.runner import CELL_FILES, is_done, run_suite
 from nsa_eval.suite import load_suite
+from tests.suite_fixtures import make_tiny_llama, tiny_suite_text
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                     "OMP_NUM_THREADS": "1"}
