@@ -1,14 +1,14 @@
 """The selected branch's forward per key block (block-major), for small GQA groups.
 
 The position-major walk (`selection.py`) gives each program a few positions and reads every block
-they chose: at G = 4 a 4-position program reads ~50 blocks of 64 keys and values for 16 rows of
-queries, so the walk moves ~30x more K/V bytes than there are query rows to serve, and each MMA has
-16 rows. Here the loop turns inside out, as the backward's dk/dv kernel already does: one program
-per (batch, KV head, key block, chunk of the positions that chose it) loads that block's K/V once
-and gathers the queries of its positions, `BQ` positions x the group's heads per MMA. Each
-(position, block) pair leaves a partial result, its output normalised over the block's keys and
-their log2-sum-exp, and a merge pass combines the <= n partials of every position, as split-K
-decoding does, then writes o and lse (and, with `gated_sum`, NSA's gated output).
+they chose: at G = 4 a 4-position program reads ~50 blocks of 64 keys and values (32 KB each in
+bf16) for 16 query rows (4 KB), and each MMA has 16 rows. Here the loop turns inside out, as the
+backward's dk/dv kernel already does: one program per (batch, KV head, key block, chunk of the
+positions that chose it) loads that block's K/V once and gathers the queries of its positions, `BQ`
+positions x the group's heads per MMA. Each (position, block) pair leaves a partial result, its
+output normalised over the block's keys and their log2-sum-exp, and a merge pass combines the <= n
+partials of every position, as split-K decoding does, then writes o and lse (and, with `gated_sum`,
+NSA's gated output).
 
 Bytes per (position, block) pair: the group's q rows in, G partial rows out and back; with G = 16
 that is ~8 KB, where the walk's K/V reads are shared by 16 rows, so large groups keep the walk, as do
@@ -55,8 +55,9 @@ def inverted_index(bi, *, select_size, chunk, presorted=False, entries=False):
     a segment: `item_seg` (NSEG for unused items) and `item_chunk`, both `[n_items]` (an upper bound).
     Padding, repeats within one list and blocks starting after the query are dropped. `presorted`:
     each list is already ascending (`select_blocks`' output, or any list sorted with its -1 padding
-    first), so repeats are neighbours without a sort. `entries`: also return, fifth, the int32 flat
-    index `((b * T + t) * Hkv + h) * n + slot` of each sorted entry into the (sorted) lists.
+    first), so repeats are neighbours without a sort. `entries`: also return, fifth, the flat index
+    `((b * T + t) * Hkv + h) * n + slot` of each sorted entry into the (sorted) lists (int32 below
+    2**31 entries, else int64).
     """
     B, T, HKV, n = bi.shape
     ns = triton.cdiv(T, select_size)
@@ -81,7 +82,7 @@ def inverted_index(bi, *, select_size, chunk, presorted=False, entries=False):
     item_seg = torch.searchsorted(chunk_end, items, right=True)  # [n_items]
     first = (chunk_end - n_chunks)[item_seg.clamp_max(nseg - 1)]
     index = (pos, seg_start.to(torch.int32), item_seg.to(torch.int32), (items - first).to(torch.int32))
-    return (*index, perm.to(torch.int32)) if entries else index
+    return (*index, perm.to(torch.int32 if perm.numel() < 2**31 else torch.int64)) if entries else index
 
 
 @triton.jit
@@ -241,6 +242,8 @@ def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presor
     BQ = max(1, rows // GP)  # positions per MMA
     chunk = BQ * (2 if interpreting() else BY_BLOCK_CHUNK_STEPS)  # positions per work item
     assert chunk & (chunk - 1) == 0, f"positions per work item must be a power of two, got {chunk}"
+    if BY_BLOCK_PARTIALS not in ("input", "float32"):
+        raise ValueError(f"BY_BLOCK_PARTIALS must be 'input' or 'float32', got {BY_BLOCK_PARTIALS!r}")
     pdtype = torch.float32 if BY_BLOCK_PARTIALS == "float32" else q.dtype
     po = torch.empty(B * T * HKV * nsel * G, DV, device=q.device, dtype=pdtype)
     plse = torch.empty(B * T * HKV * nsel * G, device=q.device, dtype=torch.float32)

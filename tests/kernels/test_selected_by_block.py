@@ -115,3 +115,12 @@ def test_by_block_matches_walk_at_64k(monkeypatch, partials):
         o, lse = selection.selected_forward(*args, select_size=64, scale=128**-0.5, presorted=True)
     assert rel_err(o, o_walk) < 1e-2
     assert (lse - lse_walk).abs().max().item() < 1e-4
+
+
+@interpreted
+@pytest.mark.usefixtures("by_block")
+def test_unknown_partials_dtype_is_rejected(monkeypatch):
+    monkeypatch.setattr(selected_by_block, "BY_BLOCK_PARTIALS", "float16")
+    x = make(1, 32, 2, 1, 16, 16)
+    with pytest.raises(ValueError, match="BY_BLOCK_PARTIALS"):
+        forward(x, torch.zeros(1, 32, 1, 2, dtype=torch.int32))
