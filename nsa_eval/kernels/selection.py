@@ -132,8 +132,8 @@ SELECTED_DKV_PRELOAD = True
 # walk. Run 115 (scripts/probe_by_block.py), 16/4 heads (G = 4), the selected op with bf16 partials
 # against the walk: 64k 6.65 ms against 11.38, 32k 3.38 against 5.27, 16k 1.78 against 2.38, and 8k
 # 1.18 against 1.04, where the walk's K/V (16 MB) stay in L2 (the NSA forward there 1.88-2.65 against
-# 1.31 ms); at 32/4 (G = 8) and 64k 12.51 against 12.35, at 64/4 (G = 16) 19.53 against 13.86 (run
-# 115's first round, float32 partials and the first merge).
+# 1.31 ms); at 32/4 (G = 8) and 64k 12.51 against 12.35, and at 64/4 (G = 16) 19.53 against 13.86 in
+# the run's first round (with the first merge).
 SELECTED_BY_BLOCK_MAX_GROUP = 4
 SELECTED_BY_BLOCK_MIN_ROWS = 16384 * 4
 
