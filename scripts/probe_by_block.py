@@ -70,7 +70,7 @@ def compare_forward(T, rounds):
     g16 = _inputs(1, T, 64, 4, D, grad=False)
     with torch.no_grad():
         for _ in range(rounds):
-            for name, knobs in (("walk", WALK), ("by block up to G = 8", {})):
+            for name, knobs in (("walk", WALK), ("defaults", {})):
                 t4, t16 = (_with_flags(selection, knobs, lambda x=x: _time(lambda: nsa_prefill(**x)))
                            for x in (g4, g16))
                 print(f"T={T} NSA forward, {name}: G = 4 {t4:.2f} ms, G = 16 {t16:.2f} ms, per-head "
@@ -109,7 +109,7 @@ def profile():
         x = _inputs(1, T, 16, 4, D, grad=False)
         with torch.no_grad():
             print(f"kernels of the G = 4 forward per block, T={T}:")
-            profile_kernels(lambda x=x: nsa_prefill(**x), top=8)
+            _with_flags(selection, BY_BLOCK, lambda x=x: profile_kernels(lambda: nsa_prefill(**x), top=8))
 
 
 def accuracy():

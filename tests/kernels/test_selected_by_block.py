@@ -10,6 +10,8 @@ import torch
 from nsa_eval.kernels import selected_by_block, selection
 from nsa_eval.kernels._triton_utils import interpreting
 from tests.kernels.test_selection_variants import (
+    BY_BLOCK,
+    WALK,
     assert_matches_reference,
     lists_with_edge_cases,
     reference_lse,
@@ -22,8 +24,8 @@ interpreted = pytest.mark.skipif(not interpreting(),
 
 def use_by_block(monkeypatch, on=True):
     """The forward per key block at every group size and length (on), or the walk (off)."""
-    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MAX_GROUP", 16 if on else 0)
-    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MIN_ROWS", 0)
+    for flag, value in (BY_BLOCK if on else WALK).items():
+        monkeypatch.setattr(selection, flag, value)
 
 
 @pytest.fixture

@@ -230,14 +230,14 @@ def test_pipelined_walk_prefetches_on_h200():
 
 
 WALK = dict(SELECTED_BY_BLOCK_MAX_GROUP=0)  # the forward's walk at every group size
+BY_BLOCK = dict(SELECTED_BY_BLOCK_MAX_GROUP=16, SELECTED_BY_BLOCK_MIN_ROWS=0)  # per key block, always
 GPU_VARIANTS = {
     "union": dict(WALK, SELECTED_WALK="union"),
     "pipelined": dict(WALK, SELECTED_WALK="pipelined"),
     "pipelined-lists": dict(WALK, SELECTED_WALK="pipelined", SELECTED_PACKED_STEP=False),
     "pipelined-rows32": dict(WALK, SELECTED_WALK="pipelined", SELECTED_ROWS=32),
-    "by-block": dict(SELECTED_BY_BLOCK_MAX_GROUP=16, SELECTED_BY_BLOCK_MIN_ROWS=0),
-    "by-block-float32-partials": dict(SELECTED_BY_BLOCK_MAX_GROUP=16, SELECTED_BY_BLOCK_MIN_ROWS=0,
-                                      BY_BLOCK_PARTIALS="float32"),
+    "by-block": BY_BLOCK,
+    "by-block-float32-partials": dict(BY_BLOCK, BY_BLOCK_PARTIALS="float32"),
     "fused-dq": dict(SELECTED_DQ="fused"),
     "fused-dq-rows32": dict(SELECTED_DQ="fused", SELECTED_DKV_WIDE=None, SELECTED_DKV_ROWS=32),
     "fused-dq-rows64": dict(SELECTED_DQ="fused", SELECTED_DKV_WIDE=None),
