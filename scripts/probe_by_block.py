@@ -1,7 +1,7 @@
 """The selected forward per key block (`selected_by_block`) against the position-major walk, side by
 side on one GPU (run 115 on the H200).
 
-    PYTHONPATH=. python3 scripts/probe_by_block.py [compare] [launch] [profile] [accuracy]
+    PYTHONPATH=. python3 scripts/probe_by_block.py [compare] [launch] [profile] [accuracy] [index] [host]
 
 (default: compare)
 
@@ -15,9 +15,17 @@ side on one GPU (run 115 on the H200).
   merge's warps, G = 4 at 64k and 8k.
 - `profile`: the kernels of the G = 4 forward per block at 64k and 8k (torch.profiler).
 - `accuracy`: the selected op's bf16 outputs both ways against the float32 reference at 8k.
+- `index`: the forward per block with the counting index (`block_entries`) against the sorted one
+  (`inverted_index`) and the walk, at 8k-64k: the selected op, then the NSA forward at G = 4 (per
+  block at every length) beside G = 16's, two rounds, with the host's time to enqueue one forward
+  (the GPU held busy meanwhile) beside its GPU time; then the kernels of G = 4's forward at 8k. The
+  op also with one counter a block (`selected_by_block.INDEX_SPREAD = 1`).
+- `host`: where the host's time to enqueue G = 4's forward at 8k goes (cProfile over 50 calls while
+  the GPU is busy, so that no launch waits).
 """
 
 import sys
+import time
 
 import torch
 
@@ -31,11 +39,11 @@ WALK = dict(SELECTED_BY_BLOCK_MAX_GROUP=0)
 BY_BLOCK = dict(SELECTED_BY_BLOCK_MAX_GROUP=16, SELECTED_BY_BLOCK_MIN_ROWS=0)
 
 
-def _selected(x, idx, knobs, partials="float32"):
+def _selected(x, idx, knobs, partials="float32", index="count"):
     def run():
         return selection.selected_forward(x["q"], x["k"], x["v"], idx, select_size=64, scale=D**-0.5,
                                           presorted=True)
-    return lambda: _with_flags(selected_by_block, dict(BY_BLOCK_PARTIALS=partials),
+    return lambda: _with_flags(selected_by_block, dict(BY_BLOCK_PARTIALS=partials, BY_BLOCK_INDEX=index),
                                lambda: _with_flags(selection, knobs, run))
 
 
@@ -131,6 +139,90 @@ def accuracy():
                   f"{diff.abs().max().item():.2e}", flush=True)
 
 
+def _host_ms(fn, calls=20):
+    """ms the host takes to enqueue one fn() while the GPU is busy with an earlier spin, so that no
+    launch waits for the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time, longer than the calls take to enqueue
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
+INDEX_WAYS = (("walk", WALK, "count"), ("by block, sorted index", BY_BLOCK, "sort"),
+              ("by block, counting index", BY_BLOCK, "count"))
+
+
+def _nsa_forward(x, knobs, way):
+    return lambda: _with_flags(selected_by_block, dict(BY_BLOCK_INDEX=way),
+                               lambda: _with_flags(selection, knobs, lambda: nsa_prefill(**x)))
+
+
+def index_at(T):
+    x = _inputs(1, T, 16, 4, D, grad=False)
+    g16 = _inputs(1, T, 64, 4, D, grad=False)
+    with torch.no_grad():
+        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
+        ops = [_selected(x, idx, knobs, "input", way) for _, knobs, way in INDEX_WAYS]
+        same = all(torch.equal(a, b) for a, b in zip(ops[1](), ops[2](), strict=True))
+        names = [name for name, _, _ in INDEX_WAYS]
+        times = ", ".join(f"{name} {_time(fn):.3f} ms" for name, fn in zip(names, ops, strict=True))
+        print(f"T={T} 16/4 the op: {times}; o, lse bit-identical between the indexes: {same}", flush=True)
+        one = _time(lambda: _with_flags(selected_by_block, dict(INDEX_SPREAD=1), ops[2]))
+        print(f"T={T} 16/4 the op, counting index with one counter a block: {one:.3f} ms", flush=True)
+        t16 = _time(lambda: nsa_prefill(**g16))
+        for r in range(2):
+            for name, knobs, way in INDEX_WAYS:
+                fn = _nsa_forward(x, knobs, way)
+                t4 = _time(fn)
+                host = f", host {_host_ms(fn):.3f} ms a call" if r == 0 else ""
+                print(f"T={T} NSA forward G = 4, {name}: {t4:.3f} ms{host}, per-head ratio "
+                      f"{4 * t4 / t16:.3f} (G = 16 {t16:.2f} ms)", flush=True)
+        fn = _nsa_forward(g16, {}, "count")
+        print(f"T={T} NSA forward G = 16 (defaults): {_time(fn):.3f} ms, host {_host_ms(fn):.3f} ms a call",
+              flush=True)
+
+
+def index():
+    for T in (8192, 16384, 32768, 65536):
+        index_at(T)
+        torch.cuda.empty_cache()
+    x = _inputs(1, 8192, 16, 4, D, grad=False)
+    with torch.no_grad():
+        print("kernels of the G = 4 forward per block (counting index), T=8192:")
+        _with_flags(selection, BY_BLOCK, lambda: profile_kernels(lambda: nsa_prefill(**x), top=12))
+
+
+def host():
+    import cProfile
+    import pstats
+
+    x = _inputs(1, 8192, 16, 4, D, grad=False)
+    with torch.no_grad():
+        fn = _nsa_forward(x, {}, "count")
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time, longer than the calls take to enqueue
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    print("host time of G = 4's forward at 8k, 50 calls (cProfile):")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
+
+
+MODES = {"compare": compare, "launch": launch, "profile": profile, "accuracy": accuracy, "index": index,
+         "host": host}
+
 if __name__ == "__main__":
     for mode in sys.argv[1:] or ["compare"]:
-        {"compare": compare, "launch": launch, "profile": profile, "accuracy": accuracy}[mode]()
+        MODES[mode]()

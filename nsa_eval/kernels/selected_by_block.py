@@ -85,6 +85,116 @@ def inverted_index(bi, *, select_size, chunk, presorted=False, entries=False):
     return (*index, perm.to(torch.int32 if perm.numel() < 2**31 else torch.int64)) if entries else index
 
 
+# How the forward finds the positions of each block: "count" (`block_entries`: three Triton launches,
+# the order within a block arbitrary, which the forward's per-row results do not depend on) or "sort"
+# (`inverted_index`'s ~30 torch ops, ascending within a block, as the backward's dk/dv needs)
+BY_BLOCK_INDEX = "count"
+INDEX_BLOCK = 1024  # list entries per program of the counting index
+# counters per segment: program p counts in counter p % INDEX_SPREAD, so that a block every position
+# chose (block 0) is not one address for all the atomics
+INDEX_SPREAD = 8
+
+
+@triton.jit
+def _count_kernel(BI, SEG, RANK, COUNTS, E, T, HKV, NSEL, NS, BS: tl.constexpr, SPREAD: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    # each entry e of the sorted lists BI [B, T, HKV, NSEL] (flat): its segment SEG[e] = (b * HKV + h)
+    # * NS + block, -1 if unusable (padding, a repeat of the entry before it, a block starting after
+    # the position), and RANK[e] its place among the entries its program counts in its segment's
+    # counter COUNTS[seg, pid % SPREAD] (one atomic each)
+    pid = tl.program_id(0)
+    e = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = e < E
+    slot = e % NSEL
+    blk = tl.load(BI + e, mask=m, other=-1)
+    prev = tl.load(BI + e - 1, mask=m & (slot > 0), other=-1)
+    t = e // (HKV * NSEL) % T
+    usable = m & (blk >= 0) & (blk < NS) & (blk * BS <= t) & (blk != prev)
+    seg = tl.where(usable, (e // (T * HKV * NSEL) * HKV + e // NSEL % HKV) * NS + blk, -1)
+    counter = tl.maximum(seg, 0) * SPREAD + pid % SPREAD
+    rank = tl.atomic_add(COUNTS + counter, 1, mask=usable, sem="relaxed")
+    tl.store(SEG + e, seg.to(tl.int32), mask=m)
+    tl.store(RANK + e, rank, mask=usable)
+
+
+@triton.jit
+def _scan_kernel(COUNTS, SEG_START, SUB_START, ITEM_FIRST, N_ITEMS, NSEG, CHUNK, SPREAD: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # one program, the exclusive sums of COUNTS [NSEG, SPREAD]: SEG_START [NSEG + 1], where each
+    # segment starts among the entries, SUB_START [NSEG, SPREAD] where each of its counters does;
+    # ITEM_FIRST [NSEG], its first work item (one per CHUNK entries); N_ITEMS [1], their number
+    done = tl.sum(tl.zeros([BLOCK], tl.int32), 0)  # entries and items of the segments before o
+    items = done
+    tl.store(SEG_START, done)
+    o_c = tl.arange(0, SPREAD)
+    for i0 in range(0, NSEG, BLOCK):
+        o = i0 + tl.arange(0, BLOCK)
+        sub = o[:, None] * SPREAD + o_c[None, :]
+        c = tl.load(COUNTS + sub, mask=(o < NSEG)[:, None], other=0)  # [BLOCK, SPREAD]
+        total = tl.sum(c, 1)
+        n_items = (total + CHUNK - 1) // CHUNK
+        ends = done + tl.cumsum(total, 0)
+        tl.store(SEG_START + o + 1, ends, mask=o < NSEG)
+        tl.store(SUB_START + sub, (ends - total)[:, None] + tl.cumsum(c, 1) - c, mask=(o < NSEG)[:, None])
+        tl.store(ITEM_FIRST + o, items + tl.cumsum(n_items, 0) - n_items, mask=o < NSEG)
+        done += tl.sum(total, 0)
+        items += tl.sum(n_items, 0)
+    tl.store(N_ITEMS, items)
+
+
+@triton.jit
+def _scatter_kernel(SEG, RANK, SEG_START, SUB_START, ITEM_FIRST, ENTRY, ITEM_SEG, ITEM_CHUNK, E, CHUNK,
+                    SPREAD: tl.constexpr, BLOCK: tl.constexpr):
+    # each usable entry e to ENTRY[at], at = where its counter starts + its rank there; the entries at
+    # 0, CHUNK, 2 CHUNK ... of their segment open its work items
+    pid = tl.program_id(0)
+    e = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    seg = tl.load(SEG + e, mask=e < E, other=-1)
+    use = seg >= 0
+    seg_c = tl.maximum(seg, 0)
+    at = tl.load(SUB_START + seg_c * SPREAD + pid % SPREAD, mask=use, other=0) + tl.load(RANK + e, mask=use,
+                                                                                           other=0)
+    tl.store(ENTRY + at, e.to(ENTRY.dtype.element_ty), mask=use)
+    rank = at - tl.load(SEG_START + seg_c, mask=use, other=0)  # within the segment
+    opens = use & (rank % CHUNK == 0)
+    item = tl.load(ITEM_FIRST + seg_c, mask=opens, other=0) + rank // CHUNK
+    tl.store(ITEM_SEG + item, seg, mask=opens)
+    tl.store(ITEM_CHUNK + item, rank // CHUNK, mask=opens)
+
+
+def block_entries(bi, *, select_size, chunk):
+    """The usable entries of sorted lists grouped by key block, for the forward per block, in three
+    launches and without a host sync (`inverted_index` holds the same groups in ~30 torch ops).
+
+    bi: int32 `[B, T, Hkv, n]`, every list ascending (its -1 padding first or last). Returns `(entry,
+    seg_start, item_seg, item_chunk, n_items)`: `entry` `[B*T*Hkv*n]`, the flat index `((b * T + t) *
+    Hkv + h) * n + slot` of each usable entry, grouped by segment `(b * Hkv + h) * Ns + block` in no
+    particular order within one; `seg_start` `[NSEG + 1]` where each segment starts in `entry`; one
+    work item per `chunk` entries of a segment: `item_seg` and `item_chunk` `[n_items_max]`, valid
+    below `n_items` (int32 `[1]`, on the device). Padding, repeats and blocks past the position are
+    dropped, as in `inverted_index`."""
+    B, T, HKV, n = bi.shape
+    ns = triton.cdiv(T, select_size)
+    nseg, E = B * HKV * ns, bi.numel()
+    dev = bi.device
+    i32 = dict(device=dev, dtype=torch.int32)
+    seg, rank = torch.empty(E, **i32), torch.empty(E, **i32)
+    counts = torch.zeros(nseg * INDEX_SPREAD, **i32)
+    grid = (triton.cdiv(E, INDEX_BLOCK),)
+    _count_kernel[grid](bi, seg, rank, counts, E, T, HKV, n, ns, BS=select_size, SPREAD=INDEX_SPREAD,
+                        BLOCK=INDEX_BLOCK)
+    seg_start, sub_start = torch.empty(nseg + 1, **i32), torch.empty(nseg * INDEX_SPREAD, **i32)
+    item_first, n_items = torch.empty(nseg, **i32), torch.empty(1, **i32)
+    _scan_kernel[(1,)](counts, seg_start, sub_start, item_first, n_items, nseg, chunk, SPREAD=INDEX_SPREAD,
+                       BLOCK=512 if nseg > 128 else 128)
+    max_items = triton.cdiv(E, chunk) + nseg  # >= the items, known without a sync
+    entry = torch.empty(E, device=dev, dtype=torch.int32 if E < 2**31 else torch.int64)
+    item_seg, item_chunk = torch.empty(max_items, **i32), torch.empty(max_items, **i32)
+    _scatter_kernel[grid](seg, rank, seg_start, sub_start, item_first, entry, item_seg, item_chunk, E, chunk,
+                          SPREAD=INDEX_SPREAD, BLOCK=INDEX_BLOCK)
+    return entry, seg_start, item_seg, item_chunk, n_items
+
+
 @triton.jit
 def store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV: tl.constexpr,
                   GATE_SUM: tl.constexpr, STORE_O: tl.constexpr):
@@ -140,19 +250,20 @@ def block_kv(K, V, i_b, i_hk, blk, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, DK: tl
 
 @triton.jit
 def _by_block_kernel(
-    Q, K, V, ITEM_SEG, ITEM_CHUNK, SEG_START, ENTRY, PO, PLSE,
+    Q, K, V, ITEM_SEG, ITEM_CHUNK, N_ITEMS, SEG_START, ENTRY, PO, PLSE,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NS, NSEG, NSEL, scale_log2, CHUNK,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, PRELOAD: tl.constexpr,
 ):
-    # One program per work item of `inverted_index`: up to CHUNK (= PRELOAD, a power of two) entries
-    # of one (b, kv head, block) segment, BQ of them x the G heads per MMA (M = BQ * GP rows). Each
-    # entry e (flat index ENTRY[e] into the [B, T, HKV, NSEL] lists) leaves G partial rows: PO
-    # [E_all * G, DV] (o over this block's keys) and PLSE [E_all * G] (their log2-sum-exp, scaled).
+    # One program per work item of `block_entries` (the first N_ITEMS[0]; the rest return) or
+    # `inverted_index`: up to CHUNK (= PRELOAD, a power of two) entries of one (b, kv head, block)
+    # segment, BQ of them x the G heads per MMA (M = BQ * GP rows). Each entry e (flat index ENTRY[e]
+    # into the [B, T, HKV, NSEL] lists) leaves G partial rows: PO [E_all * G, DV] (o over this block's
+    # keys) and PLSE [E_all * G] (their log2-sum-exp, scaled).
     M: tl.constexpr = BQ * GP
     i_item = tl.program_id(0)
-    seg = tl.load(ITEM_SEG + i_item)
+    seg = tl.load(ITEM_SEG + i_item, mask=i_item < tl.load(N_ITEMS), other=NSEG)
     if seg < NSEG:
         HKV = HQ // G
         blk, i_b, i_hk, start, end = item_range(ITEM_CHUNK, SEG_START, seg, i_item, HQ, G, NS, CHUNK)
@@ -247,13 +358,20 @@ def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presor
     pdtype = torch.float32 if BY_BLOCK_PARTIALS == "float32" else q.dtype
     po = torch.empty(B * T * HKV * nsel * G, DV, device=q.device, dtype=pdtype)
     plse = torch.empty(B * T * HKV * nsel * G, device=q.device, dtype=torch.float32)
+    if BY_BLOCK_INDEX not in ("count", "sort"):
+        raise ValueError(f"BY_BLOCK_INDEX must be 'count' or 'sort', got {BY_BLOCK_INDEX!r}")
     if B * T * HKV * nsel:
-        _, seg_start, item_seg, item_chunk, entry = inverted_index(bi, select_size=select_size, chunk=chunk,
-                                                                   presorted=True, entries=True)
+        if BY_BLOCK_INDEX == "count":
+            entry, seg_start, item_seg, item_chunk, n_items = block_entries(bi, select_size=select_size,
+                                                                            chunk=chunk)
+        else:
+            _, seg_start, item_seg, item_chunk, entry = inverted_index(
+                bi, select_size=select_size, chunk=chunk, presorted=True, entries=True)
+            n_items = torch.full((1,), item_seg.numel(), device=q.device, dtype=torch.int32)
         ns = triton.cdiv(T, select_size)
         BDK, BDK2 = dk_tiles(DK)
         _by_block_kernel[(item_seg.numel(),)](
-            q, k, v, item_seg, item_chunk, seg_start, entry, po, plse,
+            q, k, v, item_seg, item_chunk, n_items, seg_start, entry, po, plse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, nsel, scale * LOG2E, chunk,
             DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size,

@@ -133,9 +133,12 @@ SELECTED_DKV_PRELOAD = True
 # against the walk: 64k 6.65 ms against 11.38, 32k 3.38 against 5.27, 16k 1.78 against 2.38, and 8k
 # 1.18 against 1.04, where the walk's K/V (16 MB) stay in L2 (the NSA forward there 1.88-2.65 against
 # 1.31 ms); at 32/4 (G = 8) and 64k 12.51 against 12.35, and at 64/4 (G = 16) 19.53 against 13.86 in
-# the run's first round (with the first merge).
+# the run's first round (with the first merge). Since runs 118-119 its index is built by counting
+# (`selected_by_block.block_entries`, no host sync): the op at 8k 0.83-0.86 ms against the walk's
+# 1.03, the G = 4 NSA forward there 1.14 against 1.32 where the host keeps ahead (run 118); hence from
+# 8k (32k key rows) on.
 SELECTED_BY_BLOCK_MAX_GROUP = 4
-SELECTED_BY_BLOCK_MIN_ROWS = 16384 * 4
+SELECTED_BY_BLOCK_MIN_ROWS = 8192 * 4
 
 
 @triton.jit

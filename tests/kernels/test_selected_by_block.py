@@ -94,6 +94,53 @@ def test_inverted_index_entries_point_into_the_lists():
     assert torch.equal(entry // (T * hkv * n) * hkv + entry // n % hkv, seg_of // ns)  # its (b, kv head)
 
 
+@interpreted
+@pytest.mark.parametrize(("size", "block", "spread"),
+                         [(16, 1024, 8), (64, 1024, 8), (16, 64, 8), (16, 64, 1)],
+                         ids=["size16", "size64", "block64", "spread1"])
+def test_block_entries_hold_the_inverted_index(monkeypatch, size, block, spread):
+    """The counting index (`block_entries`; `block` entries a program, `spread` counters a segment)
+    against the sorted one (`inverted_index`) on lists with padding, repeats and future blocks: the same
+    segment bounds, the same entries within each segment (in any order), and the same work items, each
+    (segment, chunk) once, below `n_items`."""
+    monkeypatch.setattr(selected_by_block, "INDEX_BLOCK", block)
+    monkeypatch.setattr(selected_by_block, "INDEX_SPREAD", spread)
+    B, T, hkv, n = 2, 150, 2, 5
+    idx = lists_with_edge_cases(B, T, hkv, n, size, seed=56)
+    ns = -(-T // size)
+    ordered = torch.where(idx < 0, ns, idx).sort(-1).values
+    lists = torch.where(ordered == ns, -1, ordered).contiguous()
+    entry, seg_start, item_seg, item_chunk, n_items = selected_by_block.block_entries(lists, select_size=size,
+                                                                                     chunk=8)
+    _, want_start, want_seg, want_chunk, want_entry = selected_by_block.inverted_index(
+        lists, select_size=size, chunk=8, presorted=True, entries=True)
+    assert torch.equal(seg_start, want_start)
+    for s in range(B * hkv * ns):
+        lo, hi = int(seg_start[s]), int(seg_start[s + 1])
+        assert torch.equal(entry[lo:hi].sort().values, want_entry[lo:hi].sort().values)
+    used = int(n_items)
+    items = sorted(zip(item_seg[:used].tolist(), item_chunk[:used].tolist(), strict=True))
+    nseg = B * hkv * ns
+    want = sorted((s, c) for s, c in zip(want_seg.tolist(), want_chunk.tolist(), strict=True) if s < nseg)
+    assert items == want and len(set(items)) == len(items)
+
+
+@interpreted
+@pytest.mark.usefixtures("by_block")
+def test_by_block_same_output_with_either_index(monkeypatch):
+    """The forward per block gives bit-identical o and lse with the counting index and the sorted one:
+    each row's result does not depend on which positions share its work item."""
+    B, T, hq, hkv, dk, dv = SHAPES[1]
+    x = make(*SHAPES[1], seed=57)
+    idx = lists_with_edge_cases(B, T, hkv, 6, 16, seed=58)
+    results = []
+    for index in ("count", "sort"):
+        monkeypatch.setattr(selected_by_block, "BY_BLOCK_INDEX", index)
+        results.append(forward(x, idx))
+    (o_count, lse_count), (o_sort, lse_sort) = results
+    assert torch.equal(o_count, o_sort) and torch.equal(lse_count, lse_sort)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("partials", ["float32", "input"])
 def test_by_block_matches_walk_at_64k(monkeypatch, partials):
@@ -126,3 +173,27 @@ def test_unknown_partials_dtype_is_rejected(monkeypatch):
     x = make(1, 32, 2, 1, 16, 16)
     with pytest.raises(ValueError, match="BY_BLOCK_PARTIALS"):
         forward(x, torch.zeros(1, 32, 1, 2, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+def test_by_block_indexes_agree_at_64k(monkeypatch):
+    """bf16 at T = 65536, 16/4 heads, the benchmark's selection: the counting index (atomic ranks, any
+    order within a block) and the sorted one give bit-identical o and lse."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from nsa_eval.bench import _inputs
+    from nsa_eval.kernels.compression import compressed_attention
+    from nsa_eval.kernels.importance import select_blocks
+
+    x = _inputs(1, 65536, 16, 4, 128, grad=False)
+    use_by_block(monkeypatch)
+    results = []
+    with torch.no_grad():
+        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
+        for index in ("count", "sort"):
+            monkeypatch.setattr(selected_by_block, "BY_BLOCK_INDEX", index)
+            results.append(selection.selected_forward(x["q"], x["k"], x["v"], idx, select_size=64,
+                                                      scale=128**-0.5, presorted=True))
+    (o_count, lse_count), (o_sort, lse_sort) = results
+    assert torch.equal(o_count, o_sort) and torch.equal(lse_count, lse_sort)
