@@ -2,6 +2,7 @@
 side on one GPU (run 115 on the H200).
 
     PYTHONPATH=. python3 scripts/probe_by_block.py [compare] [launch] [profile] [accuracy] [index] [host]
+        [sync]
 
 (default: compare)
 
@@ -22,6 +23,8 @@ side on one GPU (run 115 on the H200).
   op also with one counter a block (`selected_by_block.INDEX_SPREAD = 1`).
 - `host`: where the host's time to enqueue G = 4's forward at 8k goes (cProfile over 50 calls while
   the GPU is busy, so that no launch waits).
+- `sync`: the operations that make the host wait for the GPU (`torch.cuda.set_sync_debug_mode`) in
+  the sorted index (`inverted_index`) and in G = 4's forward+backward at 8k, with where they are called.
 """
 
 import sys
@@ -220,8 +223,44 @@ def host():
     stats.sort_stats("cumulative").print_stats(40)
 
 
+def _syncs(name, fn):
+    """Print the synchronizing operations of fn() (its second call) and where they are called."""
+    import warnings
+    from collections import Counter
+
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"{name}: {len(caught)} synchronizing operations", flush=True)
+    for where, count in Counter(f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}"
+                                for w in caught).items():
+        print(f"  {count} x {where}", flush=True)
+
+
+def sync():
+    x = _inputs(1, 8192, 16, 4, D, grad=True)
+    with torch.no_grad():
+        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        idx = select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
+    _syncs("inverted_index, 8k, 16/4 heads",
+           lambda: selected_by_block.inverted_index(idx, select_size=64, chunk=64, presorted=True))
+    _syncs("block_entries, 8k, 16/4 heads",
+           lambda: selected_by_block.block_entries(idx, select_size=64, chunk=64))
+
+    def train_step():
+        nsa_prefill(**x).float().square().mean().backward()
+
+    _syncs("G = 4's forward+backward at 8k", train_step)
+
+
 MODES = {"compare": compare, "launch": launch, "profile": profile, "accuracy": accuracy, "index": index,
-         "host": host}
+         "host": host, "sync": sync}
 
 if __name__ == "__main__":
     for mode in sys.argv[1:] or ["compare"]:
