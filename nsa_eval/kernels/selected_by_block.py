@@ -221,8 +221,8 @@ def store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc
 
 @triton.jit
 def item_range(ITEM_CHUNK, SEG_START, seg, i_item, HQ, G, NS, CHUNK):
-    # what work item i_item of segment seg (`inverted_index`, seg < NSEG) covers: the block, batch
-    # and KV head, and its entries [start, end) of the sorted lists
+    # what work item i_item of segment seg (`inverted_index` or `block_entries`, seg < NSEG) covers:
+    # the block, batch and KV head, and its entries [start, end) of the sorted lists
     HKV = HQ // G
     blk = seg % NS
     i_bh = seg // NS
@@ -355,11 +355,11 @@ def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presor
     assert chunk & (chunk - 1) == 0, f"positions per work item must be a power of two, got {chunk}"
     if BY_BLOCK_PARTIALS not in ("input", "float32"):
         raise ValueError(f"BY_BLOCK_PARTIALS must be 'input' or 'float32', got {BY_BLOCK_PARTIALS!r}")
+    if BY_BLOCK_INDEX not in ("count", "sort"):
+        raise ValueError(f"BY_BLOCK_INDEX must be 'count' or 'sort', got {BY_BLOCK_INDEX!r}")
     pdtype = torch.float32 if BY_BLOCK_PARTIALS == "float32" else q.dtype
     po = torch.empty(B * T * HKV * nsel * G, DV, device=q.device, dtype=pdtype)
     plse = torch.empty(B * T * HKV * nsel * G, device=q.device, dtype=torch.float32)
-    if BY_BLOCK_INDEX not in ("count", "sort"):
-        raise ValueError(f"BY_BLOCK_INDEX must be 'count' or 'sort', got {BY_BLOCK_INDEX!r}")
     if B * T * HKV * nsel:
         if BY_BLOCK_INDEX == "count":
             entry, seg_start, item_seg, item_chunk, n_items = block_entries(bi, select_size=select_size,

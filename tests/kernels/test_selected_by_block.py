@@ -133,12 +133,38 @@ def test_by_block_same_output_with_either_index(monkeypatch):
     B, T, hq, hkv, dk, dv = SHAPES[1]
     x = make(*SHAPES[1], seed=57)
     idx = lists_with_edge_cases(B, T, hkv, 6, 16, seed=58)
+    assert_indexes_agree(monkeypatch, lambda: forward(x, idx))
+
+
+def assert_indexes_agree(monkeypatch, run):
+    """run() (o, lse) with the counting index and with the sorted one: bit-identical."""
     results = []
     for index in ("count", "sort"):
         monkeypatch.setattr(selected_by_block, "BY_BLOCK_INDEX", index)
-        results.append(forward(x, idx))
+        results.append(run())
     (o_count, lse_count), (o_sort, lse_sort) = results
     assert torch.equal(o_count, o_sort) and torch.equal(lse_count, lse_sort)
+
+
+def benchmark_selection():
+    """The benchmark's inputs at T = 65536, 16/4 heads, d = 128 (bf16), and their block lists; skips
+    without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from nsa_eval.bench import _inputs
+    from nsa_eval.kernels.compression import compressed_attention
+    from nsa_eval.kernels.importance import select_blocks
+
+    x = _inputs(1, 65536, 16, 4, 128, grad=False)
+    with torch.no_grad():
+        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        return x, select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
+
+
+def forward_64k(x, idx):
+    with torch.no_grad():
+        return selection.selected_forward(x["q"], x["k"], x["v"], idx, select_size=64, scale=128**-0.5,
+                                          presorted=True)
 
 
 @pytest.mark.gpu
@@ -146,32 +172,23 @@ def test_by_block_same_output_with_either_index(monkeypatch):
 def test_by_block_matches_walk_at_64k(monkeypatch, partials):
     """bf16 at T = 65536, 16/4 heads, d = 128, the selection of the benchmark's inputs: the forward
     per block (bf16 partials, the default, or float32) against the walk."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from nsa_eval.bench import _inputs
-    from nsa_eval.kernels.compression import compressed_attention
-    from nsa_eval.kernels.importance import select_blocks
-
-    x = _inputs(1, 65536, 16, 4, 128, grad=False)
-    with torch.no_grad():
-        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        idx = select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
-        args = (x["q"], x["k"], x["v"], idx)
-        use_by_block(monkeypatch, False)
-        o_walk, lse_walk = selection.selected_forward(*args, select_size=64, scale=128**-0.5, presorted=True)
-        use_by_block(monkeypatch)
-        monkeypatch.setattr(selected_by_block, "BY_BLOCK_PARTIALS", partials)
-        o, lse = selection.selected_forward(*args, select_size=64, scale=128**-0.5, presorted=True)
+    x, idx = benchmark_selection()
+    use_by_block(monkeypatch, False)
+    o_walk, lse_walk = forward_64k(x, idx)
+    use_by_block(monkeypatch)
+    monkeypatch.setattr(selected_by_block, "BY_BLOCK_PARTIALS", partials)
+    o, lse = forward_64k(x, idx)
     assert rel_err(o, o_walk) < 1e-2
     assert (lse - lse_walk).abs().max().item() < 1e-4
 
 
 @interpreted
 @pytest.mark.usefixtures("by_block")
-def test_unknown_partials_dtype_is_rejected(monkeypatch):
-    monkeypatch.setattr(selected_by_block, "BY_BLOCK_PARTIALS", "float16")
+@pytest.mark.parametrize(("flag", "value"), [("BY_BLOCK_PARTIALS", "float16"), ("BY_BLOCK_INDEX", "radix")])
+def test_unknown_knob_values_are_rejected(monkeypatch, flag, value):
+    monkeypatch.setattr(selected_by_block, flag, value)
     x = make(1, 32, 2, 1, 16, 16)
-    with pytest.raises(ValueError, match="BY_BLOCK_PARTIALS"):
+    with pytest.raises(ValueError, match=flag):
         forward(x, torch.zeros(1, 32, 1, 2, dtype=torch.int32))
 
 
@@ -179,21 +196,6 @@ def test_unknown_partials_dtype_is_rejected(monkeypatch):
 def test_by_block_indexes_agree_at_64k(monkeypatch):
     """bf16 at T = 65536, 16/4 heads, the benchmark's selection: the counting index (atomic ranks, any
     order within a block) and the sorted one give bit-identical o and lse."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from nsa_eval.bench import _inputs
-    from nsa_eval.kernels.compression import compressed_attention
-    from nsa_eval.kernels.importance import select_blocks
-
-    x = _inputs(1, 65536, 16, 4, 128, grad=False)
+    x, idx = benchmark_selection()
     use_by_block(monkeypatch)
-    results = []
-    with torch.no_grad():
-        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        idx = select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
-        for index in ("count", "sort"):
-            monkeypatch.setattr(selected_by_block, "BY_BLOCK_INDEX", index)
-            results.append(selection.selected_forward(x["q"], x["k"], x["v"], idx, select_size=64,
-                                                      scale=128**-0.5, presorted=True))
-    (o_count, lse_count), (o_sort, lse_sort) = results
-    assert torch.equal(o_count, o_sort) and torch.equal(lse_count, lse_sort)
+    assert_indexes_agree(monkeypatch, lambda: forward_64k(x, idx))
