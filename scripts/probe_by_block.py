@@ -23,8 +23,10 @@ side on one GPU (run 115 on the H200).
   op also with one counter a block (`selected_by_block.INDEX_SPREAD = 1`).
 - `host`: where the host's time to enqueue G = 4's forward at 8k goes (cProfile over 50 calls while
   the GPU is busy, so that no launch waits).
-- `sync`: the operations that make the host wait for the GPU (`torch.cuda.set_sync_debug_mode`) in
-  the sorted index (`inverted_index`) and in G = 4's forward+backward at 8k, with where they are called.
+- `sync`: the operations that make the host wait for the GPU in the sorted index (`inverted_index`),
+  the counting one and G = 4's forward+backward at 8k: those `torch.cuda.set_sync_debug_mode` names
+  (none in run 121), then, from torch.profiler's host trace with the GPU held busy, the CUDA runtime
+  calls that took over 1 ms on the host and the torch ops they ran under.
 """
 
 import sys
@@ -243,20 +245,47 @@ def _syncs(name, fn):
         print(f"  {count} x {where}", flush=True)
 
 
+def _slow_runtime_calls(name, fn, slower_ms=1.0):
+    """Print the CUDA runtime calls of fn() (the GPU busy beforehand) that took the host over
+    `slower_ms`, each with the chain of torch ops it ran under: those calls waited for the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+        fn()
+        torch.cuda.synchronize()
+    # the probe's own synchronize at the end runs under no torch op
+    slow = [e for e in prof.events() if e.name.startswith("cu") and e.cpu_time_total > slower_ms * 1e3
+            and (e.cpu_parent is not None or e.name != "cudaDeviceSynchronize")]
+    print(f"{name}: {len(slow)} runtime calls over {slower_ms} ms on the host", flush=True)
+    for e in slow:
+        chain, parent = [], e.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        print(f"  {e.name} {e.cpu_time_total / 1e3:.1f} ms under {' <- '.join(chain) or 'no op'}", flush=True)
+
+
 def sync():
     x = _inputs(1, 8192, 16, 4, D, grad=True)
     with torch.no_grad():
         _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         idx = select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
-    _syncs("inverted_index, 8k, 16/4 heads",
-           lambda: selected_by_block.inverted_index(idx, select_size=64, chunk=64, presorted=True))
-    _syncs("block_entries, 8k, 16/4 heads",
-           lambda: selected_by_block.block_entries(idx, select_size=64, chunk=64))
 
     def train_step():
         nsa_prefill(**x).float().square().mean().backward()
 
-    _syncs("G = 4's forward+backward at 8k", train_step)
+    cases = (("inverted_index, 8k, 16/4 heads",
+              lambda: selected_by_block.inverted_index(idx, select_size=64, chunk=64, presorted=True)),
+             ("block_entries, 8k, 16/4 heads",
+              lambda: selected_by_block.block_entries(idx, select_size=64, chunk=64)),
+             ("G = 4's forward+backward at 8k", train_step))
+    for name, fn in cases:
+        _syncs(name, fn)
+    for name, fn in cases:
+        _slow_runtime_calls(name, fn)
 
 
 MODES = {"compare": compare, "launch": launch, "profile": profile, "accuracy": accuracy, "index": index,
