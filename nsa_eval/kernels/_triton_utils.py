@@ -9,6 +9,7 @@ multiplies bf16 bit patterns as integers (triton-lang/triton#11584).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -62,13 +63,19 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     on a GPU of compute capability 9.0 or later (or in Triton's interpreter), with unit stride in the
     head dim and a 16-byte-aligned base and strides (TMA's rows start on 16 bytes)."""
     for t in tensors:
-        if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+        if t.is_cuda and _capability_major(t.get_device()) < 9:
             return False
         if not t.is_cuda and not interpreting():
             return False
         if t.stride(3) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:3]):
             return False
     return True
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    # once per device: torch's query costs the host microseconds on every call of every launch
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def tma_descriptor(t: torch.Tensor, rows: int, cols: int):

@@ -2,7 +2,8 @@
 
 Forward: the compression branch (its lse also feeds the selection), `select_blocks`, the selected
 branch, the sliding window, then `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa` in one pass (or, with
-`GATE_IN_SELECTED`, in the selected forward's epilogue).
+`GATE_IN_SELECTED`, in the selected forward's last launch: by default the merge of the forward per key
+block, where it runs).
 
 Backward (`FUSED_BACKWARD`, the default): the gate backward writes each branch's copy g_x * do and
 also its softmax row term delta_x = g_x * dg_x (it sums o_x * do for dg_x anyway), so no branch runs
@@ -33,6 +34,7 @@ from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.gates import gate_backward, gate_forward, gated_sum, sum3
 from nsa_eval.kernels.importance import select_blocks
 from nsa_eval.kernels.selection import (
+    by_block,
     selected_attention,
     selected_backward,
     selected_forward,
@@ -51,15 +53,24 @@ FUSED_BACKWARD = True
 GATE_IN_BRANCHES = False
 # the window branch on a second CUDA stream (with FUSED_BACKWARD), beside the other branches
 WINDOW_STREAM = True
-# with FUSED_BACKWARD: the gated sum of the three outputs written by the selected forward's epilogue
+# with FUSED_BACKWARD: the gated sum of the three outputs written by the selected forward's last launch
 # (`selection.selected_forward_gated`, once the window's output is done), instead of a pass of its own
-# (`gates.gate_forward`) that reads o_slc back; without gradients o_slc is not stored at all. Off: run 96
-# (scripts/probe_band.py gatesum, Triton 3.8, three rounds in alternation, in selected / apart) had the
-# 64k forward at 32.83 / 33.24, 34.75 / 33.50, 34.65 / 33.22 ms (16/4 heads 17.57-18.45 against
-# 17.27-17.43: slower, as the walk waits for the window and reads the two outputs), the 8k forward at
-# 2.32-2.34 against 2.37-2.39 (faster) and the 64k forward+backward at 108.80-110.43 against
-# 110.13-110.52 (within the spread); the benchmark times it (`[gated sum in selected]`)
-GATE_IN_SELECTED = False
+# (`gates.gate_forward`) that reads o_slc back; without gradients o_slc is not stored at all.
+# - "by block": where the forward runs per key block (`selection.by_block`), in its merge, which reads
+#   the window's output after the block-major kernel, so the window still runs beside that.
+# - "auto" (the default): as "by block", and in the walk's epilogue up to GATE_IN_WALK_MAX_ROWS key
+#   rows (B x T x Hkv), where the walk's wait for the window costs less than the pass.
+# - True: in both forwards at any length; False: nowhere.
+# Run 122 (scripts/probe_by_block.py gate), NSA forward, three rounds in alternation, apart / by block /
+# True: G = 4 at 8k 1.119-1.126 / 1.098-1.121 / 1.112-1.115 ms, 16k 2.271-2.279 / 2.256-2.263, 32k
+# 4.900-4.915 / 4.862-4.869, 64k 11.415-11.509 / 11.427-11.453; G = 16 (the walk) at 8k 2.346-2.357
+# against 2.298-2.304 in the epilogue, 16k 5.302-5.345 against 5.214-5.240, but 32k 12.455-12.639
+# against 12.546-12.884 and 64k 32.308-32.902 against 32.703-33.295, as in run 96 (64k 32.83-34.75
+# against 33.22-33.50; the walk waits for the window and reads the two outputs). The benchmark times
+# the gate apart (`[gated sum apart]`).
+GATE_IN_SELECTED: bool | str = "auto"
+GATE_IN_SELECTED_CHOICES = (False, True, "by block", "auto")
+GATE_IN_WALK_MAX_ROWS = 16384 * 4
 # How the fused backward sums the three branches' dq. "sum3": the selected branch's float32 atomics go
 # to a zeroed buffer and one pass `sum3` adds the three dq afterwards. "fold": the compression's dq
 # kernel runs last (after its dk/dv) and adds the selected float32 dq and the window's dq in its
@@ -98,6 +109,18 @@ def _join(side: torch.cuda.Stream | None, *made_there: torch.Tensor) -> None:
         t.record_stream(main)
 
 
+def gate_in_selected(G: int, kv_rows: int) -> bool:
+    """Whether the selected forward writes NSA's gated output (`GATE_IN_SELECTED`) for a group of G
+    query heads over `kv_rows` = B x T x Hkv key rows."""
+    if GATE_IN_SELECTED not in GATE_IN_SELECTED_CHOICES:
+        raise ValueError(f"GATE_IN_SELECTED must be one of {GATE_IN_SELECTED_CHOICES}, "
+                         f"got {GATE_IN_SELECTED!r}")
+    if GATE_IN_SELECTED in (False, True):
+        return GATE_IN_SELECTED
+    per_block = by_block(G, kv_rows)
+    return per_block or (GATE_IN_SELECTED == "auto" and kv_rows <= GATE_IN_WALK_MAX_ROWS)
+
+
 class NSAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, params, needs_grad):
@@ -105,6 +128,7 @@ class NSAFunction(torch.autograd.Function):
         # forward grad mode is always off, and ctx.needs_input_grad ignores torch.no_grad)
         block_len, stride, select_size, num_selected, num_init, num_local, window, scale = params
         q, k, v, k_cmp, v_cmp, k_swa, v_swa = contiguous(q, k, v, k_cmp, v_cmp, k_swa, v_swa)
+        gate_in = gate_in_selected(q.shape[2] // k.shape[2], k.shape[0] * k.shape[1] * k.shape[2])
         o_cmp, lse_cmp = band_forward(q, k_cmp, v_cmp, scale=scale, key_stride=stride,
                                       key_offset=block_len - 1)
         side = _side_stream(q)  # the window after the compression forward, beside the selection
@@ -115,11 +139,11 @@ class NSAFunction(torch.autograd.Function):
                            num_selected=num_selected, num_init=num_init, num_local=num_local, scale=scale,
                            lse=lse_cmp)  # int32 [B, T, Hkv, n], contiguous
         g_cmp, g_slc, g_swa = contiguous(g_cmp, g_slc, g_swa)
-        if GATE_IN_SELECTED:  # the window's output first: the selected forward's epilogue reads it
-            _join(side, o_swa, lse_swa)
+        if gate_in:  # the selected forward's last launch reads the window's output: the streams join first
             o, o_slc, lse_slc = selected_forward_gated(q, k, v, bi, o_cmp, o_swa, g_cmp, g_slc, g_swa,
                                                        select_size=select_size, scale=scale,
-                                                       keep_o=needs_grad, presorted=True)
+                                                       keep_o=needs_grad, presorted=True,
+                                                       before_sum=lambda: _join(side, o_swa, lse_swa))
         else:
             o_slc, lse_slc = selected_forward(q, k, v, bi, select_size=select_size, scale=scale,
                                               presorted=True)

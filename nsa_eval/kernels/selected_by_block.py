@@ -33,11 +33,13 @@ from nsa_eval.kernels._triton_utils import (
     softmax_start,
 )
 
-# rows (positions x G') per MMA of the block-major forward, and positions per work item (a multiple);
-# run 115, G = 4 at 64k, the op: 8.33 ms at these (float32 partials), 9.18 at 32 rows, 15.80 at 128,
-# 9.40 at 4 steps an item, 8.16 at 64 (8k: 1.18 against 1.24), 8 warps 11.01, 4 stages 12.23
+# rows (positions x G') per MMA of the block-major forward, and MMA steps per work item; run 115, G = 4
+# at 64k, the op: 8.33 ms at 64 rows and 16 steps (float32 partials), 9.18 at 32 rows, 15.80 at 128,
+# 9.40 at 4 steps, 8.16 at 64 (8k: 1.18 against 1.24), 8 warps 11.01, 4 stages 12.23. Run 122 (the
+# counting index, bf16 partials), G = 4's NSA forward at 16 / 32 / 64 steps: 8k 1.105-1.113 / 1.098 /
+# 1.148 ms, 64k 11.337-11.343 / 11.218 / 11.156
 BY_BLOCK_ROWS = 64
-BY_BLOCK_CHUNK_STEPS = 16
+BY_BLOCK_CHUNK_STEPS = 32
 BY_BLOCK_CONFIG = dict(num_warps=4, num_stages=3)
 # The partial outputs' dtype: "input" (q's: one more rounding of each partial, so the output may move
 # by one more unit in its last place) or "float32". Run 115, G = 4, the op at 64k 6.65 ms against 8.32
@@ -85,7 +87,7 @@ def inverted_index(bi, *, select_size, chunk, presorted=False, entries=False):
     return (*index, perm.to(torch.int32 if perm.numel() < 2**31 else torch.int64)) if entries else index
 
 
-# How the forward finds the positions of each block: "count" (`block_entries`: three Triton launches,
+# How the forward finds the positions of each block: "count" (`block_entries`: two Triton launches,
 # the order within a block arbitrary, which the forward's per-row results do not depend on) or "sort"
 # (`inverted_index`'s ~30 torch ops, ascending within a block, as the backward's dk/dv needs)
 BY_BLOCK_INDEX = "count"
@@ -96,12 +98,40 @@ INDEX_SPREAD = 8
 
 
 @triton.jit
-def _count_kernel(BI, SEG, RANK, COUNTS, E, T, HKV, NSEL, NS, BS: tl.constexpr, SPREAD: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _scan_counts(COUNTS, SEG_START, SUB_START, ITEM_FIRST, N_ITEMS, NSEG, CHUNK, SPREAD: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # the exclusive sums of COUNTS [NSEG, SPREAD] (read from L2: other programs' atomics wrote them):
+    # SEG_START [NSEG + 1], where each segment starts among the entries, SUB_START [NSEG, SPREAD] where
+    # each of its counters does; ITEM_FIRST [NSEG], its first work item (one per CHUNK entries);
+    # N_ITEMS [1], their number
+    done = tl.sum(tl.zeros([BLOCK], tl.int32), 0)  # entries and items of the segments before o
+    items = done
+    tl.store(SEG_START, done)
+    o_c = tl.arange(0, SPREAD)
+    for i0 in range(0, NSEG, BLOCK):
+        o = i0 + tl.arange(0, BLOCK)
+        sub = o[:, None] * SPREAD + o_c[None, :]
+        c = tl.load(COUNTS + sub, mask=(o < NSEG)[:, None], other=0, cache_modifier=".cg")  # [BLOCK, SPREAD]
+        total = tl.sum(c, 1)
+        n_items = (total + CHUNK - 1) // CHUNK
+        ends = done + tl.cumsum(total, 0)
+        tl.store(SEG_START + o + 1, ends, mask=o < NSEG)
+        tl.store(SUB_START + sub, (ends - total)[:, None] + tl.cumsum(c, 1) - c, mask=(o < NSEG)[:, None])
+        tl.store(ITEM_FIRST + o, items + tl.cumsum(n_items, 0) - n_items, mask=o < NSEG)
+        done += tl.sum(total, 0)
+        items += tl.sum(n_items, 0)
+    tl.store(N_ITEMS, items)
+
+
+@triton.jit
+def _count_kernel(BI, SEG, RANK, COUNTS, ARRIVED, SEG_START, SUB_START, ITEM_FIRST, N_ITEMS, E, T, HKV, NSEL,
+                  NS, NSEG, CHUNK, BS: tl.constexpr, SPREAD: tl.constexpr, BLOCK: tl.constexpr,
+                  SCAN_BLOCK: tl.constexpr):
     # each entry e of the sorted lists BI [B, T, HKV, NSEL] (flat): its segment SEG[e] = (b * HKV + h)
     # * NS + block, -1 if unusable (padding, a repeat of the entry before it, a block starting after
     # the position), and RANK[e] its place among the entries its program counts in its segment's
-    # counter COUNTS[seg, pid % SPREAD] (one atomic each)
+    # counter COUNTS[seg, pid % SPREAD] (one atomic each). The program that finishes last (ARRIVED, a
+    # zeroed counter, as the fused decode's steps count theirs) scans the counts (`_scan_counts`).
     pid = tl.program_id(0)
     e = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = e < E
@@ -115,31 +145,9 @@ def _count_kernel(BI, SEG, RANK, COUNTS, E, T, HKV, NSEL, NS, BS: tl.constexpr, 
     rank = tl.atomic_add(COUNTS + counter, 1, mask=usable, sem="relaxed")
     tl.store(SEG + e, seg.to(tl.int32), mask=m)
     tl.store(RANK + e, rank, mask=usable)
-
-
-@triton.jit
-def _scan_kernel(COUNTS, SEG_START, SUB_START, ITEM_FIRST, N_ITEMS, NSEG, CHUNK, SPREAD: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    # one program, the exclusive sums of COUNTS [NSEG, SPREAD]: SEG_START [NSEG + 1], where each
-    # segment starts among the entries, SUB_START [NSEG, SPREAD] where each of its counters does;
-    # ITEM_FIRST [NSEG], its first work item (one per CHUNK entries); N_ITEMS [1], their number
-    done = tl.sum(tl.zeros([BLOCK], tl.int32), 0)  # entries and items of the segments before o
-    items = done
-    tl.store(SEG_START, done)
-    o_c = tl.arange(0, SPREAD)
-    for i0 in range(0, NSEG, BLOCK):
-        o = i0 + tl.arange(0, BLOCK)
-        sub = o[:, None] * SPREAD + o_c[None, :]
-        c = tl.load(COUNTS + sub, mask=(o < NSEG)[:, None], other=0)  # [BLOCK, SPREAD]
-        total = tl.sum(c, 1)
-        n_items = (total + CHUNK - 1) // CHUNK
-        ends = done + tl.cumsum(total, 0)
-        tl.store(SEG_START + o + 1, ends, mask=o < NSEG)
-        tl.store(SUB_START + sub, (ends - total)[:, None] + tl.cumsum(c, 1) - c, mask=(o < NSEG)[:, None])
-        tl.store(ITEM_FIRST + o, items + tl.cumsum(n_items, 0) - n_items, mask=o < NSEG)
-        done += tl.sum(total, 0)
-        items += tl.sum(n_items, 0)
-    tl.store(N_ITEMS, items)
+    tl.debug_barrier()  # every thread's atomics before the release of the arrival
+    if tl.atomic_add(ARRIVED, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        _scan_counts(COUNTS, SEG_START, SUB_START, ITEM_FIRST, N_ITEMS, NSEG, CHUNK, SPREAD, SCAN_BLOCK)
 
 
 @triton.jit
@@ -163,7 +171,7 @@ def _scatter_kernel(SEG, RANK, SEG_START, SUB_START, ITEM_FIRST, ENTRY, ITEM_SEG
 
 
 def block_entries(bi, *, select_size, chunk):
-    """The usable entries of sorted lists grouped by key block, for the forward per block, in three
+    """The usable entries of sorted lists grouped by key block, for the forward per block, in two
     launches and without a host sync (`inverted_index` holds the same groups in ~30 torch ops).
 
     bi: int32 `[B, T, Hkv, n]`, every list ascending (its -1 padding first or last). Returns `(entry,
@@ -176,23 +184,34 @@ def block_entries(bi, *, select_size, chunk):
     B, T, HKV, n = bi.shape
     ns = triton.cdiv(T, select_size)
     nseg, E = B * HKV * ns, bi.numel()
-    dev = bi.device
-    i32 = dict(device=dev, dtype=torch.int32)
-    seg, rank = torch.empty(E, **i32), torch.empty(E, **i32)
-    counts = torch.zeros(nseg * INDEX_SPREAD, **i32)
-    grid = (triton.cdiv(E, INDEX_BLOCK),)
-    _count_kernel[grid](bi, seg, rank, counts, E, T, HKV, n, ns, BS=select_size, SPREAD=INDEX_SPREAD,
-                        BLOCK=INDEX_BLOCK)
-    seg_start, sub_start = torch.empty(nseg + 1, **i32), torch.empty(nseg * INDEX_SPREAD, **i32)
-    item_first, n_items = torch.empty(nseg, **i32), torch.empty(1, **i32)
-    _scan_kernel[(1,)](counts, seg_start, sub_start, item_first, n_items, nseg, chunk, SPREAD=INDEX_SPREAD,
-                       BLOCK=512 if nseg > 128 else 128)
     max_items = triton.cdiv(E, chunk) + nseg  # >= the items, known without a sync
-    entry = torch.empty(E, device=dev, dtype=torch.int32 if E < 2**31 else torch.int64)
-    item_seg, item_chunk = torch.empty(max_items, **i32), torch.empty(max_items, **i32)
+    dev = bi.device
+    # two allocations for the index's ten buffers: the host's time per call is part of a short
+    # forward's (run 120's profile: 20 allocations and 10 launches were most of it at 8k)
+    counts, arrived = _int32_parts(torch.zeros, dev, nseg * INDEX_SPREAD, 1)
+    wide = E >= 2**31  # entry indices past int32
+    sizes = (E, E, nseg + 1, nseg * INDEX_SPREAD, nseg, 1, max_items, max_items) + ((0,) if wide else (E,))
+    seg, rank, seg_start, sub_start, item_first, n_items, item_seg, item_chunk, entry = _int32_parts(
+        torch.empty, dev, *sizes)
+    if wide:
+        entry = torch.empty(E, device=dev, dtype=torch.int64)
+    grid = (triton.cdiv(E, INDEX_BLOCK),)
+    _count_kernel[grid](bi, seg, rank, counts, arrived, seg_start, sub_start, item_first, n_items, E, T, HKV,
+                        n, ns, nseg, chunk, BS=select_size, SPREAD=INDEX_SPREAD, BLOCK=INDEX_BLOCK,
+                        SCAN_BLOCK=512 if nseg > 128 else 128)
     _scatter_kernel[grid](seg, rank, seg_start, sub_start, item_first, entry, item_seg, item_chunk, E, chunk,
                           SPREAD=INDEX_SPREAD, BLOCK=INDEX_BLOCK)
     return entry, seg_start, item_seg, item_chunk, n_items
+
+
+def _int32_parts(alloc, device, *sizes):
+    """Int32 tensors of the given sizes, views into one allocation (`torch.empty` or `torch.zeros`),
+    each starting on 128 bytes, as a tensor of its own would (Triton specialises aligned pointers)."""
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // 32) * 32)
+    buf = alloc(starts[-1], device=device, dtype=torch.int32)
+    return [buf[a:a + size] for a, size in zip(starts, sizes, strict=False)]
 
 
 @triton.jit
@@ -334,13 +353,15 @@ def _merge_kernel(
 
 
 def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presorted=False, gated_sum=None,
-                              store_o=True):
+                              store_o=True, before_merge=None):
     """The selected branch's forward per key block: writes o `[B, T, Hq, Dv]` (if `store_o`) and lse
     `[B, T, Hq]` float32 (natural log), as `selection._launch_selected`'s forward does.
 
     q `[B, T, Hq, Dk]`, k `[B, T, Hkv, Dk]`, v `[B, T, Hkv, Dv]` contiguous; bi int32 `[B, T, Hkv, n]`
     contiguous (`presorted`: every list ascending, as `select_blocks` writes them). `gated_sum`:
     `(o_cmp, o_swa, g_cmp, g_slc, g_swa, out)`, NSA's gated output written to `out` by the merge.
+    `before_merge`: called once the partials' launches are queued, before the merge's (the prefill
+    joins the window's stream there, so that the window runs beside the block-major kernel).
     Transient memory: the partials, n x Hq x Dv floats per position (`BY_BLOCK_PARTIALS`)."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
@@ -377,6 +398,8 @@ def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presor
             DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size,
             UPCAST=interpreting(), PRELOAD=chunk, **BY_BLOCK_CONFIG,
         )
+    if before_merge is not None:
+        before_merge()
     dummy = o
     _merge_kernel[(T, B * HKV)](
         bi, po, plse, o, lse, *(gated_sum if gated_sum is not None else (dummy,) * 6), T, HQ, G, nsel,

@@ -520,12 +520,17 @@ def by_block(G: int, kv_rows: int) -> bool:
     return G <= SELECTED_BY_BLOCK_MAX_GROUP and kv_rows >= SELECTED_BY_BLOCK_MIN_ROWS
 
 
-def _forward(q, k, v, bi, o, lse, *, select_size, scale, presorted, gated_sum=None, store_o=True):
+def _forward(q, k, v, bi, o, lse, *, select_size, scale, presorted, gated_sum=None, store_o=True,
+             before_sum=None):
+    # before_sum: called before the first launch that reads gated_sum's outputs
     B, T, HKV = k.shape[:3]
     if by_block(q.shape[2] // HKV, B * T * HKV):
         selected_forward_by_block(q, k, v, bi, o, lse, select_size=select_size, scale=scale,
-                                  presorted=presorted, gated_sum=gated_sum, store_o=store_o)
+                                  presorted=presorted, gated_sum=gated_sum, store_o=store_o,
+                                  before_merge=before_sum)
     else:
+        if before_sum is not None:
+            before_sum()
         _launch_selected(q, k, v, bi, o, lse, None, None, None, select_size=select_size, scale=scale,
                          backward=False, gated_sum=gated_sum, store_o=store_o)
 
@@ -541,17 +546,19 @@ def selected_forward(q, k, v, bi, *, select_size, scale, presorted=False):
 
 
 def selected_forward_gated(q, k, v, bi, o_cmp, o_swa, g_cmp, g_slc, g_swa, *, select_size, scale,
-                           keep_o=True, presorted=False):
+                           keep_o=True, presorted=False, before_sum=None):
     """The selection branch's forward that also writes NSA's output,
     `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa`, from its epilogue (no pass of its own over the
     three outputs). Inputs contiguous, bi int32; o_cmp, o_swa `[B, T, Hq, Dv]`, gates `[B, T, Hq]`.
-    Returns (o `[B, T, Hq, Dv]`, o_slc or None without `keep_o`, lse_slc `[B, T, Hq]` float32)."""
+    Returns (o `[B, T, Hq, Dv]`, o_slc or None without `keep_o`, lse_slc `[B, T, Hq]` float32).
+    `before_sum`: called before the first launch that reads o_cmp, o_swa or the gates (the walk's, or
+    the merge after the forward per key block), e.g. to wait for the stream that writes o_swa."""
     B, T, HQ, _ = q.shape
     o = torch.empty(B, T, HQ, v.shape[3], device=q.device, dtype=q.dtype)
     o_slc = torch.empty_like(o) if keep_o else o  # without keep_o the kernel writes only o
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     _forward(q, k, v, bi, o_slc, lse, select_size=select_size, scale=scale, presorted=presorted,
-             gated_sum=(o_cmp, o_swa, g_cmp, g_slc, g_swa, o), store_o=keep_o)
+             gated_sum=(o_cmp, o_swa, g_cmp, g_slc, g_swa, o), store_o=keep_o, before_sum=before_sum)
     return o, (o_slc if keep_o else None), lse
 
 

@@ -291,28 +291,55 @@ def test_head_dims_and_float16(dk, dv, dtype):
         assert rel_err(o_dec, kernels.nsa_decode(*args, cache_seqlens=lens, impl="reference")) < BF16_TOL
 
 
-@pytest.mark.parametrize("hq", [16, 4], ids=["G16", "G4"])
-def test_gated_sum_in_selected_forward(monkeypatch, hq):
-    """prefill.GATE_IN_SELECTED: NSA's output from the selected forward's epilogue, without gradients
-    (o_slc not stored) and with them, against the separate gate pass and the float32 reference
-    (T = 4096, bf16, 4 KV heads at G = 16 and G = 4)."""
+@pytest.mark.parametrize("hq, per_block", [(16, False), (4, False), (4, True)],
+                         ids=["G16", "G4", "G4-by-block"])
+def test_gated_sum_in_selected_forward(monkeypatch, hq, per_block):
+    """prefill.GATE_IN_SELECTED: NSA's output from the selected forward's epilogue (True, and "auto" at
+    this length) or, where the forward runs per key block, from its merge ("by block"), without
+    gradients (o_slc not stored) and with them, against the separate gate pass and the float32
+    reference (T = 4096, bf16, 4 KV heads at G = 16 and G = 4, the walk and per key block)."""
     from nsa_eval import kernels
-    from nsa_eval.kernels import prefill
+    from nsa_eval.kernels import prefill, selection
 
+    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MIN_ROWS", 0 if per_block else 2**62)
     g = torch.Generator(device="cuda").manual_seed(12)
     x = with_gates(make(1, 4096, hq * 4, 4, 128, grad=True), g)
     args = [x[n] for n in NSA_ARGS]
     out = {}
-    for fused in (False, True):
+    for fused in (False, True, "by block", "auto"):
         monkeypatch.setattr(prefill, "GATE_IN_SELECTED", fused)
         with torch.no_grad():
             out[fused, False] = kernels.nsa_attention(*args, impl="triton")
         out[fused, True] = kernels.nsa_attention(*args, impl="triton").detach()
-    for key in ((True, False), (True, True), (False, True)):
+    for key in out:
         assert rel_err(out[key], out[False, False]) < 1e-3, key
     with torch.no_grad():
         o_ref = kernels.nsa_attention(*[x[n].float() for n in NSA_ARGS], impl="reference")
     assert rel_err(out[True, False], o_ref) < BF16_TOL
+
+
+def test_window_side_stream_gated_merge(monkeypatch):
+    """The window on its own stream, joined just before the merge of the forward per key block that
+    writes NSA's gated output (GATE_IN_SELECTED = "by block", G = 4): the output of one stream bit for
+    bit, without gradients and with them; 20 calls in a row with fresh inputs, so that a merge that
+    read the window's output before the window wrote it would show."""
+    from nsa_eval import kernels
+    from nsa_eval.kernels import prefill, selection
+
+    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MIN_ROWS", 0)
+    monkeypatch.setattr(prefill, "GATE_IN_SELECTED", "by block")
+    for seed in range(20):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x = with_gates(make(1, 4096, 16, 4, 128, grad=True, seed=seed), g)
+        out = {}
+        for on in (False, True):
+            monkeypatch.setattr(prefill, "WINDOW_STREAM", on)
+            with torch.no_grad():
+                out[on, False] = kernels.nsa_attention(*[x[n] for n in NSA_ARGS], impl="triton")
+            out[on, True] = kernels.nsa_attention(*[x[n] for n in NSA_ARGS], impl="triton").detach()
+        assert torch.equal(out[True, False], out[False, False]), seed
+        assert torch.equal(out[True, True], out[False, True]), seed
+        assert torch.equal(out[True, True], out[True, False]), seed
 
 
 @pytest.mark.parametrize("dq_sum", ["sum3", "fold", "chain"])

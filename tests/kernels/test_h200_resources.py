@@ -84,12 +84,17 @@ def prefill(name, dtype, D, DV=None):
                                                    launch)
     GP = 16
     tma = s.SELECTED_TMA and not BD2
+    # as the prefill runs it at G = 16: the walk writes NSA's gated sum (prefill.GATE_IN_SELECTED) on
+    # short inputs and only its own output on long ones
     consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False,
-                  UPCAST=False, GATED=False, TMA=tma, GATE_SUM=GATE_IN_SELECTED)  # as the prefill runs it
+                  UPCAST=False, GATED=False, TMA=tma, GATE_SUM=False)
     kv = [desc(name, 64, BD), desc(name, 64, BDV)] if tma else [p, p]
     selected = [p, *kv, "*i32", p, "*fp32"] + [p, "*fp32", p, p] + [p] * 6
     fwd = s._selected_pipelined_kernel
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(1, D, tma))
+    if GATE_IN_SELECTED:
+        out[f"selected fwd gated {name}"] = shared(fwd, selected, dict(consts, GATE_SUM=True),
+                                                   s.selected_fwd_launch(1, D, tma))
     consts = dict(consts, GP=4, BT=4, PACKED=s.packed_steps(4))  # G = 4: four positions a program
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(4, D, tma))
     launch = imp.importance_launch("broadcast", GP, dtype, D)
@@ -124,10 +129,11 @@ print(json.dumps(__CALLS__))
 def test_default_launches_fit_h200_shared_memory():
     """G = 16, d = 128, the paper's blocks: the banded forwards, dq and dk/dv, the importance kernel (both
     maps; the reshape map also at G' = 4 and 1, whose programs hold more positions), the selected
-    forward (G = 16 and G = 4) and dk/dv, each as its default launch, fit in bf16 and float32."""
+    forward (G = 16, with and without NSA's gated sum in its epilogue, and G = 4) and dk/dv, each as its
+    default launch, fit in bf16 and float32."""
     calls = 'prefill("bf16", torch.bfloat16, 128) | prefill("fp32", torch.float32, 128)'
     shared = json_from_fresh_python(COMPILE.replace("__CALLS__", calls))
-    assert len(shared) == 26
+    assert len(shared) == 28
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"
 
@@ -144,6 +150,6 @@ def test_widest_head_dims_fit_h200_shared_memory():
     calls = ('prefill("bf16", torch.bfloat16, 256) | decode("bf16", 256) | decode("fp32", 128) | '
              'prefill("bf16", torch.bfloat16, 192, 128)')
     shared = json_from_fresh_python(COMPILE.replace("__CALLS__", calls))
-    assert len(shared) == 34
+    assert len(shared) == 36
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"

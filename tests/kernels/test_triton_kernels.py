@@ -280,7 +280,8 @@ def test_gated_sum_in_selected_forward(monkeypatch, walk, hq):
     """prefill.GATE_IN_SELECTED: NSA's output written by the selected forward's epilogue equals the
     separate gate pass's, with gradients (o_slc kept for the backward, whose gradients match the
     reference) and without (o_slc not stored), for the pipelined and the union walk and for the
-    forward per key block (its merge writes the sum)."""
+    forward per key block (its merge writes the sum); "by block" gates in the merge only there, "auto"
+    also in the walk up to `GATE_IN_WALK_MAX_ROWS` key rows."""
     from nsa_eval import kernels
     from nsa_eval.kernels import prefill, selection
 
@@ -296,19 +297,36 @@ def test_gated_sum_in_selected_forward(monkeypatch, walk, hq):
     ins = (x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates)
     params = dict(select_size=16, num_selected=3, window=20, impl="triton")
     out = {}
-    for fused in (False, True):
+    for fused in (False, True, "by block", "auto"):  # "auto": the walk's too, on an input this short
         monkeypatch.setattr(prefill, "GATE_IN_SELECTED", fused)
+        expected = fused is True or fused == "auto" or (fused == "by block" and by_block)
+        assert prefill.gate_in_selected(hq // hkv, B * T * hkv) == expected
         with torch.no_grad():
             o_nograd = kernels.nsa_attention(*ins, **params)
         o = kernels.nsa_attention(*ins, **params)
         out[fused] = (o_nograd, o, grads([o], ins))
-    assert torch.allclose(out[True][0], out[False][0], atol=1e-6)
-    assert torch.allclose(out[True][1], out[False][1], atol=1e-6)
-    assert torch.allclose(out[True][0], out[True][1])
+    for fused in (True, "by block", "auto"):
+        assert torch.allclose(out[fused][0], out[False][0], atol=1e-6)
+        assert torch.allclose(out[fused][1], out[False][1], atol=1e-6)
+        assert torch.allclose(out[fused][0], out[fused][1])
     o_ref = kernels.nsa_attention(*ins, **dict(params, impl="reference"))
     assert rel_err(out[True][1], o_ref) < TOL
     for a, b in zip(out[True][2], grads([o_ref], ins), strict=True):
         assert rel_err(a, b) < TOL
+
+
+def test_gate_in_selected_rejects_unknown_values(monkeypatch):
+    """prefill.GATE_IN_SELECTED takes False, True, "by block" or "auto"; anything else is a ValueError naming
+    the knob and its choices, before any kernel runs."""
+    from nsa_eval import kernels
+    from nsa_eval.kernels import prefill
+
+    monkeypatch.setattr(prefill, "GATE_IN_SELECTED", "merge")
+    x = make(1, 72, 4, 2, 16, 16, seed=3)
+    gates = [torch.rand(1, 72, 4) for _ in range(3)]
+    with pytest.raises(ValueError, match="GATE_IN_SELECTED must be one of .*'by block'.*got 'merge'"):
+        kernels.nsa_attention(x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates, select_size=16,
+                              num_selected=3, window=20, impl="triton")
 
 
 @pytest.mark.parametrize("dk", [16, 48], ids=["dim-16", "split-dim-48"])
