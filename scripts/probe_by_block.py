@@ -2,7 +2,7 @@
 side on one GPU (run 115 on the H200).
 
     PYTHONPATH=. python3 scripts/probe_by_block.py [compare] [launch] [profile] [accuracy] [index] [host]
-        [sync]
+        [sync] [gate] [gate-backward] [host-stages] [bench-order]
 
 (default: compare)
 
@@ -27,6 +27,17 @@ side on one GPU (run 115 on the H200).
   the counting one and G = 4's forward+backward at 8k: those `torch.cuda.set_sync_debug_mode` names
   (none in run 121), then, from torch.profiler's host trace with the GPU held busy, the CUDA runtime
   calls that took over 1 ms on the host and the torch ops they ran under.
+- `gate`: where NSA's gated sum is computed (`prefill.GATE_IN_SELECTED`: a pass of its own, the merge
+  of the forward per key block, every selected forward's epilogue), the NSA forward at G = 4 and
+  G = 16 at 8k-64k, three rounds in alternation, with the per-head ratio; the forward+backward at 8k,
+  16k and 64k, G = 4 and G = 16, apart and "auto" (also alone: `gate-backward`); then the
+  block-major kernel's positions per work item at 8k and 64k, and the kernels of G = 4's forward at
+  8k with the defaults.
+- `host-stages`: the host's time to enqueue each stage of G = 4's forward at 8k (the GPU held busy,
+  no profiler), beside the whole forward's and one `torch.empty`'s.
+- `bench-order`: G = 4's forward at 8k timed as the benchmark times it (`bench.bench_nsa_prefill`), alone,
+  then after the benchmark's G = 16 and SDPA rows at 8k, then after a garbage collection and
+  `empty_cache`, each with the host's time to enqueue one forward.
 """
 
 import sys
@@ -34,8 +45,8 @@ import time
 
 import torch
 
-from nsa_eval.bench import _inputs, _time, _with_flags, nsa_prefill, profile_kernels
-from nsa_eval.kernels import selected_by_block, selection
+from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flags, nsa_prefill, profile_kernels
+from nsa_eval.kernels import prefill, selected_by_block, selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.importance import select_blocks
 
@@ -289,8 +300,105 @@ def sync():
         _slow_runtime_calls(name, fn)
 
 
+GATE_WAYS = (("apart", False), ("in the merge", "by block"), ("in every selected forward", True))
+
+
+def gate_backward():
+    for T in (8192, 16384, 65536):
+        for hq in (16, 64):
+            x = _inputs(1, T, hq, 4, D, grad=True)
+            step = _fwd_bwd(lambda x=x: nsa_prefill(**x), x)
+            for r in range(2):
+                for name, way in (("apart", False), ("auto", "auto")):
+                    ms = _with_flags(prefill, dict(GATE_IN_SELECTED=way), lambda step=step: _time(step))
+                    print(f"T={T} round {r} {hq}/4 heads forward+backward, gated sum {name}: {ms:.3f} ms",
+                          flush=True)
+            del x, step
+            torch.cuda.empty_cache()
+
+
+def gate():
+    for T in (8192, 16384, 32768, 65536):
+        g4, g16 = (_inputs(1, T, hq, 4, D, grad=False) for hq in (16, 64))
+        with torch.no_grad():
+            for r in range(3):
+                for name, way in GATE_WAYS:
+                    t4, t16 = (_with_flags(prefill, dict(GATE_IN_SELECTED=way),
+                                           lambda x=x: _time(lambda: nsa_prefill(**x))) for x in (g4, g16))
+                    print(f"T={T} round {r} NSA forward, gated sum {name}: G = 4 {t4:.3f} ms, G = 16 "
+                          f"{t16:.3f} ms, per-head ratio {4 * t4 / t16:.3f}", flush=True)
+        del g4, g16
+        torch.cuda.empty_cache()
+    gate_backward()
+    for T in (8192, 65536):
+        x = _inputs(1, T, 16, 4, D, grad=False)
+        with torch.no_grad():
+            for steps in (16, 32, 64, 16):
+                ms = _with_flags(selected_by_block, dict(BY_BLOCK_CHUNK_STEPS=steps),
+                                 lambda x=x: _time(lambda: nsa_prefill(**x)))
+                print(f"T={T} G = 4 NSA forward, {steps} steps a work item: {ms:.3f} ms", flush=True)
+    x = _inputs(1, 8192, 16, 4, D, grad=False)
+    with torch.no_grad():
+        print("kernels of the G = 4 forward (defaults), T=8192:")
+        profile_kernels(lambda: nsa_prefill(**x), top=12)
+
+
+def host_stages():
+    from nsa_eval.kernels.band import band_forward
+    from nsa_eval.kernels.gates import gate_forward
+
+    x = _inputs(1, 8192, 16, 4, D, grad=False)
+    q, k_cmp, v_cmp, scale = x["q"], x["k_cmp"], x["v_cmp"], D**-0.5
+    with torch.no_grad():
+        o, lse = compressed_attention(q, k_cmp, v_cmp)
+        idx = select_blocks(q, k_cmp, lse=lse)
+        chunk = 16 * selected_by_block.BY_BLOCK_CHUNK_STEPS
+        stages = {
+            "compression forward (band_forward)": lambda: band_forward(q, k_cmp, v_cmp, scale=scale,
+                                                                       key_stride=16, key_offset=31),
+            "window forward (band_forward)": lambda: band_forward(q, x["k"], x["v"], scale=scale,
+                                                                  key_stride=1, key_offset=0, window=512),
+            "select_blocks": lambda: select_blocks(q, k_cmp, lse=lse),
+            "block_entries (counting index)": lambda: selected_by_block.block_entries(idx, select_size=64,
+                                                                                      chunk=chunk),
+            "selected forward per block (index, kernel, merge)": _selected(x, idx, BY_BLOCK, "input"),
+            "gate_forward": lambda: gate_forward(o, o, o, x["g_cmp"], x["g_slc"], x["g_swa"]),
+            "the NSA forward": lambda: nsa_prefill(**x),
+            "torch.empty (one)": lambda: torch.empty(1024, device="cuda"),
+        }
+        for name, fn in stages.items():
+            us = _host_ms(fn, 50) * 1e3
+            print(f"T=8192 16/4 heads host time of {name}: {us:.1f} us a call", flush=True)
+        print(f"(the NSA forward's GPU time: {_time(stages['the NSA forward']):.3f} ms)", flush=True)
+
+
+def bench_order():
+    import gc
+
+    from nsa_eval.bench import bench_nsa_prefill, bench_sdpa_prefill
+
+    def g4(label):
+        x = _inputs(1, 8192, 16, 4, D, grad=True)
+        with torch.no_grad():
+            host = _host_ms(lambda: nsa_prefill(**x), 50) * 1e3
+        fwd, fwd_bwd = bench_nsa_prefill(8192, 16, 4, D)
+        print(f"T=8192 16/4 heads {label}: forward {fwd:.3f} ms, forward+backward {fwd_bwd:.3f} ms, host "
+              f"{host:.0f} us a forward", flush=True)
+
+    g4("alone")
+    g4("alone, again")
+    print(f"T=8192 64/4 heads: {bench_nsa_prefill(8192, 64, 4, D)}", flush=True)
+    for backend in ("cudnn", "flash"):
+        print(f"T=8192 SDPA {backend}: {bench_sdpa_prefill(8192, 64, 4, D, backend)}", flush=True)
+    g4("after G = 16 and SDPA")
+    gc.collect()
+    torch.cuda.empty_cache()
+    g4("after gc.collect and empty_cache")
+
+
 MODES = {"compare": compare, "launch": launch, "profile": profile, "accuracy": accuracy, "index": index,
-         "host": host, "sync": sync}
+         "host": host, "sync": sync, "gate": gate, "gate-backward": gate_backward,
+         "host-stages": host_stages, "bench-order": bench_order}
 
 if __name__ == "__main__":
     for mode in sys.argv[1:] or ["compare"]:
