@@ -2,7 +2,7 @@
 side on one GPU (run 115 on the H200).
 
     PYTHONPATH=. python3 scripts/probe_by_block.py [compare] [launch] [profile] [accuracy] [index] [host]
-        [sync] [gate] [gate-backward] [host-stages] [bench-order]
+        [sync] [gate] [gate-backward] [host-stages] [bench-order] [launches] [graph]
 
 (default: compare)
 
@@ -38,15 +38,27 @@ side on one GPU (run 115 on the H200).
 - `bench-order`: G = 4's forward at 8k timed as the benchmark times it (`bench.bench_nsa_prefill`), alone,
   then after the benchmark's G = 16 and SDPA rows at 8k, then after a garbage collection and
   `empty_cache`, each with the host's time to enqueue one forward.
+- `launches`: the host's time to enqueue G = 4's forward at 8k with and without direct launches
+  (`_triton_utils.DIRECT_LAUNCH`), medians of 100 interleaved calls in three rounds; then each of its
+  Triton launches (recorded from one forward through Triton's path), re-enqueued three ways with the
+  GPU held busy: through Triton's `JITFunction.run` (what `kernel[grid](...)` does), its argument
+  binder alone, and the compiled kernel's launcher called directly; beside the whole forward's host
+  time, one `TensorDescriptor`, one `torch.empty`, and `triton.cdiv` against plain integer division.
+- `graph`: the NSA forward at 8k, G = 4 and G = 16, timed as the benchmark times it (`bench._time`:
+  `do_bench`, L2 cleared before each call) eagerly and replayed from a CUDA graph of one call (the
+  same kernels, nearly no host time), three rounds in alternation: where the eager time exceeds the
+  replay's, the GPU waited for the host. Also the allocator's new segments (`cudaMalloc`) while the
+  host enqueues 50 eager forwards with the GPU held busy.
 """
 
+import functools
 import sys
 import time
 
 import torch
 
 from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flags, nsa_prefill, profile_kernels
-from nsa_eval.kernels import prefill, selected_by_block, selection
+from nsa_eval.kernels import _triton_utils, prefill, selected_by_block, selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.importance import select_blocks
 
@@ -161,14 +173,18 @@ def accuracy():
 
 def _host_ms(fn, calls=20):
     """ms the host takes to enqueue one fn() while the GPU is busy with an earlier spin, so that no
-    launch waits for the GPU."""
+    launch waits for the GPU. The calls run twice and the second round is timed: in the first, memory
+    that a call's side stream used is not free again until the GPU gets there, so each call takes new
+    segments from the driver (run 128: 61 `cudaMalloc`s in 51 forwards at 8k, G = 4), which no timed
+    call in the benchmark does once it is warm. Runs before 128 timed the first round."""
     fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time, longer than the calls take to enqueue
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls * 1e3
+    for _round in range(2):  # the second is timed
+        torch.cuda.synchronize()
+        torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time, longer than the calls take to enqueue
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - start) / calls * 1e3
     torch.cuda.synchronize()
     return host
 
@@ -396,9 +412,133 @@ def bench_order():
     g4("after gc.collect and empty_cache")
 
 
+def _host_interleaved_us(fns, calls):
+    """Median us the host takes to enqueue each of fns, called in turn `calls` times each with the GPU
+    held busy (a first, untimed round warms the allocator, as in `_host_ms`): the host's drift during
+    the measurement falls on every fn alike."""
+    import statistics
+
+    for _round in range(2):  # the second is timed
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000_000)  # ~2 s of GPU time, longer than the calls take to enqueue
+        times = [[] for _ in fns]
+        for _ in range(calls):
+            for fn, t in zip(fns, times, strict=True):
+                start = time.perf_counter()
+                fn()
+                t.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return [statistics.median(t) * 1e6 for t in times]
+
+
+def _launch_ways(run, jit, args, grid, kwargs, kernel):
+    """One recorded Triton launch as three callables: through `JITFunction.run`, its argument binder
+    alone, and the compiled kernel's launcher called directly with the bound arguments."""
+    binder = jit.device_caches[torch.cuda.current_device()][4]
+    bound = list(binder(*args, **kwargs)[0].values())
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def direct():
+        kernel.run(*g, stream, kernel.function, kernel.packed_metadata, None, None, None, *bound)
+
+    return (lambda: run(jit, *args, grid=grid, warmup=False, **kwargs), lambda: binder(*args, **kwargs),
+            direct)
+
+
+def launches():
+    import triton
+    from triton.runtime.jit import JITFunction
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x = _inputs(1, 8192, 16, 4, D, grad=False)
+    recorded = []
+    run = JITFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        recorded.append((self, args, grid, kwargs, kernel))
+        return kernel
+
+    with torch.no_grad():
+        fn = lambda: nsa_prefill(**x)  # noqa: E731
+        fn()
+        JITFunction.run = recording
+        try:  # every launch through JITFunction.run, to record it
+            _with_flags(_triton_utils, dict(DIRECT_LAUNCH=False), fn)
+        finally:
+            JITFunction.run = run
+        torch.cuda.synchronize()
+        ways = [functools.partial(_with_flags, _triton_utils, dict(DIRECT_LAUNCH=d), fn)
+                for d in (False, True)]
+        for r in range(3):
+            us = _host_interleaved_us(ways, 100)
+            print(f"T=8192 16/4 heads round {r}: the NSA forward's host time with DIRECT_LAUNCH = False / "
+                  f"True, median of 100 calls each, interleaved: {us[0]:.1f} / {us[1]:.1f} us", flush=True)
+        whole = _host_ms(lambda: _with_flags(_triton_utils, dict(DIRECT_LAUNCH=False), fn), 50) * 1e3
+        print(f"T=8192 16/4 heads: the NSA forward through JITFunction.run, host {whole:.1f} us a call, "
+              f"{len(recorded)} Triton launches", flush=True)
+        totals = [0.0, 0.0, 0.0]
+        for jit, args, grid, kwargs, kernel in recorded:
+            us = [_host_ms(w, 50) * 1e3 for w in _launch_ways(run, jit, args, grid, kwargs, kernel)]
+            totals = [a + b for a, b in zip(totals, us, strict=True)]
+            n_desc = sum(isinstance(a, TensorDescriptor) for a in args)
+            print(f"  {jit.fn.__name__} ({len(args)} args, {n_desc} descriptors): JITFunction.run "
+                  f"{us[0]:.1f} us, binder {us[1]:.1f}, direct launch {us[2]:.1f}", flush=True)
+        print(f"  all launches: JITFunction.run {totals[0]:.1f} us, binder {totals[1]:.1f}, direct "
+              f"{totals[2]:.1f}; the rest of the forward {whole - totals[0]:.1f} us", flush=True)
+        k = x["k"]
+        costs = {
+            "TensorDescriptor [1, 64, 1, 128]": lambda: TensorDescriptor(k, list(k.shape), list(k.stride()),
+                                                                         [1, 64, 1, 128]),
+            "torch.empty": lambda: torch.empty(1024, device="cuda"),
+            "triton.cdiv": lambda: triton.cdiv(8192, 64),
+            "-(-a // b)": lambda: -(-8192 // 64),
+        }
+        for name, fn in costs.items():
+            print(f"  {name}: {_host_ms(fn, 200) * 1e3:.2f} us a call", flush=True)
+
+
+def _replay(fn):
+    """fn's kernels captured once in a CUDA graph: a callable that replays them (warmed up on a side
+    stream first, as capture requires)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def graph():
+    for hq in (16, 64):
+        x = _inputs(1, 8192, hq, 4, D, grad=False)
+        with torch.no_grad():
+            fn = functools.partial(nsa_prefill, **x)
+            fn()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_stats()["segment.all.allocated"]
+            host = _host_ms(fn, 50) * 1e3
+            segments = torch.cuda.memory_stats()["segment.all.allocated"] - before
+            print(f"T=8192 {hq}/4 heads: host {host:.0f} us a forward, {segments} new segments over 51 "
+                  f"forwards with the GPU busy", flush=True)
+            replay = _replay(fn)
+            for r in range(3):
+                eager, graphed = _time(fn), _time(replay)
+                print(f"T=8192 {hq}/4 heads round {r}: forward eager {eager:.3f} ms, CUDA graph "
+                      f"{graphed:.3f} ms, host replay {_host_ms(replay, 50) * 1e3:.0f} us", flush=True)
+        del replay
+        torch.cuda.empty_cache()
+
+
 MODES = {"compare": compare, "launch": launch, "profile": profile, "accuracy": accuracy, "index": index,
          "host": host, "sync": sync, "gate": gate, "gate-backward": gate_backward,
-         "host-stages": host_stages, "bench-order": bench_order}
+         "host-stages": host_stages, "bench-order": bench_order, "launches": launches,
+         "graph": graph}
 
 if __name__ == "__main__":
     for mode in sys.argv[1:] or ["compare"]:

@@ -15,9 +15,11 @@ import triton.language as tl
 
 from nsa_eval.kernels._triton_utils import (
     LOG2E,
+    cdiv,
     dk_tiles,
     interpreting,
     kv_sources,
+    launcher,
     load_kv,
     load_rows,
     load_tail,
@@ -591,9 +593,9 @@ def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
     tma = _tma(window, "fwd") and not BDK2 and tma_ok(k, v)
     cfg = _band_config(window, "fwd", q.dtype, DK, DV, tma=tma)
     BM = cfg["BM"]
-    grid, longest_first = _launch(triton.cdiv(T, BM), B * HQ, window, "fwd")
+    grid, longest_first = _launch(cdiv(T, BM), B * HQ, window, "fwd")
     kv = (tma_descriptor(k, cfg["BN"], BDK), tma_descriptor(v, cfg["BN"], pow2(DV))) if tma else (k, v)
-    _band_fwd_kernel[grid](
+    launcher(_band_fwd_kernel)[grid](
         q, *kv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
         HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
@@ -640,11 +642,11 @@ def band_backward_dq(q, k, v, lse, do, delta, *, scale, key_stride, key_offset, 
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=dtype or q.dtype)
     BDK, BDK2 = dk_tiles(DK)
     cfg = _band_config(window, "dq", q.dtype, DK, DV)
-    grid, longest_first = _launch(triton.cdiv(T, cfg["BM"]), B * HQ, window, "dq")
+    grid, longest_first = _launch(cdiv(T, cfg["BM"]), B * HQ, window, "dq")
     tma = _tma(window, "dq") and not BDK2 and tma_ok(k, v)
     kv = (tma_descriptor(k, cfg["BN"], BDK), tma_descriptor(v, cfg["BN"], pow2(DV))) if tma else (k, v)
     adds = (*add, dq, dq)[:2]  # unused slots point at dq (never read)
-    _band_bwd_dq_kernel[grid](
+    launcher(_band_bwd_dq_kernel)[grid](
         q, *kv, do, lse, delta, delta if gate is None else gate, dq, *adds, *_strides(q), *_strides(k),
         *_strides(v),
         T, TK, HQ, HQ // HKV, scale, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
@@ -666,12 +668,12 @@ def band_backward_dkv(q, k, v, lse, do, delta, *, scale, key_stride, key_offset,
     dk = torch.empty(B, TK, HKV * split, DK, device=q.device, dtype=buf_dtype)
     dv = torch.empty(B, TK, HKV * split, DV, device=q.device, dtype=buf_dtype)
     cfg = _band_config(window, "dkv", q.dtype, DK, DV)
-    grid, longest_first = _launch(triton.cdiv(TK, cfg["BN"]), B * HKV * split, window, "dkv")
+    grid, longest_first = _launch(cdiv(TK, cfg["BN"]), B * HKV * split, window, "dkv")
     tma = _tma(window, "dkv") and not BDK2 and tma_ok(q, do)
     q_src, do_src = q, do
     if tma:
         q_src, do_src = tma_descriptor(q, cfg["BM"], BDK), tma_descriptor(do, cfg["BM"], pow2(DV))
-    _band_bwd_dkv_kernel[grid](
+    launcher(_band_bwd_dkv_kernel)[grid](
         q_src, k, v, do_src, lse, delta, delta if gate is None else gate, dk, dv, *_strides(q), *_strides(k),
         *_strides(v),
         T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0,

@@ -55,7 +55,16 @@ import triton
 import triton.language as tl
 
 from nsa_eval.kernels import topk
-from nsa_eval.kernels._triton_utils import LOG2E, default_scale, interpreting, pow2, score_dot, softmax_start
+from nsa_eval.kernels._triton_utils import (
+    LOG2E,
+    cdiv,
+    default_scale,
+    interpreting,
+    launcher,
+    pow2,
+    score_dot,
+    softmax_start,
+)
 from nsa_eval.kernels.topk import block_keys, filtered_top, lean_filtered_top, top_blocks, topk_blocks
 
 # "fused" (four launches, see the module docstring) or "v1" (the first split-K version, five launches)
@@ -716,7 +725,7 @@ def tile_layout(tile_keys: int, block_len: int, stride: int, select_size: int) -
     if select_size % stride or tile_keys % ratio:
         return None
     jt = tile_keys // ratio
-    nsp = max(0, triton.cdiv((tile_keys - 1) * stride + block_len, select_size) - jt)
+    nsp = max(0, cdiv((tile_keys - 1) * stride + block_len, select_size) - jt)
     return (jt, nsp) if nsp <= jt else None
 
 
@@ -792,11 +801,11 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
 
     # splits of the compressed keys: about CMP_PROGRAMS_PER_SM programs per SM in all
     BC = 16 if interp else CMP_TILE_KEYS
-    n_tiles = max(1, triton.cdiv(TC, BC))
+    n_tiles = max(1, cdiv(TC, BC))
     if CMP_SPLIT_TILES is not None:
-        n_cmp = triton.cdiv(n_tiles, CMP_SPLIT_TILES)
+        n_cmp = cdiv(n_tiles, CMP_SPLIT_TILES)
     elif interp:
-        n_cmp = triton.cdiv(n_tiles, 2)
+        n_cmp = cdiv(n_tiles, 2)
     else:
         # at most 32 splits: the final merge loads all partials of a branch at once
         sms = _num_sms(dev_index)
@@ -809,8 +818,8 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     # attention programs: SPP selected-block slots, or WT window tiles of BW keys
     SPP = SEL_PER_PROGRAM
     BW, WT = (16, 2) if interp else (64, WIN_TILES_PER_PROGRAM)
-    n_selp = max(1, triton.cdiv(num_selected, SPP))
-    n_winp = max(1, triton.cdiv(window, WT * BW))
+    n_selp = max(1, cdiv(num_selected, SPP))
+    n_winp = max(1, cdiv(window, WT * BW))
     npart = n_cmp + n_selp + n_winp
 
     if DECODE_IMPORTANCE not in ("tiles", "scores"):
@@ -840,7 +849,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     if topk.TOPK_FILTER_PICK not in topk.TOPK_FILTER_PICKS:
         raise ValueError(f"TOPK_FILTER_PICK must be one of {topk.TOPK_FILTER_PICKS}, got "
                          f"{topk.TOPK_FILTER_PICK!r}")
-    _decode_cmp_split_kernel[(n_cmp + (n_winp if WINDOW_STEP == 1 else 0), BH)](
+    launcher(_decode_cmp_split_kernel)[(n_cmp + (n_winp if WINDOW_STEP == 1 else 0), BH)](
         q, k_cmp, v_cmp, lens, scores, tile_sums, tile_spill, tile_max, pm, pl, po, counter[0], counter[1],
         k_swa, v_swa, q.stride(0), q.stride(2), *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_swa.stride()[:3],
         *v_swa.stride()[:3], TC, HKV, G, n_cmp, n_selp, npart, sc_len, n_tiles, S, window, scale_log2,
@@ -851,10 +860,10 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     )
 
     # 2. selection-block importances; the last program of each row takes its top-k
-    ns = triton.cdiv(S, select_size)
+    ns = cdiv(S, select_size)
     imp = torch.empty(BH, ns, **f32)
     bns = 16 if interp else max(16, 128 // ratio)
-    spill = pow2(max(1, triton.cdiv(block_len, stride) - 1))
+    spill = pow2(max(1, cdiv(block_len, stride) - 1))
     npb = pow2(max(n_cmp, n_selp, n_winp), 1)
     bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
     nsel2 = pow2(num_selected, 2)  # >= 2 for tl.topk
@@ -864,10 +873,10 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     scratch = topk.filter_scratch(BH if filters else 1, "lean" if topk_kind == "lean" else "filter", dev)
     ct = pow2(IMP_TILES_PER_PROGRAM, 1)
     if tile_imp:
-        n_imp = triton.cdiv(triton.cdiv(ns, jt), ct)
+        n_imp = cdiv(cdiv(ns, jt), ct)
     else:
-        n_imp = triton.cdiv(ns, bns * IMP_CHUNKS_PER_PROGRAM)
-    _decode_importance_split_kernel[(n_imp + (n_winp if WINDOW_STEP == 2 else 0), BH)](
+        n_imp = cdiv(ns, bns * IMP_CHUNKS_PER_PROGRAM)
+    launcher(_decode_importance_split_kernel)[(n_imp + (n_winp if WINDOW_STEP == 2 else 0), BH)](
         lens, scores, tile_sums, tile_spill, tile_max, pm, pl, imp, bi, counter[0], scratch, q, k_swa, v_swa,
         po,
         q.stride(0), q.stride(2), *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, BC, sc_len,
@@ -887,7 +896,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     # the final merge loads [npb, M, DVC] partials per branch at once: about 2048 values per 4 warps
     warps = ATTN_WARPS if npb * M <= 256 else 8
     dvc = MERGE_COLUMNS or min(BDV, max(4, 512 * warps // (npb * M)))
-    _decode_attn_fused_kernel[(n_selp + (n_winp if WINDOW_STEP == 3 else 0), BH)](
+    launcher(_decode_attn_fused_kernel)[(n_selp + (n_winp if WINDOW_STEP == 3 else 0), BH)](
         q, k, v, k_swa, v_swa, lens, bi, pm, pl, po, counter[1], g_cmp, g_slc, g_swa, o,
         q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_swa.stride()[:3], *v_swa.stride()[:3],
         S, HKV, G, n_selp, n_winp, n_cmp, npart, scale_log2, window, num_selected, DK=DK, DV=DV, BDK=BDK,
@@ -895,7 +904,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
         SEL_STAGES=SEL_STAGES, UPCAST=interp, num_warps=warps,
     )
     if not MERGE_IN_ATTN:  # 4. the merge, one program per (chunk of output columns, row)
-        _decode_merge_kernel[(BDV // dvc, BH)](
+        launcher(_decode_merge_kernel)[(BDV // dvc, BH)](
             pm, pl, po, g_cmp, g_slc, g_swa, o, HKV, G, n_selp, n_winp, n_cmp, npart, DV=DV, BDV=BDV, M=M,
             NPB=npb, DVC=dvc, num_warps=warps,
         )

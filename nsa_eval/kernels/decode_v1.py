@@ -13,7 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import LOG2E, interpreting, overlap_weights, pow2, softmax_start
+from nsa_eval.kernels._triton_utils import (
+    LOG2E,
+    cdiv,
+    interpreting,
+    launcher,
+    overlap_weights,
+    pow2,
+    softmax_start,
+)
 from nsa_eval.kernels.decode import (
     _load_q,
     _merge,
@@ -185,14 +193,14 @@ def decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens, *,
 
     # 1. compression branch: scores + partial softmax per chunk of compressed keys
     BC1 = 16 if interpreting() else 64
-    nch = max(1, triton.cdiv(TC, BC1))
+    nch = max(1, cdiv(TC, BC1))
     sc_len = nch * BC1
     scores = torch.empty(B * HKV, M, sc_len, **f32)
     cpm = torch.empty(B * HKV, nch, M, **f32)
     cpl = torch.empty(B * HKV, nch, M, **f32)
     cpo = torch.empty(B * HKV, nch, M, BDV, **f32)
     if TC > 0:
-        _decode_cmp_kernel[(nch, B * HKV)](
+        launcher(_decode_cmp_kernel)[(nch, B * HKV)](
             q, k_cmp, v_cmp, lens, scores, cpm, cpl, cpo, q.stride(0), q.stride(2),
             k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
             v_cmp.stride(2), TC, HKV, G, nch, sc_len, scale * LOG2E, block_len, stride,
@@ -200,10 +208,10 @@ def decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens, *,
         )
 
     # 2. block importances and top-k
-    ns = triton.cdiv(S, select_size)
+    ns = cdiv(S, select_size)
     imp = torch.empty(B * HKV, ns, **f32)
     bns = 16
-    _decode_importance_kernel[(triton.cdiv(ns, bns), B * HKV)](
+    launcher(_decode_importance_kernel)[(cdiv(ns, bns), B * HKV)](
         lens, scores, cpm, cpl, imp, TC, HKV, G, nch, sc_len, ns, block_len, stride, select_size,
         M=M, BNS=bns, RATIO=ratio, BC1=BC1, num_warps=4,
     )
@@ -212,12 +220,12 @@ def decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens, *,
 
     # 3. selected blocks and window chunks: partial softmax each
     BW = 16 if interpreting() else 64
-    nw = triton.cdiv(window, BW)
+    nw = cdiv(window, BW)
     npart = num_selected + nw
     apm = torch.empty(B * HKV, npart, M, **f32)
     apl = torch.empty(B * HKV, npart, M, **f32)
     apo = torch.empty(B * HKV, npart, M, BDV, **f32)
-    _decode_attn_kernel[(npart, B * HKV)](
+    launcher(_decode_attn_kernel)[(npart, B * HKV)](
         q, k, v, k_swa, v_swa, lens, bi, apm, apl, apo, q.stride(0), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_swa.stride(0), k_swa.stride(1), k_swa.stride(2), v_swa.stride(0), v_swa.stride(1), v_swa.stride(2),
@@ -227,7 +235,7 @@ def decode_v1(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens, *,
 
     # 4. merge partials, gate, write
     o = torch.empty(B, 1, HQ, DV, device=dev, dtype=q.dtype)
-    _decode_combine_kernel[(B * HKV,)](
+    launcher(_decode_combine_kernel)[(B * HKV,)](
         lens, cpm, cpl, cpo, apm, apl, apo, g_cmp, g_slc, g_swa, o,
         TC, HKV, G, nch, num_selected, npart, block_len, stride, DV=DV, BDV=BDV, M=M, BC1=BC1, num_warps=4,
     )

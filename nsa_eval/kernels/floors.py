@@ -21,8 +21,10 @@ import triton
 import triton.language as tl
 
 from nsa_eval.kernels._triton_utils import (
+    cdiv,
     interpreting,
     kv_sources,
+    launcher,
     load_kv,
     pow2,
     tma_descriptor,
@@ -90,7 +92,7 @@ def gather_blocks_sum(k, v, block_indices, *, select_size=64, num_stages=2, tma=
     kv = (k, v)
     if tma:
         kv = tma_descriptor(k, select_size, pow2(DK)), tma_descriptor(v, select_size, pow2(DV))
-    _gather_blocks_sum_kernel[(T, B * HKV)](
+    launcher(_gather_blocks_sum_kernel)[(T, B * HKV)](
         *kv, bi, out, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         T, HKV, nsel, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), BS=select_size, NP=pow2(nsel, 1),
         UPCAST=interpreting(), TMA=tma, num_warps=4, num_stages=num_stages,
@@ -126,8 +128,8 @@ def stream_sum(x, *, block=8192):
     consecutive chunks of `block` elements."""
     flat = x.contiguous().view(-1)
     n = flat.numel()
-    out = torch.empty(triton.cdiv(n, block), device=x.device, dtype=torch.float32)
-    _stream_sum_kernel[(out.numel(),)](flat, out, n, BLOCK=block, num_warps=8)
+    out = torch.empty(cdiv(n, block), device=x.device, dtype=torch.float32)
+    launcher(_stream_sum_kernel)[(out.numel(),)](flat, out, n, BLOCK=block, num_warps=8)
     return out
 
 

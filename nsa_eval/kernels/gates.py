@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import contiguous, pow2
+from nsa_eval.kernels._triton_utils import cdiv, contiguous, launcher, pow2
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def sum3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dtype: torch.dtype,
     n = a.numel()
     if n:
         BLOCK = 1024
-        _sum3_kernel[(triton.cdiv(n, BLOCK),)](a, b, c, out, n, BLOCK=BLOCK, num_warps=4)
+        launcher(_sum3_kernel)[(cdiv(n, BLOCK),)](a, b, c, out, n, BLOCK=BLOCK, num_warps=4)
     return out
 
 
@@ -115,8 +115,8 @@ def gate_forward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
     o = torch.empty_like(o_cmp)
     if n:
         BR = _gate_rows(dv)
-        _gate_fwd_kernel[(triton.cdiv(n, BR),)](o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, o, n, DV=dv,
-                                                BDV=pow2(dv), BR=BR, num_warps=4)
+        launcher(_gate_fwd_kernel)[(cdiv(n, BR),)](o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, o, n, DV=dv,
+                                                   BDV=pow2(dv), BR=BR, num_warps=4)
     return o
 
 
@@ -136,9 +136,9 @@ def gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *, with_delta, s
     delta = torch.empty(3, *g_cmp.shape, device=do.device, dtype=torch.float32) if with_delta else None
     if n:
         BR = _gate_rows(dv)
-        _gate_bwd_kernel[(triton.cdiv(n, BR),)](o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *d_o, *d_g,
-                                                delta if with_delta else do, n, DV=dv, BDV=pow2(dv), BR=BR,
-                                                HAS_DELTA=with_delta, SCALED_DO=scaled_do, num_warps=4)
+        launcher(_gate_bwd_kernel)[(cdiv(n, BR),)](
+            o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *d_o, *d_g, delta if with_delta else do, n, DV=dv,
+            BDV=pow2(dv), BR=BR, HAS_DELTA=with_delta, SCALED_DO=scaled_do, num_warps=4)
     return (d_o if scaled_do else [None] * 3), d_g, delta
 
 

@@ -21,11 +21,13 @@ import triton.language as tl
 
 from nsa_eval.kernels._triton_utils import (
     LOG2E,
+    cdiv,
     contiguous,
     default_scale,
     dk_tiles,
     group_rows,
     interpreting,
+    launcher,
     load_rows,
     load_tail,
     overlap_weights,
@@ -266,7 +268,7 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     B, T, HQ, DK = q.shape
     TC, HKV = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // HKV
-    ns = triton.cdiv(T, select_size)
+    ns = cdiv(T, select_size)
     if select_size % stride or (select_size // stride) & (select_size // stride - 1):
         raise ValueError(
             f"the Triton select_blocks needs select_size a power-of-two multiple of stride, got "
@@ -290,7 +292,7 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     BNS = 16 if ratio <= 8 else pow2(max(1, 128 // ratio), 1)
     BNS = max(BNS, 16)
     BDK, BDK2 = dk_tiles(DK)
-    _importance_kernel[(triton.cdiv(T, BT), B * HKV)](
+    launcher(_importance_kernel)[(cdiv(T, BT), B * HKV)](
         q, k_cmp, lse, imp, q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1),
         k_cmp.stride(2), T, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
         DK=DK, BDK=BDK, BDK2=BDK2, GP=GP, BT=BT, BNS=BNS, RATIO=ratio, GROUP_FIRST=IMPORTANCE_GROUP_FIRST,

@@ -23,8 +23,10 @@ import triton.language as tl
 
 from nsa_eval.kernels._triton_utils import (
     LOG2E,
+    cdiv,
     dk_tiles,
     interpreting,
+    launcher,
     load_rows,
     online_softmax_step,
     pow2,
@@ -62,7 +64,7 @@ def inverted_index(bi, *, select_size, chunk, presorted=False, entries=False):
     2**31 entries, else int64).
     """
     B, T, HKV, n = bi.shape
-    ns = triton.cdiv(T, select_size)
+    ns = cdiv(T, select_size)
     nseg = B * HKV * ns
     dev = bi.device
     srt = (bi if presorted else bi.sort(dim=-1).values).long()  # [B, T, HKV, n]
@@ -79,7 +81,7 @@ def inverted_index(bi, *, select_size, chunk, presorted=False, entries=False):
     counts = seg_start[1:] - seg_start[:-1]  # [NSEG]
     n_chunks = (counts + chunk - 1) // chunk
     chunk_end = torch.cumsum(n_chunks, 0)  # [NSEG]
-    n_items = triton.cdiv(key.numel(), chunk) + nseg  # >= sum(n_chunks), known without a sync
+    n_items = cdiv(key.numel(), chunk) + nseg  # >= sum(n_chunks), known without a sync
     items = torch.arange(n_items, device=dev)
     item_seg = torch.searchsorted(chunk_end, items, right=True)  # [n_items]
     first = (chunk_end - n_chunks)[item_seg.clamp_max(nseg - 1)]
@@ -182,9 +184,9 @@ def block_entries(bi, *, select_size, chunk):
     below `n_items` (int32 `[1]`, on the device). Padding, repeats and blocks past the position are
     dropped, as in `inverted_index`."""
     B, T, HKV, n = bi.shape
-    ns = triton.cdiv(T, select_size)
+    ns = cdiv(T, select_size)
     nseg, E = B * HKV * ns, bi.numel()
-    max_items = triton.cdiv(E, chunk) + nseg  # >= the items, known without a sync
+    max_items = cdiv(E, chunk) + nseg  # >= the items, known without a sync
     dev = bi.device
     # two allocations for the index's ten buffers: the host's time per call is part of a short
     # forward's (run 120's profile: 20 allocations and 10 launches were most of it at 8k)
@@ -195,12 +197,12 @@ def block_entries(bi, *, select_size, chunk):
         torch.empty, dev, *sizes)
     if wide:
         entry = torch.empty(E, device=dev, dtype=torch.int64)
-    grid = (triton.cdiv(E, INDEX_BLOCK),)
-    _count_kernel[grid](bi, seg, rank, counts, arrived, seg_start, sub_start, item_first, n_items, E, T, HKV,
-                        n, ns, nseg, chunk, BS=select_size, SPREAD=INDEX_SPREAD, BLOCK=INDEX_BLOCK,
-                        SCAN_BLOCK=512 if nseg > 128 else 128)
-    _scatter_kernel[grid](seg, rank, seg_start, sub_start, item_first, entry, item_seg, item_chunk, E, chunk,
-                          SPREAD=INDEX_SPREAD, BLOCK=INDEX_BLOCK)
+    grid = (cdiv(E, INDEX_BLOCK),)
+    launcher(_count_kernel)[grid](
+        bi, seg, rank, counts, arrived, seg_start, sub_start, item_first, n_items, E, T, HKV, n, ns, nseg,
+        chunk, BS=select_size, SPREAD=INDEX_SPREAD, BLOCK=INDEX_BLOCK, SCAN_BLOCK=512 if nseg > 128 else 128)
+    launcher(_scatter_kernel)[grid](seg, rank, seg_start, sub_start, item_first, entry, item_seg, item_chunk,
+                                    E, chunk, SPREAD=INDEX_SPREAD, BLOCK=INDEX_BLOCK)
     return entry, seg_start, item_seg, item_chunk, n_items
 
 
@@ -389,9 +391,9 @@ def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presor
             _, seg_start, item_seg, item_chunk, entry = inverted_index(
                 bi, select_size=select_size, chunk=chunk, presorted=True, entries=True)
             n_items = torch.full((1,), item_seg.numel(), device=q.device, dtype=torch.int32)
-        ns = triton.cdiv(T, select_size)
+        ns = cdiv(T, select_size)
         BDK, BDK2 = dk_tiles(DK)
-        _by_block_kernel[(item_seg.numel(),)](
+        launcher(_by_block_kernel)[(item_seg.numel(),)](
             q, k, v, item_seg, item_chunk, n_items, seg_start, entry, po, plse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, nsel, scale * LOG2E, chunk,
@@ -401,7 +403,7 @@ def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presor
     if before_merge is not None:
         before_merge()
     dummy = o
-    _merge_kernel[(T, B * HKV)](
+    launcher(_merge_kernel)[(T, B * HKV)](
         bi, po, plse, o, lse, *(gated_sum if gated_sum is not None else (dummy,) * 6), T, HQ, G, nsel,
         DV=DV, BDV=pow2(DV), GP=GP, NP=pow2(nsel, 1), BS=select_size, GATE_SUM=gated_sum is not None,
         STORE_O=store_o, **MERGE_CONFIG,

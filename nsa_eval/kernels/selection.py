@@ -24,12 +24,14 @@ import triton.language as tl
 
 from nsa_eval.kernels._triton_utils import (
     LOG2E,
+    cdiv,
     contiguous,
     default_scale,
     dk_tiles,
     group_rows,
     interpreting,
     kv_sources,
+    launcher,
     load_kv,
     load_rows,
     load_tail,
@@ -387,7 +389,7 @@ def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, 
     BDK, BDK2 = dk_tiles(DK)
     tma = SELECTED_TMA and SELECTED_WALK == "pipelined" and not BDK2 and tma_ok(k, v)
     kv = (tma_descriptor(k, select_size, BDK), tma_descriptor(v, select_size, pow2(DV))) if tma else (k, v)
-    _SELECTED_WALKS[SELECTED_WALK][(triton.cdiv(T, BT), B * HKV)](
+    launcher(_SELECTED_WALKS[SELECTED_WALK])[(cdiv(T, BT), B * HKV)](
         q, *kv, bi, dummy, lse, do if do is not None else dummy,
         delta if delta is not None else lse,
         gate if gate is not None else lse, dq if dq is not None else dummy,
@@ -607,9 +609,9 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
     assert chunk & (chunk - 1) == 0, f"positions per work item must be a power of two, got {chunk}"
     pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk,
                                                           presorted=presorted)
-    ns = triton.cdiv(T, select_size)
+    ns = cdiv(T, select_size)
     BDK, BDK2 = dkv_column_tiles(DK, launch.pop("split_dk"))
-    _selected_dkv_kernel[(item_seg.numel(),)](
+    launcher(_selected_dkv_kernel)[(item_seg.numel(),)](
         q, k, v, do, lse, delta, gate if gate is not None else delta, item_seg, item_chunk, seg_start, pos,
         dk32, dv32, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

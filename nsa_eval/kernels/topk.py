@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import interpreting, pow2
+from nsa_eval.kernels._triton_utils import cdiv, interpreting, launcher, pow2
 
 # "filter" (the default from run 19 to run 99): a bound from 32 group maxima keeps ~22 candidate blocks of a
 # row, compacted, then picked among those (`filtered_top`: by rank since run 54, `TOPK_FILTER_PICK`,
@@ -399,7 +399,7 @@ def topk_blocks(imp, *, T, num_kv_heads, select_size, num_selected, num_init, nu
     launch = dict(num_warps=warps)
     if method == "lean" and TOPK_LEAN_MAXNREG and not interpreting():
         launch["maxnreg"] = TOPK_LEAN_MAXNREG
-    _topk_blocks_kernel[(triton.cdiv(n_rows, BR),)](
+    launcher(_topk_blocks_kernel)[(cdiv(n_rows, BR),)](
         imp, positions if positions is not None else imp, out, scratch, n_rows, ns, T, num_kv_heads,
         select_size, num_selected, num_init, num_local, HAS_POS=positions is not None, BR=BR, BNS=BNS,
         NSEL=NSEL, METHOD=method, CAP=TOPK_FILTER_CAP, RANK=TOPK_FILTER_PICK == "rank", **launch,

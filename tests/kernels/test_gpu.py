@@ -365,3 +365,33 @@ def test_window_side_stream_matches_one_stream(monkeypatch, dq_sum):
         assert torch.equal(out[True][0], out[False][0])
         for n, a, b in zip(NSA_ARGS, out[True][1], out[False][1], strict=True):
             assert rel_err(a, b) < 1e-3, (seed, n)
+
+
+def test_direct_launches_keep_triton_specialisations_apart():
+    """`_triton_utils.Launcher` launches a compiled kernel directly once Triton found it: each
+    specialisation Triton's binder tells apart (here a row count divisible by 16, one that is not,
+    a single row, and a pointer off 16-byte alignment) gets its own compiled kernel, and every later
+    launch, the direct ones, gives Triton's own launch's output bit for bit."""
+    from nsa_eval.kernels._triton_utils import launcher
+    from nsa_eval.kernels.gates import _gate_fwd_kernel, gate_forward
+
+    def misaligned(t):  # t's values at an address 2 bytes past a 16-byte boundary, contiguous
+        buf = torch.empty(t.numel() + 1, device="cuda", dtype=t.dtype)
+        out = buf[1:].view(t.shape)
+        out.copy_(t)
+        return out
+
+    fast = launcher(_gate_fwd_kernel)
+    fast.compiled.clear()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, shift in ((64, False), (63, False), (1, False), (64, True)):
+        xs = [torch.randn(1, rows, 1, 128, generator=g, device="cuda").bfloat16() for _ in range(3)]
+        gs = [torch.rand(1, rows, 1, generator=g, device="cuda").bfloat16() for _ in range(3)]
+        if shift:
+            xs = [misaligned(x) for x in xs]
+        want = sum(gx.float()[..., None] * x.float() for gx, x in zip(gs, xs, strict=True))
+        first = gate_forward(*xs, *gs)  # through Triton's JITFunction.run
+        for _ in range(3):  # direct launches
+            assert torch.equal(gate_forward(*xs, *gs), first), (rows, shift)
+        assert rel_err(first, want) < BF16_TOL, (rows, shift)
+    assert len(fast.compiled) == 4
