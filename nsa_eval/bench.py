@@ -7,6 +7,8 @@ Forward, forward+backward and decode times per length, measured in one process w
 - flash-linear-attention's `parallel_nsa` where it imports (its own config: mean-pooled 64-token
   compression, no window branch: it needs flash-attn for that);
 - a G=4 row (16 query heads, 4 KV heads) in time per query head against G=16;
+- both forwards also replayed from a CUDA graph of one call, which costs the host next to nothing:
+  where the eager time is above the replay's, the GPU waited for the host to enqueue the launches;
 - decode at batch 16 over a cache of T tokens against SDPA decode over the full cache (GQA, no
   KV expansion), both replayed from CUDA graphs.
 
@@ -114,6 +116,34 @@ def bench_nsa_prefill(T, hq, hkv, d=128):
         t_fwd = _time(fwd)
     t_fb = _time(_fwd_bwd(fwd, x))
     return t_fwd, t_fb
+
+
+def cuda_graph_replay(fn):
+    """fn's GPU work captured once in a CUDA graph: a callable that replays it (fn is run three times
+    on a side stream first, as capture asks, so that everything it compiles or allocates once exists)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def bench_nsa_prefill_graph(T, hq, hkv, d=128):
+    """ms of the NSA forward replayed from a CUDA graph (`bench_nsa_prefill`'s forward without the
+    host's time to enqueue it)."""
+    import torch
+
+    x = _inputs(1, T, hq, hkv, d, grad=False)
+    with torch.no_grad():
+        replay = cuda_graph_replay(lambda: nsa_prefill(**x))
+        return _time(replay)
 
 
 def bench_sdpa_prefill(T, hq, hkv, d, backend):
@@ -583,6 +613,10 @@ def run_kernel_benchmark(lengths=(8192, 16384, 32768, 65536), *, heads=64, kv_he
         f, fb = bench_nsa_prefill(T, g4_heads[0], g4_heads[1], dim)
         add("fwd", "nsa-triton", T, g4, 1, f)
         add("fwd+bwd", "nsa-triton", T, g4, 1, fb)
+        for (hq, hkv), heads_str in (((heads, kv_heads), hs), (g4_heads, g4)):
+            add("fwd", "nsa-triton-graph", T, heads_str, 1, bench_nsa_prefill_graph(T, hq, hkv, dim),
+                "replayed from a CUDA graph")
+            torch.cuda.empty_cache()  # the graph's private memory
         dec = bench_decode(T, decode_batch, heads, kv_heads, dim, variants=variants)
         add("decode", "nsa-triton", T, hs, decode_batch, dec["nsa"], "CUDA graph")
         add("decode", "nsa-triton-nograph", T, hs, decode_batch, dec["nsa_nograph"], "plain launches")
@@ -743,6 +777,16 @@ def markdown_report(rows, *, heads=64, kv_heads=4, g4_heads=(16, 4), command="",
         ra = _ratio(per(b, heads), per(a, g4_heads[0]))
         rc = _ratio(per(d, heads), per(c, g4_heads[0]))
         lines.append(f"| {T} | {_fmt(a)} | {_fmt(b)} | {_fmt(ra)} | {_fmt(c)} | {_fmt(d)} | {_fmt(rc)} |")
+    if any(r.impl == "nsa-triton-graph" for r in rows):
+        lines += ["", "The same forwards replayed from a CUDA graph of one call, with next to no host time: "
+                  "where the eager time is above the replay's, the GPU waited for the host.", "",
+                  "| T | G=16 fwd | G=16 fwd, graph | G=4 fwd | G=4 fwd, graph | "
+                  "per-head ratio fwd, graphs |", "|---|---|---|---|---|---|"]
+        for T in lengths:
+            b, bg = _get(rows, "fwd", "nsa-triton", T, hs), _get(rows, "fwd", "nsa-triton-graph", T, hs)
+            a, ag = _get(rows, "fwd", "nsa-triton", T, g4), _get(rows, "fwd", "nsa-triton-graph", T, g4)
+            rg = _ratio(None if bg is None else bg / heads, None if ag is None else ag / g4_heads[0])
+            lines.append(f"| {T} | {_fmt(b)} | {_fmt(bg)} | {_fmt(a)} | {_fmt(ag)} | {_fmt(rg)} |")
     for r in rows:
         if r.case == "fwd" and r.heads == g4 and r.impl.startswith("nsa-triton ["):
             lines += ["", f"G=4 forward at T={r.T} with {r.impl[len('nsa-triton '):]}: {_fmt(r.ms)} ms "

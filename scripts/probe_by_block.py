@@ -57,7 +57,15 @@ import time
 
 import torch
 
-from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flags, nsa_prefill, profile_kernels
+from nsa_eval.bench import (
+    _fwd_bwd,
+    _inputs,
+    _time,
+    _with_flags,
+    cuda_graph_replay,
+    nsa_prefill,
+    profile_kernels,
+)
 from nsa_eval.kernels import _triton_utils, prefill, selected_by_block, selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.importance import select_blocks
@@ -499,21 +507,6 @@ def launches():
             print(f"  {name}: {_host_ms(fn, 200) * 1e3:.2f} us a call", flush=True)
 
 
-def _replay(fn):
-    """fn's kernels captured once in a CUDA graph: a callable that replays them (warmed up on a side
-    stream first, as capture requires)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def graph():
     for hq in (16, 64):
         x = _inputs(1, 8192, hq, 4, D, grad=False)
@@ -526,7 +519,7 @@ def graph():
             segments = torch.cuda.memory_stats()["segment.all.allocated"] - before
             print(f"T=8192 {hq}/4 heads: host {host:.0f} us a forward, {segments} new segments over 51 "
                   f"forwards with the GPU busy", flush=True)
-            replay = _replay(fn)
+            replay = cuda_graph_replay(fn)
             for r in range(3):
                 eager, graphed = _time(fn), _time(replay)
                 print(f"T=8192 {hq}/4 heads round {r}: forward eager {eager:.3f} ms, CUDA graph "

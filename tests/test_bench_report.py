@@ -25,6 +25,18 @@ def test_report_ratios_g4_per_head_and_variant_line():
     assert "Decode at T=8192 with [tile map in tf32x3]: 0.060 ms (the default, above: 0.050 ms)." in md
 
 
+def test_report_host_check_from_graph_replays():
+    """The forwards replayed from CUDA graphs beside the eager ones, with the per-head ratio of the
+    replays; no such table without graph rows."""
+    T, hs, g4 = 8192, "64/4", "16/4"
+    rows = [Row("fwd", "nsa-triton", T, hs, 1, 2.3), Row("fwd", "nsa-triton", T, g4, 1, 1.3),
+            Row("fwd", "nsa-triton-graph", T, hs, 1, 2.3), Row("fwd", "nsa-triton-graph", T, g4, 1, 1.1)]
+    md = markdown_report(rows)
+    # per head, replays: 1.1 / 16 against 2.3 / 64 -> 1.91; the eager G=4 waited for the host
+    assert "| 8192 | 2.30 | 2.30 | 1.30 | 1.10 | 1.91 |" in md
+    assert "CUDA graph of one call" not in markdown_report(rows[:2])
+
+
 def test_report_memory_floors():
     """The floors table: reads / fwd, NSA decode / its floor, SDPA cuDNN / floor (the best speed-up)."""
     T, hs = 65536, "64/4"
@@ -75,18 +87,21 @@ def test_table_only_measures_the_tables_alone(monkeypatch):
     monkeypatch.setattr(bench, "bench_nsa_prefill", stand_in("nsa", (2.0, 8.0)))
     monkeypatch.setattr(bench, "bench_sdpa_prefill", stand_in("sdpa", (3.0, 9.0)))
     monkeypatch.setattr(bench, "bench_fla_prefill", stand_in("fla", (4.0, 10.0)))
+    monkeypatch.setattr(bench, "bench_nsa_prefill_graph", stand_in("graph", 1.6))
     monkeypatch.setattr(bench, "bench_decode", stand_in("decode", {
         "nsa": 0.05, "nsa_nograph": 0.5, "flash": 0.2, "cudnn": 0.25, "floor_ms": 0.04, "nsa_bytes": 185e6,
         "hbm_tb_s": 4.6}))
     for name in ("bench_selected_floor", "_profile_decode", "profile_prefill", "bench_ops", "_g4_variants"):
         monkeypatch.setattr(bench, name, stand_in(name, None))
     rows = bench.run_kernel_benchmark([8192, 16384], fla=False, variants=False, log=lambda *a: None)
-    assert {name for name, _ in asked} == {"nsa", "sdpa", "decode"}
+    assert {name for name, _ in asked} == {"nsa", "sdpa", "decode", "graph"}
     assert ("decode", False) in asked
     md = bench.markdown_report(rows)
     for T in (8192, 16384):
         assert f"| {T} | 2.00 | 3.00 | 3.00 | 1.50x | 1.50x | 8.00 | 9.00 | 9.00 | 1.12x | 1.12x |" in md
         assert f"| {T} | 0.050 | 0.500 | n/a | 0.200 | 0.250 | 4.00x | 5.00x |" in md
+        # both forwards replayed from graphs (G=16 and G=4 each 1.6 ms): per head 4x
+        assert f"| {T} | 2.00 | 1.60 | 2.00 | 1.60 | 4.00 |" in md
     assert " with [" not in md and "Where the time goes" not in md
     assert sorted({r.case for r in rows}) == ["decode", "floor", "fwd", "fwd+bwd"]
 
