@@ -92,7 +92,8 @@ def launcher(kernel) -> Launcher:
 
 
 # Plain integer arithmetic for the host: Triton 3.8's `triton.cdiv` and `triton.next_power_of_2` are
-# constexpr functions, ~2-5 us of the host's time per call, and a forward makes dozens of these calls.
+# constexpr functions, 1.3-2.4 us of the H200 host's time a call (runs 127-131), and a forward makes
+# dozens of these calls.
 def cdiv(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
