@@ -654,11 +654,20 @@ def dkv_column_tiles(dk: int, split: bool) -> tuple[int, int]:
     return head, tail
 
 
+def _int32_indices(block_indices: torch.Tensor, T: int, select_size: int) -> torch.Tensor:
+    """`block_indices` as contiguous int32, meaning the same: a cast alone would wrap int64 entries past
+    int32's range onto real blocks, so entries past the last block (all future) are clamped to it first,
+    and negative ones (padding) to -1."""
+    if block_indices.dtype == torch.int64:
+        block_indices = block_indices.clamp(-1, -(-T // select_size))
+    return block_indices.to(torch.int32).contiguous()
+
+
 class SelectedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_indices, select_size, scale):
         q, k, v = contiguous(q, k, v)
-        bi = block_indices.to(torch.int32).contiguous()
+        bi = _int32_indices(block_indices, q.shape[1], select_size)
         o, lse = selected_forward(q, k, v, bi, select_size=select_size, scale=scale)
         ctx.save_for_backward(q, k, v, bi, o, lse)
         ctx.params = (select_size, scale)

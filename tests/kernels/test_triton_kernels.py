@@ -145,6 +145,18 @@ def test_selected_attention(shape):
         assert rel_err(a, b) < TOL
 
 
+def test_selected_attention_int64_indices_outside_int32():
+    """int64 entries past int32's range are future blocks and those below it padding, as in the
+    reference: a plain cast would wrap 2**40 onto block 0 and -2**40 onto block 0 too."""
+    x = make(1, 48, 2, 1, 16, 16)
+    q, k, v = x["q"], x["k"], x["v"]
+    idx = torch.tensor([1, 2**40, -(2**40), 2**33 + 1], dtype=torch.int64).expand(1, 48, 1, 4)
+    o = selected_attention(q, k, v, idx, select_size=16)
+    o_ref = ref.selected_attention(q, k, v, idx, select_size=16)
+    assert rel_err(o, o_ref) < TOL
+    assert rel_err(o, selected_attention(q, k, v, idx[..., :1], select_size=16)) < TOL
+
+
 def test_bf16_inputs_upcast_under_interpreter():
     x = make(1, 64, 4, 1, 32, 32, dtype=torch.bfloat16)
     ins = (x["q"], x["k"], x["v"])
