@@ -59,6 +59,19 @@ def _inputs(B, T, hq, hkv, d, *, grad, device="cuda", dtype=None):
                    for g in ("g_cmp", "g_slc", "g_swa")})
 
 
+def block_lists(x):
+    """The block lists `select_blocks` makes for `_inputs`' x, from their compression lse:
+    int32 [B, T, Hkv, num_selected]."""
+    import torch
+
+    from nsa_eval.kernels.compression import compressed_attention
+    from nsa_eval.kernels.importance import select_blocks
+
+    with torch.no_grad():
+        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
+        return select_blocks(x["q"], x["k_cmp"], lse=lse)
+
+
 MIN_TIMED_CALLS = 5
 
 
@@ -313,15 +326,12 @@ def bench_selected_floor(T, hq, hkv, d=128):
     (fwd ms, reads ms, GB read)."""
     import torch
 
-    from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.floors import gather_blocks_sum
-    from nsa_eval.kernels.importance import select_blocks
     from nsa_eval.kernels.selection import selected_attention
 
     x = _inputs(1, T, hq, hkv, d, grad=False)
+    idx = block_lists(x)
     with torch.no_grad():
-        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
         t_fwd = _time(lambda: selected_attention(x["q"], x["k"], x["v"], idx))
         t_reads = _time(lambda: gather_blocks_sum(x["k"], x["v"], idx))
     t = torch.arange(T, device=idx.device)[None, :, None, None]

@@ -62,6 +62,7 @@ from nsa_eval.bench import (
     _inputs,
     _time,
     _with_flags,
+    block_lists,
     cuda_graph_replay,
     nsa_prefill,
     profile_kernels,
@@ -73,13 +74,6 @@ from nsa_eval.kernels.importance import select_blocks
 D = 128
 WALK = dict(SELECTED_BY_BLOCK_MAX_GROUP=0)
 BY_BLOCK = dict(SELECTED_BY_BLOCK_MAX_GROUP=16, SELECTED_BY_BLOCK_MIN_ROWS=0)
-
-
-def _block_lists(x):
-    """The block lists `select_blocks` gives for the inputs x (their compression lse first)."""
-    with torch.no_grad():
-        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        return select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
 
 
 def _selected(x, idx, knobs, partials="float32", index="count"):
@@ -102,7 +96,7 @@ def _peak_gib(fn):
 def compare_op(T, hq):
     x = _inputs(1, T, hq, 4, D, grad=False)
     with torch.no_grad():
-        idx = _block_lists(x)
+        idx = block_lists(x)
         o_w, lse_w = _selected(x, idx, WALK)()
         line = [f"T={T} {hq}/4: walk {_time(_selected(x, idx, WALK)):.3f} ms"]
         for partials in ("float32", "input"):
@@ -146,7 +140,7 @@ def launch():
     for T in (65536, 8192):
         x = _inputs(1, T, 16, 4, D, grad=False)
         with torch.no_grad():
-            idx = _block_lists(x)
+            idx = block_lists(x)
             fn = _selected(x, idx, BY_BLOCK)
             for knobs in LAUNCHES:
                 ms = _with_flags(selected_by_block, knobs, lambda fn=fn: _time(fn))
@@ -168,7 +162,7 @@ def accuracy():
 
     x = _inputs(1, 8192, 16, 4, D, grad=False)
     with torch.no_grad():
-        idx = _block_lists(x)
+        idx = block_lists(x)
         want = ref.selected_attention(x["q"].float(), x["k"].float(), x["v"].float(), idx, select_size=64)
         ways = (("walk", _selected(x, idx, WALK)),
                 ("by block, float32 partials", _selected(x, idx, BY_BLOCK)),
@@ -210,7 +204,7 @@ def index_at(T):
     x = _inputs(1, T, 16, 4, D, grad=False)
     g16 = _inputs(1, T, 64, 4, D, grad=False)
     with torch.no_grad():
-        idx = _block_lists(x)
+        idx = block_lists(x)
         ops = [_selected(x, idx, knobs, "input", way) for _, knobs, way in INDEX_WAYS]
         same = all(torch.equal(a, b) for a, b in zip(ops[1](), ops[2](), strict=True))
         names = [name for name, _, _ in INDEX_WAYS]
@@ -308,7 +302,7 @@ def _slow_runtime_calls(name, fn, slower_ms=1.0):
 
 def sync():
     x = _inputs(1, 8192, 16, 4, D, grad=True)
-    idx = _block_lists(x)
+    idx = block_lists(x)
 
     def train_step():
         nsa_prefill(**x).float().square().mean().backward()

@@ -16,20 +16,12 @@ alternation, beside the window forward and the whole NSA forward, whose gap to t
 
 import torch
 
-from nsa_eval.bench import PAPER, _inputs, _time, nsa_prefill
+from nsa_eval.bench import PAPER, _inputs, _time, block_lists, nsa_prefill
 from nsa_eval.kernels import selection
-from nsa_eval.kernels.band import band_forward
-from nsa_eval.kernels.compression import compressed_attention
-from nsa_eval.kernels.importance import select_blocks
+from nsa_eval.kernels.window import sliding_window_attention
 
 D = 128
 SEL = PAPER["select_size"]
-
-
-def block_lists(x):
-    with torch.no_grad():
-        _, lse_cmp = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        return select_blocks(x["q"], x["k_cmp"], lse=lse_cmp)
 
 
 def without(bi, drop_first: bool):
@@ -55,8 +47,7 @@ def probe(T, hq, rounds=3):
                                                   presorted=True)
 
     def window():
-        return band_forward(x["q"], x["k"], x["v"], scale=D**-0.5, key_stride=1, key_offset=0,
-                            window=PAPER["window"])
+        return sliding_window_attention(x["q"], x["k"], x["v"], window=PAPER["window"])
 
     with torch.no_grad():
         for r in range(rounds):

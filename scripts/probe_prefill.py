@@ -54,7 +54,16 @@ from functools import partial
 
 import torch
 
-from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, _with_flags, nsa_prefill, profile_kernels
+from nsa_eval.bench import (
+    _fwd_bwd,
+    _inputs,
+    _time,
+    _with_flag,
+    _with_flags,
+    block_lists,
+    nsa_prefill,
+    profile_kernels,
+)
 from nsa_eval.kernels import _triton_utils, band, importance, prefill, selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.importance import select_blocks
@@ -163,9 +172,8 @@ def with_knobs(knobs, fn):
 
 def probe_g4(T, hq=16, hkv=4, configs=None):
     x = _inputs(1, T, hq, hkv, D, grad=False)
+    idx = block_lists(x)
     with torch.no_grad():
-        _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
-        idx = select_blocks(x["q"], x["k_cmp"], lse=lse)
         want = nsa_prefill(**x)
         for knobs in configs or G4_CONFIGS:
             got = with_knobs(knobs, lambda: nsa_prefill(**x))
