@@ -11,6 +11,7 @@ Methods (`METHODS`): full, sink_window, topk, quest, h2o. See docs/methods.md.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 from nsa_eval.errors import UsageError
@@ -36,7 +37,9 @@ __all__ = [
     "BudgetExceededError",
     "apply_attention",
     "attention_stats",
+    "check_model_config",
     "reset_attention_stats",
+    "validate_params",
 ]
 
 METHODS: Registry[type[AttentionMethod]] = Registry("attention method")
@@ -58,6 +61,9 @@ def apply_attention(
 ):
     """Switch a loaded Llama-family model (Llama, Qwen2/3, Mistral, SmolLM2) to an attention method.
 
+    Full-attention models only: a config with an active sliding window is refused
+    (`check_model_config`), and so is any KV cache but a plain `DynamicCache` at forward time.
+
     Weights are untouched; calling it again with another method replaces the previous one (and resets
     the statistics). `full` is transformers' SDPA with statistics.
 
@@ -76,21 +82,14 @@ def apply_attention(
         The model, for chaining.
 
     Raises:
-        UsageError: unknown method or parameter, or inconsistent budget settings.
+        UsageError: unknown method or parameter, inconsistent budget settings (checked by
+            `validate_params`, with the same message), or a model this layer does not support (no
+            Llama-style attention modules, or an active sliding window: see `check_model_config`).
     """
-    method_cls = METHODS.get(method)
-    config = _budget_config(budget, sink, local, sparse_prefill, dense_layers)
-    valid = sorted(f.name for f in dataclasses.fields(method_cls))
-    unknown = sorted(set(method_params) - set(valid))
-    if unknown:
-        raise UsageError(
-            f"unknown parameter(s) {', '.join(map(repr, unknown))} for attention method {method!r}; "
-            f"expected some of: {', '.join(valid)}"
-        )
-    instance = method_cls(**method_params)
-    instance.check(config)
+    instance, config = _build(method, budget, sink, local, sparse_prefill, dense_layers, method_params)
 
     modules = _attention_modules(model)
+    check_model_config(model.config)
     layers = {int(m.layer_idx) for m in modules}
     if dense_layers > len(layers):
         raise UsageError(f"dense_layers={dense_layers} exceeds the model's {len(layers)} layers")
@@ -110,6 +109,55 @@ def apply_attention(
     for module in modules:
         setattr(module, MODULE_ATTRIBUTE, controller)
     return model
+
+
+def validate_params(
+    attention: str,
+    *,
+    budget: int = 2560,
+    sink: int = 128,
+    local: int = 512,
+    sparse_prefill: bool = True,
+    dense_layers: int = 0,
+    **method_params: Any,
+) -> AttentionMethod:
+    """Check a method and its parameters without a model: what `apply_attention` would build.
+
+    The same code as `apply_attention`'s own check, so a typo (`page_sise=16`), a bad value
+    (`page_size=0`) or an impossible budget raises the same UsageError before any weights load. `full`
+    ignores `budget`, `sink` and `local`. Checks that need the model (`dense_layers` against its layer
+    count, `check_model_config`) are left to `apply_attention`.
+
+    Returns:
+        The method's parameter object (e.g. `Quest(query_chunk=512, page_size=16)`).
+
+    Raises:
+        UsageError: unknown method or parameter, a bad parameter value, or inconsistent budget settings.
+    """
+    return _build(attention, budget, sink, local, sparse_prefill, dense_layers, method_params)[0]
+
+
+def check_model_config(config) -> None:
+    """UsageError when a model's config turns on a sliding (or chunked) attention window.
+
+    The methods count positions, sinks and budgets over the whole sequence and expect every key to
+    stay in the cache; a sliding window hides old keys from the mask and transformers' sliding cache
+    layers drop them, so sinks and statistics would be silently wrong and H2O's state would break.
+    Full-attention configs of the same families pass: Mistral with `sliding_window: null`, Qwen2/3
+    with `use_sliding_window: false` (their default). Reads the config only (no weights): a
+    transformers config, or the dict of a checkpoint's config.json.
+    """
+    if isinstance(config, dict):
+        config = _config_from_dict(config)
+    problem = _sliding_window(config)
+    if problem is not None:
+        name = getattr(config, "model_type", None) or type(config).__name__
+        raise UsageError(
+            f"{name} config has an active sliding attention window ({problem}); nsa_eval.methods supports "
+            "full-attention models only (every key stays visible and cached). Run the model without "
+            "apply_attention for its own windowed attention, or load it with the window off "
+            "(sliding_window=None / use_sliding_window=False) if its contexts never exceed the window"
+        )
 
 
 def attention_stats(model) -> dict[str, Any]:
@@ -149,20 +197,80 @@ def reset_attention_stats(model) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _budget_config(budget, sink, local, sparse_prefill, dense_layers) -> BudgetConfig:
+def _build(
+    method: str, budget, sink, local, sparse_prefill, dense_layers, method_params: dict[str, Any]
+) -> tuple[AttentionMethod, BudgetConfig]:
+    """The method's parameter object and budget settings, checked (shared by `apply_attention` and
+    `validate_params`, so both raise the same UsageError)."""
+    method_cls = METHODS.get(method)
+    config = _budget_config(budget, sink, local, sparse_prefill, dense_layers, budgeted=method_cls.sparse)
+    valid = sorted(f.name for f in dataclasses.fields(method_cls))
+    unknown = sorted(set(method_params) - set(valid))
+    if unknown:
+        raise UsageError(
+            f"unknown parameter(s) {', '.join(map(repr, unknown))} for attention method {method!r}; "
+            f"expected some of: {', '.join(valid)}"
+        )
+    instance = method_cls(**method_params)
+    instance.check(config)
+    return instance, config
+
+
+def _budget_config(budget, sink, local, sparse_prefill, dense_layers, budgeted: bool = True) -> BudgetConfig:
+    """Checked budget settings; with `budgeted=False` (full attention) budget, sink and local are unused
+    and not checked."""
     for name, value, low in (("budget", budget, 1), ("sink", sink, 0), ("local", local, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if budgeted and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
     if isinstance(dense_layers, bool) or not isinstance(dense_layers, int) or dense_layers < 0:
         raise UsageError(f"dense_layers must be an integer >= 0, got {dense_layers!r}")
     if not isinstance(sparse_prefill, bool):
         raise UsageError(f"sparse_prefill must be True or False, got {sparse_prefill!r}")
-    if budget < sink + local:
+    if budgeted and budget < sink + local:
         raise UsageError(
             f"budget ({budget}) must be at least sink + local ({sink} + {local} = {sink + local}): "
             "the budget counts the sink and local keys"
         )
     return BudgetConfig(budget, sink, local, sparse_prefill, dense_layers)
+
+
+def _config_from_dict(config: dict):
+    """A config.json's dict as its transformers config class (which fills in `layer_types`), or as
+    plain attributes when transformers does not know its model_type."""
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(config.get("model_type"), **fields)
+    except (ValueError, KeyError, TypeError):
+        return types.SimpleNamespace(**config)
+
+
+def _sliding_window(config) -> str | None:
+    """What turns on a sliding or chunked attention window in this config, or None for full attention.
+
+    `layer_types` decide where the model reads them (Qwen2/3, which also carry `use_sliding_window`);
+    a model that reads `sliding_window` directly (Mistral) is windowed whenever it is set.
+    """
+    get_text_config = getattr(config, "get_text_config", None)
+    cfg = get_text_config(decoder=True) if callable(get_text_config) else config
+    window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", None) is False:
+        window = None
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    layer_types = list(getattr(cfg, "layer_types", None) or [])
+    windowed = [i for i, kind in enumerate(layer_types) if "sliding" in kind or "chunked" in kind]
+    if windowed:
+        kinds = sorted({layer_types[i] for i in windowed})
+        return f"layer_types {', '.join(kinds)} at layers {windowed}" + (
+            f", sliding_window={window}" if window is not None else ""
+        )
+    decided_by_layer_types = bool(layer_types) and hasattr(cfg, "use_sliding_window")
+    if window is not None and not decided_by_layer_types:
+        return f"sliding_window={window}"
+    if chunk is not None and not layer_types:
+        return f"attention_chunk_size={chunk}"
+    return None
 
 
 def _attention_modules(model) -> list:

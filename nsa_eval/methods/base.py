@@ -9,8 +9,10 @@ only its scoring rule. Everything else lives here:
 - masking: the method picks `budget - sink - local` keys (fewer if it forces more) from the keys between
   the sink and the local window; attention is a softmax over the kept keys only.
 - positions: a key's position is its rank among the non-padding keys of its sequence, read off the
-  model's 4D mask, so left padding (generate) and right padding (lm-eval) both count from the first
-  real token.
+  model's 4D mask, so left and right padding marked in the attention mask count from the first real
+  token (positions the mask does not mark as padding are ordinary tokens, and are counted).
+- caches: only a plain `DynamicCache` of full-attention layers (`check_cache`), whose keys are the
+  sequence so far with the new ones last.
 - chunking over queries: scores are materialised for at most `query_chunk` queries at a time
   (`[B, Hq, Tc, S]`), never `T x T`.
 - state: per-layer method state (H2O's accumulated attention mass) lives on the KV cache object
@@ -268,6 +270,8 @@ class AttentionController:
 
         name = "past_key_values" if "past_key_values" in kwargs else "cache"
         cache = kwargs.get(name)
+        if cache is not None:
+            check_cache(cache, self.method.name)
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = getattr(module.config, "use_cache", False)
@@ -473,6 +477,40 @@ class AttentionController:
             )
         self.method.grow_state(state.tensors, B, Hq, S, device)
         return state
+
+
+def check_cache(cache: Any, method: str) -> None:
+    """UsageError unless `cache` is a plain transformers `DynamicCache` of full-attention layers.
+
+    The controller reads a layer call's keys as the whole sequence so far, the T new keys last
+    (`_positions`, `_layer_state`, the chunks' key ranges). A preallocated cache (`StaticCache`,
+    anything `is_compileable`, `generate(..., cache_implementation="static")`) hands attention every
+    slot, written or not; a sliding-window layer drops old keys. Either would give silently wrong
+    positions, sinks and budgets, so both are refused before the forward does any work.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    problem = None
+    if type(cache) is not DynamicCache:
+        problem = f"a {type(cache).__name__}"
+    elif getattr(cache, "is_compileable", False):
+        problem = f"a compileable (preallocated) {type(cache).__name__}"
+    else:
+        layers = [type(layer) for layer in getattr(cache, "layers", [])]
+        replicate = getattr(cache, "layer_class_to_replicate", None)
+        if replicate is not None:
+            layers.append(replicate)
+        other = sorted({cls.__name__ for cls in layers if cls is not DynamicLayer})
+        if other:
+            problem = f"a {type(cache).__name__} with {', '.join(other)} layers"
+    if problem is not None:
+        raise UsageError(
+            f"attention method {method!r} got {problem} as its KV cache; a dynamic cache is expected: "
+            "transformers' DynamicCache of full-attention layers (generate()'s default), whose keys are "
+            "the sequence so far with the new ones last (no cache_implementation='static', no "
+            "preallocated, sliding-window or quantized cache)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------
