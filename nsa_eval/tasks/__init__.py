@@ -4,6 +4,8 @@
   aime/); `task_manager(metadata)` is a TaskManager that knows them and lm-eval's own tasks.
 - `PROJECT_TASKS`: name -> one-line protocol, for `nsa-eval data list` and the docs.
 - `check_task_data(names)`: one UsageError before any model loads when data is missing offline.
+- `requires_unsafe_code(names)`: the requested tasks whose leaf configs set `unsafe_code` (they run
+  model-written code, e.g. nsa_mbpp, mbpp, humaneval).
 
 Importing this package does not import lm_eval; the functions do, when called.
 docs/tasks.md describes every family's protocol, metadata keys and data layout.
@@ -37,12 +39,8 @@ PROJECT_TASKS: dict[str, str] = {
     "nsa_aime24_16k": "AIME 2024, 16 samples at T=0.7 top-p 0.95, 16,384 new tokens; avg@k, pass@k",
 }
 
-# tasks whose metric runs model-written code
-UNSAFE_CODE_TASKS = frozenset({"nsa_mbpp"})
-
-
-# lm-eval's task folders the project's groups build on (general/*.yaml)
-LM_EVAL_TASK_DIRS = ("mmlu/default", "bbh/cot_fewshot", "bbh/fewshot", "gsm8k", "drop", "mbpp")
+# lm-eval's task folders the project's groups build on (general/*.yaml; nsa_mbpp is the project's own)
+LM_EVAL_TASK_DIRS = ("mmlu/default", "bbh/cot_fewshot", "bbh/fewshot", "gsm8k", "drop")
 
 
 @lru_cache(maxsize=2)
@@ -90,9 +88,18 @@ def task_manager(metadata: dict[str, Any] | None = None, *, all_lm_eval_tasks: b
     return _task_manager_for(key, all_lm_eval_tasks)
 
 
-def requires_unsafe_code(task_names) -> list[str]:
-    """The requested tasks whose scoring executes model-generated code (MBPP)."""
-    return [name for name in task_names if name in UNSAFE_CODE_TASKS]
+def requires_unsafe_code(task_names, manager=None) -> list[str]:
+    """The requested tasks (project or lm-eval, groups and tags included) that execute model code.
+
+    A name is listed when any leaf task under it sets `unsafe_code: true` (nsa_mbpp, lm-eval's
+    mbpp and humaneval, ...), i.e. when lm-eval would refuse it without confirm_run_unsafe_code.
+    Reads the task index (YAML only, nothing loads); an unknown name raises UsageError.
+    """
+    from nsa_eval.tasks.data import leaf_configs
+
+    names = list(task_names)
+    unsafe = {root for root, cfg in leaf_configs(names, manager) if cfg.get("unsafe_code")}
+    return [name for name in names if name in unsafe]
 
 
 __all__ = [

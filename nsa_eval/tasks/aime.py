@@ -7,10 +7,15 @@ come from the same samples at no cost.
 
 Prompt: the problem, then DeepSeek-R1's instruction "Please reason step by step, and put your final
 answer within \\boxed{}." (lm-eval's aime24 uses "Question: ...\\nAnswer:" and scores one greedy
-answer). Answer extraction (`extract_answer`), in order: the last \\boxed{...} (or \\fbox); else the
-last "answer is N" / "Answer: N"; else the last integer in the text. Integers compare as integers, so
-"033", "33" and "33.0" all match 33. Dataset: Maxwell-Jia/AIME_2024 (split train: ID, Problem,
-Solution, Answer).
+answer). Answer extraction (`extract_answer`), in order:
+- the last \\boxed{...} (or \\fbox), which must hold one integer and nothing else but its wrappers:
+  `$`, spaces, \\text{...}, a leading "x =", a trailing unit ("m^2", "degrees", %); anything else
+  (\\frac{1}{2}, 2^{10}, 3\\sqrt{2}, "12, 34") is no answer, so it never scores by a number inside it;
+- else the last "answer is N" / "Answer: N";
+- else the last integer in the text.
+A box cut off by the token limit (no closing brace) is not trusted: the rules apply to the text
+before it. Integers compare as integers, so "033", "33", "1,000" and "33.0" match 33 and 1000.
+Dataset: Maxwell-Jia/AIME_2024 (split train: ID, Problem, Solution, Answer).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ def doc_to_text(doc: dict) -> str:
     return f"{doc['Problem'].strip()}\n{INSTRUCTION}"
 
 
-def _last_boxed(text: str) -> str | None:
-    """Contents of the last \\boxed{...} / \\fbox{...} (braces balanced), or of `\\boxed 5`."""
+def _last_boxed(text: str) -> tuple[int, str | None] | None:
+    """(start, contents) of the last \\boxed{...} / \\fbox{...} or `\\boxed 5`; contents None where
+    the box is cut off (no closing brace). None without a box."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
@@ -34,16 +40,21 @@ def _last_boxed(text: str) -> str | None:
     brace = rest.find("{")
     if brace < 0 or rest[len("\\boxed") : brace].strip():  # "\boxed 42" form
         match = re.match(r"\\(?:boxed|fbox)\s+([^\s$]+)", rest)
-        return match.group(1) if match else None
+        return start, match.group(1) if match else None
     depth = 0
     for i in range(brace, len(rest)):
         depth += {"{": 1, "}": -1}.get(rest[i], 0)
         if depth == 0:
-            return rest[brace + 1 : i]
-    return None  # unbalanced: the answer was cut off
+            return start, rest[brace + 1 : i]
+    return start, None
 
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+# A whole boxed answer: an integer (thousands grouped by commas or not, ".0" allowed), optionally
+# after "x =" and before a unit word ("m^2", "degrees", "%")
+_BOXED_INTEGER = re.compile(
+    r"(?:[A-Za-z]\w*\s*=\s*)?(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0+)?)(?:\s*[A-Za-z]+(?:\^\{?\d\}?)?)?\.?"
+)
 
 
 def _to_int(text: str) -> int | None:
@@ -56,11 +67,23 @@ def _to_int(text: str) -> int | None:
     return int(value) if value.is_integer() else None
 
 
+def _boxed_int(content: str) -> int | None:
+    """The integer a box holds when it holds nothing else (module docstring), else None."""
+    text = re.sub(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^}]*)\}", r"\1", content)
+    text = text.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("$", "")
+    text = re.sub(r"\^\s*\{?\\circ\}?|\\?%", "", text).strip()
+    match = _BOXED_INTEGER.fullmatch(text)
+    return int(float(match.group(1).replace(",", ""))) if match else None
+
+
 def extract_answer(response: str) -> int | None:
     """The final integer answer of a response (module docstring: the order of the rules)."""
     boxed = _last_boxed(response)
     if boxed is not None:
-        return _to_int(boxed)
+        start, content = boxed
+        if content is not None:
+            return _boxed_int(content)
+        response = response[:start]  # a box cut off: its digits may be a prefix of the answer
     stated = re.findall(rf"answer(?:\s+is)?\s*[:=]?\s*\$?\s*({_NUMBER})", response, flags=re.IGNORECASE)
     if stated:
         return _to_int(stated[-1])

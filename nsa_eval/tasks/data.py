@@ -118,7 +118,12 @@ def spec_from_config(config: Any) -> DataSpec | None:
     path = get("dataset_path")
     if get("custom_dataset") or not path or path in {"json", "csv", "parquet", "arrow", "text"}:
         return None
-    splits = tuple(dict.fromkeys(s for key in SPLIT_KEYS if (s := get(key))))
+    splits = [s for key in SPLIT_KEYS if (s := get(key))]
+    fewshot = get("fewshot_config")  # its `split` wins over fewshot_split (lm-eval's FewshotConfig)
+    fewshot = fewshot if isinstance(fewshot, dict) else vars(fewshot) if fewshot is not None else {}
+    if fewshot.get("split"):
+        splits.append(fewshot["split"])
+    splits = tuple(dict.fromkeys(splits))
     name = get("dataset_name") or None
     return DataSpec(task=str(get("task")), path=str(path), name=name, splits=splits)
 
@@ -178,12 +183,37 @@ def leaf_configs(names: Iterable[str], manager=None) -> list[tuple[str, dict[str
     return out
 
 
+def is_local_first(task_class: Any) -> bool:
+    """True when a config's `class` is LocalFirstTask or a subclass (e.g. mbpp.MbppTask).
+
+    `task_class` is the class itself, or, from YAML read with functions unresolved, the string
+    "<yaml dir>/<module>.<name>".
+    """
+    from nsa_eval.tasks.local_task import LocalFirstTask
+
+    if isinstance(task_class, type):
+        return issubclass(task_class, LocalFirstTask)
+    ref = str(task_class or "").rsplit("/", 1)[-1]
+    if ref.endswith("LocalFirstTask"):
+        return True
+    module, _, name = ref.rpartition(".")
+    if not module.startswith("nsa_eval."):  # only the project's own classes are imported here
+        return False
+    import importlib
+
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return False
+    return isinstance(found, type) and issubclass(found, LocalFirstTask)
+
+
 def data_specs(names: Iterable[str], manager=None) -> dict[str, list[DataSpec]]:
     """requested name -> the hub datasets its LocalFirstTask leaves read (deduplicated)."""
     specs: dict[str, list[DataSpec]] = {}
     for root, cfg in leaf_configs(names, manager):
         bucket = specs.setdefault(root, [])
-        if not str(cfg.get("class") or "").endswith("LocalFirstTask"):
+        if not is_local_first(cfg.get("class")):
             continue  # lm-eval's own loader: it never reads the local folder
         spec = spec_from_config(cfg)
         if spec is not None and all((s.path, s.name) != (spec.path, spec.name) for s in bucket):

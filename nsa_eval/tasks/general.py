@@ -1,7 +1,9 @@
 """The NSA paper's general benchmarks (Table 1) as lm-eval groups with the shot counts pinned.
 
 Each `nsa_<name>` group (general/*.yaml) wraps lm-eval's own task or group, overriding only
-`num_fewshot` and the data loader (LocalFirstTask). Which variant each one is, and which entry of
+`num_fewshot` and the data loader (LocalFirstTask); `nsa_mbpp` wraps `nsa_mbpp_3shot`, lm-eval's
+mbpp protocol with a project-local executor (`nsa_eval.tasks.mbpp`), since lm-eval's mbpp fetches
+its code_eval metric from the Hub when it loads. Which variant each one is, and which entry of
 lm-eval's results holds its headline number, is recorded here and in the group's metadata, so a
 report can say "MMLU 5-shot, loglikelihood" rather than guess.
 """
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 class GeneralTask:
     """One Table 1 benchmark: the lm-eval task/group it runs and how it is scored."""
 
-    base: str  # lm-eval task or group name
+    base: str  # the task or group the nsa_ group runs (lm-eval's, or the project's nsa_mbpp_3shot)
     shots: int
     output: str  # "loglikelihood" or "generate"
     chain_of_thought: bool
@@ -30,7 +32,9 @@ GENERAL_TASKS: dict[str, GeneralTask] = {
     "nsa_bbh_direct": GeneralTask("bbh_fewshot", 3, "generate", False, "exact_match,none", "Acc"),
     "nsa_gsm8k": GeneralTask("gsm8k_cot", 8, "generate", True, "exact_match,strict-match", "Acc"),
     "nsa_drop": GeneralTask("drop", 1, "generate", False, "f1,none", "F1"),
-    "nsa_mbpp": GeneralTask("mbpp", 3, "generate", False, "pass_at_1,none", "Pass@1", unsafe_code=True),
+    "nsa_mbpp": GeneralTask(
+        "nsa_mbpp_3shot", 3, "generate", False, "pass_at_1,none", "Pass@1", unsafe_code=True
+    ),
 }
 
 
@@ -38,4 +42,5 @@ def describe(name: str) -> str:
     """'MMLU-style' one-liner: base task, shots, variant, headline metric."""
     task = GENERAL_TASKS[name]
     cot = "chain of thought" if task.chain_of_thought else "no chain of thought"
-    return f"{name}: lm-eval {task.base}, {task.shots}-shot, {task.output}, {cot}, {task.metric}"
+    source = task.base if task.base.startswith("nsa_") else f"lm-eval {task.base}"
+    return f"{name}: {source}, {task.shots}-shot, {task.output}, {cot}, {task.metric}"

@@ -21,8 +21,10 @@ One prompt (RULER niah_single style, template configurable):
 - Needle: "One of the special magic numbers for {key} is: {value}." with a seeded 7-digit value and a
   seeded key word. Score: 1 when the value appears in the answer as a whole number, else 0.
 
-In lm-eval (`nsa_niah`), lm-eval joins `input` and `gen_prefix` with one space, which gives exactly
-`prompt`; with a chat template the template's tokens come on top of `context_length`.
+The space between question and answer prefix follows lm-eval's join rule (`answer_separator`): it is
+left out when the question ends with whitespace or the prefix starts with it or is empty. So in
+lm-eval (`nsa_niah`), joining `input` and `gen_prefix` gives exactly `prompt` for every template;
+with a chat template the template's tokens come on top of `context_length`.
 """
 
 from __future__ import annotations
@@ -165,6 +167,19 @@ def haystack_text(haystack: str, num_chars: int, rng: random.Random) -> str:
 # ------------------------------------------------------------------ exact sizing
 
 
+def answer_separator(question: str, answer_prefix: str) -> str:
+    """The text between the question and the answer prefix: lm-eval's rule for input + gen_prefix.
+
+    lm-eval (0.4.13, `build_qa_turn` / `requires_delimiter`) puts one space between a doc's `input`
+    and its `gen_prefix` only when the prefix is non-empty and there is no whitespace at the join
+    (the input does not end with whitespace, the prefix does not start with it). The prompt uses the
+    same rule, so what lm-eval assembles is the built prompt for every template.
+    """
+    if not answer_prefix or not question:
+        return ""
+    return "" if question[-1].isspace() or answer_prefix[0].isspace() else " "
+
+
 class _Prompt:
     """Builds the prompt for given haystack cuts and measures it with the tokenizer."""
 
@@ -172,7 +187,9 @@ class _Prompt:
         self.tokenizer = tokenizer
         self.head = template.instruction + "\n"
         self.needle = template.needle.format(key=key, value=value)
-        self.tail = "\n" + template.question.format(key=key) + " " + template.answer_prefix.format(key=key)
+        self.question = "\n" + template.question.format(key=key)
+        self.answer_prefix = template.answer_prefix.format(key=key)
+        self.tail = self.question + answer_separator(self.question, self.answer_prefix) + self.answer_prefix
         self.hay = hay
 
     def text(self, cut: int, extra: int) -> tuple[str, int]:
@@ -383,10 +400,11 @@ def make_niah_doc(
             "per character at the needle or at the end of the haystack"
         )
     text, position = fitted
-    gen_prefix = template.answer_prefix.format(key=key)
+    # lm-eval puts answer_separator(input, gen_prefix) between the two: the model sees `text` exactly
+    gen_prefix = prompt.answer_prefix
     return {
         "prompt": text,
-        "input": text[: -len(gen_prefix) - 1],
+        "input": text[: len(text) - len(prompt.tail) + len(prompt.question)],
         "gen_prefix": gen_prefix,
         "answer": value,
         "key": key,

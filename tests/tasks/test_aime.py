@@ -21,7 +21,19 @@ from nsa_eval.tasks import aime
         ("25.0", 25),
         ("no number here", None),
         ("\\boxed{3.5}", None),  # not an integer
-        ("cut off \\boxed{12", 12),  # unbalanced box: fall back to the plain rules
+        ("cut off \\boxed{12", None),  # a cut-off box is not trusted: 12 may be the start of 123
+        ("The answer is 204, so \\boxed{20", 204),  # ... the rules apply to the text before it
+        ("\\boxed{200 \\text{ m}^2}", 200),  # units and wrappers around the one integer
+        ("$\\boxed{45^\\circ}$", 45),
+        ("\\boxed{50\\%}", 50),
+        ("\\boxed{1,000}", 1000),
+        # a box that holds more than one integer names no answer, not its last number
+        ("\\boxed{\\frac{1}{2}}", None),
+        ("\\boxed{2^{10}}", None),
+        ("\\boxed{3\\sqrt{2}}", None),
+        ("\\boxed{12, 34}", None),
+        ("\\boxed{12,34}", None),
+        ("\\boxed{2 \\times 10^{2}}", None),
     ],
 )
 def test_extract_answer(response, expected):
@@ -41,6 +53,12 @@ def test_process_results_avg_pass_maj():
         "maj_at_k": 0.0,
     }
     assert aime.process_results(doc, ["\\boxed{204}"])["avg_at_k"] == 1.0  # one unfiltered response
+    # a fraction whose last number is the target scores nothing
+    assert aime.process_results({"Answer": "2"}, [["\\boxed{\\frac{1}{2}}"] * 4]) == {
+        "avg_at_k": 0.0,
+        "pass_at_k": 0.0,
+        "maj_at_k": 0.0,
+    }
 
 
 def test_prompt_asks_for_a_boxed_answer():

@@ -222,3 +222,38 @@ def test_niah_dataset_reads_metadata(bpe_tokenizer, tmp_path):
     assert "prompt" not in data.column_names  # input + gen_prefix hold it
     with pytest.raises(UsageError, match="tokenizer"):
         niah.niah_dataset(niah_lengths=[200])
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        DEFAULT_TEMPLATE,
+        NiahTemplate(question="What is the special magic number for {key}?\n"),  # ends with whitespace
+        NiahTemplate(answer_prefix=""),  # no gen_prefix at all
+        NiahTemplate(answer_prefix=" The number is"),  # starts with whitespace
+    ],
+    ids=["default", "question-ends-with-newline", "empty-answer-prefix", "prefix-starts-with-space"],
+)
+def test_lm_eval_assembles_exactly_the_built_prompt(template, bpe_tokenizer, tmp_path):
+    """lm-eval's own request building (nsa_niah through the TaskManager) gives the built prompt."""
+    from dataclasses import asdict
+
+    from nsa_eval.tasks import task_manager
+
+    bpe_tokenizer.save_pretrained(tmp_path / "tok")
+    metadata = {
+        "tokenizer": str(tmp_path / "tok"),
+        "niah_lengths": [300],
+        "niah_depths": [50],
+        "niah_template": asdict(template),
+    }
+    (task,) = task_manager(metadata, all_lm_eval_tasks=False).load(["nsa_niah"])["tasks"].values()
+    task.build_all_requests(rank=0, world_size=1)
+    (instance,) = task.instances
+    context = instance.arguments[0]
+    built = make_niah_doc(bpe_tokenizer, 300, 50.0, seed=0, template=template)
+    assert context == built["prompt"]
+    assert count_tokens(bpe_tokenizer, context) == 300
+    assert built["prompt"].endswith(template.answer_prefix.format(key=built["key"]))
+    if not template.answer_prefix:
+        assert built["gen_prefix"] == "" and built["input"] == built["prompt"]

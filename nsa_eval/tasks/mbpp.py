@@ -1,0 +1,123 @@
+"""MBPP 3-shot, pass@1 by execution, without lm-eval's `mbpp/utils.py` (which contacts the hub).
+
+lm-eval's `mbpp` task imports `evaluate.load("code_eval")` when its YAML is resolved, which fetches
+the metric script from the Hugging Face hub, so the task cannot load offline. The project's
+`nsa_mbpp_3shot` (general/nsa_mbpp_3shot.yaml, run through the `nsa_mbpp` group) keeps lm-eval's
+prompt, target, generation settings and 3-shot examples, and scores with `pass_at_1` here:
+
+- Few-shot examples: MBPP task_ids 2, 3 and 4 (the ones lm-eval's mbpp uses, and the MBPP paper),
+  selected from the dataset's `prompt` split by `fewshot_docs`, so no benchmark row is copied here.
+- `pass_at_1`: each candidate program, then the doc's test asserts, runs in a fresh `python`
+  subprocess in its own temporary directory with a timeout (`TIMEOUT_S`). It passes only on exit
+  code 0. The score of a doc is the fraction of its candidates that pass (with one greedy sample,
+  0 or 1), as code_eval's pass@1 estimator.
+- The code is model-written and is executed: it runs only with the same opt-in as code_eval,
+  the environment variable `HF_ALLOW_CODE_EVAL=1`, checked when the task is built (before any
+  generation) and again before any code runs. The task keeps `unsafe_code: true`, so lm-eval also
+  requires `confirm_run_unsafe_code=True` (`--confirm_run_unsafe_code`). Run it in a sandbox: the
+  subprocess is not otherwise confined.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from nsa_eval.errors import UsageError
+from nsa_eval.tasks.local_task import LocalFirstTask
+
+FEWSHOT_TASK_IDS = (2, 3, 4)  # lm-eval's mbpp and the MBPP paper's prompt examples, in this order
+TIMEOUT_S = 10.0  # seconds per candidate program (tests included)
+OPT_IN_VAR = "HF_ALLOW_CODE_EVAL"
+
+
+def require_code_eval_opt_in() -> None:
+    """Raise a UsageError unless HF_ALLOW_CODE_EVAL=1 (code_eval's opt-in for executing code)."""
+    if os.environ.get(OPT_IN_VAR) != "1":
+        raise UsageError(
+            "nsa_mbpp executes model-generated code to score it; this runs only with the environment "
+            f"variable {OPT_IN_VAR}=1 (and confirm_run_unsafe_code=True / lm-eval's "
+            f"--confirm_run_unsafe_code). Set them only in a sandbox. {OPT_IN_VAR} is "
+            f"{os.environ.get(OPT_IN_VAR)!r}"
+        )
+
+
+class MbppTask(LocalFirstTask):
+    """LocalFirstTask that refuses to build without the code-execution opt-in (before generating)."""
+
+    def __init__(self, data_dir=None, cache_dir=None, download_mode=None, config=None):
+        require_code_eval_opt_in()
+        super().__init__(data_dir, cache_dir, download_mode, config=config)
+
+
+def fewshot_docs(dataset):
+    """The rows with task_id 2, 3, 4 of MBPP's `prompt` split, in that order (fewshot process_docs)."""
+    position = {int(task_id): i for i, task_id in enumerate(dataset["task_id"])}
+    missing = [t for t in FEWSHOT_TASK_IDS if t not in position]
+    if missing:
+        raise UsageError(
+            f"MBPP's prompt split has no rows with task_id {missing} (the 3-shot examples); "
+            f"it has task_ids {sorted(position)}"
+        )
+    return dataset.select([position[t] for t in FEWSHOT_TASK_IDS])
+
+
+def run_program(program: str, timeout: float | None = None) -> bool:
+    """True when `program` exits with code 0 within `timeout` s (default TIMEOUT_S), run by a fresh
+    python in a temporary directory."""
+    require_code_eval_opt_in()
+    timeout = TIMEOUT_S if timeout is None else timeout
+    with tempfile.TemporaryDirectory(prefix="nsa-mbpp-") as tmp:
+        path = Path(tmp) / "program.py"
+        path.write_text(program, encoding="utf-8")
+        proc = subprocess.Popen(
+            [sys.executable, "-I", str(path)],  # -I: no PYTHON* variables, no user site, no cwd on path
+            cwd=tmp,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, so a timeout also ends its children
+        )
+        try:
+            return proc.wait(timeout=timeout) == 0
+        except subprocess.TimeoutExpired:
+            return False
+        finally:
+            _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the program and anything it started (its process group), then reap it."""
+    try:
+        if os.name == "posix":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def pass_at_1(references, predictions) -> float:
+    """lm-eval metric: mean over docs of the fraction of candidates that pass the doc's tests.
+
+    `references`: a doc's test code (a string) or a list of them; `predictions`: one program per
+    reference, or a list of candidate programs per reference (code_eval's interface). Each program
+    runs as `candidate + "\\n" + tests`, as code_eval does.
+    """
+    require_code_eval_opt_in()
+    if isinstance(references, str):
+        references = [references]
+    if predictions and isinstance(predictions[0], str):
+        predictions = [[p] for p in predictions]
+    if len(predictions) != len(references):
+        raise ValueError(f"pass_at_1: {len(references)} references but {len(predictions)} predictions")
+    scores = []
+    for tests, candidates in zip(references, predictions, strict=True):
+        passed = [run_program(candidate + "\n" + tests) for candidate in candidates]
+        scores.append(sum(passed) / len(passed) if passed else 0.0)
+    return sum(scores) / len(scores) if scores else 0.0
