@@ -14,15 +14,16 @@ def register(subparsers) -> None:
     parser.add_argument("--output", default=None,
                         help="report directory (default: the suite's `report`, e.g. reports/quickstart)")
     parser.add_argument("--bootstrap", type=int, default=2000,
-                        help="bootstrap resamples for the paired confidence intervals")
+                        help="bootstrap resamples for the paired confidence intervals (>= 1)")
     parser.set_defaults(handler=handle)
 
 
 def handle(args) -> int:
-    from nsa_eval.report import write_report
+    from nsa_eval.report import check_bootstrap, write_report
     from nsa_eval.runner import check_run_dir
 
+    iters = check_bootstrap(args.bootstrap)  # before any work
     run_dir = check_run_dir(args.run_dir)
-    out = write_report(run_dir, args.output, bootstrap=args.bootstrap)
+    out = write_report(run_dir, args.output, bootstrap=iters)
     print(f"report: {out / 'report.md'} and {out / 'report.html'}")
     return 0

@@ -15,37 +15,75 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
+from nsa_eval.errors import UsageError
 from nsa_eval.report.bootstrap import paired_bootstrap
 from nsa_eval.report.document import Document
 from nsa_eval.report.figures import budget_plot, length_label, niah_heatmap, slug
 from nsa_eval.report.load import CellData, RunData, load_run
-from nsa_eval.report.scores import Score, doc_values, group_scores
+from nsa_eval.report.scores import Score, TaskScore, doc_values, group_scores, task_score
 
 __all__ = ["write_report", "load_run", "paired_bootstrap"]
 
-SCALE_NOTE = ("Scores are lm-eval's own metrics on a 0-1 scale (higher is better); averages are "
-              "unweighted means over a table's rows, as in the NSA paper.")
+SCALE_NOTE = ("Scores are lm-eval's own metrics on a 0-1 scale (higher is better). A task that is an "
+              "lm-eval group with an aggregate is scored by that aggregate (as lm-eval weights it); "
+              "other averages are unweighted means over a table's rows, as in the NSA paper.")
+
+REPORT_FILES = ("report.md", "report.html", "scores.csv", "differences.csv", "niah.csv",
+                "activated_tokens.csv", "report.json")
+
+
+def check_bootstrap(iters) -> int:
+    """The number of bootstrap resamples, or a UsageError (before any work)."""
+    if isinstance(iters, bool) or not isinstance(iters, (int, np.integer)) or iters < 1:
+        raise UsageError(f"--bootstrap must be an integer >= 1, got {iters!r}")
+    return int(iters)
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *, bootstrap: int = 2000) -> Path:
-    """Build the report of a run directory; returns the report directory."""
+    """Build the report of a run directory; returns the report directory.
+
+    Everything (figures, report.md, report.html, CSV, JSON) is built in a temporary folder beside
+    the report first and only then moved into place, so a failure leaves the previous report whole.
+    """
+    iters = check_bootstrap(bootstrap)
     run = load_run(run_dir)
     out = Path(out_dir or run.manifest.get("report") or f"reports/{run.name}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        (staging / "figures").mkdir()
+        report = ReportBuilder(run, staging, iters)
+        doc = report.build()
+        (staging / "report.md").write_text(doc.markdown(staging))
+        (staging / "report.html").write_text(doc.html())
+        report.write_data()
+        _move_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Move a built report over `out`: figures first, then the files that point at them; PNGs of
+    cells no longer in the suite go."""
     figures = out / "figures"
     figures.mkdir(parents=True, exist_ok=True)
-    for stale in figures.glob("*.png"):  # figures of cells no longer in the suite
-        stale.unlink()
-    report = ReportBuilder(run, out, bootstrap)
-    doc = report.build()
-    (out / "report.md").write_text(doc.markdown(out))
-    (out / "report.html").write_text(doc.html())
-    report.write_data()
-    return out
+    built = {p.name for p in (staging / "figures").glob("*.png")}
+    for name in sorted(built):
+        os.replace(staging / "figures" / name, figures / name)
+    for stale in figures.glob("*.png"):
+        if stale.name not in built:
+            stale.unlink()
+    for name in REPORT_FILES:
+        os.replace(staging / name, out / name)
 
 
 class ReportBuilder:
@@ -56,8 +94,17 @@ class ReportBuilder:
         # A (model, task) with unfinished cells gets no score: part of a split task would not be
         # comparable with the whole (its cells are listed as not finished).
         unfinished = {(c["model"], c["task"]) for c in run.manifest["cells"] if c["label"] in run.missing}
-        self.scores: list[Score] = [s for m in self.models for t in self.tasks if (m, t) not in unfinished
-                                    for s in group_scores(run.cells_of(m, t))]
+        self.scores: list[Score] = []
+        self.task_scores: dict[tuple[str, str], TaskScore] = {}
+        for m in self.models:
+            for t in self.tasks:
+                if (m, t) in unfinished:
+                    continue
+                scores = group_scores(run.cells_of(m, t))
+                self.scores += scores
+                total = task_score(run.cells_of(m, t), scores)
+                if total is not None:
+                    self.task_scores[(m, t)] = total
         self.reference = self._reference_model()
         self.differences: list[dict] = []
         self.niah_rows: list[dict] = []
@@ -100,12 +147,26 @@ class ReportBuilder:
         rows = []
         for task in self.tasks:
             rows.append([task] + [_fmt(self._average(model, task)) for model in self.models])
-        if len(self.tasks) > 1:
-            rows.append(["**Average**"] + [_fmt(_mean([self._average(m, t) for t in self.tasks]))
-                                           for m in self.models])
-        doc.table(["task"] + self.models, rows,
-                  "Each task's score (its table's average where it has several subtasks); "
-                  "methods as columns.")
+        caption = ("Each task's score (its table's group score or average where it has several "
+                   "subtasks); methods as columns.")
+        common, averages = self._summary_average()
+        if len(self.tasks) > 1 and common:
+            label = ("**Average**" if len(common) == len(self.tasks) else
+                     f"**Average** ({len(common)} of {len(self.tasks)} tasks, those every method has)")
+            rows.append([label] + [_fmt(averages[m]) for m in self.models])
+            if len(common) < len(self.tasks):
+                caption += (" The average is over the tasks every method has a score for: "
+                            + ", ".join(f"`{t}`" for t in common) + ".")
+        elif len(self.tasks) > 1:
+            caption += " No task has a score for every method, so there is no overall average."
+        doc.table(["task"] + self.models, rows, caption)
+
+    def _summary_average(self) -> tuple[list[str], dict[str, float | None]]:
+        """The tasks every model has a score for, and each model's unweighted mean over them: a
+        column missing a task is not averaged over fewer tasks than the others."""
+        common = [t for t in self.tasks if all(self._average(m, t) is not None for m in self.models)]
+        return common, {m: (float(np.mean([self._average(m, t) for t in common])) if common else None)
+                        for m in self.models}
 
     def _task_section(self, doc: Document, task: str) -> None:
         subtasks = self._subtasks(task)
@@ -123,12 +184,21 @@ class ReportBuilder:
                                             "metric": score.metric, "value": score.value,
                                             "stderr": score.stderr, "n": score.n})
             rows.append(row)
+        total = self._task_total(task)
         if len(subtasks) > 1:
-            rows.append(["**Average**"] + [_fmt(self._average(m, task)) for m in models])
+            rows.append([self._total_label(task)] + [_fmt(self._average(m, task)) for m in models])
+            for m in models:
+                score = self.task_scores.get((m, task))
+                if score is not None:
+                    self.table_rows.append({"task": task, "subtask": "average" if score.group is None
+                                            else score.group, "model": m, "metric": score.metric,
+                                            "value": score.value, "stderr": score.stderr, "n": score.n,
+                                            "aggregate": score.description})
         n = sorted({s.n for s in self.scores if s.task == task and s.n is not None})
+        how = f" The last row is {total.description}." if total is not None and len(subtasks) > 1 else ""
         doc.table(["task"] + models, rows,
                   f"Metric {', '.join(f'`{m}`' for m in metrics)}; documents per subtask: "
-                  f"{', '.join(map(str, n)) or '?'}.")
+                  f"{', '.join(map(str, n)) or '?'}.{how}")
         self._difference_table(doc, task, subtasks)
 
     def _difference_table(self, doc: Document, task: str, subtasks: list[str]) -> None:
@@ -142,15 +212,23 @@ class ReportBuilder:
                 self._pair(task, subtasks, a, b)
         rows = []
         for sub in subtasks + (["average"] if len(subtasks) > 1 else []):
-            row = ["**Average**" if sub == "average" else sub]
+            row = [self._total_label(task) if sub == "average" else sub]
             for model in others:
                 d = self._find_difference(task, sub, reference, model)
                 row.append("n/a" if d is None else _interval(d))
             rows.append(row)
+        total = self._task_total(task)
+        how = ""
+        if len(subtasks) > 1 and total is not None:
+            how = (f" The last row is the difference of the task scores ({total.description}), "
+                   "resampling each subtask's documents with the same weights."
+                   if total.weights is not None else
+                   " lm-eval's group score could not be split into weighted subtasks, so it has no "
+                   "interval (n/a).")
         doc.table(["task"] + [f"{m} - {reference}" for m in others], rows,
                   f"Difference to `{reference}` with a paired bootstrap 95% interval over the same "
                   f"documents ({self.iters} resamples); an interval that contains 0 is not a "
-                  "measurable difference.")
+                  f"measurable difference.{how}")
 
     def _pair(self, task: str, subtasks: list[str], a: str, b: str) -> None:
         cell_a, cell_b = self.run.cells_of(a, task), self.run.cells_of(b, task)
@@ -168,15 +246,19 @@ class ReportBuilder:
             arr_a, arr_b = np.array([va[i] for i in common]), np.array([vb[i] for i in common])
             aligned.append((sub, arr_a, arr_b))
             self._add_difference(task, sub, a, b, [arr_a], [arr_b], score.metric)
-        if len(subtasks) > 1 and len(aligned) == len(subtasks):
+        total = self.task_scores.get((a, task))
+        if len(subtasks) > 1 and len(aligned) == len(subtasks) and total is not None \
+                and total.weights is not None:
             self._add_difference(task, "average", a, b, [x[1] for x in aligned], [x[2] for x in aligned],
-                                 "average")
+                                 total.metric, weights=[total.weights[x[0]] for x in aligned],
+                                 aggregate=total.description)
 
-    def _add_difference(self, task, sub, a, b, arr_a, arr_b, metric) -> None:
-        diff, low, high = paired_bootstrap(arr_a, arr_b, iters=self.iters, seed=0)
+    def _add_difference(self, task, sub, a, b, arr_a, arr_b, metric, weights=None, aggregate="") -> None:
+        diff, low, high = paired_bootstrap(arr_a, arr_b, iters=self.iters, seed=0, weights=weights)
         self.differences.append({"task": task, "subtask": sub, "a": a, "b": b, "metric": metric,
                                  "difference": diff, "low": low, "high": high,
-                                 "n": int(sum(len(x) for x in arr_a)), "iters": self.iters})
+                                 "n": int(sum(len(x) for x in arr_a)), "iters": self.iters,
+                                 "aggregate": aggregate})
 
     def _find_difference(self, task, sub, a, b) -> dict | None:
         """The difference b - a, flipping a stored a - b if the pair was computed the other way."""
@@ -186,7 +268,8 @@ class ReportBuilder:
             if (d["a"], d["b"]) == (a, b):
                 return d
             if (d["a"], d["b"]) == (b, a):
-                return d | {"difference": -d["difference"], "low": -d["high"], "high": -d["low"]}
+                return d | {"difference": _neg(d["difference"]), "low": _neg(d["high"]),
+                            "high": _neg(d["low"])}
         return None
 
     # ------------------------------------------------------------ NIAH
@@ -336,18 +419,28 @@ class ReportBuilder:
             results = cells[0].results if cells else {}
             shots = sorted({str(v) for v in results.get("n-shot", {}).values()})
             gen = _generation_kwargs(results)
-            per_subtask = defaultdict(int)  # documents summed over the cells of a split task
-            for c in cells:
-                for sub, counts in c.results.get("n-samples", {}).items():
-                    per_subtask[sub] += counts.get("effective") or 0
-            docs = sorted({str(v) for v in per_subtask.values()})
+            docs = self._documents(task)
             limit = cells[0].config.get("limit") if cells else None
             rows.append([task, f"`{spec['task']}`", ", ".join(shots) or "0", gen,
                          "yes" if spec.get("apply_chat_template") else "no",
-                         f"{', '.join(docs)}" + (f" (limit {limit})" if limit else ""),
+                         docs + (f" (limit {limit})" if limit else ""),
                          json.dumps(spec["metadata"], sort_keys=True) if spec.get("metadata") else ""])
         doc.table(["task", "lm-eval task", "shots", "sampling", "chat template", "documents", "metadata"],
-                  rows, "Tasks")
+                  rows, "Tasks; documents per subtask and method (the parts of a split task summed)")
+
+    def _documents(self, task: str) -> str:
+        """Documents per subtask of one method, summed over the parts of a split task only; where
+        methods ran different numbers, each method's."""
+        counts = {}
+        for model in self._models_of(task):
+            per_subtask = defaultdict(int)
+            for c in self.run.cells_of(model, task):
+                for sub, n in c.results.get("n-samples", {}).items():
+                    per_subtask[sub] += n.get("effective") or 0
+            counts[model] = ", ".join(sorted({str(v) for v in per_subtask.values()}, key=int))
+        if len(set(counts.values())) <= 1:
+            return next(iter(counts.values()), "")
+        return "differs by method: " + "; ".join(f"{m} {v or '?'}" for m, v in counts.items())
 
     def _environment_section(self, doc: Document) -> None:
         env = self.run.manifest.get("environment", {})
@@ -370,9 +463,15 @@ class ReportBuilder:
         _write_csv(self.out / "differences.csv", self.differences)
         _write_csv(self.out / "niah.csv", self.niah_rows)
         _write_csv(self.out / "activated_tokens.csv", self.activation_rows)
+        common, averages = self._summary_average()
         data = {"suite": self.run.name, "suite_hash": self.run.manifest.get("suite_hash"),
                 "reference": self.reference, "models": self.models, "tasks": self.tasks,
                 "averages": {t: {m: self._average(m, t) for m in self.models} for t in self.tasks},
+                "task_scores": {t: {m: {"value": s.value, "metric": s.metric, "stderr": s.stderr, "n": s.n,
+                                        "aggregate": s.description, "weights": s.weights}
+                                    for m in self.models if (s := self.task_scores.get((m, t)))}
+                                for t in self.tasks},
+                "summary_average": {"tasks": common, "values": averages},
                 "scores": self.table_rows, "differences": self.differences, "niah": self.niah_rows,
                 "activated_tokens": self.activation_rows, "missing_cells": self.run.missing,
                 "environment": self.run.manifest.get("environment")}
@@ -403,10 +502,22 @@ class ReportBuilder:
         return next((s for s in self.scores if (s.model, s.task, s.subtask) == (model, task, subtask)), None)
 
     def _average(self, model: str, task: str) -> float | None:
+        """The (model, task)'s score: lm-eval's group aggregate where the task has one, else the
+        unweighted mean of its subtasks; None where a subtask has no score."""
         values = [self._score(model, task, sub) for sub in self._subtasks(task)]
         if not values or any(v is None for v in values):
             return None
-        return float(np.mean([v.value for v in values]))
+        score = self.task_scores.get((model, task))
+        return None if score is None else score.value
+
+    def _task_total(self, task: str) -> TaskScore | None:
+        return next((self.task_scores[(m, task)] for m in self.models if (m, task) in self.task_scores), None)
+
+    def _total_label(self, task: str) -> str:
+        total = self._task_total(task)
+        if total is None or total.group is None:
+            return "**Average**"
+        return f"**{total.group}** (lm-eval group)"
 
 
 def _part_key(part) -> tuple:
@@ -428,12 +539,24 @@ def _generation_kwargs(results: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in shown.items())
 
 
+def _neg(value: float) -> float:
+    return -value + 0.0  # + 0.0: a zero stays +0.0, not -0.0
+
+
+def _signed(value: float) -> str:
+    text = f"{value:+.3f}"
+    return "+0.000" if text == "-0.000" else text  # a difference that rounds to zero has no sign
+
+
 def _interval(d: dict) -> str:
-    return f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+    return f"{_signed(d['difference'])} [{_signed(d['low'])}, {_signed(d['high'])}]"
 
 
 def _fmt(value: float | None) -> str:
-    return "" if value is None else f"{value:.3f}"
+    if value is None:
+        return ""
+    text = f"{value:.3f}"
+    return "0.000" if text == "-0.000" else text
 
 
 def _mean(values: list) -> float | None:

@@ -42,3 +42,28 @@ def test_several_subtasks_average_their_means_and_interval_covers_truth():
 def test_empty_input_is_an_error():
     with pytest.raises(ValueError):
         paired_bootstrap([np.array([])], [np.array([])])
+
+
+def test_size_weights_give_the_pooled_mean_of_all_documents():
+    """weights proportional to the subtask sizes: the statistic is lm-eval's weight_by_size group
+    score, the mean over all documents pooled, and its interval is around it."""
+    rng = np.random.default_rng(2)
+    a = [rng.binomial(1, 0.5, 40).astype(float), rng.binomial(1, 0.5, 160).astype(float)]
+    b = [x.copy() for x in a]
+    b[1][:40] = 1 - b[1][:40]
+    diff, low, high = paired_bootstrap(a, b, iters=1000, weights=[40, 160])
+    assert diff == pytest.approx((np.concatenate(b) - np.concatenate(a)).mean())
+    assert low <= diff <= high
+    equal = paired_bootstrap(a, b, iters=1000)
+    assert equal[0] == pytest.approx(np.mean([(y - x).mean() for x, y in zip(a, b, strict=True)]))
+
+
+@pytest.mark.parametrize("iters", [0, -5])
+def test_no_resamples_is_an_error(iters):
+    with pytest.raises(ValueError, match="iters >= 1"):
+        paired_bootstrap([np.array([1.0])], [np.array([0.0])], iters=iters)
+
+
+def test_weights_must_match_the_subtasks():
+    with pytest.raises(ValueError, match="weight per subtask"):
+        paired_bootstrap([np.array([1.0])], [np.array([0.0])], weights=[1.0, 2.0])
