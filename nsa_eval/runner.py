@@ -62,7 +62,7 @@ def run_suite(suite: Suite, run_dir: str | Path | None = None, *, limit: int | N
     """Evaluate every cell that is not done yet; return how many were computed and skipped.
 
     `device` overrides every model's device (placement is not hashed, so finished cells still
-    count). `lm_factory(model_spec) -> lm_eval LM` replaces the default `build_lm` (tests).
+    count). `lm_factory(model_spec) -> lm_eval LM` replaces the default `LMFactory` (tests).
     """
     from tqdm.auto import tqdm
 
@@ -74,7 +74,7 @@ def run_suite(suite: Suite, run_dir: str | Path | None = None, *, limit: int | N
     todo = [c for c in cells if not is_done(cell_dir(run_dir, c))]
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=f"{suite.name} cells",
                unit="cell", disable=not progress)
-    factory = lm_factory or LMFactory()
+    factory = lm_factory or LMFactory(seed=suite.seed)
     for model, model_cells in groupby(todo, key=lambda c: c.model):
         bar.set_postfix_str(f"loading {model.label}")
         lm = factory(model)
@@ -196,11 +196,18 @@ def _jsonable(obj: Any):
 
 
 class LMFactory:
-    """Builds the lm-eval LM of one model variant: the `nsa-eval` adapter, or lm-eval's vllm."""
+    """Builds the lm-eval LM of one model variant: the `nsa-eval` adapter, or lm-eval's vllm.
+
+    `seed` (the suite's) seeds the vllm engine; the adapter's sampling is seeded per cell by
+    `simple_evaluate`.
+    """
+
+    def __init__(self, seed: int = 1234):
+        self.seed = seed
 
     def __call__(self, model: ModelSpec):
         if model.backend == "vllm":
-            return build_vllm_lm(model)
+            return build_vllm_lm(model, seed=self.seed)
         return self._build_adapter(model)
 
     def _build_adapter(self, model: ModelSpec):
@@ -215,7 +222,8 @@ def vllm_model_args(model: ModelSpec, seed: int = 1234) -> dict:
     """lm-eval `vllm` model_args for a full-attention entry (`backend: vllm`).
 
     The entry's `vllm:` mapping passes engine arguments through (tensor_parallel_size,
-    data_parallel_size, gpu_memory_utilization, ...) and wins over the derived ones.
+    data_parallel_size, gpu_memory_utilization, ...) and wins over the derived ones. `seed` is the
+    suite's seed. Every argument but the placement ones (suite.VLLM_PLACEMENT) is in the cell key.
     """
     if model.attention != "full":
         raise UsageError(f"model {model.label!r}: backend vllm runs full attention only")
@@ -227,7 +235,7 @@ def vllm_model_args(model: ModelSpec, seed: int = 1234) -> dict:
     return args | model.vllm
 
 
-def build_vllm_lm(model: ModelSpec):
+def build_vllm_lm(model: ModelSpec, seed: int = 1234):
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -235,7 +243,7 @@ def build_vllm_lm(model: ModelSpec):
                          "(pip install 'lm-eval[vllm]' on a CUDA machine); use backend: hf")
     from lm_eval.api.registry import get_model
 
-    return get_model("vllm").create_from_arg_obj(vllm_model_args(model))
+    return get_model("vllm").create_from_arg_obj(vllm_model_args(model, seed=seed))
 
 
 def _resolve_checkpoint_path(pretrained: str) -> str:

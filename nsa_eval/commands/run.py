@@ -23,13 +23,24 @@ def register(subparsers) -> None:
 
 
 def handle(args) -> int:
+    import sys
+    from pathlib import Path
+
     from nsa_eval.errors import UsageError
     from nsa_eval.suite import check_suite, load_suite
 
     if args.limit is not None and args.limit <= 0:
         raise UsageError(f"--limit: expected a positive integer, got {args.limit}")
     suite = load_suite(args.suite)
-    check_suite(suite)
+    for flag, given, default in (("--output", args.output, suite.output),
+                                 ("--report-dir", args.report_dir, suite.report)):
+        folder = Path(given or default)
+        if folder.exists() and not folder.is_dir():
+            where = flag if given else f"{args.suite}: {flag.lstrip('-').replace('-dir', '')}"
+            raise UsageError(f"{where}: {str(folder)!r} is a file; expected a directory (or a path "
+                             "that does not exist yet)")
+    for warning in check_suite(suite, device=args.device, runs_here=True):
+        print(f"nsa-eval: warning: {warning}", file=sys.stderr)
     suite.cells(limit=args.limit, only=args.only)  # an --only that matches nothing fails here
 
     from nsa_eval.runner import run_suite

@@ -12,15 +12,23 @@ def register(subparsers) -> None:
     parser.add_argument("suite", help="a suite YAML file, e.g. configs/quickstart.yaml")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (as for run)")
     parser.add_argument("--only", default=None, help="glob over 'MODEL/TASK' cell names (as for run)")
+    parser.add_argument("--device", default=None,
+                        help="check as `run --device D` would (and that this machine has it)")
     parser.set_defaults(handler=handle)
 
 
 def handle(args) -> int:
+    """A device this machine lacks (cuda on a CPU machine) is a warning, not an error: a suite may
+    be validated on a laptop for a GPU machine. With --device, the device must exist here."""
+    import sys
+
     from nsa_eval.suite import check_suite, load_suite
 
     suite = load_suite(args.suite)
-    check_suite(suite)
+    warnings = check_suite(suite, device=args.device, runs_here=args.device is not None)
     cells = suite.cells(limit=args.limit, only=args.only)
+    for warning in warnings:
+        print(f"nsa-eval: warning: {warning}", file=sys.stderr)
     print(f"{args.suite}: suite {suite.name!r} is valid: {len(suite.models)} models x "
           f"{len(suite.tasks)} tasks = {len(cells)} cells")
     for cell in cells:
