@@ -35,6 +35,7 @@ from lm_eval.models.huggingface import HFLM
 from nsa_eval.errors import UsageError
 from nsa_eval.models.loading import (
     attention_stats,
+    attention_stats_paused,
     is_nsa_model,
     load_for_eval,
     reset_attention_stats,
@@ -148,6 +149,7 @@ class NSAEvalLM(HFLM):
         self.pretrained = pretrained  # a name again, for get_model_info and the results' config
         self.attention, self.truncation_mode = str(attention), truncation
         self._merged_stats: dict | None = None
+        self._row_lengths: list[int] | None = None  # real lengths of the next right-padded batch
         if accelerator is not None:  # HFLM sets up data parallelism only for models it loads itself
             self.accelerator = accelerator
             self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
@@ -188,14 +190,62 @@ class NSAEvalLM(HFLM):
                 self._merged_stats = merge_stats(stats)
         return gathered
 
+    def _detect_batch_size(self, requests=None, pos: int = 0):
+        """HFLM's probe (`batch_size=auto`) runs dummy batches through the model: not counted."""
+        with attention_stats_paused(self.model):
+            return super()._detect_batch_size(requests, pos)
+
     # --- forward passes ---
 
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """HFLM's, with each batch's real row lengths handed to `_model_call`.
+
+        HFLM right-pads a batch (`pad_and_concat`) and calls the model without an attention mask;
+        the padding does not change the real positions' logits (causal attention), but the model
+        would count the padding queries in the activated-token statistics. Recording the lengths
+        of the rows `pad_and_concat` receives lets `_model_call` pass a right-padding mask.
+        """
+        import lm_eval.models.huggingface as hf_module
+
+        original = hf_module.pad_and_concat
+
+        def pad_and_concat(max_length, tensors, padding_side="right"):
+            if padding_side == "right":  # the causal batch of the next _model_call
+                self._row_lengths = [int(t.shape[-1]) for t in tensors]
+            return original(max_length, tensors, padding_side)
+
+        hf_module.pad_and_concat = pad_and_concat
+        try:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        finally:
+            hf_module.pad_and_concat = original
+            self._row_lengths = None
+
+    def _padding_mask(self, inps: torch.Tensor) -> torch.Tensor | None:
+        """`[B, T]` mask of the real tokens of a right-padded batch from `_loglikelihood_tokens`, or None."""
+        lengths, self._row_lengths = self._row_lengths, None
+        B, T = inps.shape
+        if lengths is None or len(lengths) != B or max(lengths) != T or min(lengths) == T:
+            return None
+        lengths = torch.tensor(lengths, device=inps.device)
+        return (torch.arange(T, device=inps.device)[None, :] < lengths[:, None]).long()  # [B, T]
+
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
-        """inps `[B, T]` -> logits `[B, T, V]`; an NSA model skips building a cache it will not use."""
+        """inps `[B, T]` -> logits `[B, T, V]`; an NSA model skips building a cache it will not use.
+
+        A right-padded loglikelihood batch gets its padding mask, so the padding positions are not
+        counted as queries (their logits are discarded; the real positions' are unchanged).
+        """
+        mask = self._padding_mask(inps) if attn_mask is None and labels is None else None
         if not is_nsa_model(self.model):
-            return super()._model_call(inps, attn_mask, labels)
+            if mask is None:
+                return super()._model_call(inps, attn_mask, labels)
+            with (torch.no_grad(),
+                  torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                 enabled=self.mixed_precision_dtype is not None)):
+                return self.model(inps, attention_mask=mask).logits
         with torch.no_grad():
-            return self.model(inps, use_cache=False).logits
+            return self.model(inps, attention_mask=mask, use_cache=False).logits
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
         """NSA takes no padding: a left-padded batch is generated row by row and padded back together."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,14 +115,47 @@ def resolve_checkpoint(pretrained: str | os.PathLike) -> Path | str:
         if not (path / "config.json").is_file():
             raise UsageError(f"{path}: not a checkpoint directory (no config.json)")
         return path
-    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1  # hub names: org/name
+    # hub names are `name` or `org/name`; `dir/name` under an existing local `dir` is a path too
+    looks_like_path = (name.startswith((".", "/", "~")) or name.count("/") > 1
+                       or (name.count("/") == 1 and path.parent.is_dir()))
     if looks_like_path or path.exists():
         raise UsageError(f"checkpoint directory {name!r} does not exist; expected a directory with "
                          f"config.json, a hub name, or one of: {', '.join(KNOWN_CHECKPOINTS)}")
     if _offline():
         raise UsageError(f"{name!r} is not a local directory and the hub is offline (HF_HUB_OFFLINE); "
                          f"expected a directory with config.json or one of: {', '.join(KNOWN_CHECKPOINTS)}")
+    if not _valid_hub_name(name):
+        raise UsageError(f"{name!r} is neither a local directory nor a valid hub name; expected a "
+                         f"directory with config.json, a hub name `org/name`, or one of: "
+                         f"{', '.join(KNOWN_CHECKPOINTS)}")
     return name  # a hub name
+
+
+def _valid_hub_name(name: str) -> bool:
+    try:
+        from huggingface_hub.utils import validate_repo_id
+    except ImportError:  # pragma: no cover  (transformers always brings huggingface_hub)
+        return True
+    try:
+        validate_repo_id(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _hub_config(name: str) -> dict:
+    """config.json of a hub model as a dict; UsageError (one line) when it cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name).to_dict()  # online hub lookup
+    except (OSError, ValueError) as err:  # not on the hub, no network, offline mode, unknown model_type
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(
+            f"checkpoint {name!r} is neither a local directory nor readable from the hub (offline, or no "
+            f"such model: {reason}); expected a directory with config.json, a hub name `org/name`, or one "
+            f"of: {', '.join(KNOWN_CHECKPOINTS)}"
+        ) from None
 
 
 def inspect_checkpoint(pretrained: str | os.PathLike) -> Resolved:
@@ -134,9 +168,7 @@ def inspect_checkpoint(pretrained: str | os.PathLike) -> Resolved:
         except ValueError as err:
             raise UsageError(f"{config_file}: not valid JSON ({err})") from None
     else:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(location).to_dict()  # online hub lookup
+        config = _hub_config(location)
     model_type = config.get("model_type")
     if model_type == NSA_MODEL_TYPE:
         check_nsa_config(config, str(location))
@@ -300,3 +332,27 @@ def reset_attention_stats(model) -> None:
     from nsa_eval.methods import reset_attention_stats as reset_method_stats
 
     reset_method_stats(model)
+
+
+@contextmanager
+def attention_stats_paused(model):
+    """Forward passes inside the block leave the statistics as they were (saved, then restored).
+
+    For probes that are not part of an evaluation, such as lm-eval's batch-size detection.
+    """
+    if is_nsa_model(model):
+        with model.activation_stats_paused():
+            yield
+        return
+    from nsa_eval.methods import CONTROLLER_ATTRIBUTE
+
+    controller = getattr(model, CONTROLLER_ATTRIBUTE, None)
+    if controller is None:  # no method applied: nothing is counted
+        yield
+        return
+    saved = controller.stats
+    controller.stats = type(saved)()
+    try:
+        yield
+    finally:
+        controller.stats = saved

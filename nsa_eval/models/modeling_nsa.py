@@ -22,6 +22,8 @@ Where RoPE sits relative to compression (the paper does not say):
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -139,6 +141,7 @@ class NSAAttention(nn.Module):
         self.compress_k = BlockCompressor(config, Dk)
         self.compress_v = BlockCompressor(config, Dv)
         self.o_proj = nn.Linear(Hq * Dv, C, bias=False)
+        self.selected_tokens: torch.Tensor | None = None  # [B, T, Hkv] of the last call (num_local = 0)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.Dk, self.config.rope_theta, dtype)
@@ -186,6 +189,12 @@ class NSAAttention(nn.Module):
         return dict(q=q, k=k, v=v, k_cmp_in=k_cmp_in, v_cmp_in=v_cmp_in, k_swa=k_swa, v_swa=v_swa,
                     g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa)
 
+    @property
+    def counts_selected_blocks(self) -> bool:
+        """With num_local = 0 the query's own block competes on score, so the selected-token count
+        depends on the data: the layer then counts the tokens of the blocks the kernel selected."""
+        return self.config.num_local == 0
+
     def kernel_kwargs(self) -> dict:
         kwargs = self.config.nsa_kwargs()
         kwargs["window"] = max(kwargs["window"], 1)  # window 0 runs a 1-token window gated by 0
@@ -200,12 +209,20 @@ class NSAAttention(nn.Module):
         else:
             k_cmp, v_cmp = self.compress(p["k_cmp_in"], p["v_cmp_in"], 0)  # [B, Tc, Hkv, D]
         k_cmp, v_cmp = k_cmp.to(p["v"].dtype), v_cmp.to(p["v"].dtype)  # the MLP compressor may autocast
-        return nsa_attention(p["q"], p["k"], p["v"], k_cmp, v_cmp, p["g_cmp"], p["g_slc"], p["g_swa"],
-                             k_swa=p["k_swa"], v_swa=p["v_swa"], **self.kernel_kwargs())
+        out = nsa_attention(p["q"], p["k"], p["v"], k_cmp, v_cmp, p["g_cmp"], p["g_slc"], p["g_swa"],
+                            k_swa=p["k_swa"], v_swa=p["v_swa"],
+                            return_block_indices=self.counts_selected_blocks, **self.kernel_kwargs())
+        if not self.counts_selected_blocks:
+            return out
+        o, blocks = out  # blocks [B, T, Hkv, n]
+        T = p["q"].shape[1]
+        self.selected_tokens = selected_tokens(torch.arange(T, device=blocks.device), blocks,
+                                               self.config.select_size)  # [B, T, Hkv]
+        return o
 
     def decode(self, p: dict, cache: NSACache) -> torch.Tensor:
         """T new queries after S cached tokens, one at a time through nsa_decode: `[B, T, Hq, Dv]`."""
-        outputs = []
+        outputs, counts = [], []
         for t in range(p["q"].shape[1]):
             step = {name: None if x is None else x[:, t : t + 1] for name, x in p.items()}
             layer = cache.update(self.layer_idx, step["k"], step["v"], step["k_cmp_in"], step["v_cmp_in"],
@@ -214,9 +231,16 @@ class NSAAttention(nn.Module):
             # one dtype for the kernel, even if the cache was filled under another autocast setting
             k, v, k_cmp, v_cmp, k_swa, v_swa = (None if x is None else x.to(step["v"].dtype) for x in (
                 layer.k, layer.v, k_cmp, v_cmp, layer.k_swa, layer.v_swa))
-            outputs.append(nsa_decode(step["q"], k, v, k_cmp, v_cmp, step["g_cmp"], step["g_slc"],
-                                      step["g_swa"], k_swa=k_swa, v_swa=v_swa,
-                                      **self.kernel_kwargs()))  # [B, 1, Hq, Dv]
+            out = nsa_decode(step["q"], k, v, k_cmp, v_cmp, step["g_cmp"], step["g_slc"], step["g_swa"],
+                             k_swa=k_swa, v_swa=v_swa, return_block_indices=self.counts_selected_blocks,
+                             **self.kernel_kwargs())  # [B, 1, Hq, Dv]
+            if self.counts_selected_blocks:
+                out, blocks = out  # blocks [B, 1, Hkv, n]
+                position = torch.full((1,), k.shape[1] - 1, device=blocks.device)
+                counts.append(selected_tokens(position, blocks, self.config.select_size))  # [B, 1, Hkv]
+            outputs.append(out)
+        if counts:
+            self.selected_tokens = torch.cat(counts, dim=1)  # [B, T, Hkv]
         return torch.cat(outputs, dim=1)  # [B, T, Hq, Dv]
 
     def _compressed(self, layer, p: dict):
@@ -307,21 +331,37 @@ def activated_tokens(positions: torch.Tensor, config: NSAConfig) -> dict[str, to
 
     compressed: blocks complete by the query, 0 if t + 1 < l else (t + 1 - l) // d + 1;
     selected: the raw tokens of min(n, blocks so far) selection blocks, the query's own block
-    (always selected when num_local >= 1) counting only its first t mod l' + 1 tokens;
+    counting only its first t mod l' + 1 tokens. Exact when num_local >= 1 (the own block is always
+    selected) or when the query has at most n blocks (all are selected). With num_local = 0 and more
+    than n blocks the own block competes on score, so the count depends on the data: this gives the
+    upper bound n * l' (own block not selected); the model counts the blocks its kernel selected
+    instead (`selected_tokens`).
     window: min(w, t + 1). `total` is their sum, the paper's Table 4 count (tokens in both the
     window and a selected block count twice, as they are loaded twice).
     """
     t = positions.long()
-    l, d, ls = config.block_len, config.stride, config.select_size
+    l, d, ls, n = config.block_len, config.stride, config.select_size, config.num_selected
     seen = t + 1
     compressed = torch.where(seen < l, torch.zeros_like(t), torch.div(seen - l, d, rounding_mode="floor") + 1)
-    blocks = torch.clamp(torch.div(t, ls, rounding_mode="floor") + 1, max=config.num_selected)
-    if config.num_local >= 1:
-        selected = (blocks - 1) * ls + torch.remainder(t, ls) + 1
-    else:
-        selected = torch.minimum(blocks * ls, torch.div(t, ls, rounding_mode="floor") * ls)
+    available = torch.div(t, ls, rounding_mode="floor") + 1  # blocks starting at or before t
+    blocks = torch.clamp(available, max=n)
+    selected = (blocks - 1) * ls + torch.remainder(t, ls) + 1  # own block selected
+    if config.num_local == 0:
+        selected = torch.where(available <= n, selected, n * ls)
     window = torch.clamp(seen, max=config.window) if config.window > 0 else torch.zeros_like(t)
     return dict(compressed=compressed, selected=selected, window=window, total=compressed + selected + window)
+
+
+def selected_tokens(positions: torch.Tensor, block_indices: torch.Tensor, select_size: int) -> torch.Tensor:
+    """Raw tokens the selection branch reads: `block_indices` `[B, T, Hkv, n]` (the kernel's, -1 padded,
+    ascending) of queries at `positions` `[T]` -> `[B, T, Hkv]` int64, each block counting its tokens
+    up to the query (the kernel's token-level causal mask) and repeated blocks once."""
+    idx = block_indices.long()  # [B, T, Hkv, n]
+    t = positions.long().to(idx.device)[None, :, None, None]  # [1, T, 1, 1]
+    tokens = torch.clamp(t - idx * select_size + 1, min=0, max=select_size)  # [B, T, Hkv, n]
+    use = idx >= 0
+    use[..., 1:] &= idx[..., 1:] != idx[..., :-1]  # ascending: a repeat sits next to its first copy
+    return (tokens * use).sum(-1)  # [B, T, Hkv]
 
 
 BRANCHES = ("total", "compressed", "selected", "window")
@@ -386,14 +426,45 @@ class NSAModel(NSAPreTrainedModel):
             "block_len", "stride", "select_size", "num_selected", "num_init", "num_local", "window")}
         return summary
 
-    def _record(self, batch: int, positions: torch.Tensor, phase: str) -> None:
-        counts = activated_tokens(positions.cpu(), self.config)
-        copies = batch * self.config.num_attention_heads * self.config.num_hidden_layers
+    @contextmanager
+    def activation_stats_paused(self):
+        """Forward passes inside the block are not counted (e.g. lm-eval's batch-size probe)."""
+        saved = self._tallies
+        self._tallies = {}
+        try:
+            yield
+        finally:
+            self._tallies = saved
+
+    def _record(self, real: torch.Tensor, positions: torch.Tensor, phase: str,
+                selected: torch.Tensor | None = None) -> None:
+        """Tally the queries at `positions` `[T]` of the rows where `real` `[B, T]` is True.
+
+        `selected`: `[layers, B, T, Hkv]` selected tokens counted from the kernel's blocks, or None
+        for `activated_tokens`' formula (the same for every layer and head).
+        """
+        counts = activated_tokens(positions.cpu(), self.config)  # [T] each
+        real = real.cpu()
+        heads, layers = self.config.num_attention_heads, self.config.num_hidden_layers
         tally = self._tallies.setdefault(phase, dict.fromkeys(("queries", "max", *BRANCHES), 0))
-        tally["queries"] += copies * positions.numel()
-        for name in BRANCHES:
-            tally[name] += copies * int(counts[name].sum())
-        tally["max"] = max(tally["max"], int(counts["total"].max()))
+        rows = real.sum(0)  # [T] real rows per position
+        if not bool(rows.any()):
+            return
+        tally["queries"] += heads * layers * int(rows.sum())
+        for name in ("compressed", "window"):
+            tally[name] += heads * layers * int((counts[name] * rows).sum())
+        if selected is None:
+            tally["selected"] += heads * layers * int((counts["selected"] * rows).sum())
+            totals = counts["total"][rows > 0]  # [T']
+        else:
+            selected = selected.cpu().long()  # [L, B, T, Hkv]
+            group = heads // selected.shape[-1]  # query heads sharing each KV head's blocks
+            selected = selected * real[None, :, :, None]
+            tally["selected"] += group * int(selected.sum())
+            totals = (counts["compressed"] + counts["window"])[:, None] + selected  # [L, B, T, Hkv]
+            totals = totals[real[None, :, :, None].expand_as(totals)]
+        tally["total"] = tally["compressed"] + tally["selected"] + tally["window"]
+        tally["max"] = max(tally["max"], int(totals.max()))
 
     def forward(
         self,
@@ -406,12 +477,8 @@ class NSAModel(NSAPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, C]")
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise ValueError(
-                "NSAModel does not take padded batches (attention_mask has zeros): NSA blocks are fixed "
-                "token positions, so run rows of different lengths separately"
-            )
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, C]
+        B, T = x.shape[:2]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if cache is not None and not isinstance(cache, NSACache):
             if cache.get_seq_length() > 0:
@@ -419,11 +486,27 @@ class NSAModel(NSAPreTrainedModel):
             cache = None  # an empty cache of another kind (e.g. generate's DynamicCache): replace it
         if cache is None and use_cache:
             cache = NSACache(self.config.num_hidden_layers, self.config.block_len, self.config.stride)
+        real = torch.ones(B, T, dtype=torch.bool)  # [B, T] queries to count in the statistics
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            real = attention_mask[:, -T:].bool().cpu()
+            right_padded = bool((real.cummin(dim=1).values == real).all())  # ones, then only zeros
+            if cache is not None or not right_padded:
+                raise ValueError(
+                    "NSAModel does not take padded batches (attention_mask has zeros) except right padding "
+                    "without a cache (use_cache=False, as in scoring): NSA blocks are fixed token positions, "
+                    "so run rows of different lengths separately"
+                )
+            # right padding sits after every real token of its row: causal attention never reads it
         past = cache.get_seq_length() if cache is not None else 0
-        B, T = x.shape[:2]
-        self._record(B, torch.arange(past, past + T), "prefill" if T > 1 else "decode")
+        per_block = self.layers[0].attn.counts_selected_blocks if len(self.layers) else False
+        selected = []
         for layer in self.layers:
             x = layer(x, cache)
+            if per_block:
+                selected.append(layer.attn.selected_tokens)  # [B, T, Hkv]
+                layer.attn.selected_tokens = None
+        self._record(real, torch.arange(past, past + T), "prefill" if T > 1 else "decode",
+                     torch.stack(selected) if selected else None)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{CACHE_FIELD: cache})
 
 
@@ -453,6 +536,10 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
 
     def reset_activation_stats(self) -> None:
         self.model.reset_activation_stats()
+
+    def activation_stats_paused(self):
+        """Context manager: forward passes inside it are not counted."""
+        return self.model.activation_stats_paused()
 
     def forward(
         self,

@@ -140,3 +140,25 @@ def llama_config_dir(tmp_path_factory) -> Path:
                                                  "num_hidden_layers": 2, "num_attention_heads": 4,
                                                  "num_key_value_heads": 2, "vocab_size": 300}))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A saved random 2-layer Llama (GQA, 4 query heads over 2 KV heads) + tokenizer, for the baselines."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper attention, so a sparse method's choice changes the scores
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    out = tmp_path_factory.mktemp("llama_tiny")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -29,6 +29,30 @@ def test_missing_directory_lists_what_is_expected(tmp_path):
         resolve_checkpoint("some-org/some-model")  # tests run with HF_HUB_OFFLINE=1
 
 
+def test_missing_dir_slash_name_is_one_usage_error(tmp_path, monkeypatch):
+    """`dir/name` that does not exist: a UsageError naming the value, never a hub traceback."""
+    from huggingface_hub import constants
+
+    assert constants.HF_HUB_OFFLINE  # tests/conftest.py: nothing here may reach a hub
+    with pytest.raises(UsageError, match="'some/dir' is not a local directory and the hub is offline"):
+        inspect_checkpoint("some/dir")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpts").mkdir()  # an existing local parent: a path, refused without asking the hub
+    with pytest.raises(UsageError, match="checkpoint directory 'ckpts/my-nsa' does not exist"):
+        inspect_checkpoint("ckpts/my-nsa")
+    # as if online: an invalid hub name fails at once, a failed hub lookup becomes one UsageError
+    monkeypatch.setattr(loading, "_offline", lambda: False)
+    with pytest.raises(UsageError, match="'my dir/x' is neither a local directory nor a valid hub name"):
+        inspect_checkpoint("my dir/x")
+    with pytest.raises(
+        UsageError,
+        match=r"'some/dir' is neither a local directory nor readable from the hub "
+        r"\(offline.*expected a directory with config.json, a hub name",
+    ) as err:
+        inspect_checkpoint("some/dir")  # transformers honours HF_HUB_OFFLINE: OSError, no request
+    assert "\n" not in str(err.value)
+
+
 def test_bundled_checkpoint_not_there_yet(tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "CHECKPOINTS_DIR", tmp_path)
     with pytest.raises(UsageError, match="'nsa-tiny' is not bundled yet"):

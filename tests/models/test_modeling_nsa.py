@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nsa_eval.models.cache_nsa import NSACache, num_compressed
-from nsa_eval.models.modeling_nsa import CACHE_FIELD, NSAForCausalLM, activated_tokens
+from nsa_eval.models.modeling_nsa import CACHE_FIELD, NSAForCausalLM, activated_tokens, selected_tokens
 from tests.models.conftest import tiny_nsa_config
 
 LAYOUTS = {
@@ -139,9 +139,40 @@ def test_padded_batch_is_refused():
     model = build("paper")
     ids = torch.randint(0, 97, (2, 8))
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    mask[0, :3] = 0  # left padding
     with pytest.raises(ValueError, match="padded"):
         model(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="padded"):
+        model(ids, attention_mask=mask, use_cache=False)
+    right = torch.ones_like(ids)
+    right[0, 5:] = 0
+    with pytest.raises(ValueError, match="padded"):  # right padding would enter the cache
+        model(ids, attention_mask=right, use_cache=True)
+
+
+@pytest.mark.parametrize("num_init, num_local", [(1, 2), (0, 0)])
+def test_right_padding_without_cache_is_not_counted(num_init, num_local):
+    """Scoring a right-padded batch (lm-eval's loglikelihood): real positions' logits as unpadded,
+    and the statistics equal those of the rows run one by one at their real lengths."""
+    torch.manual_seed(0)
+    model = NSAForCausalLM(tiny_nsa_config(num_init=num_init, num_local=num_local)).eval()
+    ids = torch.randint(0, 97, (3, 30))
+    lengths = [30, 17, 5]
+    mask = (torch.arange(30)[None] < torch.tensor(lengths)[:, None]).long()
+    with torch.no_grad():
+        model.reset_activation_stats()
+        padded = model(ids, attention_mask=mask, use_cache=False).logits
+        batched = model.activation_stats()
+        model.reset_activation_stats()
+        rows = [model(ids[i : i + 1, :n], use_cache=False).logits for i, n in enumerate(lengths)]
+        separate = model.activation_stats()
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(padded[i, :n], rows[i][0], rtol=1e-5, atol=1e-5)
+    assert batched["queries"] == sum(lengths) * 4 * 2  # tokens * heads * layers
+    for key in ("queries", "max"):
+        assert batched[key] == separate[key]
+    assert batched["mean"] == pytest.approx(separate["mean"])
+    assert batched["mean_per_branch"] == pytest.approx(separate["mean_per_branch"])
 
 
 @pytest.mark.parametrize(
@@ -159,24 +190,84 @@ def test_config_rejects_inconsistent_fields(override, message):
         tiny_nsa_config(**override)
 
 
-def test_activated_tokens_match_the_kernel_selection():
-    """The statistic counts exactly the tokens the kernel's selection and window branches use."""
+@pytest.mark.parametrize("num_init, num_local", [(1, 2), (1, 1), (0, 0), (1, 0), (0, 2)])
+def test_activated_tokens_match_the_kernel_selection(num_init, num_local):
+    """The statistic counts exactly the tokens the kernel's selection and window branches use.
+
+    With num_local >= 1 the formula is exact. With num_local = 0 the query's own partial block
+    competes on score once it has more than n blocks, so the formula is exact only up to n blocks
+    and an upper bound after; `selected_tokens`, which the model uses then, counts the kernel's blocks.
+    """
     from nsa_eval.kernels import select_blocks
 
-    config = tiny_nsa_config()
-    T, l, d, ls = 70, config.block_len, config.stride, config.select_size
+    torch.manual_seed(0)
+    config = tiny_nsa_config(num_init=num_init, num_local=num_local)
+    T, l, d, ls, n = 70, config.block_len, config.stride, config.select_size, config.num_selected
     q = torch.randn(1, T, 4, 8)
     k_cmp = torch.randn(1, num_compressed(T, l, d), 2, 8)
-    blocks = select_blocks(q, k_cmp, block_len=l, stride=d, select_size=ls, num_selected=config.num_selected,
+    blocks = select_blocks(q, k_cmp, block_len=l, stride=d, select_size=ls, num_selected=n,
                            num_init=config.num_init, num_local=config.num_local, impl="reference")
     t = torch.arange(T)
     counts = activated_tokens(t, config)
-    starts = blocks[0, :, 0].long() * ls  # [T, n] (KV head 0)
-    valid = blocks[0, :, 0] >= 0
-    tokens = torch.clamp(t[:, None] - starts + 1, min=0, max=ls) * valid  # causal tokens per selected block
-    assert torch.equal(counts["selected"], tokens.sum(-1))
+    starts = blocks[0].long() * ls  # [T, Hkv, n]
+    valid = blocks[0] >= 0
+    tokens = (torch.clamp(t[:, None, None] - starts + 1, min=0, max=ls) * valid).sum(-1)  # [T, Hkv]
+    assert torch.equal(selected_tokens(t, blocks, ls)[0], tokens)
+    if num_local >= 1:
+        assert torch.equal(counts["selected"], tokens[:, 0]) and torch.equal(counts["selected"], tokens[:, 1])
+    else:
+        few = t // ls + 1 <= n  # at most n blocks: all selected, the own block included
+        assert torch.equal(counts["selected"][few], tokens[few, 0])
+        assert torch.equal(counts["selected"][few], t[few] + 1)
+        assert bool((counts["selected"][~few, None] >= tokens[~few]).all())
+        own_picked = (blocks[0] == (t // ls)[:, None, None]).any(-1)  # [T, Hkv]
+        assert bool(own_picked[~few].any()) and not bool(own_picked[~few].all())  # both cases occur
     assert torch.equal(counts["compressed"], torch.tensor([num_compressed(i + 1, l, d) for i in range(T)]))
     assert torch.equal(counts["window"], torch.clamp(t + 1, max=config.window))
+
+
+def test_model_counts_the_selected_blocks_when_num_local_is_0():
+    """num_local = 0: the model's statistic is the tokens of the blocks its kernel selected, per layer
+    and KV head (recomputed here from each layer's input), in prefill and in token-by-token decode."""
+    from nsa_eval.kernels import select_blocks
+
+    torch.manual_seed(0)
+    config = tiny_nsa_config(num_init=0, num_local=0)
+    model = NSAForCausalLM(config).eval()
+    with torch.no_grad():  # sharp compressed attention: the own partial block then sometimes wins
+        for layer in model.model.layers:
+            layer.attn.q_proj.weight.mul_(100)
+            layer.attn.compress_k.fc2.weight.mul_(100)
+    T, ls = 40, config.select_size
+    ids = torch.randint(0, 97, (2, T))
+    inputs = []
+    hooks = [layer.attn.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0])))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model.reset_activation_stats()
+        model(ids, use_cache=False)
+        prefill = model.activation_stats()
+        for h in hooks:
+            h.remove()
+        expected = 0
+        for attn, x in inputs:  # one per layer
+            p = attn.project(x, torch.arange(T))
+            k_cmp, _ = attn.compress(p["k_cmp_in"], p["v_cmp_in"], 0)
+            kwargs = {k: v for k, v in attn.kernel_kwargs().items() if k not in ("window", "impl")}
+            blocks = select_blocks(p["q"], k_cmp.to(p["q"].dtype), **kwargs, impl="reference")
+            heads_per_kv_head = 4 // 2
+            expected += int(selected_tokens(torch.arange(T), blocks, ls).sum()) * heads_per_kv_head
+        model.reset_activation_stats()
+        step_by_step_logits(model, ids, 1)
+        decode = model.activation_stats()
+    queries = 2 * T * 4 * 2  # batch * tokens * heads * layers
+    assert prefill["queries"] == queries
+    assert prefill["mean_per_branch"]["selected"] == pytest.approx(expected / queries)
+    formula = activated_tokens(torch.arange(T), config)["selected"].float().mean()
+    assert prefill["mean_per_branch"]["selected"] < formula  # the own block won somewhere (formula: bound)
+    assert decode["queries"] == queries
+    for key in ("mean", "max"):
+        assert decode[key] == pytest.approx(prefill[key])
 
 
 def test_activation_stats_paper_budget_at_32k():
