@@ -35,10 +35,10 @@ def trace_doc(model, tokenizer, doc: dict, device: str) -> dict:
     selections = []  # one int [T, Hkv, n] per layer
     plain = modeling_nsa.nsa_attention
 
-    def recording(*args, **kwargs):
+    def recording(*args, return_block_indices=False, **kwargs):
         out, idx = plain(*args, return_block_indices=True, **kwargs)
         selections.append(idx[0].cpu())
-        return out
+        return (out, idx) if return_block_indices else out  # the model asks for them itself at num_local=0
 
     modeling_nsa.nsa_attention = recording
     try:
