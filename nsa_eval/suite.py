@@ -751,27 +751,18 @@ def attention_names() -> list[str]:
 
 
 def _check_method_params(model: ModelSpec, key: str) -> None:
-    """Build the method's parameter object as apply_attention will, so a typo in `params` or an
-    impossible budget fails now rather than after the weights load."""
+    """Build the method's parameter object as apply_attention will (`methods.validate_params`, its
+    own code), so a typo in `params` or an impossible setting fails now rather than after the
+    weights load."""
     if model.attention in UNBUDGETED:
         return
-    import dataclasses as dc
+    from nsa_eval.methods import validate_params
 
-    from nsa_eval.methods import METHODS
-    from nsa_eval.methods.base import BudgetConfig
-
-    method_cls = METHODS.get(model.attention)
-    valid = sorted(f.name for f in dc.fields(method_cls))
-    unknown = sorted(set(model.params) - set(valid))
-    if unknown:
-        raise UsageError(f"{key}.params: unknown parameter(s) {', '.join(map(repr, unknown))} for "
-                         f"{model.attention!r}; expected some of: {', '.join(valid)}")
     try:
-        method_cls(**model.params).check(BudgetConfig(model.budget, model.sink, model.local,
-                                                      model.sparse_prefill, model.dense_layers))
-    except UsageError as err:
-        raise UsageError(f"{key}: {err}") from None
-    except (TypeError, ValueError) as err:
+        validate_params(model.attention, budget=model.budget, sink=model.sink, local=model.local,
+                        sparse_prefill=model.sparse_prefill, dense_layers=model.dense_layers,
+                        **model.params)
+    except (UsageError, TypeError, ValueError) as err:
         raise UsageError(f"{key}.params: {err}") from None
 
 
