@@ -171,3 +171,122 @@ def test_mismatched_fla_state_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(FLA_CONFIG))
     with pytest.raises(UsageError, match="no \\*.safetensors"):
         load_fla_model(tmp_path)
+
+
+# fla's NSAConfig defaults (fla/models/nsa/configuration_nsa.py lines 23-41 at fla 0.6.0 and at the model's
+# first commit 7229f4ae), written out here rather than read from convert_fla so a drift shows. Every field
+# below is given, with a value that is not fla's default, in FULL_FLA_CONFIG.
+FULL_FLA_CONFIG = dict(model_type="nsa", hidden_size=512, num_hidden_layers=2, num_heads=8, num_kv_heads=2,
+                       head_dim=16, qkv_bias=True, block_size=32, block_counts=8, window_size=128,
+                       rope_theta=500000.0, max_position_embeddings=4096, hidden_ratio=2,
+                       intermediate_size=1000, norm_eps=1e-5, vocab_size=61, tie_word_embeddings=True,
+                       bos_token_id=5, eos_token_id=6, pad_token_id=7)
+FLA_DEFAULT_CASES = [  # (fields left out of config.json, {NSAConfig attribute: what fla builds})
+    (["num_kv_heads"], {"num_key_value_heads": 4}),  # not num_heads (8)
+    (["window_size"], {"window": 512}),  # fla's window branch is on by default
+    (["head_dim"], {"head_dim": 32}),  # not hidden_size // num_heads (64)
+    (["qkv_bias"], {"attention_bias": False}),
+    (["block_size"], {"block_len": 64, "stride": 64, "select_size": 64}),
+    (["block_counts"], {"num_selected": 16}),
+    (["rope_theta"], {"rope_theta": 10000.0}),
+    (["norm_eps"], {"rms_norm_eps": 1e-6}),
+    (["intermediate_size"], {"intermediate_size": 768}),  # int(512 * 2 * 2/3) = 682, up to 256s
+    (["intermediate_size", "hidden_ratio"], {"intermediate_size": 1536}),  # hidden_ratio 4: 1365 -> 1536
+    (["max_position_embeddings"], {"max_position_embeddings": 2048}),
+    (["tie_word_embeddings"], {"tie_word_embeddings": False}),
+    (["bos_token_id", "eos_token_id", "pad_token_id"], {"bos_token_id": 1, "eos_token_id": 2,
+                                                        "pad_token_id": None}),
+]
+
+
+def write_fla_config(directory, cfg: dict):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return directory
+
+
+def config_from_file(directory):
+    return nsa_config_from_fla(json.loads((directory / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("dropped, expected", FLA_DEFAULT_CASES, ids=lambda x: "+".join(x) if
+                         isinstance(x, list) else None)
+def test_missing_field_takes_fla_default(tmp_path, dropped, expected):
+    cfg = {k: v for k, v in FULL_FLA_CONFIG.items() if k not in dropped}
+    config = config_from_file(write_fla_config(tmp_path, cfg))
+    assert {name: getattr(config, name) for name in expected} == expected
+    given = config_from_file(write_fla_config(tmp_path / "full", FULL_FLA_CONFIG))  # the field is read
+    assert {name: getattr(given, name) for name in expected} != expected
+
+
+def test_null_fields_as_fla_reads_them(tmp_path):
+    # fla/layers/nsa.py: num_kv_heads None -> num_heads; GatedMLP: hidden_ratio None -> 4
+    config = config_from_file(write_fla_config(tmp_path, dict(FULL_FLA_CONFIG, num_kv_heads=None,
+                                                              hidden_ratio=None, intermediate_size=None)))
+    assert (config.num_key_value_heads, config.intermediate_size) == (8, 1536)
+    config = config_from_file(write_fla_config(tmp_path, dict(FULL_FLA_CONFIG, window_size=0)))
+    assert config.window == 0
+
+
+def test_config_with_only_required_fields_loads_as_fla_builds_it(tmp_path):
+    cfg = dict(model_type="nsa", hidden_size=32, num_hidden_layers=1, num_heads=8, vocab_size=61)
+    full = dict(cfg, num_kv_heads=4, head_dim=32, block_size=64, block_counts=16, window_size=512,
+                rope_theta=10000.0, norm_eps=1e-6, intermediate_size=256)  # fla's defaults, spelled out
+    write_fla_config(tmp_path, cfg)
+    state = random_fla_state(full, seed=2)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model = load_fla_model(tmp_path)
+    assert (model.config.num_key_value_heads, model.config.window, model.config.select_size) == (4, 512, 64)
+    ids = torch.randint(0, 61, (1, 140))  # three blocks of 64, every key inside the 512-token window
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits, fla_forward(state, full, ids),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("num_kv_heads", 3, "a divisor of num_heads (8)"),
+    ("num_kv_heads", 0, "an integer >= 1 or null"),
+    ("num_heads", 8.0, "an integer >= 1"),
+    ("hidden_size", "512", "an integer >= 1"),
+    ("num_hidden_layers", True, "an integer >= 1"),
+    ("head_dim", None, "an even integer >= 2"),
+    ("head_dim", 15, "an even integer >= 2"),
+    ("block_size", 48, "a power of two >= 1"),
+    ("block_size", None, "a power of two >= 1"),
+    ("block_counts", 12, "a power of two >= 4"),
+    ("block_counts", 2, "a power of two >= 4"),
+    ("window_size", None, "an integer >= 0"),
+    ("window_size", -1, "an integer >= 0"),
+    ("window_size", 6.5, "an integer >= 0"),
+    ("rope_theta", None, "a number > 0"),
+    ("norm_eps", 0, "a number > 0"),
+    ("hidden_ratio", -2, "a number > 0"),
+    ("qkv_bias", "false", "true or false"),
+    ("tie_word_embeddings", 1, "true or false"),
+])
+def test_invalid_fla_config_is_refused_naming_file_field_value(tmp_path, field, value, expected):
+    write_fla_config(tmp_path, dict(FULL_FLA_CONFIG, **{field: value}))
+    with pytest.raises(UsageError) as err:
+        load_fla_model(tmp_path)  # refused before any weights are looked for
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'config.json'}: {field} is {value!r}, expected {expected}")
+    assert "\n" not in message
+
+
+def test_unusable_fla_config_file_is_refused(tmp_path):
+    cfg = {k: v for k, v in FULL_FLA_CONFIG.items() if k != "hidden_size"}
+    write_fla_config(tmp_path, cfg)
+    with pytest.raises(UsageError, match=r"config\.json: hidden_size is missing, expected an integer"):
+        load_fla_model(tmp_path)
+    write_fla_config(tmp_path, dict(FULL_FLA_CONFIG, model_type="llama"))
+    with pytest.raises(UsageError, match=r"config\.json: model_type is 'llama', expected 'nsa'"):
+        load_fla_model(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UsageError, match=r"config\.json: not readable as JSON"):
+        load_fla_model(tmp_path)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(UsageError, match=r"config\.json: expected a JSON object, got list"):
+        load_fla_model(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(UsageError, match="no config.json"):
+        load_fla_model(tmp_path)
