@@ -58,11 +58,13 @@ def is_done(folder: Path) -> bool:
 
 def run_suite(suite: Suite, run_dir: str | Path | None = None, *, limit: int | None = None,
               only: str | None = None, device: str | None = None, progress: bool = True,
-              lm_factory=None) -> RunSummary:
+              lm_factory=None, report_dir: str | Path | None = None) -> RunSummary:
     """Evaluate every cell that is not done yet; return how many were computed and skipped.
 
     `device` overrides every model's device (placement is not hashed, so finished cells still
     count). `lm_factory(model_spec) -> lm_eval LM` replaces the default `LMFactory` (tests).
+    `report_dir` is the report folder run.json records, where `nsa-eval report RUN_DIR` writes
+    (default: the suite's `report`; `run --output DIR` passes DIR/report).
     """
     from tqdm.auto import tqdm
 
@@ -70,7 +72,7 @@ def run_suite(suite: Suite, run_dir: str | Path | None = None, *, limit: int | N
     if device:
         cells = [dataclasses.replace(c, model=dataclasses.replace(c.model, device=device)) for c in cells]
     run_dir = Path(run_dir or suite.output)
-    write_manifest(run_dir, suite, suite.cells(limit=limit), device)
+    write_manifest(run_dir, suite, suite.cells(limit=limit), device, report_dir)
     todo = [c for c in cells if not is_done(cell_dir(run_dir, c))]
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=f"{suite.name} cells",
                unit="cell", disable=not progress)
@@ -133,13 +135,15 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_manifest(run_dir: Path, suite: Suite, cells: list[Cell], device: str | None) -> None:
+def write_manifest(run_dir: Path, suite: Suite, cells: list[Cell], device: str | None,
+                   report_dir: str | Path | None = None) -> None:
+    """run.json: what ran, and the report folder that `nsa-eval report RUN_DIR` defaults to."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if suite.source:
         write_atomic(run_dir / "suite.yaml", suite.source)
     manifest = {
         "suite": suite.name, "suite_path": suite.path, "suite_hash": suite.hash,
-        "description": suite.description, "report": suite.report, "seed": suite.seed,
+        "description": suite.description, "report": str(report_dir or suite.report), "seed": suite.seed,
         "cells": [{"key": c.key[:16], "label": c.label, "model": c.model.label, "task": c.task.label,
                    "part": c.part} for c in cells],
         "models": [dataclasses.asdict(m) for m in suite.models],

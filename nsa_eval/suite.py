@@ -8,11 +8,12 @@ generation settings, offline data) before any model loads. Each error is a `Usag
 file and the key, e.g. ``configs/x.yaml: models[1].budget: ...``.
 
 The cell matrix is models x tasks. A cell's identity is everything that changes its numbers (model,
-method and parameters, dtype, vllm engine arguments, task settings, limit, seeds, versions); its
-hash names its folder in the run directory. Placement (device, batch size, vllm parallelism and
-memory share) is recorded but not hashed, so a run moved to another GPU resumes where it stopped;
-so is a task's `metric`, which only the report reads. `sink_window` keeps sink + local keys whatever
-the budget, so its budget is sink + local: a budget sweep gives it one variant.
+method and parameters, dtype, vllm engine arguments, task settings, limit, seeds, bootstrap_iters,
+the include_path directories' contents, versions); its hash names its folder in the run directory.
+Placement (device, batch size, vllm parallelism and memory share) is recorded but not hashed, so a
+run moved to another GPU resumes where it stopped; so is a task's `metric`, which only the report
+reads. `sink_window` keeps sink + local keys whatever the budget, so its budget is sink + local: a
+budget sweep gives it one variant.
 
     name: quickstart
     output: runs/quickstart
@@ -30,9 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import hashlib
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,6 +258,7 @@ class Cell:
     bootstrap_iters: int
     include_path: tuple[str, ...] = ()
     part: Any = None  # this cell's element of the task's split list (e.g. one NIAH length)
+    include_fingerprint: str | None = None  # include_path's contents (Suite.include_fingerprint)
 
     @property
     def label(self) -> str:
@@ -268,9 +272,16 @@ class Cell:
         return self.task.metadata | {self.task.split: [self.part]}
 
     def identity(self) -> dict:
+        """What changes this cell's numbers: bootstrap_iters changes the stderr values the report
+        shows, and an edited include_path task YAML (or a file it reads) changes the scores."""
         task = self.task.identity() | {"metadata": self.metadata(), "split": None}
-        return {"model": self.model.identity(), "task": task, "limit": self.limit,
-                "seed": self.seed, "versions": versions_that_change_numbers()}
+        ident = {"model": self.model.identity(), "task": task, "limit": self.limit,
+                 "seed": self.seed, "bootstrap_iters": self.bootstrap_iters,
+                 "versions": versions_that_change_numbers()}
+        if self.include_path:  # suites without include_path keep their keys
+            ident["include_path"] = self.include_fingerprint or include_path_fingerprint(
+                self.include_path)
+        return ident
 
     @property
     def key(self) -> str:
@@ -295,6 +306,17 @@ class Suite:
     def hash(self) -> str:
         return stable_hash({"source": self.source})[:16]
 
+    @functools.cached_property
+    def include_fingerprint(self) -> str | None:
+        """include_path's contents, read once per suite (not on every `Cell.key`); None without one."""
+        if not self.include_path:
+            return None
+        try:
+            return include_path_fingerprint(self.include_path)
+        except OSError as err:
+            raise UsageError(f"{self.path}: include_path: cannot read {err.filename} ({err.strerror})"
+                             ) from None
+
     def cells(self, limit: int | None = None, only: str | None = None) -> list[Cell]:
         """The model x task matrix, model-major (so each model loads once), filtered by `only`.
 
@@ -303,7 +325,7 @@ class Suite:
         if limit is not None and (not _is_int(limit) or limit <= 0):
             raise UsageError(f"--limit: expected a positive integer, got {limit}")
         cells = [Cell(model, task, limit if limit is not None else task.limit, self.seed,
-                      self.bootstrap_iters, self.include_path, part)
+                      self.bootstrap_iters, self.include_path, part, self.include_fingerprint)
                  for model in self.models for task in self.tasks if task.applies_to(model.label)
                  for part in task.parts()]
         if only:
@@ -334,6 +356,26 @@ def _package_version(package: str) -> str | None:
         return None
 
 
+def include_path_fingerprint(include_path: tuple[str, ...]) -> str:
+    """A short content hash of the include_path directories, so an edited task YAML (or a .py,
+    .txt or .json file it reads) gets new cells instead of resuming old ones. Per directory, in
+    order (lm-eval reads them in order): every regular file below it as (path relative to it,
+    sha256 of its bytes), sorted; __pycache__ and *.pyc are left out (Python writes them itself).
+    Relative paths keep the keys when the project moves."""
+    listing = []
+    for root in include_path:
+        files = []
+        for folder, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for name in names:
+                path = Path(folder, name)
+                if not name.endswith(".pyc") and path.is_file():
+                    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                    files.append((path.relative_to(root).as_posix(), digest))
+        listing.append(sorted(files))
+    return stable_hash(listing)[:16]
+
+
 # ---------------------------------------------------------------- parsing
 
 
@@ -352,10 +394,56 @@ def load_suite(path: str | Path) -> Suite:
     except OSError as err:
         raise UsageError(f"{path}: cannot read the suite file ({err.strerror})") from None
     try:
-        raw = yaml.safe_load(source)
+        raw = yaml.load(source, Loader=_unique_key_loader())
+    except DuplicateKeyError as err:
+        raise UsageError(f"{path}:{err.line}: duplicate key {err.key!r} (the second would silently "
+                         "replace the first); keep one") from None
     except yaml.YAMLError as err:
         raise UsageError(f"{path}: not valid YAML: {err}") from None
     return parse_suite(raw, str(path), source)
+
+
+class DuplicateKeyError(Exception):
+    """A mapping of a suite file gives one key twice (`line` is the second one's, from 1)."""
+
+    def __init__(self, key: Any, line: int):
+        super().__init__(f"line {line}: duplicate key {key!r}")
+        self.key, self.line = key, line
+
+
+@functools.cache
+def _unique_key_loader():
+    """yaml.SafeLoader that rejects a key given twice in one mapping: safe_load keeps the last one,
+    so a second `budget:` in a model entry would silently replace the first. Keys a merge (`<<:`)
+    brings in may be overridden by an explicit one, as YAML intends; only explicit keys are compared.
+
+    The check runs in flatten_mapping, the first time it sees a mapping: flattening (which puts the
+    merged pairs beside the explicit ones) happens there, sometimes before the mapping's own turn."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def flatten_mapping(self, node):
+            checked = self.__dict__.setdefault("_checked_mappings", set())
+            if id(node) not in checked:
+                checked.add(id(node))
+                self._check_unique(node)
+            super().flatten_mapping(node)
+
+        def _check_unique(self, node):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    repeated = key in seen
+                except TypeError:  # an unhashable key: the base constructor reports it
+                    continue
+                if repeated:
+                    raise DuplicateKeyError(key, key_node.start_mark.line + 1)
+                seen.add(key)
+
+    return UniqueKeyLoader
 
 
 def parse_suite(raw: Any, where: str, source: str = "") -> Suite:

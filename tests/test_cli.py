@@ -120,6 +120,49 @@ def test_report_of_a_directory_that_is_not_a_run(tmp_path, capsys):
     assert "not a run directory (no run.json)" in capsys.readouterr().err
 
 
+def test_a_key_given_twice_exits_2(tmp_path, capsys):
+    path = write_suite(tmp_path, "    metadata:", "    metadata: {niah_depths: [0]}\n    metadata:")
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"nsa-eval: error: {path}:9: duplicate key 'metadata' (the second would silently "
+                   "replace the first); keep one")
+
+
+SCRATCH = """\
+name: scratch
+report: {committed}
+defaults: {{pretrained: full-tiny, dtype: float32}}
+models:
+  - attention: full
+tasks:
+  - task: nsa_niah
+    metadata: {{niah_lengths: [128], niah_depths: [0]}}
+    gen_kwargs: {{max_gen_toks: 2}}
+"""
+
+
+def test_run_into_output_keeps_its_report_beside_the_cells(tmp_path, capsys, monkeypatch, one_torch_thread):
+    """A scratch `run --output DIR` must not overwrite the suite's (committed) report; the run
+    directory records DIR/report, so a later `nsa-eval report DIR` writes there too."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    committed = tmp_path / "reports" / "scratch"
+    committed.mkdir(parents=True)
+    (committed / "report.md").write_text("the committed report")
+    path = tmp_path / "scratch.yaml"
+    path.write_text(SCRATCH.format(committed=committed))
+    out = tmp_path / "try"
+    assert main(["run", str(path), "--output", str(out), "--limit", "1"]) == 0
+    assert f"report: {out / 'report' / 'report.md'}" in capsys.readouterr().out
+    assert json.loads((out / "run.json").read_text())["report"] == str(out / "report")
+    (out / "report" / "report.md").unlink()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report" / "report.md").is_file()
+    assert [p.name for p in committed.iterdir()] == ["report.md"]
+    assert (committed / "report.md").read_text() == "the committed report"
+
+
 def test_console_entry_point_exit_code(tmp_path):
     """The installed command maps a UsageError to exit code 2 (a real process, not main())."""
     path = write_suite(tmp_path, "[full, topk]", "[full, topkk]")

@@ -80,6 +80,63 @@ def test_a_retrained_local_checkpoint_gets_new_cell_keys(tmp_path):
     assert not set(before) & set(after)
 
 
+def test_bootstrap_iters_changes_every_cell_key(tmp_path):
+    """bootstrap_iters changes the stderr values of results.json, which the report shows."""
+    keys = [c.key for c in load_suite(write(tmp_path, BASE)).cells()]
+    fewer = BASE.replace("name: t", "name: t\nbootstrap_iters: 100")
+    assert not set(keys) & {c.key for c in load_suite(write(tmp_path, fewer, "b.yaml")).cells()}
+    same = BASE.replace("name: t", "name: t\nbootstrap_iters: 1000")  # the default, spelled out
+    assert keys == [c.key for c in load_suite(write(tmp_path, same, "d.yaml")).cells()]
+
+
+def include_path_keys(tmp_path: Path, tasks_dir: Path, name: str) -> list[str]:
+    text = BASE.replace("name: t", f"name: t\ninclude_path: {tasks_dir}")
+    return [c.key for c in load_suite(write(tmp_path, text, name)).cells()]
+
+
+def test_include_path_contents_change_cell_keys(tmp_path):
+    import shutil
+
+    tasks = tmp_path / "tasks"
+    (tasks / "sub").mkdir(parents=True)
+    (tasks / "mine.yaml").write_text("task: mine\ndataset_path: json\n")
+    (tasks / "sub" / "utils.py").write_text("def process(doc):\n    return doc\n")
+    plain = [c.key for c in load_suite(write(tmp_path, BASE)).cells()]
+    before = include_path_keys(tmp_path, tasks, "a.yaml")
+    assert not set(before) & set(plain)
+    assert include_path_keys(tmp_path, tasks, "again.yaml") == before
+    (tasks / "sub" / "__pycache__").mkdir()
+    (tasks / "sub" / "__pycache__" / "utils.cpython-311.pyc").write_bytes(b"\0")
+    (tasks / "sub" / "stale.pyc").write_bytes(b"\0")
+    assert include_path_keys(tmp_path, tasks, "pyc.yaml") == before  # Python's own files
+    moved = shutil.copytree(tasks, tmp_path / "elsewhere" / "tasks")
+    assert include_path_keys(tmp_path, moved, "moved.yaml") == before  # relative paths only
+    (tasks / "sub" / "utils.py").write_text("def process(doc):\n    return {}\n")
+    edited = include_path_keys(tmp_path, tasks, "edited.yaml")
+    assert not set(edited) & set(before)
+    (tasks / "extra.txt").write_text("a new file the task may read")
+    assert not set(include_path_keys(tmp_path, tasks, "added.yaml")) & set(edited)
+
+
+def test_include_path_fingerprint_is_read_once_and_only_with_include_path(tmp_path, monkeypatch):
+    from nsa_eval import suite as suite_module
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "mine.yaml").write_text("task: mine\n")
+    calls = []
+    real = suite_module.include_path_fingerprint
+    monkeypatch.setattr(suite_module, "include_path_fingerprint", lambda p: calls.append(p) or real(p))
+    text = BASE.replace("name: t", f"name: t\ninclude_path: {tasks}")
+    suite = load_suite(write(tmp_path, text))
+    cells = suite.cells() + suite.cells(limit=2)
+    assert len({c.key for c in cells} | {c.key for c in cells}) == len(cells)
+    assert len(calls) == 1  # once per suite, not once per cell or per `key`
+    assert "include_path" in cells[0].identity()
+    plain = load_suite(write(tmp_path, BASE, "plain.yaml"))
+    assert "include_path" not in plain.cells()[0].identity() and len(calls) == 1
+
+
 def test_only_filters_cells_and_rejects_a_pattern_matching_nothing(tmp_path):
     suite = load_suite(write(tmp_path, BASE))
     assert {c.label for c in suite.cells(only="quest@640/*")} == {"quest@640/nsa_niah@1024",
@@ -162,6 +219,35 @@ def test_not_yaml_and_missing_file(tmp_path):
     latin1.write_bytes(BASE.replace("name: t", "name: t\ndescription: caf\xe9").encode("latin-1"))
     with pytest.raises(UsageError, match="not a UTF-8 text file"):
         load_suite(latin1)
+
+
+DUPLICATE_CASES = [
+    # (replace this, with this, line of the second occurrence, key)
+    ("    budget: [640, 1024]", "    budget: [640, 1024]\n    budget: 2048", 7, "budget"),
+    ("  - {task: nsa_mmlu, models: [full]}",
+     "  - {task: nsa_mmlu, models: [full]}\ndefaults: {dtype: float32}", 12, "defaults"),
+    ("local: 256}", "local: 256, sink: 32}", 2, "sink"),
+    ("{niah_lengths: [1024, 2048],", "{niah_lengths: [1024, 2048], niah_lengths: [1024],", 10,
+     "niah_lengths"),
+]
+
+
+@pytest.mark.parametrize("old,new,line,key", DUPLICATE_CASES)
+def test_a_key_given_twice_is_an_error(tmp_path, old, new, line, key):
+    """safe_load would keep the last one silently."""
+    assert old in BASE
+    path = write(tmp_path, BASE.replace(old, new, 1))
+    with pytest.raises(UsageError) as err:
+        load_suite(path)
+    assert str(err.value) == (f"{path}:{line}: duplicate key {key!r} (the second would silently "
+                              "replace the first); keep one")
+
+
+def test_a_key_overriding_a_merged_one_is_not_a_duplicate(tmp_path):
+    text = BASE.replace("defaults: {", "defaults: &d {").replace(
+        "  - attention: [topk, quest]", "  - <<: *d\n    sink: 32\n    attention: [topk, quest]")
+    suite = load_suite(write(tmp_path, text))
+    assert [m.sink for m in suite.models] == [64, 32, 32, 32, 32]
 
 
 def test_limit_must_be_positive(tmp_path):

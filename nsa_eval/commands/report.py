@@ -12,7 +12,8 @@ def register(subparsers) -> None:
     )
     parser.add_argument("run_dir", help="a run directory written by `nsa-eval run`")
     parser.add_argument("--output", default=None,
-                        help="report directory (default: the suite's `report`, e.g. reports/quickstart)")
+                        help="report directory (default: the one the run recorded: the suite's `report`, "
+                        "e.g. reports/quickstart, or RUN_DIR/report for `run --output RUN_DIR`)")
     parser.add_argument("--bootstrap", type=int, default=2000,
                         help="bootstrap resamples for the paired confidence intervals (>= 1)")
     parser.set_defaults(handler=handle)

@@ -16,8 +16,13 @@ def register(subparsers) -> None:
     parser.add_argument("--only", default=None,
                         help="run only cells whose 'MODEL/TASK' name matches this glob or substring")
     parser.add_argument("--device", default=None, help="override every model's device (cpu, cuda, cuda:1)")
-    parser.add_argument("--output", default=None, help="run directory (default: the suite's `output`)")
-    parser.add_argument("--report-dir", default=None, help="report directory (default: the suite's `report`)")
+    parser.add_argument("--output", default=None,
+                        help="run directory (default: the suite's `output`); its report then goes to "
+                        "OUTPUT/report, not the suite's `report`, and `nsa-eval report OUTPUT` writes "
+                        "there too")
+    parser.add_argument("--report-dir", default=None,
+                        help="this run's report directory (default: OUTPUT/report with --output, else "
+                        "the suite's `report`)")
     parser.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     parser.set_defaults(handler=handle)
 
@@ -32,11 +37,10 @@ def handle(args) -> int:
     if args.limit is not None and args.limit <= 0:
         raise UsageError(f"--limit: expected a positive integer, got {args.limit}")
     suite = load_suite(args.suite)
-    for flag, given, default in (("--output", args.output, suite.output),
-                                 ("--report-dir", args.report_dir, suite.report)):
-        folder = Path(given or default)
-        if folder.exists() and not folder.is_dir():
-            where = flag if given else f"{args.suite}: {flag.lstrip('-').replace('-dir', '')}"
+    run_report, report_dir, report_origin = _report_dirs(args, suite)
+    output_origin = "--output" if args.output else f"{args.suite}: output"
+    for where, folder in ((output_origin, args.output or suite.output), (report_origin, report_dir)):
+        if Path(folder).exists() and not Path(folder).is_dir():
             raise UsageError(f"{where}: {str(folder)!r} is a file; expected a directory (or a path "
                              "that does not exist yet)")
     for warning in check_suite(suite, device=args.device, runs_here=True):
@@ -45,15 +49,33 @@ def handle(args) -> int:
 
     from nsa_eval.runner import run_suite
 
-    summary = run_suite(suite, args.output, limit=args.limit, only=args.only, device=args.device)
+    summary = run_suite(suite, args.output, limit=args.limit, only=args.only, device=args.device,
+                        report_dir=run_report)
     print(f"{summary.run_dir}: {summary.computed} cells computed, {summary.skipped} already done")
     if args.no_report or not _is_main_process():
         return 0
     from nsa_eval.report import write_report
 
-    out = write_report(summary.run_dir, args.report_dir or suite.report)
+    out = write_report(summary.run_dir, report_dir)
     print(f"report: {out / 'report.md'} and {out / 'report.html'}")
     return 0
+
+
+def _report_dirs(args, suite) -> tuple[str, str, str]:
+    """(the run directory's report folder, this run's report folder, the flag or key that chose it).
+
+    A run into `--output DIR` keeps its report beside its cells, in DIR/report, so a scratch run
+    never overwrites the suite's (often committed) `report`; run.json records that folder, so a
+    later `nsa-eval report DIR` writes there too. `--report-dir` places this run's report only."""
+    from pathlib import Path
+
+    if args.output:
+        run_report, origin = str(Path(args.output) / "report"), "--output"
+    else:
+        run_report, origin = suite.report, f"{args.suite}: report"
+    if args.report_dir:
+        return run_report, args.report_dir, "--report-dir"
+    return run_report, run_report, origin
 
 
 def _is_main_process() -> bool:
