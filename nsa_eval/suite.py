@@ -761,9 +761,79 @@ def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = Tr
             if task.task not in known:
                 raise UsageError(f"{suite.path}: tasks[{i}].task: " + unknown_name_message(
                     "task", task.task, _close_names(task.task, known)))
+        _check_context_fits(suite)
     if check_data:
         _check_task_data(suite)
     return warnings
+
+
+def _check_context_fits(suite: Suite) -> None:
+    """Every generation task leaves its model room for a prompt, and every NIAH prompt fits with what
+    lm-eval adds around it and its answer. lm-eval stops at an assertion, after the model loaded,
+    when max_gen_toks fills the context; and it cuts a long prompt with only a log warning (HFLM
+    keeps its last max_length - max_gen_toks tokens; this adapter's `truncation: middle` drops its
+    middle), so a NIAH cell would report a context length it never ran, perhaps without its needle.
+    The tokenizer loads only for a NIAH prompt within a few tokens of the limit, or in a chat
+    template."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    from nsa_eval.models.loading import context_length
+    from nsa_eval.tasks.data import leaf_configs
+
+    limits: dict[str, tuple[int, str] | None] = {}
+    for model in suite.models:
+        if model.max_length is not None:
+            limits[model.label] = model.max_length, "its max_length"
+        else:  # None for a hub model, not read here
+            limits[model.label] = context_length(model.pretrained)
+    manager = task_manager(suite.include_path)
+    for i, task in enumerate(suite.tasks):
+        where = f"{suite.path}: tasks[{i}] ({task.label})"
+        models = [m for m in suite.models if task.applies_to(m.label) and limits[m.label]]
+        for _, cfg in leaf_configs([task.task], manager):
+            if cfg.get("output_type") != "generate_until" or not models:
+                continue
+            settings = {**(cfg.get("generation_kwargs") or {}), **task.gen_kwargs}
+            answer = normalize_gen_kwargs(settings, DEFAULT_MAX_GEN_TOKS)["max_gen_toks"]
+            is_niah = str(cfg.get("custom_dataset", "")).endswith("nsa_eval.tasks.niah.niah_dataset")
+            metadata = {**(cfg.get("metadata") or {}), **task.metadata}
+            for model in models:
+                limit, origin = limits[model.label]
+                if answer >= limit:
+                    raise UsageError(f"{where} on models (entry {model.label!r}): max_gen_toks {answer} "
+                                     f"leaves no room for a prompt in the {limit} tokens {model.pretrained} "
+                                     f"takes ({origin}); expected max_gen_toks below {limit}, or a larger "
+                                     "max_length on the model entry if the model runs longer inputs")
+                if is_niah:
+                    _check_niah_fit(where, task, model, metadata, answer, limit, origin)
+
+
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HFLM and vLLM max_gen_toks when a task gives none
+
+
+def _check_niah_fit(where: str, task: TaskSpec, model: ModelSpec, metadata: dict, answer: int,
+                    limit: int, origin: str) -> None:
+    """UsageError when the longest NIAH prompt, its framing and `answer` new tokens overflow `limit`."""
+    from nsa_eval.tasks import niah
+
+    longest = max(niah._as_list(metadata.get("niah_lengths", niah.PAPER_LENGTHS), int))
+    room = limit - answer - longest
+    if room >= 8 and not task.apply_chat_template:  # no tokenizer adds 8 special tokens to a prompt
+        return
+    template = niah.NiahTemplate(**{**dataclasses.asdict(niah.DEFAULT_TEMPLATE),
+                                    **(metadata.get("niah_template") or {})})
+    framing = niah.framing_tokens(niah.load_tokenizer(model.pretrained), chat=task.apply_chat_template,
+                                  system_instruction=task.system_instruction, template=template)
+    if room >= framing:
+        return
+    added = (f" + about {framing} chat-template tokens" if task.apply_chat_template
+             else f" + {framing} special token(s) its tokenizer adds" if framing else "")
+    raise UsageError(
+        f"{where} on models (entry {model.label!r}): a {longest}-token NIAH prompt{added} and "
+        f"max_gen_toks {answer} need {longest + framing + answer} tokens, but {model.pretrained} takes "
+        f"{limit} ({origin}), and lm-eval would cut the prompt without an error; expected niah_lengths "
+        f"up to {limit - answer - framing}, a smaller max_gen_toks, or a larger max_length on the model "
+        "entry if the model runs longer inputs")
 
 
 def _check_device(device: str, key: str, runs_here: bool) -> list[str]:
@@ -870,27 +940,42 @@ def _check_checkpoint(model: ModelSpec, key: str) -> None:
                                 model.local or 0)
     except UsageError as err:
         raise UsageError(f"{key}.pretrained: {err}") from None
-    if model.dense_layers and model.attention not in UNBUDGETED:
-        layers = _layer_count(resolved)
+    if model.attention in UNBUDGETED:
+        return
+    config = _checkpoint_config(resolved)
+    if config is not None and resolved.kind == "hf":  # the baselines run full-attention models only
+        from nsa_eval.methods import check_model_config
+
+        try:
+            check_model_config(config)
+        except UsageError as err:
+            raise UsageError(f"{key}.attention: {err}") from None
+    if model.dense_layers:
+        layers = _layer_count(config, resolved)
         if layers is not None and model.dense_layers > layers:
             raise UsageError(f"{key}.dense_layers: {model.dense_layers} exceeds the {layers} layers of "
                              f"{model.pretrained}; expected at most {layers}")
 
 
-def _layer_count(resolved) -> int | None:
-    """num_hidden_layers from a local checkpoint's config.json (None when it cannot be read)."""
+def _checkpoint_config(resolved) -> dict | None:
+    """A local checkpoint's config.json as a dict (None when it cannot be read, or not converted yet)."""
     if resolved.path == "smollm2-135m":
         from nsa_eval.models.smollm2 import cache_root
 
         config_file = cache_root() / "models" / "smollm2-135m" / "config.json"
-        if not config_file.is_file():
-            return SMOLLM2_LAYERS
     else:
         config_file = Path(resolved.path) / "config.json"
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None
+
+
+def _layer_count(config: dict | None, resolved) -> int | None:
+    """num_hidden_layers from the checkpoint's config (None when it cannot be read)."""
+    if config is None:
+        return SMOLLM2_LAYERS if resolved.path == "smollm2-135m" else None
     layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
     return layers if _is_int(layers) else None
 

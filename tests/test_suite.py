@@ -298,6 +298,20 @@ def test_nsa_attention_needs_an_nsa_checkpoint(tmp_path):
         check_suite(load_suite(path), check_tasks=False, check_data=False)
 
 
+def test_a_sliding_window_config_is_refused_for_the_baselines_before_loading(tmp_path):
+    """apply_attention's own check (methods.check_model_config), run by validate on config.json."""
+    model = tmp_path / "mistral"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "mistral", "sliding_window": 64}')
+    path = write(tmp_path, BASE.replace("pretrained: smollm2-135m", f"pretrained: {model}"))
+    with pytest.raises(UsageError) as err:
+        check_suite(load_suite(path), check_tasks=False, check_data=False)
+    assert str(err.value).startswith(f"{path}: models (entry 'topk@640').attention: mistral config has an "
+                                     "active sliding attention window (sliding_window=64)")
+    (model / "config.json").write_text('{"model_type": "mistral", "sliding_window": null}')
+    check_suite(load_suite(path), check_tasks=False, check_data=False)  # full attention: runs
+
+
 def test_vllm_backend_maps_arguments_and_says_when_missing(tmp_path):
     """vllm cannot be installed here: the argument mapping and the message are what we can test."""
     from nsa_eval.runner import vllm_model_args

@@ -191,6 +191,71 @@ def inspect_checkpoint(pretrained: str | os.PathLike) -> Resolved:
     return Resolved(path=str(location), kind=kind, model_type=model_type)
 
 
+SMOLLM2_CONTEXT = 8192  # SmolLM2-135M's context (its GGUF's llama.context_length), before conversion
+
+
+def context_length(pretrained: str | os.PathLike) -> tuple[int, str] | None:
+    """(tokens, where they come from): the context lm-eval gives this checkpoint when the suite sets
+    no `max_length` (lm_eval.models.utils.resolve_max_length on its config and tokenizer settings),
+    read from its files alone: no conversion, no weights. None for a hub model (not read here) or a
+    config transformers cannot parse (inspect_checkpoint reports that)."""
+    from types import SimpleNamespace
+
+    from lm_eval.models.utils import resolve_max_length
+
+    name = str(pretrained)
+    if name == "smollm2-135m":
+        from nsa_eval.models.smollm2 import cache_root
+
+        directory = cache_root() / "models" / "smollm2-135m"
+        if not (directory / "config.json").is_file():  # not converted yet
+            return SMOLLM2_CONTEXT, "SmolLM2-135M's context"
+    else:
+        directory = resolve_checkpoint(name)
+        if not isinstance(directory, Path):
+            return None
+    config = _config_object(directory)
+    if config is None:
+        return None
+    try:
+        settings = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        settings = {}
+    max_tokens = settings.get("model_max_length") if isinstance(settings, dict) else None
+    tokens = resolve_max_length(config, SimpleNamespace(model_max_length=max_tokens))
+    text = getattr(config, "text_config", None) or config
+    field = next((k for k in ("n_positions", "max_position_embeddings", "n_ctx")
+                  if getattr(text, k, None) is not None), None)
+    if field is not None:
+        origin = f"{name}'s config {field}"
+    elif tokens == max_tokens:
+        origin = f"{name}'s tokenizer model_max_length"
+    else:
+        origin = f"lm-eval's default for {name}, whose config and tokenizer give none"
+    return tokens, origin
+
+
+def _config_object(directory: Path):
+    """The transformers config the model will be built with (fla's converted), or None."""
+    config_file = directory / "config.json"
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if model_type == FLA_MODEL_TYPE:
+        from nsa_eval.models.convert_fla import nsa_config_from_fla, read_fla_config
+
+        return nsa_config_from_fla(read_fla_config(directory), config_file)
+    from transformers import AutoConfig
+
+    import nsa_eval.models.configuration_nsa  # noqa: F401  (registers nsa_eval with AutoConfig)
+
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError):
+        return None
+
+
 def check_nsa_config(config: dict, where: str) -> None:
     """UsageError listing every required NSA field a saved config.json lacks."""
     from nsa_eval.models.configuration_nsa import REQUIRED_NSA_FIELDS

@@ -426,15 +426,33 @@ def load_tokenizer(name_or_tokenizer):
     name = name_or_tokenizer
     from transformers import AutoTokenizer
 
-    if name == "smollm2-135m":
-        from nsa_eval.models.smollm2 import smollm2_path
-
-        return AutoTokenizer.from_pretrained(smollm2_path())
     if os.path.exists(name) or "/" in name:
         return AutoTokenizer.from_pretrained(name)
-    from nsa_eval.models import load_pretrained  # other bundled short names (nsa-tiny, full-tiny)
+    from nsa_eval.models import resolve_checkpoint  # short names: the tokenizer files, not the weights
 
-    return load_pretrained(name)[1]
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(name))
+
+
+def framing_tokens(tokenizer, *, chat: bool = False, system_instruction: str | None = None,
+                   template: NiahTemplate = DEFAULT_TEMPLATE) -> int:
+    """Tokens lm-eval puts around a NIAH prompt on top of its `context_length`: the special tokens
+    the tokenizer adds (a BOS), or with a chat template the template's own tokens (the system turn
+    included), as lm-eval renders it (the answer prefix continues the assistant's turn). Measured on
+    a short stand-in prompt, so with a chat template it can be a token off where the template meets
+    a long prompt's first and last words."""
+    body, prefix = "x", template.answer_prefix.format(key=_KEYS[0])
+    plain = count_tokens(tokenizer, body + answer_separator(body, prefix) + prefix)
+    if not chat:
+        return len(tokenizer(body)["input_ids"]) - count_tokens(tokenizer, body)
+    messages = ([{"role": "system", "content": system_instruction}] if system_instruction else [])
+    messages.append({"role": "user", "content": body})
+    if prefix:
+        messages.append({"role": "assistant", "content": prefix})
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefix,
+                                             continue_final_message=bool(prefix))
+    bos = getattr(tokenizer, "bos_token", None)
+    specials = not (bos and rendered.startswith(bos))  # lm-eval adds none before a BOS already there
+    return len(tokenizer(rendered, add_special_tokens=specials)["input_ids"]) - plain
 
 
 def _as_list(value, cast) -> list:
