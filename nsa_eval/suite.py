@@ -360,20 +360,27 @@ def include_path_fingerprint(include_path: tuple[str, ...]) -> str:
     """A short content hash of the include_path directories, so an edited task YAML (or a .py,
     .txt or .json file it reads) gets new cells instead of resuming old ones. Per directory, in
     order (lm-eval reads them in order): every regular file below it as (path relative to it,
-    sha256 of its bytes), sorted; __pycache__ and *.pyc are left out (Python writes them itself).
+    sha256 of its bytes), sorted. Left out: what no task reads but changes on its own (hidden
+    files and folders such as .git or an editor's swap files, __pycache__ and *.pyc) and nsa-eval's
+    own outputs (a folder holding run.json or report.json), so `include_path: .` still resumes.
     Relative paths keep the keys when the project moves."""
     listing = []
     for root in include_path:
         files = []
         for folder, dirs, names in os.walk(root):
-            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            dirs[:] = sorted(d for d in dirs if not _unread_by_tasks(Path(folder, d)))
             for name in names:
                 path = Path(folder, name)
-                if not name.endswith(".pyc") and path.is_file():
+                if not name.startswith(".") and not name.endswith(".pyc") and path.is_file():
                     digest = hashlib.sha256(path.read_bytes()).hexdigest()
                     files.append((path.relative_to(root).as_posix(), digest))
         listing.append(sorted(files))
     return stable_hash(listing)[:16]
+
+
+def _unread_by_tasks(folder: Path) -> bool:
+    return (folder.name.startswith(".") or folder.name == "__pycache__"
+            or (folder / "run.json").is_file() or (folder / "report.json").is_file())
 
 
 # ---------------------------------------------------------------- parsing
@@ -773,8 +780,11 @@ def _check_context_fits(suite: Suite) -> None:
     when max_gen_toks fills the context; and it cuts a long prompt with only a log warning (HFLM
     keeps its last max_length - max_gen_toks tokens; this adapter's `truncation: middle` drops its
     middle), so a NIAH cell would report a context length it never ran, perhaps without its needle.
-    The tokenizer loads only for a NIAH prompt within a few tokens of the limit, or in a chat
-    template."""
+
+    The context is the entry's `max_length`, else lm-eval's reading of a local checkpoint's files;
+    a hub model, or a vllm entry (vLLM sizes its own context, rope scaling included), without
+    `max_length` is not checked. The tokenizer loads only for a NIAH prompt within a few tokens of
+    the limit, or one with a system instruction or a chat template."""
     from lm_eval.models.utils import normalize_gen_kwargs
 
     from nsa_eval.models.loading import context_length
@@ -784,17 +794,23 @@ def _check_context_fits(suite: Suite) -> None:
     for model in suite.models:
         if model.max_length is not None:
             limits[model.label] = model.max_length, "its max_length"
-        else:  # None for a hub model, not read here
+        elif model.backend == "hf":
             limits[model.label] = context_length(model.pretrained)
     manager = task_manager(suite.include_path)
     for i, task in enumerate(suite.tasks):
         where = f"{suite.path}: tasks[{i}] ({task.label})"
-        models = [m for m in suite.models if task.applies_to(m.label) and limits[m.label]]
+        models = [m for m in suite.models if task.applies_to(m.label) and limits.get(m.label)]
         for _, cfg in leaf_configs([task.task], manager):
             if cfg.get("output_type") != "generate_until" or not models:
                 continue
-            settings = {**(cfg.get("generation_kwargs") or {}), **task.gen_kwargs}
-            answer = normalize_gen_kwargs(settings, DEFAULT_MAX_GEN_TOKS)["max_gen_toks"]
+            # lm-eval's TaskConfig gives a generation task without generation_kwargs its defaults
+            base = cfg.get("generation_kwargs") or {"max_gen_toks": DEFAULT_MAX_GEN_TOKS}
+            settings = {**base, **task.gen_kwargs}
+            try:
+                answer = normalize_gen_kwargs(settings, DEFAULT_MAX_GEN_TOKS)["max_gen_toks"]
+            except (TypeError, ValueError) as err:
+                raise UsageError(f"{where}.gen_kwargs: {err}; expected numbers for max_gen_toks (or its "
+                                 "aliases) and temperature") from None
             is_niah = str(cfg.get("custom_dataset", "")).endswith("nsa_eval.tasks.niah.niah_dataset")
             metadata = {**(cfg.get("metadata") or {}), **task.metadata}
             for model in models:
@@ -805,10 +821,11 @@ def _check_context_fits(suite: Suite) -> None:
                                      f"takes ({origin}); expected max_gen_toks below {limit}, or a larger "
                                      "max_length on the model entry if the model runs longer inputs")
                 if is_niah:
-                    _check_niah_fit(where, task, model, metadata, answer, limit, origin)
+                    _check_niah_fit(f"{where} on models (entry {model.label!r})", task, model, metadata,
+                                    answer, limit, origin)
 
 
-DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HFLM and vLLM max_gen_toks when a task gives none
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's when a task gives none (TaskConfig, HFLM and vLLM alike)
 
 
 def _check_niah_fit(where: str, task: TaskSpec, model: ModelSpec, metadata: dict, answer: int,
@@ -818,22 +835,35 @@ def _check_niah_fit(where: str, task: TaskSpec, model: ModelSpec, metadata: dict
 
     longest = max(niah._as_list(metadata.get("niah_lengths", niah.PAPER_LENGTHS), int))
     room = limit - answer - longest
-    if room >= 8 and not task.apply_chat_template:  # no tokenizer adds 8 special tokens to a prompt
+    measured = task.apply_chat_template or bool(task.system_instruction)
+    if room >= 8 and not measured:  # no tokenizer adds 8 special tokens to a prompt
         return
     template = niah.NiahTemplate(**{**dataclasses.asdict(niah.DEFAULT_TEMPLATE),
                                     **(metadata.get("niah_template") or {})})
-    framing = niah.framing_tokens(niah.load_tokenizer(model.pretrained), chat=task.apply_chat_template,
-                                  system_instruction=task.system_instruction, template=template)
+    from jinja2 import TemplateError
+
+    try:
+        framing = niah.framing_tokens(niah.load_tokenizer(model.pretrained), chat=task.apply_chat_template,
+                                      system_instruction=task.system_instruction, template=template)
+    except (OSError, ValueError, TypeError, KeyError, TemplateError, UsageError) as err:
+        # a tokenizer that cannot load, or has no chat template: the run would fail there too
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"{where}: cannot measure the NIAH prompt's framing with {model.pretrained}'s "
+                         f"tokenizer ({reason})" + ("; expected a tokenizer with a chat template for "
+                                                    "apply_chat_template: true" if task.apply_chat_template
+                                                    else "")) from None
     if room >= framing:
         return
     added = (f" + about {framing} chat-template tokens" if task.apply_chat_template
+             else f" + about {framing} tokens of system_instruction and special tokens"
+             if task.system_instruction
              else f" + {framing} special token(s) its tokenizer adds" if framing else "")
     raise UsageError(
-        f"{where} on models (entry {model.label!r}): a {longest}-token NIAH prompt{added} and "
-        f"max_gen_toks {answer} need {longest + framing + answer} tokens, but {model.pretrained} takes "
-        f"{limit} ({origin}), and lm-eval would cut the prompt without an error; expected niah_lengths "
-        f"up to {limit - answer - framing}, a smaller max_gen_toks, or a larger max_length on the model "
-        "entry if the model runs longer inputs")
+        f"{where}: a {longest}-token NIAH prompt{added} and max_gen_toks {answer} need "
+        f"{longest + framing + answer} tokens, but {model.pretrained} takes {limit} ({origin}), and "
+        f"lm-eval would cut the prompt without an error; expected niah_lengths up to "
+        f"{limit - answer - framing}, a smaller max_gen_toks, or a larger max_length on the model entry "
+        "if the model runs longer inputs")
 
 
 def _check_device(device: str, key: str, runs_here: bool) -> list[str]:

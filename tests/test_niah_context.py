@@ -162,3 +162,50 @@ def test_the_shipped_paper_suite_sets_room_for_its_64k_grid(tmp_path):
     path.write_text(text.replace("  max_length: 65568", "  max_length: 65567"))
     with pytest.raises(UsageError, match="a 65536-token NIAH prompt and max_gen_toks 32 need 65568"):
         check_suite(load_suite(path), check_data=False, runs_here=False)
+
+
+def test_a_system_instruction_without_a_chat_template_counts(tmp_path):
+    """lm-eval writes the system instruction straight before the prompt as plain text."""
+    instruction = "Answer with the number only. " * 20
+    framing = framing_tokens(load_tokenizer("nsa-tiny"), system_instruction=instruction)
+    assert framing > 100
+    extra = f"\n    system_instruction: {json.dumps(instruction)}"
+    assert check(tmp_path, 8192 - 12 - framing, task_extra=extra) == []
+    with pytest.raises(UsageError, match=f"about {framing} tokens of system_instruction"):
+        check(tmp_path, 8192 - 12 - framing + 1, task_extra=extra)
+
+
+def test_what_the_check_cannot_measure_is_one_usage_error(tmp_path):
+    with pytest.raises(UsageError) as err:  # the bundled tokenizers have no chat template
+        check(tmp_path, 2048, task_extra="\n    apply_chat_template: true")
+    assert "cannot measure the NIAH prompt's framing with nsa-tiny's tokenizer" in str(err.value)
+    assert "expected a tokenizer with a chat template" in str(err.value)
+    path = tmp_path / "fit.yaml"
+    path.write_text(SUITE.format(longest=2048, answer="lots", model_extra="", task_extra=""))
+    with pytest.raises(UsageError, match=r"tasks\[0\] \(nsa_niah\)\.gen_kwargs: .*expected numbers"):
+        check_suite(load_suite(path), check_data=False)
+
+
+def test_a_vllm_entry_without_max_length_sizes_its_own_context(tmp_path):
+    """vLLM reads rope scaling too (a YaRN model runs past max_position_embeddings): not checked."""
+    from nsa_eval.suite import _check_context_fits
+
+    path = tmp_path / "fit.yaml"
+    path.write_text(SUITE.format(longest=65536, answer=12, model_extra="", task_extra="").replace(
+        "pretrained: nsa-tiny, attention: nsa", "pretrained: full-tiny, attention: full, backend: vllm"))
+    _check_context_fits(load_suite(path))
+    path.write_text(path.read_text().replace("backend: vllm", "backend: vllm, max_length: 8192"))
+    with pytest.raises(UsageError, match=r"full-tiny takes 8192 \(its max_length\)"):
+        _check_context_fits(load_suite(path))
+
+
+def test_groups_with_inline_subgroups_are_walked(tmp_path):
+    """mmlu_generative nests {group: ..., task: [...]} items: its 57 generation leaves are checked."""
+    path = tmp_path / "gen.yaml"
+    path.write_text(textwrap.dedent("""\
+        name: gen
+        models: [{pretrained: full-tiny, attention: full}]
+        tasks: [{task: mmlu_generative, gen_kwargs: {max_gen_toks: 8192}}]
+        """))
+    with pytest.raises(UsageError, match="max_gen_toks 8192 leaves no room"):
+        check_suite(load_suite(path), check_data=False)

@@ -109,6 +109,15 @@ def test_include_path_contents_change_cell_keys(tmp_path):
     (tasks / "sub" / "__pycache__" / "utils.cpython-311.pyc").write_bytes(b"\0")
     (tasks / "sub" / "stale.pyc").write_bytes(b"\0")
     assert include_path_keys(tmp_path, tasks, "pyc.yaml") == before  # Python's own files
+    for hidden in (".git", "sub/.hidden"):
+        (tasks / hidden).mkdir()
+        (tasks / hidden / "HEAD").write_text("ref: refs/heads/main")
+    (tasks / ".mine.yaml.swp").write_bytes(b"\0")
+    for output, name in (("runs/x", "run.json"), ("reports/x", "report.json")):  # nsa-eval's own
+        (tasks / output).mkdir(parents=True)
+        (tasks / output / name).write_text("{}")
+        (tasks / output / "cells.json").write_text("[]")
+    assert include_path_keys(tmp_path, tasks, "unread.yaml") == before
     moved = shutil.copytree(tasks, tmp_path / "elsewhere" / "tasks")
     assert include_path_keys(tmp_path, moved, "moved.yaml") == before  # relative paths only
     (tasks / "sub" / "utils.py").write_text("def process(doc):\n    return {}\n")

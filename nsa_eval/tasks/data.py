@@ -165,18 +165,24 @@ def leaf_configs(names: Iterable[str], manager=None) -> list[tuple[str, dict[str
         cfg = load_yaml(entry.yaml_path, resolve_func=False) if entry.yaml_path else dict(entry.cfg or {})
         if entry.kind == Kind.GROUP:
             merged = {**{k: v for k, v in cfg.items() if k not in GROUP_FIELD_NAMES}, **overrides}
-            for item in cfg.get("task") or []:
-                if isinstance(item, str):
-                    visit(root, item, merged, seen + (name,))
-                elif "task" in item or "group" in item:
-                    child = item.get("task") or item.get("group")
-                    extra = {k: v for k, v in item.items() if k not in ("task", "group")}
-                    if child in index:
-                        visit(root, child, {**merged, **extra}, seen + (name,))
-                    else:  # an inline task defined inside the group
-                        out.append((root, {**merged, **item}))
+            visit_members(root, cfg.get("task") or [], merged, seen + (name,))
             return
         out.append((root, {**cfg, **overrides, "task": overrides.get("task", cfg.get("task", name))}))
+
+    def visit_members(root: str, items: list, merged: dict[str, Any], seen: tuple[str, ...]) -> None:
+        for item in items:
+            if isinstance(item, str):
+                visit(root, item, merged, seen)
+            elif isinstance(item.get("task"), list):  # an inline sub-group: {group: name, task: [...]}
+                extra = {k: v for k, v in item.items() if k not in GROUP_FIELD_NAMES}
+                visit_members(root, item["task"], {**merged, **extra}, seen)
+            elif "task" in item or "group" in item:
+                child = item.get("task") or item.get("group")
+                extra = {k: v for k, v in item.items() if k not in ("task", "group")}
+                if child in index:
+                    visit(root, child, {**merged, **extra}, seen)
+                else:  # an inline task defined inside the group
+                    out.append((root, {**merged, **item}))
 
     for name in names:
         visit(name, name, {}, ())

@@ -436,23 +436,25 @@ def load_tokenizer(name_or_tokenizer):
 def framing_tokens(tokenizer, *, chat: bool = False, system_instruction: str | None = None,
                    template: NiahTemplate = DEFAULT_TEMPLATE) -> int:
     """Tokens lm-eval puts around a NIAH prompt on top of its `context_length`: the special tokens
-    the tokenizer adds (a BOS), or with a chat template the template's own tokens (the system turn
-    included), as lm-eval renders it (the answer prefix continues the assistant's turn). Measured on
-    a short stand-in prompt, so with a chat template it can be a token off where the template meets
-    a long prompt's first and last words."""
+    the tokenizer adds (a BOS), a `system_instruction` (which lm-eval writes straight before the
+    prompt without a chat template), or a chat template's turns (the answer prefix continues the
+    assistant's turn), as lm-eval 0.4.13 renders and encodes them. Exact for special tokens alone;
+    with a system instruction or a chat template it is measured on a short stand-in prompt, so it
+    can be a token off where they meet a long prompt's first and last words."""
     body, prefix = "x", template.answer_prefix.format(key=_KEYS[0])
-    plain = count_tokens(tokenizer, body + answer_separator(body, prefix) + prefix)
-    if not chat:
-        return len(tokenizer(body)["input_ids"]) - count_tokens(tokenizer, body)
-    messages = ([{"role": "system", "content": system_instruction}] if system_instruction else [])
-    messages.append({"role": "user", "content": body})
-    if prefix:
-        messages.append({"role": "assistant", "content": prefix})
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefix,
+    bare = body + answer_separator(body, prefix) + prefix
+    if chat:
+        messages = ([{"role": "system", "content": system_instruction}] if system_instruction else [])
+        messages.append({"role": "user", "content": body})
+        if prefix:
+            messages.append({"role": "assistant", "content": prefix})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefix,
                                              continue_final_message=bool(prefix))
+    else:
+        text = (system_instruction or "") + bare
     bos = getattr(tokenizer, "bos_token", None)
-    specials = not (bos and rendered.startswith(bos))  # lm-eval adds none before a BOS already there
-    return len(tokenizer(rendered, add_special_tokens=specials)["input_ids"]) - plain
+    specials = not (bos and text.startswith(bos))  # lm-eval adds none before a BOS already there
+    return len(tokenizer(text, add_special_tokens=specials)["input_ids"]) - count_tokens(tokenizer, bare)
 
 
 def _as_list(value, cast) -> list:

@@ -65,13 +65,22 @@ def test_decode_through_the_cache_equals_prefill_on_triton():
 
 
 def test_greedy_generation_is_the_same_on_both_paths():
+    """The same greedy tokens until the reference's top two logits come within 1e-3 of each other (a
+    near-tie that float32 rounding may break either way in a random model)."""
     model = build()
     prompt = torch.randint(0, 97, (1, 1500), device="cuda")
 
     def generate(m):
-        return m.generate(prompt, max_new_tokens=24, do_sample=False)
+        return m.generate(prompt, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
+                          output_logits=True)
 
-    assert torch.equal(logits_with(model, "triton", generate), logits_with(model, "reference", generate))
+    reference = logits_with(model, "reference", generate)
+    triton = logits_with(model, "triton", generate)
+    top2 = [torch.topk(step[0].float(), 2).values for step in reference.logits]
+    decided = next((i for i, (a, b) in enumerate(top2) if a - b < 1e-3), len(top2))
+    assert decided >= 1, "the first new token is a near-tie: nothing to compare"
+    new = slice(prompt.shape[1], prompt.shape[1] + decided)
+    assert torch.equal(triton.sequences[:, new], reference.sequences[:, new])
 
 
 def test_bf16_model_on_triton_tracks_the_float32_reference():
