@@ -209,3 +209,14 @@ def test_groups_with_inline_subgroups_are_walked(tmp_path):
         """))
     with pytest.raises(UsageError, match="max_gen_toks 8192 leaves no room"):
         check_suite(load_suite(path), check_data=False)
+
+
+def test_a_remote_code_config_is_read_without_its_code(tmp_path):
+    """An auto_map config is read as plain fields: no prompt to trust remote code, no code run."""
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    (custom / "config.json").write_text(json.dumps({
+        "model_type": "my_custom_lm", "max_position_embeddings": 4096,
+        "auto_map": {"AutoConfig": "configuration_mine.MyConfig"}}))
+    (custom / "configuration_mine.py").write_text("raise SystemExit('remote code ran')\n")
+    assert context_length(custom) == (4096, f"{custom}'s config max_position_embeddings")

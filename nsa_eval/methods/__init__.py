@@ -38,6 +38,7 @@ __all__ = [
     "apply_attention",
     "attention_stats",
     "check_model_config",
+    "hf_config_from_dict",
     "reset_attention_stats",
     "validate_params",
 ]
@@ -148,7 +149,7 @@ def check_model_config(config) -> None:
     transformers config, or the dict of a checkpoint's config.json.
     """
     if isinstance(config, dict):
-        config = _config_from_dict(config)
+        config = hf_config_from_dict(config)
     problem = _sliding_window(config)
     if problem is not None:
         name = getattr(config, "model_type", None) or type(config).__name__
@@ -234,7 +235,7 @@ def _budget_config(budget, sink, local, sparse_prefill, dense_layers, budgeted: 
     return BudgetConfig(budget, sink, local, sparse_prefill, dense_layers)
 
 
-def _config_from_dict(config: dict):
+def hf_config_from_dict(config: dict):
     """A config.json's dict as its transformers config class (which fills in `layer_types`), or as
     plain attributes when transformers does not know its model_type."""
     fields = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}

@@ -197,8 +197,8 @@ SMOLLM2_CONTEXT = 8192  # SmolLM2-135M's context (its GGUF's llama.context_lengt
 def context_length(pretrained: str | os.PathLike) -> tuple[int, str] | None:
     """(tokens, where they come from): the context lm-eval gives this checkpoint when the suite sets
     no `max_length` (lm_eval.models.utils.resolve_max_length on its config and tokenizer settings),
-    read from its files alone: no conversion, no weights. None for a hub model (not read here) or a
-    config transformers cannot parse (inspect_checkpoint reports that)."""
+    read from its files alone: no conversion, no weights. None for a hub model (not read here) or an
+    unreadable config.json (inspect_checkpoint reports that)."""
     from types import SimpleNamespace
 
     from lm_eval.models.utils import resolve_max_length
@@ -236,24 +236,23 @@ def context_length(pretrained: str | os.PathLike) -> tuple[int, str] | None:
 
 
 def _config_object(directory: Path):
-    """The transformers config the model will be built with (fla's converted), or None."""
+    """The transformers config the model will be built with (fla's converted), or None. Built from
+    config.json's fields by model type, never through remote code (which could prompt or run)."""
     config_file = directory / "config.json"
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if model_type == FLA_MODEL_TYPE:
-        from nsa_eval.models.convert_fla import nsa_config_from_fla, read_fla_config
-
-        return nsa_config_from_fla(read_fla_config(directory), config_file)
-    from transformers import AutoConfig
-
-    import nsa_eval.models.configuration_nsa  # noqa: F401  (registers nsa_eval with AutoConfig)
-
-    try:
-        return AutoConfig.from_pretrained(directory)
+        config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(config, dict):
+        return None
+    if config.get("model_type") == FLA_MODEL_TYPE:
+        from nsa_eval.models.convert_fla import nsa_config_from_fla
+
+        return nsa_config_from_fla(config, config_file)
+    import nsa_eval.models.configuration_nsa  # noqa: F401  (registers nsa_eval with AutoConfig)
+    from nsa_eval.methods import hf_config_from_dict
+
+    return hf_config_from_dict(config)
 
 
 def check_nsa_config(config: dict, where: str) -> None:
