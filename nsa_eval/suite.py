@@ -989,17 +989,14 @@ def _check_checkpoint(model: ModelSpec, key: str) -> None:
 
 def _checkpoint_config(resolved) -> dict | None:
     """A local checkpoint's config.json as a dict (None when it cannot be read, or not converted yet)."""
-    if resolved.path == "smollm2-135m":
-        from nsa_eval.models.smollm2 import cache_root
+    from nsa_eval.models.loading import local_config
 
-        config_file = cache_root() / "models" / "smollm2-135m" / "config.json"
-    else:
-        config_file = Path(resolved.path) / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
+    if resolved.path == "smollm2-135m":
+        from nsa_eval.models.smollm2 import converted_path
+
+        directory = converted_path()
+        return None if directory is None else local_config(directory)
+    return local_config(resolved.path)
 
 
 def _layer_count(config: dict | None, resolved) -> int | None:

