@@ -279,8 +279,7 @@ class Cell:
                  "seed": self.seed, "bootstrap_iters": self.bootstrap_iters,
                  "versions": versions_that_change_numbers()}
         if self.include_path:  # suites without include_path keep their keys
-            ident["include_path"] = self.include_fingerprint or include_path_fingerprint(
-                self.include_path)
+            ident["include_path"] = self.include_fingerprint
         return ident
 
     @property
@@ -831,20 +830,19 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's when a task gives none (TaskConfig, HFLM
 def _check_niah_fit(where: str, task: TaskSpec, model: ModelSpec, metadata: dict, answer: int,
                     limit: int, origin: str) -> None:
     """UsageError when the longest NIAH prompt, its framing and `answer` new tokens overflow `limit`."""
+    from jinja2 import TemplateError
+
     from nsa_eval.tasks import niah
 
-    longest = max(niah._as_list(metadata.get("niah_lengths", niah.PAPER_LENGTHS), int))
+    longest = max(niah.grid_lengths(metadata))
     room = limit - answer - longest
     measured = task.apply_chat_template or bool(task.system_instruction)
     if room >= 8 and not measured:  # no tokenizer adds 8 special tokens to a prompt
         return
-    template = niah.NiahTemplate(**{**dataclasses.asdict(niah.DEFAULT_TEMPLATE),
-                                    **(metadata.get("niah_template") or {})})
-    from jinja2 import TemplateError
-
     try:
         framing = niah.framing_tokens(niah.load_tokenizer(model.pretrained), chat=task.apply_chat_template,
-                                      system_instruction=task.system_instruction, template=template)
+                                      system_instruction=task.system_instruction,
+                                      template=niah.grid_template(metadata))
     except (OSError, ValueError, TypeError, KeyError, TemplateError, UsageError) as err:
         # a tokenizer that cannot load, or has no chat template: the run would fail there too
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

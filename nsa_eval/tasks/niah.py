@@ -496,17 +496,26 @@ def niah_dataset(**metadata):
             "nsa_niah builds its prompts with the model's tokenizer: pass metadata "
             '{"tokenizer": "<name or dir>"} (or pretrained=... in model_args)'
         )
-    template = metadata.get("niah_template") or {}
     docs = grid_docs(
         load_tokenizer(name),
-        _as_list(metadata.get("niah_lengths", PAPER_LENGTHS), int),
+        grid_lengths(metadata),
         _as_list(metadata.get("niah_depths", PAPER_DEPTHS), float),
         seed=int(metadata.get("niah_seed", 0)),
         samples_per_cell=int(metadata.get("niah_samples_per_cell", 1)),
         haystack=str(metadata.get("niah_haystack", "builtin")),
-        template=NiahTemplate(**{**asdict(DEFAULT_TEMPLATE), **template}),
+        template=grid_template(metadata),
     )
     return {"test": datasets.Dataset.from_list(docs)}
+
+
+def grid_lengths(metadata: dict) -> list[int]:
+    """The prompt lengths a task's metadata asks for (`niah_lengths`, default the paper's)."""
+    return _as_list(metadata.get("niah_lengths", PAPER_LENGTHS), int)
+
+
+def grid_template(metadata: dict) -> NiahTemplate:
+    """The prompt template: `niah_template`'s strings over the default ones."""
+    return NiahTemplate(**{**asdict(DEFAULT_TEMPLATE), **(metadata.get("niah_template") or {})})
 
 
 def needle_found(answer: str, value: str) -> bool:
