@@ -158,7 +158,7 @@ def filtered_top(imp, o_j, cur, SCR, row, num_selected, num_init, num_local, NS,
 
 @triton.jit
 def lean_filtered_top(IMP, OUT, SCR, row, cur, num_selected, num_init, num_local, NS, BNS: tl.constexpr,
-                      NSEL: tl.constexpr, CAP: tl.constexpr, CACHE: tl.constexpr = ""):
+                      NSEL: tl.constexpr, CAP: tl.constexpr, CACHE: tl.constexpr):
     """One row's blocks, as `filtered_top` but in fewer instructions -> done (the row is written to
     OUT). It reads only the pickable blocks (after the initial ones, before the local ones), bounds the
     picks-th largest importance (not the NSEL-th) by the group maxima, which leaves ~16 candidates on
@@ -287,7 +287,7 @@ def _topk_blocks_kernel(
     cur = t // select_size  # block holding t
     if METHOD == "lean":  # BR = 1
         done = lean_filtered_top(IMP, OUT, SCR, tl.sum(rows, 0), tl.sum(cur, 0), num_selected, num_init,
-                                 num_local, NS, BNS, NSEL, CAP)
+                                 num_local, NS, BNS, NSEL, CAP, "")
         if done == 0:  # the few rows the filter does not take: arg-max passes over the whole row
             _top_of_rows(IMP, OUT, SCR, rows, m_r, cur, NS, num_selected, num_init, num_local, BR, BNS, NSEL,
                          "argmax", CAP, RANK)
