@@ -289,11 +289,12 @@ def softmax_start(M: tl.constexpr, BDV: tl.constexpr):
 
 
 @triton.jit
-def score_dot(a, b):
-    # a @ b for attention scores. float32 operands (float32 inputs; any input under the interpreter,
-    # which ignores the precision) take three tf32 passes, ~float32 accuracy: Triton's default, one
-    # tf32 pass (10-bit mantissa), moves scores by ~1e-3, enough to reorder nearly tied block
-    # importances against the float32 reference. 16-bit operands multiply exactly either way.
+def dot(a, b):
+    # a @ b, the one matrix product of the kernels. float32 operands (float32 inputs; any input under
+    # the interpreter, which ignores the precision) take three tf32 passes, ~float32 accuracy: Triton's
+    # default, one tf32 pass (10-bit mantissa), moves scores and outputs by ~1e-3, enough to reorder
+    # nearly tied block importances and to leave a float32 model's logits 1e-2 off the float32
+    # reference after a few layers. 16-bit operands multiply exactly either way.
     if a.dtype == tl.float32:
         out = tl.dot(a, b, input_precision="tf32x3")
     else:
@@ -313,7 +314,7 @@ def online_softmax_step(s, valid, v, m_i, l_i, acc, scale):
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s * scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
@@ -325,7 +326,7 @@ def online_softmax_step_full(s, v, m_i, l_i, acc, scale):
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
@@ -372,7 +373,7 @@ def row_delta(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None = Non
 def wide_rows(dtype: torch.dtype, *dims: int) -> bool:
     """Whether rows of these head dims (padded to powers of two: a key row plus a value row, or q's
     alone) need launches smaller than the defaults to fit the H200's shared memory: float32 inputs
-    (twice the bytes, and three tf32 passes in the forwards, `score_dot`), or 16-bit rows past 768
+    (twice the bytes, and three tf32 passes in the forwards, `dot`), or 16-bit rows past 768
     bytes (the paper's 192 + 128 fit the defaults; 256 + 256 do not: the compression forward needed
     262,144 of the H200's 232,448 bytes at its 3 stages, run 39). Split q/k dims (`dk_tiles`) count
     padded too: 192 as 256, which keeps this bound on the safe side."""

@@ -17,6 +17,7 @@ from nsa_eval.kernels._triton_utils import (
     LOG2E,
     cdiv,
     dk_tiles,
+    dot,
     interpreting,
     kv_sources,
     launcher,
@@ -27,7 +28,6 @@ from nsa_eval.kernels._triton_utils import (
     online_softmax_step_full,
     pow2,
     row_delta,
-    score_dot,
     softmax_result,
     softmax_start,
     split_zeros,
@@ -147,9 +147,9 @@ def _band_fwd_tile(q, q2, k_base, v_base, start, o_t, m_i, l_i, acc, sk_t, sv_t,
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = score_dot(q, k)  # [BM, BN]
+    s = dot(q, k)  # [BM, BN]
     if BDK2 > 0:
-        s += score_dot(q2, load_tail(k_base + o_k.to(tl.int64) * sk_t, o_k < TK, MASKED, BDK, BDK2, UPCAST,
+        s += dot(q2, load_tail(k_base + o_k.to(tl.int64) * sk_t, o_k < TK, MASKED, BDK, BDK2, UPCAST,
                                      True))
     if MASKED:
         k_pos = o_k * key_stride + key_offset
@@ -253,11 +253,11 @@ def _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k))  # [BM, BN]
+    s = dot(q, tl.trans(k))  # [BM, BN]
     k2 = k  # the tail [BN, BDK2] (unused without one)
     if BDK2 > 0:
         k2 = load_tail(k_base + o_k.to(tl.int64) * sk_t, o_k < TK, MASKED, BDK, BDK2, UPCAST, False)
-        s += tl.dot(q2, tl.trans(k2))
+        s += dot(q2, tl.trans(k2))
     p = tl.exp2(s * scale_log2 - lse[:, None])
     if MASKED:
         k_pos = o_k * key_stride + key_offset
@@ -265,11 +265,11 @@ def _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk
         if HAS_WINDOW:
             valid = valid & (k_pos[None, :] > o_t[:, None] - window)
         p = tl.where(valid, p, 0.0)
-    dp = tl.dot(do, tl.trans(v))  # [BM, BN]
+    dp = dot(do, tl.trans(v))  # [BM, BN]
     ds = p * (dp - delta[:, None])
-    dq += tl.dot(ds.to(k.dtype), k)
+    dq += dot(ds.to(k.dtype), k)
     if BDK2 > 0:
-        dq2 += tl.dot(ds.to(k2.dtype), k2)
+        dq2 += dot(ds.to(k2.dtype), k2)
     return dq, dq2
 
 
@@ -398,11 +398,11 @@ def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    s_t = tl.dot(k, tl.trans(q))  # [BN, BM]
+    s_t = dot(k, tl.trans(q))  # [BN, BM]
     q2 = q  # the tail [BM, BDK2] (unused without one)
     if BDK2 > 0:
         q2 = load_tail(q_rows, o_t < T, MASKED, BDK, BDK2, UPCAST, False)
-        s_t += tl.dot(k2, tl.trans(q2))
+        s_t += dot(k2, tl.trans(q2))
     p_t = tl.exp2(s_t * scale_log2 - lse[None, :])  # [BN, BM]
     if MASKED:
         valid = (k_pos[:, None] <= o_t[None, :]) & m_t[None, :] & m_k[:, None]
@@ -411,12 +411,12 @@ def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i
         p_t = tl.where(valid, p_t, 0.0)
     if GATED:
         p_t = p_t * g[None, :]
-    dv += tl.dot(p_t.to(do.dtype), do)
-    dp_t = tl.dot(v, tl.trans(do))  # [BN, BM]
+    dv += dot(p_t.to(do.dtype), do)
+    dp_t = dot(v, tl.trans(do))  # [BN, BM]
     ds_t = p_t * (dp_t - delta[None, :])
-    dk += tl.dot(ds_t.to(q.dtype), q)
+    dk += dot(ds_t.to(q.dtype), q)
     if BDK2 > 0:
-        dk2 += tl.dot(ds_t.to(q2.dtype), q2)
+        dk2 += dot(ds_t.to(q2.dtype), q2)
     return dk, dk2, dv
 
 
@@ -558,7 +558,7 @@ def _band_config(window, part, dtype=torch.bfloat16, dk=128, dv=128, tma=False):
     elif wide_rows(dtype, dk, dv):
         # wide tiles beyond 64 x 64 can overflow shared memory (float32's dk/dv in 64 x 128 needed 262 KB
         # of the H200's 227 KB in run 5), and so can the forward at 3 stages (float32's three tf32
-        # passes, `score_dot`: 295 KB); tests/kernels/test_h200_resources.py compiles every default
+        # passes, `dot`: 295 KB); tests/kernels/test_h200_resources.py compiles every default
         if cfg["BM"] * cfg["BN"] > 64 * 64:
             cfg.update(BM=64, BN=64, num_warps=4)
         if part == "fwd":

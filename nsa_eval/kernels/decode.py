@@ -59,10 +59,10 @@ from nsa_eval.kernels._triton_utils import (
     LOG2E,
     cdiv,
     default_scale,
+    dot,
     interpreting,
     launcher,
     pow2,
-    score_dot,
     softmax_start,
 )
 from nsa_eval.kernels.topk import block_keys, filtered_top, lean_filtered_top, top_blocks, topk_blocks
@@ -196,12 +196,12 @@ def _tile_softmax(q, k, v, valid, scale_log2, UPCAST: tl.constexpr):
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = score_dot(q, tl.trans(k)) * scale_log2  # [M, BN]
+    s = dot(q, tl.trans(k)) * scale_log2  # [M, BN]
     s = tl.where(valid, s, float("-inf"))
     m = tl.max(s, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp2(s - m_safe[:, None])
-    return s, m, tl.sum(p, 1), tl.dot(p.to(v.dtype), v), p
+    return s, m, tl.sum(p, 1), dot(p.to(v.dtype), v), p
 
 
 @triton.jit
@@ -320,7 +320,7 @@ def _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, s
             if TILE_IMP:  # [M, JW] probabilities times shared tokens over stride
                 if MAP_BF16:
                     p_hi = p.to(tl.bfloat16)
-                    u = tl.dot(p_hi, w) + tl.dot((p - p_hi.to(tl.float32)).to(tl.bfloat16), w)
+                    u = dot(p_hi, w) + dot((p - p_hi.to(tl.float32)).to(tl.bfloat16), w)
                 else:
                     u = tl.dot(p, w, input_precision="tf32x3")
                 u = u / stride

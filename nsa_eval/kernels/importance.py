@@ -25,6 +25,7 @@ from nsa_eval.kernels._triton_utils import (
     contiguous,
     default_scale,
     dk_tiles,
+    dot,
     group_rows,
     interpreting,
     launcher,
@@ -32,7 +33,6 @@ from nsa_eval.kernels._triton_utils import (
     load_tail,
     overlap_weights,
     pow2,
-    score_dot,
     wide_rows,
 )
 from nsa_eval.kernels.band import band_forward
@@ -169,10 +169,10 @@ def _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: 
         k = tl.load(k_ptrs, mask=(o_dk < DK)[:, None], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
-    s = score_dot(q, k)  # [M, BC]
+    s = dot(q, k)  # [M, BC]
     if BDK2 > 0:  # the tail of a split head dim
         k2 = load_tail(k_base + o_k.to(tl.int64) * sk_t, m_k, MASKED, BDK, BDK2, UPCAST, True)  # [BDK2, BC]
-        s += score_dot(q2, k2)
+        s += dot(q2, k2)
     s = s * scale_log2
     if MASKED:
         visible = ((o_k * stride + block_len - 1)[None, :] <= r_t[:, None]) & m_k[None, :] & m_r[:, None]
@@ -242,7 +242,7 @@ def importance_launch(map_name: str, GP: int, dtype: torch.dtype, dk: int = 128)
     program holds more positions, and at 256 rows float32 needs more shared memory than the H200 has
     (233,472-245,760 bytes at G' <= 4 against 232,448); G = 4 in bf16 ran slower at 256 rows
     (importance 1.91 ms in run 24's profile against 1.66 at 128 in run 22). Wide rows also keep at
-    most 2 stages: float32 scores multiply in three tf32 passes (`score_dot`), which at 3 stages needs
+    most 2 stages: float32 scores multiply in three tf32 passes (`dot`), which at 3 stages needs
     262,144 bytes. The paper's 192 in 16-bit takes the same launch: there the defaults hold one
     program per SM (173,056 bytes); select_blocks at 64k and 192 / 128 took 9.05 ms against 9.78
     (run 47; 128 rows alone 10.96, 2 stages alone 10.54). 256 keeps the defaults (`_band_config`

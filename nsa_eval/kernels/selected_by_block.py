@@ -25,12 +25,12 @@ from nsa_eval.kernels._triton_utils import (
     LOG2E,
     cdiv,
     dk_tiles,
+    dot,
     interpreting,
     launcher,
     load_rows,
     online_softmax_step,
     pow2,
-    score_dot,
     softmax_result,
     softmax_start,
 )
@@ -305,9 +305,9 @@ def _by_block_kernel(
             r_t = (ent // (HKV * NSEL)) % T  # [M] query position
             q, q2 = load_rows(Q + i_b * sq_b + r_h * sq_h + r_t * sq_t, m_r, DK, BDK, BDK2,
                               UPCAST)  # [M, BDK], [M, BDK2]
-            s = score_dot(q, tl.trans(k))  # [M, BS]
+            s = dot(q, tl.trans(k))  # [M, BS]
             if BDK2 > 0:
-                s += score_dot(q2, tl.trans(k2))
+                s += dot(q2, tl.trans(k2))
             valid = (o_k[None, :] <= r_t[:, None]) & m_r[:, None]
             m_i, l_i, acc = softmax_start(M, BDV)
             m_i, l_i, acc = online_softmax_step(s, valid, v, m_i, l_i, acc, scale_log2)
