@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from nsa_eval.bench import PAPER, _fwd_bwd, _inputs, nsa_prefill
+from nsa_eval.bench.kernels import PAPER, _fwd_bwd, _inputs, nsa_prefill
 
 
 def prefill(T, hq=64, hkv=4):

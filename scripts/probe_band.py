@@ -50,7 +50,7 @@ import sys
 
 import torch
 
-from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flag, _with_flags, bench_nsa_prefill, nsa_prefill
+from nsa_eval.bench.kernels import _fwd_bwd, _inputs, _time, _with_flag, _with_flags, bench_nsa_prefill, nsa_prefill
 from nsa_eval.kernels import band
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.window import sliding_window_attention

@@ -57,7 +57,7 @@ import time
 
 import torch
 
-from nsa_eval.bench import (
+from nsa_eval.bench.kernels import (
     _fwd_bwd,
     _inputs,
     _time,
@@ -393,7 +393,7 @@ def host_stages():
 def bench_order():
     import gc
 
-    from nsa_eval.bench import bench_nsa_prefill, bench_sdpa_prefill
+    from nsa_eval.bench.kernels import bench_nsa_prefill, bench_sdpa_prefill
 
     def g4(label):
         x = _inputs(1, 8192, 16, 4, D, grad=True)

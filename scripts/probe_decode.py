@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from nsa_eval.bench import PAPER, _time_graph, _with_flag, profile_kernels
+from nsa_eval.bench.kernels import PAPER, _time_graph, _with_flag, profile_kernels
 from nsa_eval.kernels import decode, topk
 
 B, HQ, HKV, D = 16, 64, 4, 128
@@ -101,7 +101,7 @@ def time_batch(T, batch):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from nsa_eval.bench import decode_floor
+    from nsa_eval.bench.kernels import decode_floor
 
     tc = (T - PAPER["block_len"]) // PAPER["stride"] + 1
     r = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731

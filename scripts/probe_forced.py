@@ -16,7 +16,7 @@ alternation, beside the window forward and the whole NSA forward, whose gap to t
 
 import torch
 
-from nsa_eval.bench import PAPER, _inputs, _time, block_lists, nsa_prefill
+from nsa_eval.bench.kernels import PAPER, _inputs, _time, block_lists, nsa_prefill
 from nsa_eval.kernels import selection
 from nsa_eval.kernels.window import sliding_window_attention
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.bench import _inputs, _time
+from nsa_eval.bench.kernels import _inputs, _time
 from nsa_eval.kernels import floors, importance
 from nsa_eval.kernels._triton_utils import load_kv, pow2
 from nsa_eval.kernels.compression import compressed_attention

@@ -18,7 +18,7 @@ import sys
 import torch
 import triton
 
-from nsa_eval.bench import _inputs, _with_flags, nsa_prefill
+from nsa_eval.bench.kernels import _inputs, _with_flags, nsa_prefill
 from nsa_eval.kernels import selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.importance import select_blocks

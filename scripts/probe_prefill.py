@@ -54,7 +54,7 @@ from functools import partial
 
 import torch
 
-from nsa_eval.bench import (
+from nsa_eval.bench.kernels import (
     _fwd_bwd,
     _inputs,
     _time,

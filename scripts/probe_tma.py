@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from nsa_eval.bench import _fwd_bwd, _inputs, _time, _with_flags, nsa_prefill
+from nsa_eval.bench.kernels import _fwd_bwd, _inputs, _time, _with_flags, nsa_prefill
 from nsa_eval.kernels import band, selection
 from nsa_eval.kernels.compression import compressed_attention
 from nsa_eval.kernels.importance import select_blocks

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from nsa_eval.bench import _inputs, _time, _time_graph, _with_flag, _with_flags, bench_nsa_prefill
+from nsa_eval.bench.kernels import _inputs, _time, _time_graph, _with_flag, _with_flags, bench_nsa_prefill
 from nsa_eval.kernels import importance, topk
 from nsa_eval.kernels.compression import compressed_attention
 

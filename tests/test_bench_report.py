@@ -4,7 +4,7 @@ import pytest
 import torch
 import triton
 
-from nsa_eval.bench import MIN_TIMED_CALLS, Row, markdown_report, software_versions, timing_window
+from nsa_eval.bench.kernels import MIN_TIMED_CALLS, Row, markdown_report, software_versions, timing_window
 
 
 def test_report_ratios_g4_per_head_and_variant_line():
@@ -74,7 +74,7 @@ def test_table_only_measures_the_tables_alone(monkeypatch):
     and nothing beside them (no other settings, profiles, ops alone, selected floor). The timing
     functions need a CUDA GPU, so stand-ins return fixed times here; what is checked is which
     measurements the benchmark asks for and the report it makes of them."""
-    from nsa_eval import bench
+    from nsa_eval.bench import kernels as bench
 
     asked = []
 

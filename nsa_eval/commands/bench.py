@@ -1,5 +1,9 @@
-"""`nsa-eval bench kernels`: time the Triton NSA kernels against SDPA full attention on a CUDA GPU
-and write kernels.csv + kernels.md (see nsa_eval/bench.py for what is measured)."""
+"""`nsa-eval bench kernels`: time the Triton NSA kernels against SDPA full attention on a CUDA GPU and
+write kernels.csv + kernels.md (see nsa_eval/bench/kernels.py for what is measured).
+
+`nsa-eval bench harness`: time whole models through the lm-eval adapter, every attention method
+beside full attention and plain transformers, and write harness.csv + harness.md
+(nsa_eval/bench/harness.py)."""
 
 from __future__ import annotations
 
@@ -8,46 +12,117 @@ import sys
 from nsa_eval.errors import UsageError
 
 
-def _length(text: str) -> int:
+def _length(text: str, minimum: int = 1024) -> int:
     text = text.strip().lower()
     try:
         value = int(text[:-1]) * 1024 if text.endswith("k") else int(text)
     except ValueError:
         raise UsageError(f"--lengths: expected integers like 8192 or 8k, got {text!r}") from None
-    if value < 1024:
-        raise UsageError(f"--lengths: each length must be >= 1024, got {value}")
+    if value < minimum:
+        raise UsageError(f"--lengths: each length must be >= {minimum}, got {value}")
     return value
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks (kernels: Triton NSA vs SDPA on a CUDA GPU)")
-    parser.add_argument("what", choices=["kernels"], help="what to benchmark")
-    parser.add_argument("--lengths", nargs="+", default=["8k", "16k", "32k", "64k"],
-                        help="sequence lengths (default: 8k 16k 32k 64k)")
-    parser.add_argument("--out", default="reports/kernels",
-                        help="output folder for kernels.csv and kernels.md")
-    parser.add_argument("--decode-batch", type=int, default=16, help="decode batch size (default 16)")
-    parser.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention's parallel_nsa")
+    parser = subparsers.add_parser(
+        "bench", help="benchmarks: kernels (Triton NSA vs SDPA) or harness (whole models through lm-eval)")
+    parser.add_argument("what", choices=["kernels", "harness"], help="what to benchmark")
+    parser.add_argument("--lengths", nargs="+", default=None,
+                        help="sequence lengths (default: kernels 8k 16k 32k 64k, harness 8k 32k 64k)")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: reports/kernels or reports/harness)")
+    parser.add_argument("--decode-batch", type=int, nargs="+", default=None,
+                        help="decode batch sizes (default: kernels 16, harness 1 16)")
+    parser.add_argument("--no-fla", action="store_true",
+                        help="kernels: skip flash-linear-attention's parallel_nsa")
     parser.add_argument("--table-only", action="store_true",
-                        help="only the report's tables (no other settings, profiles, ops alone or the "
-                        "selected branch's floor)")
+                        help="kernels: only the report's tables (no other settings, profiles, ops alone or "
+                        "the selected branch's floor)")
+    parser.add_argument("--shape", default="llama-3.2-1b",
+                        help="harness: the random models' shape (llama-3.2-1b, or tiny for a quick check)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="harness: which rows (default: all, transformers full sink_window topk "
+                        "quest h2o nsa)")
+    parser.add_argument("--budget", type=int, default=2560, help="harness: the baselines' budget (2560)")
+    parser.add_argument("--sink", type=int, default=128, help="harness: the baselines' sink (128)")
+    parser.add_argument("--local", type=int, default=512, help="harness: the baselines' local window (512)")
+    parser.add_argument("--decode-tokens", type=int, default=16,
+                        help="harness: new tokens timed per decode measurement (16)")
+    parser.add_argument("--repeats", type=int, default=3, help="harness: timed calls per figure (median; 3)")
+    parser.add_argument("--device", default="cuda", help="harness: cuda (default) or cpu")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
-    lengths = [_length(x) for x in args.lengths]
-    if args.decode_batch < 1:
-        raise UsageError(f"--decode-batch must be >= 1, got {args.decode_batch}")
+    if args.what == "harness":
+        return run_harness(args)
+    lengths = [_length(x) for x in args.lengths or ["8k", "16k", "32k", "64k"]]
+    decode_batch = _one_decode_batch(args.decode_batch)
     import torch
 
     if not torch.cuda.is_available():
         raise UsageError("bench kernels needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from nsa_eval.bench import run_kernel_benchmark, write_outputs
+    from nsa_eval.bench.kernels import run_kernel_benchmark, write_outputs
 
-    rows = run_kernel_benchmark(lengths, decode_batch=args.decode_batch, fla=not args.no_fla,
+    rows = run_kernel_benchmark(lengths, decode_batch=decode_batch, fla=not args.no_fla,
                                 variants=not args.table_only)
-    command = "nsa-eval bench kernels " + " ".join(a for a in sys.argv[1:] if a not in ("bench", "kernels"))
-    csv_path, md_path = write_outputs(rows, args.out, command=command.strip())
+    csv_path, md_path = write_outputs(rows, args.out or "reports/kernels", command=_command_line("kernels"))
+    print(md_path.read_text())
+    print(f"wrote {csv_path} and {md_path}")
+    return 0
+
+
+def _one_decode_batch(values: list[int] | None) -> int:
+    if values is None:
+        return 16
+    if len(values) != 1:
+        raise UsageError(f"bench kernels: --decode-batch takes one size, got {len(values)}")
+    if values[0] < 1:
+        raise UsageError(f"--decode-batch must be >= 1, got {values[0]}")
+    return values[0]
+
+
+def _command_line(what: str) -> str:
+    args = " ".join(a for a in sys.argv[1:] if a not in ("bench", what))
+    return f"nsa-eval bench {what} {args}".strip()
+
+
+def run_harness(args) -> int:
+    """Check every argument, then build the models and time them."""
+    from nsa_eval.bench import harness
+
+    if args.shape not in harness.SHAPES:
+        raise UsageError(f"--shape: expected one of {', '.join(harness.SHAPES)}, got {args.shape!r}")
+    methods = tuple(args.methods or harness.METHODS)
+    unknown = [m for m in methods if m not in harness.METHODS]
+    if unknown:
+        raise UsageError(f"--methods: unknown {', '.join(unknown)}; "
+                         f"expected some of {', '.join(harness.METHODS)}")
+    if "full" not in methods:
+        raise UsageError("--methods: include full (every ratio is to full attention of the same run)")
+    lengths = [_length(x, minimum=64) for x in args.lengths or ["8k", "32k", "64k"]]
+    batches = tuple(args.decode_batch or [1, 16])
+    for name, value, low in (("--decode-batch", min(batches), 1), ("--decode-tokens", args.decode_tokens, 1),
+                             ("--repeats", args.repeats, 1), ("--budget", args.budget, 1),
+                             ("--local", args.local, 1), ("--sink", args.sink, 0)):
+        if value < low:
+            raise UsageError(f"{name} must be >= {low}, got {value}")
+    if args.budget < args.sink + args.local:
+        raise UsageError(f"--budget {args.budget} is below --sink + --local = {args.sink + args.local}")
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("bench harness --device cuda needs a CUDA GPU "
+                         "(--device cpu --shape tiny runs it on a CPU)")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise UsageError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+    shape = harness.SHAPES[args.shape]
+    rows = harness.run_harness(shape, lengths, methods=methods, decode_batches=batches,
+                               decode_tokens=args.decode_tokens, repeats=args.repeats, budget=args.budget,
+                               sink=args.sink, local=args.local, device=args.device)
+    csv_path, md_path = harness.write_outputs(rows, args.out or "reports/harness", shape=shape,
+                                              budget=args.budget, sink=args.sink, local=args.local,
+                                              command=_command_line("harness"))
     print(md_path.read_text())
     print(f"wrote {csv_path} and {md_path}")
     return 0

@@ -151,7 +151,7 @@ def benchmark_selection():
     without a CUDA GPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from nsa_eval.bench import _inputs
+    from nsa_eval.bench.kernels import _inputs
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.importance import select_blocks
 

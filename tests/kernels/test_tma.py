@@ -102,7 +102,7 @@ def test_gpu_tma_matches_loads():
     against off. Not bit for bit: the compression forward takes its own tiles with TMA
     (`BAND_CONFIGS["cmp"]["fwd_tma"]`) and the selected dk/dv adds float32 atomics in any order; a
     wrong or missing tile would be off by ~1e-1."""
-    from nsa_eval.bench import _inputs
+    from nsa_eval.bench.kernels import _inputs
     from nsa_eval.kernels.importance import select_blocks
 
     torch.manual_seed(0)
