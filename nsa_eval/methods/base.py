@@ -147,26 +147,50 @@ class AttentionMethod:
 
 @dataclass
 class _Tally:
-    """Running totals for one (layer, phase): query-head pairs, keys attended, KV tokens read."""
+    """Running totals for one (layer, phase): query-head pairs, keys attended, KV tokens read.
+
+    The totals stay on the device of the counts until read: reading one waits for the GPU, and a
+    wait per layer and step would hold a decode step to the host's pace."""
 
     held: bool  # True when these queries were held to the budget
-    queries: int = 0  # (query, query head) pairs
-    activated_sum: int = 0
-    activated_max: int = 0
-    kv_queries: int = 0  # (query, KV head) pairs
-    kv_read_sum: int = 0
+    totals: Tensor | None = None  # int64 [5]: queries, activated sum, activated max, KV queries, KV read sum
 
     def add(self, activated: Tensor, kv_read: Tensor, real: Tensor) -> None:
         """activated `[B, Hq, Tc]`, kv_read `[B, Hkv, Tc]` int; only real queries (`real` `[B, Tc]`) count."""
-        a = activated[real[:, None].expand_as(activated)]
-        r = kv_read[real[:, None].expand_as(kv_read)]
-        if a.numel():
-            self.queries += a.numel()
-            self.activated_sum += int(a.sum())
-            self.activated_max = max(self.activated_max, int(a.max()))
-        if r.numel():
-            self.kv_queries += r.numel()
-            self.kv_read_sum += int(r.sum())
+        real_a = real[:, None].expand_as(activated)
+        real_r = real[:, None].expand_as(kv_read)
+        activated, kv_read = activated.long(), kv_read.long()
+        top = activated.masked_fill(~real_a, 0).amax() if activated.numel() else activated.new_zeros(())
+        step = torch.stack([real_a.sum(), (activated * real_a).sum(), top,
+                            real_r.sum(), (kv_read * real_r).sum()])
+        if self.totals is None:
+            self.totals = step
+        else:
+            self.totals = torch.cat([self.totals[:2] + step[:2], torch.maximum(self.totals[2:3], step[2:3]),
+                                     self.totals[3:] + step[3:]])
+
+    def _read(self, i: int) -> int:
+        return 0 if self.totals is None else int(self.totals[i])
+
+    @property
+    def queries(self) -> int:  # (query, query head) pairs
+        return self._read(0)
+
+    @property
+    def activated_sum(self) -> int:
+        return self._read(1)
+
+    @property
+    def activated_max(self) -> int:
+        return self._read(2)
+
+    @property
+    def kv_queries(self) -> int:  # (query, KV head) pairs
+        return self._read(3)
+
+    @property
+    def kv_read_sum(self) -> int:
+        return self._read(4)
 
 
 def _summary(tallies: list[_Tally]) -> dict[str, Any]:
