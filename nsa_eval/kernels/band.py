@@ -253,11 +253,11 @@ def _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-    s = dot(q, tl.trans(k))  # [BM, BN]
+    s = tl.dot(q, tl.trans(k))  # [BM, BN]
     k2 = k  # the tail [BN, BDK2] (unused without one)
     if BDK2 > 0:
         k2 = load_tail(k_base + o_k.to(tl.int64) * sk_t, o_k < TK, MASKED, BDK, BDK2, UPCAST, False)
-        s += dot(q2, tl.trans(k2))
+        s += tl.dot(q2, tl.trans(k2))
     p = tl.exp2(s * scale_log2 - lse[:, None])
     if MASKED:
         k_pos = o_k * key_stride + key_offset
@@ -265,11 +265,11 @@ def _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk
         if HAS_WINDOW:
             valid = valid & (k_pos[None, :] > o_t[:, None] - window)
         p = tl.where(valid, p, 0.0)
-    dp = dot(do, tl.trans(v))  # [BM, BN]
+    dp = tl.dot(do, tl.trans(v))  # [BM, BN]
     ds = p * (dp - delta[:, None])
-    dq += dot(ds.to(k.dtype), k)
+    dq += tl.dot(ds.to(k.dtype), k)
     if BDK2 > 0:
-        dq2 += dot(ds.to(k2.dtype), k2)
+        dq2 += tl.dot(ds.to(k2.dtype), k2)
     return dq, dq2
 
 
@@ -398,11 +398,11 @@ def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    s_t = dot(k, tl.trans(q))  # [BN, BM]
+    s_t = tl.dot(k, tl.trans(q))  # [BN, BM]
     q2 = q  # the tail [BM, BDK2] (unused without one)
     if BDK2 > 0:
         q2 = load_tail(q_rows, o_t < T, MASKED, BDK, BDK2, UPCAST, False)
-        s_t += dot(k2, tl.trans(q2))
+        s_t += tl.dot(k2, tl.trans(q2))
     p_t = tl.exp2(s_t * scale_log2 - lse[None, :])  # [BN, BM]
     if MASKED:
         valid = (k_pos[:, None] <= o_t[None, :]) & m_t[None, :] & m_k[:, None]
@@ -411,12 +411,12 @@ def _band_dkv_tile(k, k2, v, k_pos, m_k, dk, dk2, dv, Q, DO, LSE, DELTA, GATE, i
         p_t = tl.where(valid, p_t, 0.0)
     if GATED:
         p_t = p_t * g[None, :]
-    dv += dot(p_t.to(do.dtype), do)
-    dp_t = dot(v, tl.trans(do))  # [BN, BM]
+    dv += tl.dot(p_t.to(do.dtype), do)
+    dp_t = tl.dot(v, tl.trans(do))  # [BN, BM]
     ds_t = p_t * (dp_t - delta[None, :])
-    dk += dot(ds_t.to(q.dtype), q)
+    dk += tl.dot(ds_t.to(q.dtype), q)
     if BDK2 > 0:
-        dk2 += dot(ds_t.to(q2.dtype), q2)
+        dk2 += tl.dot(ds_t.to(q2.dtype), q2)
     return dk, dk2, dv
 
 

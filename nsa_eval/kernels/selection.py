@@ -173,15 +173,15 @@ def _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV: tl.constexpr, UPCAST: tl.cons
 def _dq_block(q, q2, k, k2, v, do, lse, delta, valid, scale_log2, dq, dq2, BDK2: tl.constexpr):
     # dq [M, BDK] plus this block's share (before the final * scale); k [BS, BDK], v [BS, BDV]; with
     # a split head dim, its tail: q2 [M, BDK2], k2 [BS, BDK2], dq2 [M, BDK2]
-    s = dot(q, tl.trans(k))  # [M, BS]
+    s = tl.dot(q, tl.trans(k))  # [M, BS]
     if BDK2 > 0:
-        s += dot(q2, tl.trans(k2))
+        s += tl.dot(q2, tl.trans(k2))
     pr = tl.where(valid, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)  # [M, BS]
-    dp = dot(do, tl.trans(v))  # [M, BS]
+    dp = tl.dot(do, tl.trans(v))  # [M, BS]
     ds = pr * (dp - delta[:, None])
     if BDK2 > 0:
-        dq2 += dot(ds.to(k2.dtype), k2)
-    return dq + dot(ds.to(k.dtype), k), dq2
+        dq2 += tl.dot(ds.to(k2.dtype), k2)
+    return dq + tl.dot(ds.to(k.dtype), k), dq2
 
 
 @triton.jit
@@ -482,26 +482,26 @@ def _selected_dkv_kernel(
             lse = tl.load(LSE + row, mask=m_r, other=0.0)
             lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
             delta = tl.load(DELTA + row, mask=m_r, other=0.0)
-            s = dot(q, tl.trans(k))  # [M, BS]
+            s = tl.dot(q, tl.trans(k))  # [M, BS]
             if BDK2 > 0:
-                s += dot(q2, tl.trans(k2))
+                s += tl.dot(q2, tl.trans(k2))
             valid = (o_k[None, :] <= r_t[:, None]) & m_r[:, None]
             pr = tl.where(valid, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)  # [M, BS]
             if GATED:
                 pr = pr * tl.load(GATE + row, mask=m_r, other=0.0).to(tl.float32)[:, None]
-            dp = dot(do, tl.trans(v))  # [M, BS]
+            dp = tl.dot(do, tl.trans(v))  # [M, BS]
             ds = pr * (dp - delta[:, None])
-            dv += dot(tl.trans(pr.to(do.dtype)), do)  # [BS, BDV]
-            dk += dot(tl.trans(ds.to(q.dtype)), q)  # [BS, BDK]
+            dv += tl.dot(tl.trans(pr.to(do.dtype)), do)  # [BS, BDV]
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)  # [BS, BDK]
             if BDK2 > 0:
-                dk2 += dot(tl.trans(ds.to(q2.dtype)), q2)  # [BS, BDK2]
+                dk2 += tl.dot(tl.trans(ds.to(q2.dtype)), q2)  # [BS, BDK2]
             if FUSE_DQ:
-                dq = dot(ds.to(k.dtype), k)  # [M, BDK]
+                dq = tl.dot(ds.to(k.dtype), k)  # [M, BDK]
                 tl.atomic_add(DQ32 + row[:, None] * DK + o_dk[None, :], dq * scale,
                               mask=m_r[:, None] & (o_dk < DK)[None, :], sem="relaxed")
                 if BDK2 > 0:
                     o_dk2 = BDK + tl.arange(0, BDK2)
-                    dq2 = dot(ds.to(k2.dtype), k2)  # [M, BDK2]
+                    dq2 = tl.dot(ds.to(k2.dtype), k2)  # [M, BDK2]
                     tl.atomic_add(DQ32 + row[:, None] * DK + o_dk2[None, :], dq2 * scale, mask=m_r[:, None],
                                   sem="relaxed")
         kv_row = (i_b * T + o_k.to(tl.int64)) * HKV + i_hk  # [BS]
