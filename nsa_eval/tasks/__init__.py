@@ -33,7 +33,7 @@ PROJECT_TASKS: dict[str, str] = {
     "nsa_bbh": "BBH 3-shot chain of thought, exact match of 'the answer is ...'",
     "nsa_bbh_direct": "BBH 3-shot answer only (no chain of thought), exact match",
     "nsa_gsm8k": "GSM8K 8-shot chain of thought (exact match)",
-    "nsa_drop": "DROP 1-shot, generative (f1, em)",
+    "nsa_drop": "DROP 1-shot, generative (f1, em), stops at a line or sentence end",
     "nsa_mbpp": "MBPP 3-shot, pass@1; executes model code: needs confirm_run_unsafe_code",
     "nsa_aime24_8k": "AIME 2024, 16 samples at T=0.7 top-p 0.95, 8,192 new tokens; avg@k, pass@k",
     "nsa_aime24_16k": "AIME 2024, 16 samples at T=0.7 top-p 0.95, 16,384 new tokens; avg@k, pass@k",
