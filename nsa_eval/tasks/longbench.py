@@ -25,6 +25,8 @@ import string
 from collections import Counter
 from functools import partial
 
+from nsa_eval.errors import UsageError
+
 # subset -> (official prompt, max new tokens, metric)
 SUBSETS: dict[str, tuple[str, int, str]] = {
     "multifieldqa_en": (
@@ -179,15 +181,40 @@ def retrieval_zh(prediction: str, reference: str) -> float:
 
 
 def code_sim(prediction: str, reference: str) -> float:
-    """fuzz.ratio / 100 between the reference line and the first predicted line without `, # or //."""
-    from fuzzywuzzy import fuzz
+    """fuzz.ratio / 100 between the reference line and the first predicted line without `, # or //.
 
+    fuzz.ratio is fuzzywuzzy's (the official metrics.py's), on python-Levenshtein's ratio (the
+    indel similarity 2 * LCS / (len(a) + len(b)), rounded to a whole percent); `fuzz()` refuses
+    fuzzywuzzy's pure-python fallback, whose different ratio would change the score.
+    """
     first = ""
     for line in prediction.lstrip("\n").split("\n"):
         if "`" not in line and "#" not in line and "//" not in line:
             first = line
             break
-    return fuzz.ratio(first, reference) / 100
+    return fuzz().ratio(first, reference) / 100
+
+
+def fuzz():
+    """fuzzywuzzy's `fuzz` module, checked to score with python-Levenshtein (a UsageError if not).
+
+    fuzzywuzzy picks its backend when it is imported: python-Levenshtein's ratio when that package
+    is installed, else difflib's SequenceMatcher, whose Ratcliff-Obershelp ratio is not an edit
+    similarity and scores code lines up to 20 points apart (56 vs 77 on a swapped call). LongBench
+    reports lcc as edit similarity and its metric comes from RepoBench, which requires
+    python-Levenshtein, so that is the backend nsa-eval pins (pyproject.toml) and requires here.
+    """
+    from fuzzywuzzy import fuzz as fuzzywuzzy_fuzz
+
+    backend = fuzzywuzzy_fuzz.SequenceMatcher
+    if backend.__module__ != "fuzzywuzzy.StringMatcher":
+        raise UsageError(
+            "LongBench's code_sim (lcc) needs fuzzywuzzy on python-Levenshtein, but fuzzywuzzy fell back to "
+            f"{backend.__module__}.{backend.__name__}, which scores differently; expected "
+            "`pip install python-Levenshtein` (a dependency of nsa-eval: reinstall it with its "
+            "dependencies)"
+        )
+    return fuzzywuzzy_fuzz
 
 
 METRICS = {

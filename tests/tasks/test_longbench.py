@@ -61,6 +61,51 @@ def test_code_sim():
     assert lb.code_sim("// only comments", "x = 1") == 0.0
 
 
+def _indel_percent(a: str, b: str) -> int:
+    """python-Levenshtein's ratio, written out: 2 * LCS / (len(a) + len(b)), as fuzzywuzzy rounds it."""
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return int(round(100 * 2 * previous[-1] / (len(a) + len(b))))
+
+
+@pytest.mark.parametrize(
+    "prediction, reference, percent",
+    [
+        # LCS("tide", "diet") = 2 ("ie"): 2 * 2 / 8 = 50 (difflib's fallback gives 25)
+        ("tide", "diet", 50),
+        # a call with its arguments swapped: LCS 40 of 52 + 52 characters = 77 (difflib: 56)
+        (
+            "result = compute(beta, alpha) + compute(alpha, beta)",
+            "result = compute(alpha, beta) + compute(beta, alpha)",
+            77,
+        ),
+        # attributes assigned in the other order (difflib: 56)
+        ("    self.height, self.width = width, height", "    self.width, self.height = height, width", 67),
+    ],
+)
+def test_code_sim_is_the_levenshtein_backed_ratio(prediction, reference, percent):
+    """The official scorer on python-Levenshtein, not fuzzywuzzy's difflib fallback (pinned in
+    pyproject.toml), whatever else happens to be installed."""
+    assert _indel_percent(prediction, reference) == percent
+    assert lb.code_sim(prediction, reference) == percent / 100
+
+
+def test_code_sim_refuses_the_difflib_fallback(monkeypatch):
+    import difflib
+
+    from fuzzywuzzy import fuzz
+
+    from nsa_eval.errors import UsageError
+
+    monkeypatch.setattr(fuzz, "SequenceMatcher", difflib.SequenceMatcher)  # as without python-Levenshtein
+    with pytest.raises(UsageError, match="python-Levenshtein"):
+        lb.code_sim("tide", "diet")
+
+
 def test_score_takes_the_best_reference_and_names_the_metric():
     doc = {"answers": ["London", "the city of Paris"]}
     out = lb.score("hotpotqa", "Paris", doc)
