@@ -769,7 +769,7 @@ def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = Tr
                     "task", task.task, _close_names(task.task, known)))
         _check_context_fits(suite)
     if check_data:
-        _check_task_data(suite)
+        warnings += _check_task_data(suite)
     return warnings
 
 
@@ -1012,12 +1012,13 @@ def _close_names(name: str, known: set[str]) -> list[str]:
     return difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.5) or ["(see `lm-eval ls tasks`)"]
 
 
-def _check_task_data(suite: Suite) -> None:
+def _check_task_data(suite: Suite) -> list[str]:
+    """Offline, missing data is a UsageError; online, a warning naming it (tasks.data)."""
     try:
-        from nsa_eval.tasks import check_task_data
+        from nsa_eval.tasks.data import task_data_warnings
     except ImportError:
-        return
-    check_task_data([task.task for task in suite.tasks], manager=task_manager(suite.include_path))
+        return []
+    return task_data_warnings([task.task for task in suite.tasks], manager=task_manager(suite.include_path))
 
 
 _TASK_MANAGERS: dict[tuple[str, ...], Any] = {}

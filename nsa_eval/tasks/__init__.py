@@ -30,17 +30,23 @@ PROJECT_TASKS: dict[str, str] = {
     "nsa_longbench": "LongBench v1, the paper's 10 subsets, official prompts/metrics, 0-1 scale",
     **{f"nsa_longbench_{s}": f"LongBench {s}" for s in SUBSETS},
     "nsa_mmlu": "MMLU 5-shot, loglikelihood multiple choice (acc)",
+    "nsa_mmlu_pro": "MMLU-Pro 5-shot chain of thought, exact match of 'answer is (X)'",
+    "nsa_cmmlu": "CMMLU 5-shot, loglikelihood multiple choice (acc)",
     "nsa_bbh": "BBH 3-shot chain of thought, exact match of 'the answer is ...'",
     "nsa_bbh_direct": "BBH 3-shot answer only (no chain of thought), exact match",
     "nsa_gsm8k": "GSM8K 8-shot chain of thought (exact match)",
+    "nsa_math": "MATH 4-shot (Minerva) chain of thought, exact match (and math_verify)",
     "nsa_drop": "DROP 1-shot, generative (f1, em), stops at a line or sentence end",
     "nsa_mbpp": "MBPP 3-shot, pass@1; executes model code: needs confirm_run_unsafe_code",
+    "nsa_humaneval": "HumanEval 0-shot, pass@1; executes model code: needs confirm_run_unsafe_code",
     "nsa_aime24_8k": "AIME 2024, 16 samples at T=0.7 top-p 0.95, 8,192 new tokens; avg@k, pass@k",
     "nsa_aime24_16k": "AIME 2024, 16 samples at T=0.7 top-p 0.95, 16,384 new tokens; avg@k, pass@k",
 }
 
-# lm-eval's task folders the project's groups build on (general/*.yaml; nsa_mbpp is the project's own)
-LM_EVAL_TASK_DIRS = ("mmlu/default", "bbh/cot_fewshot", "bbh/fewshot", "gsm8k", "drop")
+# lm-eval's task folders the project's groups build on (general/*.yaml; nsa_mbpp and nsa_humaneval
+# are the project's own)
+LM_EVAL_TASK_DIRS = ("mmlu/default", "mmlu_pro", "cmmlu", "bbh/cot_fewshot", "bbh/fewshot", "gsm8k",
+                     "minerva_math", "drop")
 
 
 @lru_cache(maxsize=2)
