@@ -6,7 +6,7 @@
   `PROTOCOL_NOTES`: name -> the scoring choices a report states in its protocol section.
 - `check_task_data(names)`: one UsageError before any model loads when data is missing offline.
 - `requires_unsafe_code(names)`: the requested tasks whose leaf configs set `unsafe_code` (they run
-  model-written code, e.g. nsa_mbpp, mbpp, humaneval).
+  model-written code, e.g. nsa_mbpp, nsa_humaneval, mbpp, humaneval).
 
 Importing this package does not import lm_eval; the functions do, when called.
 docs/tasks.md describes every family's protocol, metadata keys and data layout.
