@@ -267,9 +267,11 @@ def task_data_warnings(task_names: Iterable[str], manager=None) -> list[str]:
     loads from the hub itself, which no local file can stand in for.
     """
     names = list(task_names)
-    check_task_data(names, manager)
+    missing = missing_task_data(names, manager)
+    if missing and hub_offline():
+        raise UsageError(missing_data_message(missing, list(missing)))
     warnings = []
-    for task, files in missing_task_data(names, manager).items():
+    for task, files in missing.items():
         warnings.append(f"task {task}: {len(files)} data file(s) not on disk under {data_dir()} (e.g. "
                         f"{files[0]}): the hub will be read when it loads; `nsa-eval data fetch {task}` "
                         "fetches them now, for offline runs")
