@@ -44,6 +44,8 @@ from typing import Any
 from nsa_eval.errors import UsageError
 from nsa_eval.models.loading import checkpoint_fingerprint
 from nsa_eval.registry import unknown_name_message
+from nsa_eval.tasks.longbench import MAX_LENGTH_KEY as LONGBENCH_MAX_LENGTH
+from nsa_eval.tasks.longbench import SUBSETS as LONGBENCH_SUBSETS
 
 # Attention methods the lm-eval adapter accepts when nsa_eval.methods / models are not importable.
 FALLBACK_ATTENTION = ("full", "h2o", "nsa", "quest", "sink_window", "topk")
@@ -101,6 +103,12 @@ TASK_METADATA: dict[str, dict[str, tuple[Any, str]]] = {
             k in NIAH_TEMPLATE_KEYS and isinstance(x, str) for k, x in v.items()),
             "a mapping with any of " + ", ".join(NIAH_TEMPLATE_KEYS) + " (strings)"),
     },
+    # LongBench's own prompt length, cut as its pred.py does (nsa_eval/tasks/longbench_task.py)
+    **dict.fromkeys(("nsa_longbench", *(f"nsa_longbench_{s}" for s in LONGBENCH_SUBSETS)), {
+        LONGBENCH_MAX_LENGTH: (lambda v: _is_int(v) and v > 0,
+                               "a positive integer (prompt tokens; a longer prompt loses its middle)"),
+        "tokenizer": (lambda v: isinstance(v, str) and bool(v), "a tokenizer name or directory"),
+    }),
 }
 
 # key -> (accepted types, description) for every model key; `attention` and `budget` may be lists.
@@ -769,13 +777,14 @@ def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = Tr
                     "task", task.task, _close_names(task.task, known)))
         _check_context_fits(suite)
     if check_data:
-        _check_task_data(suite)
+        warnings += _check_task_data(suite)
     return warnings
 
 
 def _check_context_fits(suite: Suite) -> None:
-    """Every generation task leaves its model room for a prompt, and every NIAH prompt fits with what
-    lm-eval adds around it and its answer. lm-eval stops at an assertion, after the model loaded,
+    """Every generation task leaves its model room for a prompt, every NIAH prompt fits with what
+    lm-eval adds around it and its answer, and so does a LongBench prompt cut to its own
+    `longbench_max_length`. lm-eval stops at an assertion, after the model loaded,
     when max_gen_toks fills the context; and it cuts a long prompt with only a log warning (HFLM
     keeps its last max_length - max_gen_toks tokens; this adapter's `truncation: middle` drops its
     middle), so a NIAH cell would report a context length it never ran, perhaps without its needle.
@@ -822,6 +831,13 @@ def _check_context_fits(suite: Suite) -> None:
                 if is_niah:
                     _check_niah_fit(f"{where} on models (entry {model.label!r})", task, model, metadata,
                                     answer, limit, origin)
+                prompt = metadata.get(LONGBENCH_MAX_LENGTH)
+                if _is_int(prompt) and prompt + answer > limit:  # the model would cut it a second time
+                    raise UsageError(f"{where} on models (entry {model.label!r}): {LONGBENCH_MAX_LENGTH} "
+                                     f"{prompt} and max_gen_toks {answer} need {prompt + answer} tokens, but "
+                                     f"{model.pretrained} takes {limit} ({origin}); expected "
+                                     f"{LONGBENCH_MAX_LENGTH} up to {limit - answer}, or a larger max_length "
+                                     "on the model entry if the model runs longer inputs")
 
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's when a task gives none (TaskConfig, HFLM and vLLM alike)
@@ -1012,12 +1028,13 @@ def _close_names(name: str, known: set[str]) -> list[str]:
     return difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.5) or ["(see `lm-eval ls tasks`)"]
 
 
-def _check_task_data(suite: Suite) -> None:
+def _check_task_data(suite: Suite) -> list[str]:
+    """Offline, missing data is a UsageError; online, a warning naming it (tasks.data)."""
     try:
-        from nsa_eval.tasks import check_task_data
+        from nsa_eval.tasks.data import task_data_warnings
     except ImportError:
-        return
-    check_task_data([task.task for task in suite.tasks], manager=task_manager(suite.include_path))
+        return []
+    return task_data_warnings([task.task for task in suite.tasks], manager=task_manager(suite.include_path))
 
 
 _TASK_MANAGERS: dict[tuple[str, ...], Any] = {}

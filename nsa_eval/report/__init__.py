@@ -404,14 +404,17 @@ class ReportBuilder:
         for model in self.models:
             s = self.run.model_spec(model)
             sparse = s["attention"] not in ("full", "nsa")
+            dense = s.get("dense_layers") or 0
             rows.append([model, s["pretrained"], s["attention"],
                          str(s["budget"]) if sparse else "-", str(s["sink"]) if sparse else "-",
                          str(s["local"]) if sparse else "-",
                          ("prefill + decode" if s.get("sparse_prefill", True) else "decode only") if sparse
                          else ("native" if s["attention"] == "nsa" else "dense"),
+                         (f"first {dense}" if dense else "none") if sparse else "-",
                          s["dtype"], s["truncation"], str(s.get("max_length") or "model's"), s["backend"]])
-        doc.table(["method", "checkpoint", "attention", "budget", "sink", "local", "sparsity", "dtype",
-                   "truncation", "max length", "backend"], rows, "Models")
+        doc.table(["method", "checkpoint", "attention", "budget", "sink", "local", "sparsity", "dense layers",
+                   "dtype", "truncation", "max length", "backend"], rows,
+                  "Models; dense layers attend to every key (their keys count in the activated tokens)")
         rows = []
         for task in self.tasks:
             spec = self.run.task_spec(task)
@@ -422,11 +425,41 @@ class ReportBuilder:
             docs = self._documents(task)
             limit = cells[0].config.get("limit") if cells else None
             rows.append([task, f"`{spec['task']}`", ", ".join(shots) or "0", gen,
-                         "yes" if spec.get("apply_chat_template") else "no",
+                         self._chat_template(task, spec), _prompt_cut(spec),
                          docs + (f" (limit {limit})" if limit else ""),
                          json.dumps(spec["metadata"], sort_keys=True) if spec.get("metadata") else ""])
-        doc.table(["task", "lm-eval task", "shots", "sampling", "chat template", "documents", "metadata"],
-                  rows, "Tasks; documents per subtask and method (the parts of a split task summed)")
+        doc.table(["task", "lm-eval task", "shots", "sampling", "chat template", "prompt cut", "documents",
+                   "metadata"], rows,
+                  "Tasks; documents per subtask and method (the parts of a split task summed); a prompt "
+                  "longer than the model's max length loses its middle (`truncation: middle`) or its head")
+        notes = self._protocol_notes()
+        if notes:
+            doc.para("Scoring and model choices (docs/tasks.md gives the reasons):")
+            doc.bullets(notes)
+
+    def _chat_template(self, task: str, spec: dict) -> str:
+        """Whether the task's prompts went through the chat template, naming the models that ran it."""
+        if not spec.get("apply_chat_template"):
+            return "no"
+        return "yes: " + ", ".join(self._models_of(task))
+
+    def _protocol_notes(self) -> list[str]:
+        """The scoring choices of the tasks that ran (PROTOCOL_NOTES), then each model's dense layers."""
+        from nsa_eval.tasks import PROTOCOL_NOTES
+
+        notes = [PROTOCOL_NOTES[spec["task"]] for spec in (self.run.task_spec(t) for t in self.tasks)
+                 if spec["task"] in PROTOCOL_NOTES]
+        notes = list(dict.fromkeys(notes))
+        for model in self.models:
+            s = self.run.model_spec(model)
+            dense = s.get("dense_layers") or 0
+            if s["attention"] == "quest":
+                notes.append(f"{model}: Quest " + (
+                    f"keeps its first {dense} layers dense, as Quest's own code keeps two" if dense else
+                    "is sparse in every layer (Quest's own code keeps the first two dense)") + ".")
+            elif dense and s["attention"] not in ("full", "nsa"):
+                notes.append(f"{model}: the first {dense} layers are dense.")
+        return notes
 
     def _documents(self, task: str) -> str:
         """Documents per subtask of one method, summed over the parts of a split task only; where
@@ -537,6 +570,14 @@ def _generation_kwargs(results: dict) -> str:
     if not shown.get("do_sample"):
         shown = {"greedy": True} | {k: v for k, v in shown.items() if k == "max_gen_toks"}
     return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def _prompt_cut(spec: dict) -> str:
+    """The task's own prompt length (LongBench's `longbench_max_length`), else the model's."""
+    from nsa_eval.tasks.longbench import MAX_LENGTH_KEY
+
+    length = (spec.get("metadata") or {}).get(MAX_LENGTH_KEY)
+    return f"middle, to {length:,} tokens (`{MAX_LENGTH_KEY}`)" if isinstance(length, int) else "by the model"
 
 
 def _neg(value: float) -> float:

@@ -2,10 +2,11 @@
 
 - `TASKS_DIR`: the lm-eval include_path holding the project's YAMLs (niah/, longbench/, general/,
   aime/); `task_manager(metadata)` is a TaskManager that knows them and lm-eval's own tasks.
-- `PROJECT_TASKS`: name -> one-line protocol, for `nsa-eval data list` and the docs.
+- `PROJECT_TASKS`: name -> one-line protocol, for `nsa-eval data list` and the docs;
+  `PROTOCOL_NOTES`: name -> the scoring choices a report states in its protocol section.
 - `check_task_data(names)`: one UsageError before any model loads when data is missing offline.
 - `requires_unsafe_code(names)`: the requested tasks whose leaf configs set `unsafe_code` (they run
-  model-written code, e.g. nsa_mbpp, mbpp, humaneval).
+  model-written code, e.g. nsa_mbpp, nsa_humaneval, mbpp, humaneval).
 
 Importing this package does not import lm_eval; the functions do, when called.
 docs/tasks.md describes every family's protocol, metadata keys and data layout.
@@ -30,17 +31,48 @@ PROJECT_TASKS: dict[str, str] = {
     "nsa_longbench": "LongBench v1, the paper's 10 subsets, official prompts/metrics, 0-1 scale",
     **{f"nsa_longbench_{s}": f"LongBench {s}" for s in SUBSETS},
     "nsa_mmlu": "MMLU 5-shot, loglikelihood multiple choice (acc)",
+    "nsa_mmlu_pro": "MMLU-Pro 5-shot chain of thought, exact match of 'answer is (X)'",
+    "nsa_cmmlu": "CMMLU 5-shot, loglikelihood multiple choice (acc)",
     "nsa_bbh": "BBH 3-shot chain of thought, exact match of 'the answer is ...'",
     "nsa_bbh_direct": "BBH 3-shot answer only (no chain of thought), exact match",
     "nsa_gsm8k": "GSM8K 8-shot chain of thought (exact match)",
-    "nsa_drop": "DROP 1-shot, generative (f1, em)",
+    "nsa_math": "MATH 4-shot (Minerva) chain of thought, exact match (and math_verify)",
+    "nsa_drop": "DROP 1-shot, generative (f1, em), stops at a line or sentence end",
     "nsa_mbpp": "MBPP 3-shot, pass@1; executes model code: needs confirm_run_unsafe_code",
+    "nsa_humaneval": "HumanEval 0-shot, pass@1; executes model code: needs confirm_run_unsafe_code",
     "nsa_aime24_8k": "AIME 2024, 16 samples at T=0.7 top-p 0.95, 8,192 new tokens; avg@k, pass@k",
     "nsa_aime24_16k": "AIME 2024, 16 samples at T=0.7 top-p 0.95, 16,384 new tokens; avg@k, pass@k",
 }
 
-# lm-eval's task folders the project's groups build on (general/*.yaml; nsa_mbpp is the project's own)
-LM_EVAL_TASK_DIRS = ("mmlu/default", "bbh/cot_fewshot", "bbh/fewshot", "gsm8k", "drop")
+# The scoring choices a report states beside its protocol (docs/tasks.md gives each one's reason):
+# task or group name -> one sentence.
+_LONGBENCH_NOTE = ("LongBench: the official prompts and metrics; lcc's code_sim is fuzzywuzzy's ratio on "
+                   "python-Levenshtein (pinned; the difflib fallback, which scores differently, is refused); "
+                   "a prompt longer than `longbench_max_length` tokens is cut in the middle as LongBench's "
+                   "pred.py cuts it.")
+_AIME_NOTE = ("AIME: the answer is the last complete `\\boxed{}` (read after `</think>`; formatting "
+              "wrappers, a currency sign, a choice or Answer: label and units dropped, an equation read by "
+              "its right-hand side), which must hold one integer; a response without one (an unboxed "
+              "answer, a trace cut off by the generation limit) scores 0.")
+PROTOCOL_NOTES: dict[str, str] = {
+    "nsa_longbench": _LONGBENCH_NOTE,
+    **{f"nsa_longbench_{s}": _LONGBENCH_NOTE for s in SUBSETS},
+    "nsa_aime24_8k": _AIME_NOTE,
+    "nsa_aime24_16k": _AIME_NOTE,
+    "nsa_drop": ("DROP: lm-eval's drop and F1, its 1-shot example showing its first answer as DROP's "
+                 "official evaluation reads it; generation stops at a newline or a sentence end, not at "
+                 "any \".\" (which cut 3.5 to 3), and one final period is dropped before scoring."),
+    "nsa_mbpp": ("MBPP: lm-eval's mbpp prompt and its 3 examples; pass@1 by running each program with its "
+                 "tests in a fresh python subprocess (nsa_eval.tasks.mbpp), offline."),
+    "nsa_humaneval": ("HumanEval: lm-eval's humaneval prompt, stops and create_test filter; pass@1 by the "
+                      "executor MBPP uses, offline (lm-eval's own task loads code_eval from the hub)."),
+    "nsa_math": "MATH: lm-eval's minerva_math, 4 Minerva examples; exact_match is the headline.",
+}
+
+# lm-eval's task folders the project's groups build on (general/*.yaml; nsa_mbpp and nsa_humaneval
+# are the project's own)
+LM_EVAL_TASK_DIRS = ("mmlu/default", "mmlu_pro", "cmmlu", "bbh/cot_fewshot", "bbh/fewshot", "gsm8k",
+                     "minerva_math", "drop")
 
 
 @lru_cache(maxsize=2)
@@ -104,6 +136,7 @@ def requires_unsafe_code(task_names, manager=None) -> list[str]:
 
 __all__ = [
     "PROJECT_TASKS",
+    "PROTOCOL_NOTES",
     "TASKS_DIR",
     "check_task_data",
     "data_dir",

@@ -7,14 +7,19 @@ come from the same samples at no cost.
 
 Prompt: the problem, then DeepSeek-R1's instruction "Please reason step by step, and put your final
 answer within \\boxed{}." (lm-eval's aime24 uses "Question: ...\\nAnswer:" and scores one greedy
-answer). Answer extraction (`extract_answer`), in order:
-- the last \\boxed{...} (or \\fbox), which must hold one integer and nothing else but its wrappers:
-  `$`, spaces, \\text{...}, a leading "x =", a trailing unit ("m^2", "degrees", %); anything else
-  (\\frac{1}{2}, 2^{10}, 3\\sqrt{2}, "12, 34") is no answer, so it never scores by a number inside it;
-- else the last "answer is N" / "Answer: N";
-- else the last integer in the text.
-A box cut off by the token limit (no closing brace) is not trusted: the rules apply to the text
-before it. Integers compare as integers, so "033", "33", "1,000" and "33.0" match 33 and 1000.
+answer). Answer extraction (`extract_answer`), as a careful grader reads a finished solution:
+- a reasoning trace's answer is read after its last `</think>`; a response that opens `<think>` and
+  never closes it was cut off by the token limit and has no answer;
+- the answer is the last complete \\boxed{...} (or \\fbox, or `\\boxed 42`), normalised: formatting
+  wrappers (\\mathbf, \\boldsymbol, \\textbf, \\text, \\mathrm, ...), `$`, a currency sign, a
+  multiple-choice label ("(B) 33", "B. 33"), an "Answer:" label and a trailing unit ("m^2",
+  "degrees", %) are dropped, and an equation gives its right-hand side ("m+n=33" is 33);
+- what is left must be one integer: anything else (\\frac{1}{2}, 2^{10}, 3\\sqrt{2}, "12, 34") is no
+  answer, so it never scores by a number inside it;
+- a response without a complete box has no answer and scores 0: the instruction asks for the box, and
+  a trace cut off by the generation limit (the quantity the paper's 8k / 16k limits measure) must
+  not score by a number it happened to write on the way ("the answer is 5, but wait...").
+Integers compare as integers, so "033", "33", "1,000" and "33.0" match 33 and 1000.
 Dataset: Maxwell-Jia/AIME_2024 (split train: ID, Problem, Solution, Answer).
 """
 
@@ -24,6 +29,7 @@ import re
 from collections import Counter
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def doc_to_text(doc: dict) -> str:
@@ -49,45 +55,53 @@ def _last_boxed(text: str) -> tuple[int, str | None] | None:
     return start, None
 
 
-_NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
-# A whole boxed answer: an integer (thousands grouped by commas or not, ".0" allowed), optionally
-# after "x =" and before a unit word ("m^2", "degrees", "%")
-_BOXED_INTEGER = re.compile(
-    r"(?:[A-Za-z]\w*\s*=\s*)?(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0+)?)(?:\s*[A-Za-z]+(?:\^\{?\d\}?)?)?\.?"
+# LaTeX commands that only format their argument: \mathbf{33} is 33
+_WRAPPERS = re.compile(
+    r"\\(?:text|textbf|textrm|textit|texttt|textnormal|mathbf|mathrm|mathit|mathsf|mathtt|mathnormal|"
+    r"boldsymbol|bm|mbox|operatorname|underline|overline|displaystyle|textstyle|large|Large)\s*\{([^{}]*)\}"
 )
-
-
-def _to_int(text: str) -> int | None:
-    """The integer a short answer string names: '033' -> 33, '1,000' -> 1000, '33.0' -> 33."""
-    text = re.sub(r"\\(?:text|mathrm|textbf)\{([^}]*)\}", r"\1", text)
-    numbers = re.findall(_NUMBER, text.replace("{,}", ","))
-    if not numbers:
-        return None
-    value = float(numbers[-1].replace(",", ""))
-    return int(value) if value.is_integer() else None
+_SWITCHES = re.compile(r"\\(?:displaystyle|textstyle|bf|it|rm|left|right)(?![A-Za-z])")
+# an integer (thousands grouped by commas or not, ".0" allowed), then at most a unit word
+_BOXED_INTEGER = re.compile(r"(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0+)?)(?:\s*[A-Za-z]+(?:\^\{?\d\}?)?)?\.?")
 
 
 def _boxed_int(content: str) -> int | None:
     """The integer a box holds when it holds nothing else (module docstring), else None."""
-    text = re.sub(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^}]*)\}", r"\1", content)
-    text = text.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("$", "")
-    text = re.sub(r"\^\s*\{?\\circ\}?|\\?%", "", text).strip()
-    match = _BOXED_INTEGER.fullmatch(text)
+    text = content
+    while (unwrapped := _WRAPPERS.sub(r"\1", text)) != text:  # nested: \mathbf{\text{33}}
+        text = unwrapped
+    text = _SWITCHES.sub("", text)
+    text = text.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\ ", " ")
+    text = re.sub(r"\\\$|\\textdollar|\\pounds|\\euro|[$£€¥]", "", text)  # a currency sign, or math $
+    text = re.sub(r"\^\s*\{?\\circ\}?|\\?%|\\degree", "", text)
+    text = text.strip().strip("{}").strip()
+    text = re.sub(r"^(?:final\s+)?answer\s*(?:is)?\s*[:=]?\s*", "", text, flags=re.IGNORECASE)
+    text = re.sub(r"^(?:\(\s*[A-E]\s*\)|[A-E]\s*[.):])\s*", "", text)  # "(B) 33", "B. 33", "B) 33"
+    if "=" in text:  # an equation gives its right-hand side, unless it lists several ("x=1, y=2")
+        *left, text = text.split("=")
+        if any(re.search(r"[,;]", side) for side in left):
+            return None
+    match = _BOXED_INTEGER.fullmatch(text.strip())
     return int(float(match.group(1).replace(",", ""))) if match else None
 
 
+def final_answer_text(response: str) -> str | None:
+    """The part of a response that holds its final answer: after the last `</think>` of a reasoning
+    trace; None for a trace that opens `<think>` and never closes it (cut off mid-thought)."""
+    if THINK_CLOSE in response:
+        return response[response.rfind(THINK_CLOSE) + len(THINK_CLOSE) :]
+    if THINK_OPEN in response:
+        return None
+    return response
+
+
 def extract_answer(response: str) -> int | None:
-    """The final integer answer of a response (module docstring: the order of the rules)."""
-    boxed = _last_boxed(response)
-    if boxed is not None:
-        start, content = boxed
-        if content is not None:
-            return _boxed_int(content)
-        response = response[:start]  # a box cut off: its digits may be a prefix of the answer
-    stated = re.findall(rf"answer(?:\s+is)?\s*[:=]?\s*\$?\s*({_NUMBER})", response, flags=re.IGNORECASE)
-    if stated:
-        return _to_int(stated[-1])
-    return _to_int(response)
+    """The final integer answer of a response, or None (module docstring: what counts)."""
+    text = final_answer_text(response)
+    boxed = _last_boxed(text) if text is not None else None
+    if boxed is None or boxed[1] is None:  # no box, or one cut off by the limit: no answer
+        return None
+    return _boxed_int(boxed[1])
 
 
 def is_correct(response: str, target) -> bool:

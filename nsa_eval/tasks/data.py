@@ -227,6 +227,25 @@ def data_specs(names: Iterable[str], manager=None) -> dict[str, list[DataSpec]]:
     return specs
 
 
+def missing_task_data(task_names: Iterable[str], manager=None) -> dict[str, list[Path]]:
+    """requested name -> the local files its LocalFirstTask leaves read that are not on disk (only
+    names with missing files). Reads the task index and the data folder; nothing loads."""
+    missing: dict[str, list[Path]] = {}
+    for root, specs in data_specs(list(task_names), manager).items():
+        files = [f for spec in specs for f in spec.missing()]
+        if files:
+            missing[root] = files
+    return missing
+
+
+def hub_loaded_tasks(task_names: Iterable[str], manager=None) -> list[str]:
+    """The requested names with a leaf that loads a hub dataset through lm-eval's own loader (not
+    LocalFirstTask): their data cannot be fetched into, or checked in, the local folder."""
+    hub = {root for root, cfg in leaf_configs(list(task_names), manager)
+           if not is_local_first(cfg.get("class")) and spec_from_config(cfg) is not None}
+    return [name for name in dict.fromkeys(task_names) if name in hub]
+
+
 def check_task_data(task_names: Iterable[str], manager=None) -> None:
     """Raise one UsageError, before any model loads, when offline and a task's data is missing.
 
@@ -235,13 +254,32 @@ def check_task_data(task_names: Iterable[str], manager=None) -> None:
     names = list(task_names)
     if not hub_offline():
         return
-    missing: dict[str, list[Path]] = {}
-    for root, specs in data_specs(names, manager).items():
-        files = [f for spec in specs for f in spec.missing()]
-        if files:
-            missing[root] = files
+    missing = missing_task_data(names, manager)
     if missing:
         raise UsageError(missing_data_message(missing, list(missing)))
+
+
+def task_data_warnings(task_names: Iterable[str], manager=None) -> list[str]:
+    """What `validate` says about the tasks' data before anything loads, one line each.
+
+    Offline, missing files are check_task_data's UsageError. Online, each task with files missing
+    is named (the hub will be read when it loads), and so, either way, is each task that lm-eval
+    loads from the hub itself, which no local file can stand in for.
+    """
+    names = list(task_names)
+    missing = missing_task_data(names, manager)
+    if missing and hub_offline():
+        raise UsageError(missing_data_message(missing, list(missing)))
+    warnings = []
+    for task, files in missing.items():
+        warnings.append(f"task {task}: {len(files)} data file(s) not on disk under {data_dir()} (e.g. "
+                        f"{files[0]}): the hub will be read when it loads; `nsa-eval data fetch {task}` "
+                        "fetches them now, for offline runs")
+    for task in hub_loaded_tasks(names, manager):
+        warnings.append(f"task {task}: lm-eval loads its data from the hub (or the hub's local cache) "
+                        "itself, so nsa-eval cannot fetch or check it; offline it runs only if that "
+                        "cache holds it (the project's tasks, `nsa-eval data list`, read the local folder)")
+    return warnings
 
 
 def download(spec: DataSpec, *, force: bool = False, log=print) -> list[Path]:

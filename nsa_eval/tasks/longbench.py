@@ -14,8 +14,11 @@ Every metric is on the 0-1 scale (the official eval.py reports x100). Each doc s
 its reference answers. `score` is the subset's own metric under one name, so the `nsa_longbench`
 group averages it unweighted over the ten subsets, as the paper's Table 2 does.
 
-Truncation: prompts are emitted whole. The `nsa-eval` lm-eval model with `truncation=middle` keeps
-the first and last halves of the prompt's tokens (`truncate_middle`), as LongBench's pred.py does.
+Truncation: with the task metadata `longbench_max_length: N`, each prompt longer than N tokens is cut
+in the middle as LongBench's pred.py cuts it (`truncate_prompt_middle`; longbench_task.LongBenchTask),
+so LongBench gets its own length whatever the model's context. Without it, prompts are emitted
+whole, and the `nsa-eval` lm-eval model with `truncation=middle` keeps the first and last halves of
+the prompt's tokens (`truncate_middle`) when they overflow its max_length - max_gen_toks.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ import re
 import string
 from collections import Counter
 from functools import partial
+
+from nsa_eval.errors import UsageError
+
+# The task metadata key that sets LongBench's own prompt length (longbench_task.LongBenchTask)
+MAX_LENGTH_KEY = "longbench_max_length"
 
 # subset -> (official prompt, max new tokens, metric)
 SUBSETS: dict[str, tuple[str, int, str]] = {
@@ -179,15 +187,40 @@ def retrieval_zh(prediction: str, reference: str) -> float:
 
 
 def code_sim(prediction: str, reference: str) -> float:
-    """fuzz.ratio / 100 between the reference line and the first predicted line without `, # or //."""
-    from fuzzywuzzy import fuzz
+    """fuzz.ratio / 100 between the reference line and the first predicted line without `, # or //.
 
+    fuzz.ratio is fuzzywuzzy's (the official metrics.py's), on python-Levenshtein's ratio (the
+    indel similarity 2 * LCS / (len(a) + len(b)), rounded to a whole percent); `fuzz()` refuses
+    fuzzywuzzy's pure-python fallback, whose different ratio would change the score.
+    """
     first = ""
     for line in prediction.lstrip("\n").split("\n"):
         if "`" not in line and "#" not in line and "//" not in line:
             first = line
             break
-    return fuzz.ratio(first, reference) / 100
+    return fuzz().ratio(first, reference) / 100
+
+
+def fuzz():
+    """fuzzywuzzy's `fuzz` module, checked to score with python-Levenshtein (a UsageError if not).
+
+    fuzzywuzzy picks its backend when it is imported: python-Levenshtein's ratio when that package
+    is installed, else difflib's SequenceMatcher, whose Ratcliff-Obershelp ratio is not an edit
+    similarity and scores code lines up to 20 points apart (56 vs 77 on a swapped call). LongBench
+    reports lcc as edit similarity and its metric comes from RepoBench, which requires
+    python-Levenshtein, so that is the backend nsa-eval pins (pyproject.toml) and requires here.
+    """
+    from fuzzywuzzy import fuzz as fuzzywuzzy_fuzz
+
+    backend = fuzzywuzzy_fuzz.SequenceMatcher
+    if backend.__module__ != "fuzzywuzzy.StringMatcher":
+        raise UsageError(
+            "LongBench's code_sim (lcc) needs fuzzywuzzy on python-Levenshtein, but fuzzywuzzy fell back to "
+            f"{backend.__module__}.{backend.__name__}, which scores differently; expected "
+            "`pip install python-Levenshtein` (a dependency of nsa-eval: reinstall it with its "
+            "dependencies)"
+        )
+    return fuzzywuzzy_fuzz
 
 
 METRICS = {
@@ -239,13 +272,15 @@ def truncate_middle(token_ids: list, max_tokens: int) -> list:
 
 
 def truncate_prompt_middle(tokenizer, prompt: str, max_tokens: int) -> str:
-    """The prompt text with its middle tokens cut (decode(head) + decode(tail), as pred.py does)."""
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    """The prompt cut as LongBench's pred.py cuts it: tokenized as the model reads it (its special
+    tokens included), a prompt of more than max_tokens tokens becomes decode(first max_tokens // 2)
+    + decode(last max_tokens // 2), special tokens skipped; a shorter one is returned as it is."""
+    ids = tokenizer(prompt)["input_ids"]
     if len(ids) <= max_tokens:
         return prompt
-    head = max_tokens // 2
+    half = max_tokens // 2
     decode = partial(tokenizer.decode, skip_special_tokens=True)
-    return decode(ids[:head]) + decode(ids[len(ids) - (max_tokens - head) :])
+    return decode(ids[:half]) + decode(ids[len(ids) - half :])
 
 
 def doc_to_target(doc: dict) -> str:

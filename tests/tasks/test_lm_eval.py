@@ -32,6 +32,42 @@ def test_general_groups_pin_shots_and_read_local_data(manager, data_root, rows):
     assert {(type(t).__name__, t.config.num_fewshot) for t in tasks.values()} == {("LocalFirstTask", 3)}
 
 
+def _general_rows(path: str, n: int = 6) -> list[dict]:
+    """Made-up rows in MMLU-Pro's, CMMLU's or MATH's schema."""
+    if path == "TIGER-Lab/MMLU-Pro":
+        categories = ["biology", "business", "chemistry", "computer science", "economics", "engineering",
+                      "health", "history", "law", "math", "other", "philosophy", "physics", "psychology"]
+        return [{"question_id": i, "question": f"Q{i}?", "options": ["a", "b", "c", "d"], "answer": "A",
+                 "answer_index": 0, "cot_content": "A: Let's think step by step. The answer is (A).",
+                 "category": c, "src": "fixture"} for i, c in enumerate(categories * n)]
+    if path == "haonan-li/cmmlu":
+        return [{"Question": f"问题{i}", "A": "a", "B": "b", "C": "c", "D": "d", "Answer": "A"}
+                for i in range(n)]
+    return [{"problem": f"What is {i} + 1?", "level": "Level 1", "type": "Algebra",
+             "solution": f"It is $\\boxed{{{i + 1}}}$."} for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "name, leaves, shots, asked",
+    [("nsa_mmlu_pro", 14, 5, "Answer: Let's think step by step."), ("nsa_cmmlu", 67, 5, "答案："),
+     ("nsa_math", 7, 4, "Solution:")],
+)
+def test_the_other_table_1_groups_pin_shots_and_read_local_data(name, leaves, shots, asked, manager,
+                                                                data_root):
+    """MMLU-Pro, CMMLU and MATH, which configs/paper.yaml ran as lm-eval's own tasks (hub only)."""
+    from nsa_eval.tasks.data import write_jsonl
+
+    for spec in data_specs([name], manager)[name]:
+        for path in spec.files():
+            write_jsonl(path, _general_rows(spec.path))
+    tasks = manager.load([name])["tasks"]
+    assert len(tasks) == leaves
+    assert {(type(t).__name__, t.config.num_fewshot) for t in tasks.values()} == {("LocalFirstTask", shots)}
+    task = next(iter(tasks.values()))
+    context = task.fewshot_context(doc=task.test_docs()[0], num_fewshot=shots)
+    assert context.count(asked) == shots + 1  # the examples, then the question
+
+
 @pytest.fixture
 def evaluated(tiny_lm, data_root, rows):
     """simple_evaluate on a random tiny Llama: NIAH (2 cells), LongBench hotpotqa, AIME 8k (2 docs each)."""

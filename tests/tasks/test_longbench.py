@@ -61,6 +61,51 @@ def test_code_sim():
     assert lb.code_sim("// only comments", "x = 1") == 0.0
 
 
+def _indel_percent(a: str, b: str) -> int:
+    """python-Levenshtein's ratio, written out: 2 * LCS / (len(a) + len(b)), as fuzzywuzzy rounds it."""
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return int(round(100 * 2 * previous[-1] / (len(a) + len(b))))
+
+
+@pytest.mark.parametrize(
+    "prediction, reference, percent",
+    [
+        # LCS("tide", "diet") = 2 ("ie"): 2 * 2 / 8 = 50 (difflib's fallback gives 25)
+        ("tide", "diet", 50),
+        # a call with its arguments swapped: LCS 40 of 52 + 52 characters = 77 (difflib: 56)
+        (
+            "result = compute(beta, alpha) + compute(alpha, beta)",
+            "result = compute(alpha, beta) + compute(beta, alpha)",
+            77,
+        ),
+        # attributes assigned in the other order (difflib: 56)
+        ("    self.height, self.width = width, height", "    self.width, self.height = height, width", 67),
+    ],
+)
+def test_code_sim_is_the_levenshtein_backed_ratio(prediction, reference, percent):
+    """The official scorer on python-Levenshtein, not fuzzywuzzy's difflib fallback (pinned in
+    pyproject.toml), whatever else happens to be installed."""
+    assert _indel_percent(prediction, reference) == percent
+    assert lb.code_sim(prediction, reference) == percent / 100
+
+
+def test_code_sim_refuses_the_difflib_fallback(monkeypatch):
+    import difflib
+
+    from fuzzywuzzy import fuzz
+
+    from nsa_eval.errors import UsageError
+
+    monkeypatch.setattr(fuzz, "SequenceMatcher", difflib.SequenceMatcher)  # as without python-Levenshtein
+    with pytest.raises(UsageError, match="python-Levenshtein"):
+        lb.code_sim("tide", "diet")
+
+
 def test_score_takes_the_best_reference_and_names_the_metric():
     doc = {"answers": ["London", "the city of Paris"]}
     out = lb.score("hotpotqa", "Paris", doc)
@@ -109,3 +154,90 @@ def test_truncate_prompt_middle_keeps_instruction_and_question(bpe_tokenizer):
     assert cut.startswith(head) and cut.endswith(tail)
     assert len(bpe_tokenizer(cut, add_special_tokens=False)["input_ids"]) <= 62
     assert lb.truncate_prompt_middle(bpe_tokenizer, "short", 60) == "short"
+
+
+def _with_bos(tokenizer):
+    """A copy of a fast tokenizer that adds its BOS token to every encoding, as Llama's does."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    bos = tokenizer.bos_token
+    special = [(bos, tokenizer.bos_token_id)]
+    backend.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=special)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=tokenizer.eos_token)
+
+
+def test_truncate_prompt_middle_counts_and_keeps_as_pred_py_does(bpe_tokenizer):
+    """pred.py counts the tokens the model reads (its BOS too) and keeps int(n / 2) at each end."""
+    tokenizer = _with_bos(bpe_tokenizer)
+    words = "the old farmer carried a wooden chair. " * 40
+    ids = tokenizer(words)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id
+    n = len(ids) - 1  # the text alone fits n tokens; with the BOS it does not
+    cut = lb.truncate_prompt_middle(tokenizer, words, n)
+    half = n // 2
+    expected = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
+        ids[-half:], skip_special_tokens=True
+    )
+    assert cut == expected and cut != words
+    assert lb.truncate_prompt_middle(tokenizer, words, n + 1) == words  # the BOS and the text fit
+    odd = lb.truncate_prompt_middle(bpe_tokenizer, words, 31)
+    assert len(bpe_tokenizer(odd)["input_ids"]) <= 30 + 2  # 2 x 15 kept, re-encoded within a token or two
+
+
+def _long_rows(n: int = 2) -> list[dict]:
+    return [
+        {
+            "input": f"Who wrote book {i}?",
+            "context": "Passage 1:\n" + "the old farmer carried a wooden chair. " * 300,
+            "answers": ["Ann Lee"],
+            "length": 3000,
+            "dataset": "hotpotqa",
+            "language": "en",
+            "all_classes": None,
+            "_id": f"long-{i}",
+        }
+        for i in range(n)
+    ]
+
+
+def test_a_task_level_length_cuts_longbench_prompts_in_the_middle(tiny_lm, data_root, rows):
+    """metadata longbench_max_length: the prompt LongBench's pred.py would give a model of that limit,
+    whatever the model's own context (read with the model's tokenizer, the runner's `pretrained`)."""
+    from transformers import AutoTokenizer
+
+    from nsa_eval.tasks import task_manager
+    from nsa_eval.tasks.longbench_task import LongBenchTask
+
+    tok_dir, _ = tiny_lm
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    rows.write(data_root, "Xnhyacinth/LongBench", "hotpotqa", "test", _long_rows())
+    whole = task_manager({}, all_lm_eval_tasks=False).load(["nsa_longbench_hotpotqa"])["tasks"]
+    (whole,) = whole.values()
+    manager = task_manager({"pretrained": str(tok_dir), "longbench_max_length": 200}, all_lm_eval_tasks=False)
+    (task,) = manager.load(["nsa_longbench_hotpotqa"])["tasks"].values()
+    assert isinstance(task, LongBenchTask) and task.max_prompt_tokens == 200
+    for doc in task.test_docs():
+        full = whole.fewshot_context(doc=doc, num_fewshot=0)
+        cut = task.fewshot_context(doc=doc, num_fewshot=0)
+        assert len(tokenizer(full)["input_ids"]) > 2000  # emitted whole without the key
+        assert cut == lb.truncate_prompt_middle(tokenizer, full, 200)
+        assert len(tokenizer(cut)["input_ids"]) <= 202
+        assert cut.startswith("Answer the question based on the given passages.")
+        assert cut.endswith(f"Question: {doc['input']}\nAnswer:")
+
+
+def test_the_length_needs_a_tokenizer_and_a_positive_integer(data_root, rows):
+    from nsa_eval.errors import UsageError
+    from nsa_eval.tasks import task_manager
+
+    rows.write(data_root, "Xnhyacinth/LongBench", "hotpotqa", "test", _long_rows())
+    with pytest.raises(UsageError, match="longbench_max_length counts the model's tokens"):
+        task_manager({"longbench_max_length": 100}, all_lm_eval_tasks=False).load(["nsa_longbench_hotpotqa"])
+    with pytest.raises(UsageError, match="must be a positive integer"):
+        task_manager({"longbench_max_length": "31.5k", "tokenizer": "x"}, all_lm_eval_tasks=False).load(
+            ["nsa_longbench_hotpotqa"]
+        )
