@@ -993,16 +993,26 @@ def check_include_path_files(suite: Suite) -> list[str]:
     names): regular files of at most MAX_TASK_YAML_BYTES with bounded YAML, so none can block lm-eval
     (a FIFO), feed it forever (/dev/zero) or expand without end. Returns a warning for each task file
     that names Python code with `!function`: that code runs when the task is built."""
-    warnings = []
+    code: list[tuple[Path, list[str]]] = []  # (task file, the functions it names)
     seen: set[Path] = set()
     for root in suite.include_path:
         for path in sorted(Path(root).glob("**/*.yaml")):
             if not ({"__pycache__", ".ipynb_checkpoints"} & set(path.parts)) and not path.is_dir():
-                warnings += _check_task_file(path, suite.path, seen)
-    return warnings
+                code += _check_task_file(path, suite.path, seen)
+    if not code:
+        return []
+    if len(code) == 1:
+        (path, functions), = code
+        return [f"{suite.path}: include_path: {path} runs Python code when its task is built (!function "
+                f"{', '.join(functions)}); run only task folders you trust"]
+    named = "; ".join(f"{path} (!function {', '.join(functions)})" for path, functions in code[:3])
+    more = f", and {len(code) - 3} more" if len(code) > 3 else ""
+    return [f"{suite.path}: include_path: {len(code)} task files run Python code when their tasks are "
+            f"built: {named}{more}; run only task folders you trust"]
 
 
-def _check_task_file(path: Path, where: str, seen: set[Path]) -> list[str]:
+def _check_task_file(path: Path, where: str, seen: set[Path]) -> list[tuple[Path, list[str]]]:
+    """UsageError when lm-eval could not read `path` safely; (path, functions) where it names code."""
     import yaml
 
     resolved = path.resolve()
@@ -1022,19 +1032,16 @@ def _check_task_file(path: Path, where: str, seen: set[Path]) -> list[str]:
         raise UsageError(f"{where}: include_path: {path}: {err}") from None
     except yaml.YAMLError:
         return []  # lm-eval skips a file it cannot parse; the task it would define is then unknown
-    warnings = []
     functions = sorted({node.value for node in _yaml_nodes(root) if node.tag == "!function"})
-    if functions:
-        warnings.append(f"{where}: include_path: {path} runs Python code when its task is built "
-                        f"(!function {', '.join(functions)}); run only task folders you trust")
+    code = [(path, functions)] if functions else []
     if isinstance(root, yaml.MappingNode):
         for key, value in root.value:
             if key.value == "include":
                 targets = [value] if isinstance(value, yaml.ScalarNode) else list(value.value)
                 for target in targets:
                     if isinstance(target, yaml.ScalarNode):
-                        warnings += _check_task_file(path.parent / target.value, where, seen)
-    return warnings
+                        code += _check_task_file(path.parent / target.value, where, seen)
+    return code
 
 
 def _yaml_nodes(root):
@@ -1381,7 +1388,8 @@ class _IndexOverrides:
     def _record(self, record) -> None:
         if "overrides existing task" in str(record.msg) and len(record.args or ()) == 3:
             name, new, old = record.args
-            if any(Path(str(new)).resolve().is_relative_to(root) for root in self.roots):
+            new_file, old_file = Path(str(new)).resolve(), Path(str(old)).resolve()
+            if new_file != old_file and any(new_file.is_relative_to(root) for root in self.roots):
                 self.found.append((str(name), str(new), str(old)))
 
     def __enter__(self):

@@ -213,6 +213,8 @@ def _descendants(root: int) -> list[int]:
 def _threads_of_user(uid: int) -> int:
     """Threads the user runs now: RLIMIT_NPROC counts them all, the evaluator's included."""
     count = 0
+    if not os.path.isdir("/proc"):  # no /proc (macOS): RLIMIT_NPROC stays at the 64 of the program alone
+        return 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
