@@ -181,11 +181,13 @@ def run_suite(suite: Suite, run_dir: str | Path | None = None, *, limit: int | N
                 claim_folder(run_dir, "run")
                 stack.enter_context(RunLock(run_dir))
                 remove_stale_temporaries(run_dir)
-                todo = [c for c in todo if not is_done(cell_dir(run_dir, c), c.key)]  # another run's work
+                # read again under the lock: a run that held it may have finished some of them
+                problems = {c.key: cell_problem(cell_dir(run_dir, c), c.key) for c in todo}
+                todo = [c for c in todo if problems[c.key] is not None]
                 for cell in todo:
-                    problem = cell_problem(cell_dir(run_dir, cell), cell.key)
-                    if problem != NOT_STARTED:
-                        warn(f"cell {cell.label} ({cell_dir(run_dir, cell)}): {problem}; computing it again")
+                    if problems[cell.key] != NOT_STARTED:
+                        warn(f"cell {cell.label} ({cell_dir(run_dir, cell)}): {problems[cell.key]}; "
+                             "computing it again")
                         recomputed.append(cell.label)
                 _write_manifest(run_dir, manifest, suite.source)
         _evaluate_cells(todo, run_dir, cells, lm_factory or LMFactory(seed=suite.seed),
