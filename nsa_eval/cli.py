@@ -1,7 +1,8 @@
 """The `nsa-eval` command line: one subcommand per module under nsa_eval/commands/.
 
 Every handler validates its input before it computes. A `UsageError` (bad file, key, name or
-value) is printed as one line and exits with code 2.
+value) is printed as one line and exits with code 2. Ctrl-C prints two lines (what was kept, how
+to go on) and exits with 130, as a shell does for SIGINT.
 """
 
 from __future__ import annotations
@@ -56,12 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     return _guarded(args.handler, args)
 
 
+INTERRUPTED = 130  # 128 + SIGINT
+
+
 def _guarded(handler, arg) -> int:
     try:
         return int(handler(arg) or 0)
     except UsageError as err:
         print(f"nsa-eval: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the message short
+        lines = str(interrupt).splitlines() if str(interrupt) else [
+            "interrupted", "nothing half-written is kept; run the same command again"]
+        print("\n".join(f"nsa-eval: {line}" for line in lines), file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,41 +1,53 @@
 """Run a suite's model x task matrix resumably.
 
-The run directory holds:
+The run directory (made by nsa-eval: `.nsa-eval` marks it, see `nsa_eval.folders`) holds:
 
-    suite.yaml                the suite file as it was run
-    run.json                  suite name and hash, the cells (key, label), the environment
-    cells/<key>/config.json   the cell's identity and placement       } each written to a temporary
-    cells/<key>/results.json  lm-eval's results dict (+ "nsa_eval")   } name and renamed; the cell
-    cells/<key>/samples.jsonl lm-eval's per-document samples          } is done when all three exist
+    suite.yaml                  the suite file as it was run
+    run.json                    suite name and hash, the cells (key, label), the report folder
+                                (relative to the run directory), the environment
+    cells/<key>/samples.jsonl   lm-eval's per-document samples, each row naming its cell }  each written to a
+    cells/<key>/results.json    lm-eval's results dict (+ "nsa_eval")                  }  temporary name and
+    cells/<key>/config.json     the cell's identity and placement                      }  renamed, in this
+    cells/<key>/checksums.json  the cell's key and the sha256 of the three files above }  order
 
-`<key>` is the first 16 hex digits of the sha256 of the cell's identity (see `suite.Cell`), so a
-re-run skips finished cells, a changed setting recomputes only what it changes, and a killed run
-loses only the cell in flight. Each model variant (checkpoint x method x budget) is built once and
-runs all its cells before the next one loads.
+A cell is done when checksums.json, written last, names the cell and matches the three files, and
+each file parses: a cell cut short, damaged or copied from another cell is recomputed, with a
+warning naming it. `<key>` is the first 16 hex digits of the sha256 of the cell's identity (see
+`suite.Cell`), so a re-run skips finished cells, a changed setting recomputes only what it changes,
+and a killed run loses only the cell in flight. Each model variant (checkpoint x method x budget)
+is built once and runs all its cells before the next one loads.
 
+One process at a time writes a run directory (`folders.RunLock`); a run with nothing to compute
+and an unchanged manifest writes nothing, so a finished run on a read-only copy still reports.
 Under `accelerate launch` every process runs the same cells on its share of the documents
-(lm-eval's data parallelism); only process 0 receives results and writes files.
+(lm-eval's data parallelism); only process 0 receives results, takes the lock and writes files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 from nsa_eval.errors import UsageError
+from nsa_eval.folders import RunLock, check_folder, claim_folder, is_writable, remove_stale_temporaries
 from nsa_eval.suite import Cell, ModelSpec, Suite
 
 CELL_FILES = ("config.json", "results.json", "samples.jsonl")
+CHECKSUM_FILE = "checksums.json"  # written last: the cell is done when it matches the files above
+NOT_STARTED = "not started"  # cell_problem's answer for a cell with no file at all
 REPORTED_PACKAGES = ("nsa-eval", "lm-eval", "torch", "transformers", "triton", "accelerate",
                      "datasets", "numpy", "vllm")
 
@@ -46,51 +58,175 @@ class RunSummary:
     cells: int  # cells in this run's selection
     computed: int  # cells evaluated now
     skipped: int  # cells already done before this run
+    recomputed: list[str] = dataclasses.field(default_factory=list)  # damaged cells computed again
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: what was finished is kept; the message says how to resume."""
+
+    def __init__(self, run_dir: Path, cell: str | None, done: int, total: int):
+        in_flight = f" during cell {cell}" if cell else ""
+        super().__init__(f"interrupted{in_flight}; {done} of {total} cells are done and kept in {run_dir}\n"
+                         "run the same command again to resume (the cell in flight starts over)")
 
 
 def cell_dir(run_dir: Path, cell: Cell) -> Path:
     return Path(run_dir) / "cells" / cell.key[:16]
 
 
-def is_done(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in CELL_FILES)
+def is_done(folder: Path, key: str | None = None) -> bool:
+    """Whether the cell in `folder` is finished and whole (see `cell_problem`)."""
+    return cell_problem(folder, key) is None
+
+
+def cell_problem(folder: Path, key: str | None = None) -> str | None:
+    """None when the cell in `folder` is done; else why not, in words (`NOT_STARTED` when no file of
+    it exists). `key` is the cell's full key (default: any key the folder's name starts)."""
+    folder = Path(folder)
+    names = (*CELL_FILES, CHECKSUM_FILE)
+    if not any((folder / name).exists() for name in names):
+        return NOT_STARTED
+    if not (folder / CHECKSUM_FILE).is_file():
+        return f"no {CHECKSUM_FILE} (a run stopped while writing the cell, or an older nsa-eval wrote it)"
+    try:
+        seal = json.loads((folder / CHECKSUM_FILE).read_text(encoding="utf-8"))
+        sealed_key, sums = seal["key"], seal["sha256"]
+        if not isinstance(sealed_key, str) or not isinstance(sums, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{CHECKSUM_FILE} is not a checksum record"
+    if not (sealed_key == key if key else sealed_key.startswith(folder.name)):
+        return f"it holds cell {sealed_key[:16]}, not {(key or folder.name)[:16]}"
+    for name in CELL_FILES:
+        try:
+            problem = _file_problem(folder / name, sums.get(name), sealed_key)
+        except OSError as err:
+            problem = f"cannot be read ({err.strerror})"
+        if problem:
+            return f"{name} {problem}"
+    return None
+
+
+def _file_problem(path: Path, checksum: str | None, key: str) -> str | None:
+    """Why one cell file is not whole (None when it is): absent, changed since its checksum, not JSON,
+    or a record of another cell."""
+    if not path.is_file():
+        return "is missing"
+    digest, parsed = hashlib.sha256(), []
+    with open(path, "rb") as f:
+        if path.suffix == ".jsonl":
+            for number, line in enumerate(f, 1):
+                digest.update(line)
+                if line.strip():
+                    parsed.append((number, line))
+        else:
+            data = f.read()
+            digest.update(data)
+            parsed.append((None, data))
+    if digest.hexdigest() != checksum:
+        return "does not match its checksum (changed or damaged since it was written)"
+    for number, line in parsed:
+        where = f"line {number} " if number else ""
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            return f"{where}is not valid JSON ({err})"
+        if not isinstance(record, dict):
+            return f"{where}is not a JSON object"
+        owner = _owner(path.name, record)
+        if owner != key:
+            return f"{where}belongs to cell {str(owner)[:16]}, not {key[:16]}"
+    return None
+
+
+def _owner(name: str, record: dict) -> Any:
+    """The cell key a parsed cell file (or samples row) says it belongs to."""
+    if name == "results.json":
+        return (record.get("nsa_eval") or {}).get("cell")
+    return record.get("key") if name == "config.json" else record.get("cell")
 
 
 def run_suite(suite: Suite, run_dir: str | Path | None = None, *, limit: int | None = None,
               only: str | None = None, device: str | None = None, progress: bool = True,
-              lm_factory=None, report_dir: str | Path | None = None) -> RunSummary:
+              lm_factory=None, report_dir: str | Path | None = None,
+              warn: Callable[[str], None] | None = None) -> RunSummary:
     """Evaluate every cell that is not done yet; return how many were computed and skipped.
 
     `device` overrides every model's device (placement is not hashed, so finished cells still
     count). `lm_factory(model_spec) -> lm_eval LM` replaces the default `LMFactory` (tests).
     `report_dir` is the report folder run.json records, where `nsa-eval report RUN_DIR` writes
-    (default: the suite's `report`; `run --output DIR` passes DIR/report).
+    (default: the suite's `report`; `run --output DIR` passes DIR/report). `warn(line)` receives
+    each damaged cell that is recomputed (default: printed to stderr). A UsageError (the folder is
+    not nsa-eval's, another run holds it, it is read-only with cells to compute) comes before any
+    model loads; Ctrl-C raises `RunInterrupted`.
     """
     from tqdm.auto import tqdm
 
+    warn = warn or _print_warning
     cells = suite.cells(limit=limit, only=only)
     if device:
         cells = [dataclasses.replace(c, model=dataclasses.replace(c.model, device=device)) for c in cells]
-    run_dir = Path(run_dir or suite.output)
-    write_manifest(run_dir, suite, suite.cells(limit=limit), device, report_dir)
-    todo = [c for c in cells if not is_done(cell_dir(run_dir, c))]
-    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc=f"{suite.name} cells",
-               unit="cell", disable=not progress)
-    factory = lm_factory or LMFactory(seed=suite.seed)
-    for model, model_cells in groupby(todo, key=lambda c: c.model):
-        bar.set_postfix_str(f"loading {model.label}")
-        lm = factory(model)
-        for cell in model_cells:
-            bar.set_postfix_str(cell.label)
-            evaluate_cell(lm, cell, run_dir)
-            bar.update()
-        del lm
-    bar.close()
-    return RunSummary(run_dir, len(cells), len(todo), len(cells) - len(todo))
+    run_dir = check_folder(run_dir or suite.output, "run", "output")
+    manifest = run_manifest(run_dir, suite, suite.cells(limit=limit), device, report_dir)
+    todo = [c for c in cells if not is_done(cell_dir(run_dir, c), c.key)]
+    recomputed: list[str] = []
+    with contextlib.ExitStack() as stack:
+        if is_main_process() and (todo or _manifest_changed(run_dir, manifest, suite.source)):
+            if run_dir.is_dir() and not is_writable(run_dir):
+                if todo:
+                    raise UsageError(f"{run_dir}: read-only, and {len(todo)} of {len(cells)} cells are not "
+                                     "done; expected a writable run folder (or --output DIR)")
+                warn(f"{run_dir}: read-only; run.json is kept as it is (this run's settings differ)")
+            else:
+                claim_folder(run_dir, "run")
+                stack.enter_context(RunLock(run_dir))
+                remove_stale_temporaries(run_dir)
+                # read again under the lock: a run that held it may have finished some of them
+                problems = {c.key: cell_problem(cell_dir(run_dir, c), c.key) for c in todo}
+                todo = [c for c in todo if problems[c.key] is not None]
+                for cell in todo:
+                    if problems[cell.key] != NOT_STARTED:
+                        warn(f"cell {cell.label} ({cell_dir(run_dir, cell)}): {problems[cell.key]}; "
+                             "computing it again")
+                        recomputed.append(cell.label)
+                _write_manifest(run_dir, manifest, suite.source)
+        _evaluate_cells(todo, run_dir, cells, lm_factory or LMFactory(seed=suite.seed),
+                        tqdm(total=len(cells), initial=len(cells) - len(todo), desc=f"{suite.name} cells",
+                             unit="cell", disable=not progress))
+    return RunSummary(run_dir, len(cells), len(todo), len(cells) - len(todo), recomputed)
+
+
+def _evaluate_cells(todo: list[Cell], run_dir: Path, cells: list[Cell], factory, bar) -> None:
+    """Each model variant loads once and runs its cells; Ctrl-C becomes RunInterrupted."""
+    current = None
+    try:
+        for model, model_cells in groupby(todo, key=lambda c: c.model):
+            bar.set_postfix_str(f"loading {model.label}")
+            lm = factory(model)
+            for current in model_cells:
+                bar.set_postfix_str(current.label)
+                evaluate_cell(lm, current, run_dir)
+                bar.update()
+            current = None
+            del lm
+    except KeyboardInterrupt:
+        done = sum(is_done(cell_dir(run_dir, c), c.key) for c in cells)
+        raise RunInterrupted(run_dir, current.label if current else None, done, len(cells)) from None
+    finally:
+        bar.close()
+
+
+def is_main_process() -> bool:
+    """Process 0 of an `accelerate launch` (or the only process): the one that writes files."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _print_warning(line: str) -> None:
+    print(f"nsa-eval: warning: {line}", file=sys.stderr)
 
 
 def evaluate_cell(lm, cell: Cell, run_dir: Path) -> Path | None:
-    """Run one cell through lm-eval and write its three files; None on non-zero ranks."""
+    """Run one cell through lm-eval and write its files; None on non-zero ranks."""
     import lm_eval
 
     started = time.time()
@@ -112,44 +248,72 @@ def evaluate_cell(lm, cell: Cell, run_dir: Path) -> Path | None:
         "part": cell.part, "split": task.split,
         "activated_tokens": _activation_stats(lm), "wall_seconds": round(time.time() - started, 3),
     }
-    folder = cell_dir(run_dir, cell)
-    folder.mkdir(parents=True, exist_ok=True)
-    lines = (json.dumps({"task": name} | sample, default=_jsonable) + "\n"
-             for name, rows in samples.items() for sample in rows)
-    write_atomic(folder / "samples.jsonl", "".join(lines))
-    write_atomic(folder / "results.json", json.dumps(results, indent=1, default=_jsonable))
     config = {"key": cell.key, "label": cell.label, "part": cell.part, "identity": cell.identity(),
               "model": dataclasses.asdict(cell.model), "task": dataclasses.asdict(task),
               "limit": cell.limit, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    write_atomic(folder / "config.json", json.dumps(config, indent=1, default=_jsonable))
+    return write_cell(cell_dir(run_dir, cell), cell.key, config, results, samples)
+
+
+def write_cell(folder: Path, key: str, config: dict, results: dict, samples: dict[str, list]) -> Path:
+    """Write a cell's files, checksums.json last; an old checksum goes first, so a crash part-way
+    leaves a cell that is not done rather than one that mixes two runs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CHECKSUM_FILE).unlink(missing_ok=True)
+    lines = "".join(json.dumps({"task": name} | sample | {"cell": key}, default=_jsonable) + "\n"
+                    for name, rows in samples.items() for sample in rows)
+    texts = {"samples.jsonl": lines, "results.json": json.dumps(results, indent=1, default=_jsonable),
+             "config.json": json.dumps(config, indent=1, default=_jsonable)}
+    for name, text in texts.items():
+        write_atomic(folder / name, text)
+    sums = {name: hashlib.sha256(text.encode("utf-8")).hexdigest() for name, text in texts.items()}
+    write_atomic(folder / CHECKSUM_FILE, json.dumps({"key": key, "sha256": sums}, indent=1))
     return folder
 
 
 def write_atomic(path: Path, text: str) -> None:
     """Write to a temporary name beside `path`, then rename: a reader sees all of it or nothing."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(text.encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def write_manifest(run_dir: Path, suite: Suite, cells: list[Cell], device: str | None,
-                   report_dir: str | Path | None = None) -> None:
-    """run.json: what ran, and the report folder that `nsa-eval report RUN_DIR` defaults to."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if suite.source:
-        write_atomic(run_dir / "suite.yaml", suite.source)
-    manifest = {
+def run_manifest(run_dir: Path, suite: Suite, cells: list[Cell], device: str | None,
+                 report_dir: str | Path | None = None) -> dict:
+    """run.json: what ran, and the report folder (relative to the run directory, so a copied run
+    reports beside itself) that `nsa-eval report RUN_DIR` defaults to."""
+    report = os.path.relpath(Path(report_dir or suite.report).absolute(), Path(run_dir).absolute())
+    return {
         "suite": suite.name, "suite_path": suite.path, "suite_hash": suite.hash,
-        "description": suite.description, "report": str(report_dir or suite.report), "seed": suite.seed,
+        "description": suite.description, "report": Path(report).as_posix(), "seed": suite.seed,
         "cells": [{"key": c.key[:16], "label": c.label, "model": c.model.label, "task": c.task.label,
                    "part": c.part} for c in cells],
         "models": [dataclasses.asdict(m) for m in suite.models],
         "tasks": [dataclasses.asdict(t) for t in suite.tasks],
         "environment": environment(device or (suite.models[0].device if suite.models else "cpu")),
     }
+
+
+def _manifest_changed(run_dir: Path, manifest: dict, source: str) -> bool:
+    """Whether run.json or suite.yaml would say something new (the environment aside: a rerun that
+    computes nothing leaves the run directory as it was)."""
+    try:
+        old = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+        old_source = (run_dir / "suite.yaml").read_text(encoding="utf-8") if source else ""
+    except (OSError, ValueError):
+        return True
+    if not isinstance(old, dict) or old_source != source:
+        return True
+    as_json = lambda m: json.dumps({k: v for k, v in m.items() if k != "environment"},  # noqa: E731
+                                   sort_keys=True, default=_jsonable)
+    return as_json(old) != as_json(manifest)
+
+
+def _write_manifest(run_dir: Path, manifest: dict, source: str) -> None:
+    if source:
+        write_atomic(run_dir / "suite.yaml", source)
     write_atomic(run_dir / "run.json", json.dumps(manifest, indent=1, default=_jsonable))
 
 

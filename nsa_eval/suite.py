@@ -91,13 +91,13 @@ NIAH_TEMPLATE_KEYS = ("instruction", "needle", "question", "answer_prefix")
 TASK_METADATA: dict[str, dict[str, tuple[Any, str]]] = {
     "nsa_niah": {  # nsa_eval/tasks/niah.py niah_dataset
         "tokenizer": (lambda v: isinstance(v, str) and bool(v), "a tokenizer name or directory"),
-        "niah_lengths": (lambda v: _int_list(v, lambda x: x > 0),
+        "niah_lengths": (lambda v: _int_list(v, lambda x: 0 < x <= MAX_INT),
                          "a positive integer or a list of them (prompt lengths in tokens)"),
         "niah_depths": (lambda v: bool(v if isinstance(v, list) else [v]) and all(
             _is_number(x) and 0 <= x <= 100 for x in (v if isinstance(v, list) else [v])),
             "a number from 0 to 100 or a list of them (needle depths in percent)"),
-        "niah_seed": (_is_int, "an integer"),
-        "niah_samples_per_cell": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+        "niah_seed": (lambda v: _is_int(v) and abs(v) <= MAX_INT, "an integer"),
+        "niah_samples_per_cell": (lambda v: _is_int(v) and 1 <= v <= MAX_INT, "a positive integer"),
         "niah_haystack": (lambda v: isinstance(v, str) and bool(v), "'builtin' or a folder of .txt files"),
         "niah_template": (lambda v: isinstance(v, dict) and all(
             k in NIAH_TEMPLATE_KEYS and isinstance(x, str) for k, x in v.items()),
@@ -379,15 +379,25 @@ def include_path_fingerprint(include_path: tuple[str, ...]) -> str:
             for name in names:
                 path = Path(folder, name)
                 if not name.startswith(".") and not name.endswith(".pyc") and path.is_file():
-                    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-                    files.append((path.relative_to(root).as_posix(), digest))
+                    files.append((path.relative_to(root).as_posix(), _file_sha256(path)))
         listing.append(sorted(files))
     return stable_hash(listing)[:16]
 
 
 def _unread_by_tasks(folder: Path) -> bool:
-    return (folder.name.startswith(".") or folder.name == "__pycache__"
+    from nsa_eval.folders import MARKER
+
+    return (folder.name.startswith(".") or folder.name == "__pycache__" or (folder / MARKER).is_file()
             or (folder / "run.json").is_file() or (folder / "report.json").is_file())
+
+
+def _file_sha256(path: Path) -> str:
+    """sha256 of a file read in 1 MiB blocks: a 2 GB data file costs time, not memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------- parsing
@@ -398,10 +408,10 @@ def load_suite(path: str | Path) -> Suite:
     import yaml
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"{path}: no such suite file")
     try:
-        source = path.read_bytes().decode("utf-8")
+        source = read_regular_file(path, MAX_SUITE_BYTES).decode("utf-8")
     except UnicodeDecodeError as err:
         raise UsageError(f"{path}: not a UTF-8 text file (byte {err.start}: {err.reason}); save "
                          "the suite as UTF-8") from None
@@ -412,9 +422,103 @@ def load_suite(path: str | Path) -> Suite:
     except DuplicateKeyError as err:
         raise UsageError(f"{path}:{err.line}: duplicate key {err.key!r} (the second would silently "
                          "replace the first); keep one") from None
+    except YamlTooLarge as err:
+        raise UsageError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         raise UsageError(f"{path}: not valid YAML: {err}") from None
     return parse_suite(raw, str(path), source)
+
+
+# Bounds on what a suite or task file may make the YAML reader build: real suites nest 5 levels
+# and hold a few hundred nodes (configs/paper.yaml: 223), so these stop only runaway documents.
+MAX_SUITE_BYTES = 1 << 20
+MAX_TASK_YAML_BYTES = 4 << 20  # an include_path task YAML (lm-eval's largest is ~200 kB)
+MAX_YAML_DEPTH = 32
+MAX_YAML_NODES = {"suite": 10_000, "task": 200_000}  # after expanding aliases (*name)
+
+
+def read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of `path`, or OSError when it is not a regular file (a FIFO would block forever,
+    /dev/zero never end) or is larger than `max_bytes`."""
+    import errno
+    import stat
+
+    with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if info.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"{info.st_size:,} bytes; at most {max_bytes:,} expected", str(path))
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:  # it grew since fstat
+        raise OSError(errno.EFBIG, f"more than {max_bytes:,} bytes", str(path))
+    return data
+
+
+class YamlTooLarge(Exception):
+    """A YAML document nests too deep, refers to itself, or expands past its node budget."""
+
+
+def _bounded_composer(kind: str):
+    """Mixin for a PyYAML loader: composing refuses a document deeper than MAX_YAML_DEPTH, an alias
+    that contains itself, or one whose aliases expand past MAX_YAML_NODES[kind] nodes (the "billion
+    laughs": nine anchors of ten aliases each are 10^9 nodes once a reader walks them)."""
+    import yaml
+
+    limit = MAX_YAML_NODES[kind]
+
+    class BoundedComposer:
+        def compose_node(self, parent, index):
+            depth = self.__dict__.get("_depth", 0) + 1
+            if depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise YamlTooLarge(f"line {mark.line + 1}: nested deeper than {MAX_YAML_DEPTH} levels; "
+                                   "expected a few levels of mappings and lists")
+            self._depth = depth
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self._depth = depth - 1
+
+        def compose_document(self):
+            node = super().compose_document()
+            _check_expanded_size(node, limit, yaml)
+            return node
+
+    return BoundedComposer
+
+
+def _check_expanded_size(root, limit: int, yaml) -> None:
+    """YamlTooLarge when the node graph under `root`, with every alias expanded, exceeds `limit`
+    nodes or has a cycle. Sizes are summed once per node (aliases share nodes), so this is linear."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        if children_done:
+            on_path.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[id(node)] > limit:
+                raise YamlTooLarge(f"line {node.start_mark.line + 1}: its aliases (*name) expand to more "
+                                   f"than {limit:,} values; expected a document that is not built from "
+                                   "repeated aliases")
+            continue
+        if id(node) in on_path:
+            raise YamlTooLarge(f"line {node.start_mark.line + 1}: an alias refers to a node that "
+                               "contains it; expected no recursive anchors")
+        on_path.add(id(node))
+        stack.append((node, True))
+        for child in children:
+            if id(child) in on_path:
+                raise YamlTooLarge(f"line {child.start_mark.line + 1}: an alias refers to a node that "
+                                   "contains it; expected no recursive anchors")
+            if id(child) not in sizes:
+                stack.append((child, False))
 
 
 class DuplicateKeyError(Exception):
@@ -435,7 +539,7 @@ def _unique_key_loader():
     merged pairs beside the explicit ones) happens there, sometimes before the mapping's own turn."""
     import yaml
 
-    class UniqueKeyLoader(yaml.SafeLoader):
+    class UniqueKeyLoader(_bounded_composer("suite"), yaml.SafeLoader):
         def flatten_mapping(self, node):
             checked = self.__dict__.setdefault("_checked_mappings", set())
             if id(node) not in checked:
@@ -579,7 +683,7 @@ def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool,
     specs = []
     for attention, budget in variants:
         if budget is not None and attention not in SINK_LOCAL_ONLY:
-            _positive(budget, where, key + "budget")
+            _in_range(_positive(budget, where, key + "budget"), where, key + "budget", 1, MAX_INT)
             if budget < sink + local:
                 raise UsageError(f"{where}: {key}budget: {budget} is below sink + local = "
                                  f"{sink} + {local} = {sink + local}; raise the budget or lower "
@@ -646,6 +750,7 @@ def _parse_tasks(entries: Any, where: str, model_labels: set[str]) -> list[TaskS
                 raise UsageError(f"{where}: {key}metadata.{split}: a split list holds plain values "
                                  f"(one cell each), got {values!r}")
         _check_task_metadata(tasks[-1], where, key)
+        _check_gen_kwargs_values(tasks[-1].gen_kwargs, where, key + "gen_kwargs")
         if tasks[-1].num_fewshot is not None:
             _nonnegative(tasks[-1].num_fewshot, where, key + "num_fewshot")
     labels = [t.label for t in tasks]
@@ -669,13 +774,68 @@ def _check_task_metadata(task: TaskSpec, where: str, key: str) -> None:
             raise UsageError(f"{where}: {key}metadata.{name}: {task.task}: "
                              + unknown_name_message("metadata key", str(name), list(schema)))
         if schema is not None and not schema[name][0](value):
-            raise UsageError(f"{where}: {key}metadata.{name}: expected {schema[name][1]}, got {value!r}")
+            raise UsageError(f"{where}: {key}metadata.{name}: expected {schema[name][1]}, got "
+                             f"{_short_repr(value)}")
+        if name == "niah_template" and schema is not None:
+            _check_niah_template(value, where, f"{key}metadata.niah_template")
         if isinstance(value, list) and (name == task.split or schema is not None):
             seen = []
             for v in value:
                 if v in seen:
                     raise UsageError(f"{where}: {key}metadata.{name}: {v!r} appears twice in {value!r}")
                 seen.append(v)
+
+
+# The placeholders nsa_eval/tasks/niah.py fills in each template string (the instruction is used as
+# it is written, braces and all).
+NIAH_TEMPLATE_FIELDS = {"needle": ("key", "value"), "question": ("key",), "answer_prefix": ("key",)}
+
+
+def _check_niah_template(template: dict, where: str, key: str) -> None:
+    """Each template string formats with the placeholders NIAH fills ({key}, and {value} in the
+    needle, which must show it), so a typo fails here rather than when the prompts are built."""
+    import string
+
+    for name, allowed in NIAH_TEMPLATE_FIELDS.items():
+        if name not in template:
+            continue
+        expected = " and ".join(f"{{{a}}}" for a in allowed)
+        try:
+            fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template[name])
+                      if f is not None]
+        except ValueError as err:
+            raise UsageError(f"{where}: {key}.{name}: {err}; expected the placeholders {expected} (write "
+                             "{{ and }} for literal braces)") from None
+        for field_name, spec, conversion in fields:
+            if field_name not in allowed or spec or conversion:
+                shown = field_name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+                raise UsageError(f"{where}: {key}.{name}: unknown placeholder {{{shown}}}; expected "
+                                 f"{expected} as they are (write {{{{ and }}}} for literal braces)")
+        if name == "needle" and "value" not in {f for f, _, _ in fields}:
+            raise UsageError(f"{where}: {key}.needle: no {{value}} placeholder, so the needle would hide "
+                             "no number; expected a sentence with {key} and {value}")
+
+
+# Generation settings whose values lm-eval or the backends check only when generating, after the
+# model has loaded: (accepts, what is expected).
+GEN_KWARG_VALUES: dict[str, tuple[Any, str]] = {
+    **{name: (lambda v: _is_int(v) and 1 <= v <= MAX_INT, "a positive integer (new tokens)")
+       for name in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")},
+    "temperature": (lambda v: _is_number(v) and 0 <= v <= 1e6, "a number >= 0"),
+    "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+    "until": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+              "a string or a list of strings"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and 0 <= v <= MAX_INT, "a non-negative integer"),
+    "num_beams": (lambda v: _is_int(v) and 1 <= v <= 1024, "a positive integer"),
+}
+
+
+def _check_gen_kwargs_values(gen_kwargs: dict, where: str, key: str) -> None:
+    for name, value in gen_kwargs.items():
+        if name in GEN_KWARG_VALUES and not GEN_KWARG_VALUES[name][0](value):
+            raise UsageError(f"{where}: {key}.{name}: expected {GEN_KWARG_VALUES[name][1]}, got "
+                             f"{_short_repr(value)}")
 
 
 def _project_tasks() -> frozenset[str]:
@@ -700,14 +860,35 @@ def _get(entry: dict, name: str, schema: dict, where: str, key: str, default: An
     types, expected = schema[name]
     # YAML booleans are ints in Python; an int key must not accept true/false.
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise UsageError(f"{where}: {key}{name}: expected {expected}, got {value!r}")
+        raise UsageError(f"{where}: {key}{name}: expected {expected}, got {_short_repr(value)}")
+    if _is_int(value):
+        _in_range(value, where, key + name, *INT_RANGES.get(name, (-MAX_INT, MAX_INT)))
     return value
+
+
+# Integers a run passes to torch, numpy or lm-eval: token counts and lengths fit int32, and numpy
+# takes 32-bit seeds; a value past these fails only once the model has loaded.
+MAX_INT = 2**31 - 1
+INT_RANGES = {"seed": (0, 2**32 - 1), "bootstrap_iters": (0, 1_000_000)}
+
+
+def _in_range(value: int, where: str, key: str, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise UsageError(f"{where}: {key}: {_short_repr(value)} is out of range; expected an integer "
+                         f"from {low:,} to {high:,}")
+    return value
+
+
+def _short_repr(value: Any, limit: int = 200) -> str:
+    """repr cut to `limit` characters: an error message must not print a whole document."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
 
 
 def _as_list(value: Any, kind: type, where: str, key: str, what: str) -> list:
     values = value if isinstance(value, list) else [value]
     if not values or any(not isinstance(v, kind) or isinstance(v, bool) for v in values):
-        raise UsageError(f"{where}: {key}: expected {what}, got {value!r}")
+        raise UsageError(f"{where}: {key}: expected {what}, got {_short_repr(value)}")
     return values
 
 
@@ -769,15 +950,163 @@ def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = Tr
     for i, task in enumerate(suite.tasks):
         backends = {m.backend for m in suite.models if task.applies_to(m.label)}
         _check_gen_kwargs(task.gen_kwargs, backends, f"{suite.path}: tasks[{i}].gen_kwargs")
+        _check_niah_haystack(task, f"{suite.path}: tasks[{i}].metadata.niah_haystack")
+    warnings += check_include_path_files(suite)  # before lm-eval opens any of them
     if check_tasks:
         known = set(task_manager(suite.include_path).all_tasks)
         for i, task in enumerate(suite.tasks):
             if task.task not in known:
                 raise UsageError(f"{suite.path}: tasks[{i}].task: " + unknown_name_message(
                     "task", task.task, _close_names(task.task, known)))
+        _check_shadowed_tasks(suite)
         _check_context_fits(suite)
+        warnings += _check_unsafe_code(suite, runs_here)
     if check_data:
         warnings += _check_task_data(suite)
+    return warnings
+
+
+def _check_niah_haystack(task: TaskSpec, where: str) -> None:
+    """nsa_niah's `niah_haystack` folder holds readable, non-empty .txt files (read from the current
+    directory, as the task reads it), so a missing or empty folder fails before any model loads."""
+    import stat
+
+    haystack = task.metadata.get("niah_haystack", "builtin")
+    if task.task != "nsa_niah" or haystack == "builtin":
+        return
+    folder = Path(haystack).expanduser()
+    if not folder.is_dir():
+        raise UsageError(f"{where}: {haystack!r} is not a folder (relative to the current directory, "
+                         f"{Path.cwd()}); expected 'builtin' or a folder of .txt files")
+    texts = sorted(folder.glob("*.txt"))
+    if not texts:
+        raise UsageError(f"{where}: {haystack!r} has no .txt files; expected 'builtin' or a folder of "
+                         ".txt files")
+    has_text = False
+    for path in texts:
+        try:
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise UsageError(f"{where}: {path} is not a regular file; expected .txt files")
+            with open(path, "rb") as f:
+                has_text = has_text or bool(f.read(1 << 16).strip())
+        except OSError as err:
+            raise UsageError(f"{where}: cannot read {path} ({err.strerror})") from None
+    if not has_text:
+        raise UsageError(f"{where}: the .txt files of {haystack!r} are empty; expected text to hide the "
+                         "needle in")
+
+
+def check_include_path_files(suite: Suite) -> list[str]:
+    """The task YAMLs lm-eval will read under include_path (every *.yaml, and what their `include:`
+    names): regular files of at most MAX_TASK_YAML_BYTES with bounded YAML, so none can block lm-eval
+    (a FIFO), feed it forever (/dev/zero) or expand without end. Returns a warning for each task file
+    that names Python code with `!function`: that code runs when the task is built."""
+    code: list[tuple[Path, list[str]]] = []  # (task file, the functions it names)
+    seen: set[Path] = set()
+    for root in suite.include_path:
+        for path in sorted(Path(root).glob("**/*.yaml")):
+            if not ({"__pycache__", ".ipynb_checkpoints"} & set(path.parts)) and not path.is_dir():
+                code += _check_task_file(path, suite.path, seen)
+    if not code:
+        return []
+    if len(code) == 1:
+        (path, functions), = code
+        return [f"{suite.path}: include_path: {path} runs Python code when its task is built (!function "
+                f"{', '.join(functions)}); run only task folders you trust"]
+    named = "; ".join(f"{path} (!function {', '.join(functions)})" for path, functions in code[:3])
+    more = f", and {len(code) - 3} more" if len(code) > 3 else ""
+    return [f"{suite.path}: include_path: {len(code)} task files run Python code when their tasks are "
+            f"built: {named}{more}; run only task folders you trust"]
+
+
+def _check_task_file(path: Path, where: str, seen: set[Path]) -> list[tuple[Path, list[str]]]:
+    """UsageError when lm-eval could not read `path` safely; (path, functions) where it names code."""
+    import yaml
+
+    resolved = path.resolve()
+    if resolved in seen:
+        return []
+    seen.add(resolved)
+    try:
+        text = read_regular_file(path, MAX_TASK_YAML_BYTES)
+    except FileNotFoundError:
+        return []  # a dangling link: lm-eval skips it too
+    except OSError as err:
+        raise UsageError(f"{where}: include_path: {path}: {err.strerror}; expected task YAML files "
+                         f"(regular files of at most {MAX_TASK_YAML_BYTES:,} bytes)") from None
+    try:
+        root = yaml.compose(text, Loader=_any_tag_loader())
+    except YamlTooLarge as err:
+        raise UsageError(f"{where}: include_path: {path}: {err}") from None
+    except yaml.YAMLError:
+        return []  # lm-eval skips a file it cannot parse; the task it would define is then unknown
+    functions = sorted({node.value for node in _yaml_nodes(root) if node.tag == "!function"})
+    code = [(path, functions)] if functions else []
+    if isinstance(root, yaml.MappingNode):
+        for key, value in root.value:
+            if key.value == "include":
+                targets = [value] if isinstance(value, yaml.ScalarNode) else list(value.value)
+                for target in targets:
+                    if isinstance(target, yaml.ScalarNode):
+                        code += _check_task_file(path.parent / target.value, where, seen)
+    return code
+
+
+def _yaml_nodes(root):
+    """Every node of a composed YAML graph once (aliases share nodes)."""
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        if isinstance(node.value, list):
+            stack.extend(n for item in node.value for n in (item if isinstance(item, tuple) else (item,)))
+
+
+@functools.cache
+def _any_tag_loader():
+    """A bounded composer for task YAMLs: lm-eval's tags (!function) and any other are kept as tags."""
+    import yaml
+
+    class TaskYamlLoader(_bounded_composer("task"), yaml.SafeLoader):
+        pass
+
+    return TaskYamlLoader
+
+
+def _check_shadowed_tasks(suite: Suite) -> None:
+    """An include_path task or group named like one of lm-eval's or the project's replaces it
+    silently in lm-eval (a log line); here it is an error naming both files."""
+    for name, new, old in _SHADOWED.get(suite.include_path, []):
+        raise UsageError(f"{suite.path}: include_path: {new} defines {name!r}, which {old} already "
+                         "defines; lm-eval would silently run yours instead. Expected a name of its own")
+
+
+def _check_unsafe_code(suite: Suite, runs_here: bool) -> list[str]:
+    """A task that executes model-written code (lm-eval's `unsafe_code`, e.g. nsa_mbpp) runs only with
+    both opt-ins, checked here rather than by lm-eval once the model has loaded. The entry's
+    `confirm_run_unsafe_code: true` is the suite's; HF_ALLOW_CODE_EVAL=1 is the machine's, so like a
+    missing GPU its absence is an error for `run` and a warning for `validate`."""
+    from nsa_eval.tasks import requires_unsafe_code
+
+    unsafe = set(requires_unsafe_code([t.task for t in suite.tasks], task_manager(suite.include_path)))
+    warnings = []
+    for i, task in enumerate(suite.tasks):
+        if task.task not in unsafe:
+            continue
+        if not task.confirm_run_unsafe_code:
+            raise UsageError(f"{suite.path}: tasks[{i}].confirm_run_unsafe_code: {task.task} executes "
+                             "model-written code to score it; expected confirm_run_unsafe_code: true on "
+                             "this entry (and HF_ALLOW_CODE_EVAL=1), in a sandbox (docs/tasks.md)")
+        if os.environ.get("HF_ALLOW_CODE_EVAL") != "1":
+            problem = (f"{suite.path}: tasks[{i}] ({task.task}): executing model-written code also needs the "
+                       "environment variable HF_ALLOW_CODE_EVAL=1 (it is "
+                       f"{os.environ.get('HF_ALLOW_CODE_EVAL')!r})")
+            if runs_here:
+                raise UsageError(problem + "; set it where nsa-eval runs")
+            warnings.append(problem + " (`run` here will stop)")
     return warnings
 
 
@@ -1038,11 +1367,14 @@ def _check_task_data(suite: Suite) -> list[str]:
 
 
 _TASK_MANAGERS: dict[tuple[str, ...], Any] = {}
+# include_path -> (name, file, the file it replaces) for each task an include_path file shadows
+_SHADOWED: dict[tuple[str, ...], list[tuple[str, str, str]]] = {}
 
 
 def task_manager(include_path: tuple[str, ...] = ()):
     """An indexed lm-eval TaskManager with the project's tasks (+ include_path), one per process:
-    indexing lm-eval's ~15,000 task names takes seconds."""
+    indexing lm-eval's ~15,000 task names takes seconds. The names an include_path file takes from
+    an earlier folder (lm-eval logs each one) are kept for `check_suite`."""
     if include_path not in _TASK_MANAGERS:
         from lm_eval.tasks import TaskManager
 
@@ -1051,5 +1383,41 @@ def task_manager(include_path: tuple[str, ...] = ()):
         except ImportError:
             TASKS_DIR = None
         paths = ([str(TASKS_DIR)] if TASKS_DIR else []) + list(include_path)
-        _TASK_MANAGERS[include_path] = TaskManager(include_path=paths or None)
+        with _IndexOverrides(include_path) as overrides:
+            _TASK_MANAGERS[include_path] = TaskManager(include_path=paths or None)
+        _SHADOWED[include_path] = overrides.found
     return _TASK_MANAGERS[include_path]
+
+
+class _IndexOverrides:
+    """Collects lm-eval's "Task X from A overrides existing task from B" records (lm_eval.tasks._index)
+    for files A under `include_path`, while the index is built."""
+
+    def __init__(self, include_path: tuple[str, ...]):
+        import logging
+
+        self.roots = [Path(p).resolve() for p in include_path]
+        self.found: list[tuple[str, str, str]] = []
+        self.logger = logging.getLogger("lm_eval.tasks._index")
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = self._record
+
+    def _record(self, record) -> None:
+        if "overrides existing task" in str(record.msg) and len(record.args or ()) == 3:
+            name, new, old = record.args
+            new_file, old_file = Path(str(new)).resolve(), Path(str(old)).resolve()
+            if new_file != old_file and any(new_file.is_relative_to(root) for root in self.roots):
+                self.found.append((str(name), str(new), str(old)))
+
+    def __enter__(self):
+        import logging
+
+        self.level = self.logger.level
+        if not self.logger.isEnabledFor(logging.WARNING):
+            self.logger.setLevel(logging.WARNING)
+        self.logger.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)

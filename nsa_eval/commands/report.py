@@ -20,11 +20,14 @@ def register(subparsers) -> None:
 
 
 def handle(args) -> int:
+    from nsa_eval.folders import check_folder
     from nsa_eval.report import check_bootstrap, write_report
     from nsa_eval.runner import check_run_dir
 
     iters = check_bootstrap(args.bootstrap)  # before any work
     run_dir = check_run_dir(args.run_dir)
+    if args.output:
+        check_folder(args.output, "report", "--output")
     out = write_report(run_dir, args.output, bootstrap=iters)
     print(f"report: {out / 'report.md'} and {out / 'report.html'}")
     return 0

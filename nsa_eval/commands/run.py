@@ -29,9 +29,9 @@ def register(subparsers) -> None:
 
 def handle(args) -> int:
     import sys
-    from pathlib import Path
 
     from nsa_eval.errors import UsageError
+    from nsa_eval.folders import check_output_folders
     from nsa_eval.suite import check_suite, load_suite
 
     if args.limit is not None and args.limit <= 0:
@@ -39,20 +39,20 @@ def handle(args) -> int:
     suite = load_suite(args.suite)
     run_report, report_dir, report_origin = _report_dirs(args, suite)
     output_origin = "--output" if args.output else f"{args.suite}: output"
-    for where, folder in ((output_origin, args.output or suite.output), (report_origin, report_dir)):
-        if Path(folder).exists() and not Path(folder).is_dir():
-            raise UsageError(f"{where}: {str(folder)!r} is a file; expected a directory (or a path "
-                             "that does not exist yet)")
+    folders = [(output_origin, args.output or suite.output, "run")]
+    if not args.no_report:
+        folders.append((report_origin, report_dir, "report"))
+    check_output_folders(folders)
     for warning in check_suite(suite, device=args.device, runs_here=True):
         print(f"nsa-eval: warning: {warning}", file=sys.stderr)
     suite.cells(limit=args.limit, only=args.only)  # an --only that matches nothing fails here
 
-    from nsa_eval.runner import run_suite
+    from nsa_eval.runner import is_main_process, run_suite
 
     summary = run_suite(suite, args.output, limit=args.limit, only=args.only, device=args.device,
                         report_dir=run_report)
     print(f"{summary.run_dir}: {summary.computed} cells computed, {summary.skipped} already done")
-    if args.no_report or not _is_main_process():
+    if args.no_report or not is_main_process():
         return 0
     from nsa_eval.report import write_report
 
@@ -76,9 +76,3 @@ def _report_dirs(args, suite) -> tuple[str, str, str]:
     if args.report_dir:
         return run_report, args.report_dir, "--report-dir"
     return run_report, run_report, origin
-
-
-def _is_main_process() -> bool:
-    import os
-
-    return int(os.environ.get("RANK", "0")) == 0

@@ -22,9 +22,12 @@ def handle(args) -> int:
     be validated on a laptop for a GPU machine. With --device, the device must exist here."""
     import sys
 
+    from nsa_eval.folders import check_output_folders
     from nsa_eval.suite import check_suite, load_suite
 
     suite = load_suite(args.suite)
+    check_output_folders([(f"{args.suite}: output", suite.output, "run"),
+                          (f"{args.suite}: report", suite.report, "report")])
     warnings = check_suite(suite, device=args.device, runs_here=args.device is not None)
     cells = suite.cells(limit=args.limit, only=args.only)
     for warning in warnings:

@@ -178,6 +178,11 @@ def inspect_checkpoint(pretrained: str | os.PathLike) -> Resolved:
             config = json.loads(config_file.read_text())
         except ValueError as err:
             raise UsageError(f"{config_file}: not valid JSON ({err})") from None
+        except OSError as err:
+            raise UsageError(f"{config_file}: cannot be read ({err.strerror})") from None
+        if not isinstance(config, dict):
+            raise UsageError(f"{config_file}: expected a JSON object of model settings, got a "
+                             f"{type(config).__name__}")
     else:
         config = _hub_config(location)
     model_type = config.get("model_type")

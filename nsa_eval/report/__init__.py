@@ -47,17 +47,27 @@ def check_bootstrap(iters) -> int:
     return int(iters)
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *, bootstrap: int = 2000) -> Path:
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *, bootstrap: int = 2000,
+                 warn=None) -> Path:
     """Build the report of a run directory; returns the report directory.
 
-    Everything (figures, report.md, report.html, CSV, JSON) is built in a temporary folder beside
-    the report first and only then moved into place, so a failure leaves the previous report whole.
+    The report folder is `out_dir`, else the one run.json records (relative to the run directory);
+    it must be new, empty or nsa-eval's (`folders.check_folder`). Everything (figures, report.md,
+    report.html, CSV, JSON) is built in a temporary folder beside it first and only then moved into
+    place, so a failure leaves the previous report whole. `warn(line)` receives each cell whose files
+    cannot be read (default: printed to stderr); such a cell is reported as not finished.
     """
+    from nsa_eval.folders import check_folder
+    from nsa_eval.report.load import report_folder
+
     iters = check_bootstrap(bootstrap)
     run = load_run(run_dir)
-    out = Path(out_dir or run.manifest.get("report") or f"reports/{run.name}")
+    out = check_folder(out_dir or report_folder(run), "report", "report folder")
+    for label, problem in run.unreadable.items():
+        (warn or _print_warning)(f"cell {label} left out of the report: {problem}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    _remove_stale_staging(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-{os.getpid()}-", dir=out.parent))
     try:
         (staging / "figures").mkdir()
         report = ReportBuilder(run, staging, iters)
@@ -71,9 +81,36 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *, boot
     return out
 
 
+def _print_warning(line: str) -> None:
+    import sys
+
+    print(f"nsa-eval: warning: {line}", file=sys.stderr)
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Staging folders of report builds whose process is gone (killed mid-build)."""
+    for folder in out.parent.glob(f".{out.name}.building-*"):
+        pid = folder.name.rsplit(".building-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _move_into_place(staging: Path, out: Path) -> None:
     """Move a built report over `out`: figures first, then the files that point at them; PNGs of
     cells no longer in the suite go."""
+    from nsa_eval.folders import claim_folder
+
+    claim_folder(out, "report")
     figures = out / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     built = {p.name for p in (staging / "figures").glob("*.png")}
@@ -124,7 +161,8 @@ class ReportBuilder:
                  f"device {env.get('device')}; git `{env.get('git')}`. {SCALE_NOTE}")
         if run.missing:
             doc.para("**Not finished** (re-run the same command to resume): "
-                     + ", ".join(f"`{m}`" for m in run.missing))
+                     + ", ".join(f"`{m}`" + (" (unreadable)" if m in run.unreadable else "")
+                                 for m in run.missing))
         if not self.scores:
             doc.para("No finished cell has a score yet.")
             return doc
@@ -507,6 +545,7 @@ class ReportBuilder:
                 "summary_average": {"tasks": common, "values": averages},
                 "scores": self.table_rows, "differences": self.differences, "niah": self.niah_rows,
                 "activated_tokens": self.activation_rows, "missing_cells": self.run.missing,
+                "unreadable_cells": self.run.unreadable,
                 "environment": self.run.manifest.get("environment")}
         (self.out / "report.json").write_text(json.dumps(data, indent=1, default=str))
 

@@ -1,13 +1,20 @@
-"""Read a run directory back: the manifest and every finished cell. Nothing else is consulted."""
+"""Read a run directory back: the manifest and every finished cell. Nothing else is consulted.
+
+A cell counts only when `runner.cell_problem` finds it whole (its checksums match, its files parse,
+every record names this cell); any other is listed in `RunData.unreadable` with the file and the
+reason, and left out like a cell not yet run.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from nsa_eval.runner import CELL_FILES, check_run_dir
+from nsa_eval.errors import UsageError
+from nsa_eval.runner import NOT_STARTED, cell_problem, check_run_dir
 
 
 @dataclass
@@ -60,6 +67,7 @@ class RunData:
     manifest: dict
     cells: list[CellData] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # labels of the suite's cells not done yet
+    unreadable: dict[str, str] = field(default_factory=dict)  # label -> "folder: what is wrong"
 
     @property
     def name(self) -> str:
@@ -86,14 +94,52 @@ class RunData:
 
 
 def load_run(run_dir: str | Path) -> RunData:
+    """The manifest and the whole cells of `run_dir`; UsageError naming run.json when it is not one."""
     run_dir = check_run_dir(run_dir)
-    manifest = json.loads((run_dir / "run.json").read_text())
+    manifest = _read_manifest(run_dir / "run.json")
     run = RunData(run_dir, manifest)
     for entry in manifest["cells"]:
         folder = run_dir / "cells" / entry["key"]
-        if not all((folder / name).is_file() for name in CELL_FILES):
+        problem = cell_problem(folder)
+        if problem is not None:
             run.missing.append(entry["label"])
+            if problem != NOT_STARTED:
+                run.unreadable[entry["label"]] = f"{folder}: {problem}"
             continue
-        run.cells.append(CellData(folder, json.loads((folder / "config.json").read_text()),
-                                  json.loads((folder / "results.json").read_text())))
+        run.cells.append(CellData(folder, json.loads((folder / "config.json").read_text(encoding="utf-8")),
+                                  json.loads((folder / "results.json").read_text(encoding="utf-8"))))
     return run
+
+
+def _read_manifest(path: Path) -> dict:
+    """run.json, checked for what the report reads: the suite, the cells (16-hex-digit keys, so a cell
+    folder cannot lie outside cells/), the models and tasks, and the report folder (a string)."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{path}: cannot be read as JSON ({getattr(err, 'strerror', None) or err}); "
+                         "expected the run.json that `nsa-eval run` writes") from None
+    problem = None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("suite"), str):
+        problem = "no suite name"
+    elif not isinstance(manifest.get("cells"), list) or not all(
+            isinstance(c, dict) and isinstance(c.get("key"), str) and re.fullmatch(r"[0-9a-f]{16}", c["key"])
+            and isinstance(c.get("label"), str) for c in manifest["cells"]):
+        problem = "its cells are not a list of {key: 16 hex digits, label, ...}"
+    elif not all(isinstance(manifest.get(k), list) for k in ("models", "tasks")):
+        problem = "no models or tasks list"
+    elif not isinstance(manifest.get("report", ""), str):
+        problem = "its report folder is not a path"
+    if problem:
+        raise UsageError(f"{path}: not a run manifest ({problem}); expected the run.json that "
+                         "`nsa-eval run` writes")
+    return manifest
+
+
+def report_folder(run: RunData) -> Path:
+    """The report folder run.json records, relative to the run directory (an absolute path, from an
+    older nsa-eval, as it stands); reports/<suite> when it records none."""
+    recorded = run.manifest.get("report")
+    if not recorded:
+        return Path("reports") / run.name
+    return Path(recorded) if Path(recorded).is_absolute() else run.run_dir / recorded

@@ -7,43 +7,25 @@ prompt, target, generation settings and 3-shot examples, and scores with `pass_a
 
 - Few-shot examples: MBPP task_ids 2, 3 and 4 (the ones lm-eval's mbpp uses, and the MBPP paper),
   selected from the dataset's `prompt` split by `fewshot_docs`, so no benchmark row is copied here.
-- `pass_at_1`: each candidate program, then the doc's test asserts, runs in a fresh `python`
-  subprocess in its own temporary directory with a timeout (`TIMEOUT_S`). It passes only on exit
-  code 0. The score of a doc is the fraction of its candidates that pass (with one greedy sample,
-  0 or 1), as code_eval's pass@1 estimator.
+- `pass_at_1`: each candidate program, then the doc's test asserts, runs through
+  `code_execution.execute` (a fresh temporary folder, a timeout of `TIMEOUT_S`, resource limits,
+  every process it starts killed at the end). It passes only when it exits with code 0 after its
+  last assert ran. The score of a doc is the fraction of its candidates that pass (with one greedy
+  sample, 0 or 1), as code_eval's pass@1 estimator.
 - The code is model-written and is executed: it runs only with the same opt-in as code_eval,
   the environment variable `HF_ALLOW_CODE_EVAL=1`, checked when the task is built (before any
   generation) and again before any code runs. The task keeps `unsafe_code: true`, so lm-eval also
-  requires `confirm_run_unsafe_code=True` (`--confirm_run_unsafe_code`). Run it in a sandbox: the
-  subprocess is not otherwise confined.
+  requires `confirm_run_unsafe_code=True` (`--confirm_run_unsafe_code`). Run it in a sandbox:
+  docs/tasks.md says what the executor's guard stops and what it does not.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 from nsa_eval.errors import UsageError
+from nsa_eval.tasks.code_execution import TIMEOUT_S, execute, require_code_eval_opt_in
 from nsa_eval.tasks.local_task import LocalFirstTask
 
 FEWSHOT_TASK_IDS = (2, 3, 4)  # lm-eval's mbpp and the MBPP paper's prompt examples, in this order
-TIMEOUT_S = 10.0  # seconds per candidate program (tests included)
-OPT_IN_VAR = "HF_ALLOW_CODE_EVAL"
-
-
-def require_code_eval_opt_in() -> None:
-    """Raise a UsageError unless HF_ALLOW_CODE_EVAL=1 (code_eval's opt-in for executing code)."""
-    if os.environ.get(OPT_IN_VAR) != "1":
-        raise UsageError(
-            "nsa_mbpp executes model-generated code to score it; this runs only with the environment "
-            f"variable {OPT_IN_VAR}=1 (and confirm_run_unsafe_code=True / lm-eval's "
-            f"--confirm_run_unsafe_code). Set them only in a sandbox. {OPT_IN_VAR} is "
-            f"{os.environ.get(OPT_IN_VAR)!r}"
-        )
 
 
 class MbppTask(LocalFirstTask):
@@ -66,42 +48,6 @@ def fewshot_docs(dataset):
     return dataset.select([position[t] for t in FEWSHOT_TASK_IDS])
 
 
-def run_program(program: str, timeout: float | None = None) -> bool:
-    """True when `program` exits with code 0 within `timeout` s (default TIMEOUT_S), run by a fresh
-    python in a temporary directory."""
-    require_code_eval_opt_in()
-    timeout = TIMEOUT_S if timeout is None else timeout
-    with tempfile.TemporaryDirectory(prefix="nsa-mbpp-") as tmp:
-        path = Path(tmp) / "program.py"
-        path.write_text(program, encoding="utf-8")
-        proc = subprocess.Popen(
-            [sys.executable, "-I", str(path)],  # -I: no PYTHON* variables, no user site, no cwd on path
-            cwd=tmp,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group, so a timeout also ends its children
-        )
-        try:
-            return proc.wait(timeout=timeout) == 0
-        except subprocess.TimeoutExpired:
-            return False
-        finally:
-            _kill_group(proc)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the program and anything it started (its process group), then reap it."""
-    try:
-        if os.name == "posix":
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.kill()
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
 def pass_at_1(references, predictions) -> float:
     """lm-eval metric: mean over docs of the fraction of candidates that pass the doc's tests.
 
@@ -118,6 +64,6 @@ def pass_at_1(references, predictions) -> float:
         raise ValueError(f"pass_at_1: {len(references)} references but {len(predictions)} predictions")
     scores = []
     for tests, candidates in zip(references, predictions, strict=True):
-        passed = [run_program(candidate + "\n" + tests) for candidate in candidates]
+        passed = [execute(candidate + "\n" + tests, TIMEOUT_S).passed for candidate in candidates]
         scores.append(sum(passed) / len(passed) if passed else 0.0)
     return sum(scores) / len(scores) if scores else 0.0

@@ -208,12 +208,17 @@ def test_a_zero_difference_has_no_sign(report):
 def test_a_metric_the_results_lack_is_an_error_naming_it(run_dir, tmp_path):
     """A suite `metric:` that the task does not report stops the report before anything is written,
     naming the task, the metric and those there are, instead of scoring another metric."""
+    from nsa_eval.runner import write_cell
+
     broken = tmp_path / "run"
     shutil.copytree(run_dir, broken)
-    for config in broken.glob("cells/*/config.json"):
-        data = json.loads(config.read_text())
-        data["task"]["metric"] = "f1"
-        config.write_text(json.dumps(data))
+    for folder in broken.glob("cells/*"):  # written again as the runner writes a cell, checksums too
+        config = json.loads((folder / "config.json").read_text())
+        config["task"]["metric"] = "f1"
+        samples: dict[str, list] = {}
+        for line in (folder / "samples.jsonl").read_text().splitlines():
+            samples.setdefault(json.loads(line)["task"], []).append(json.loads(line))
+        write_cell(folder, config["key"], config, json.loads((folder / "results.json").read_text()), samples)
     with pytest.raises(UsageError, match=r"task 'pooled': the suite's metric 'f1' .*'rt_a' \(acc\)"):
         write_report(broken, tmp_path / "report")
     assert not (tmp_path / "report").exists() or not any((tmp_path / "report").iterdir())

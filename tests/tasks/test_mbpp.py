@@ -10,6 +10,7 @@ import pytest
 
 from nsa_eval.errors import UsageError
 from nsa_eval.tasks import check_task_data, mbpp, requires_unsafe_code
+from nsa_eval.tasks.code_execution import execute
 from nsa_eval.tasks.data import data_specs
 
 HUB_PATH, CONFIG = "google-research-datasets/mbpp", "full"
@@ -111,14 +112,14 @@ def test_pass_at_1_runs_the_program_with_the_tests(opted_in):
 def test_pass_at_1_runs_in_a_fresh_temporary_directory(opted_in, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     program = "import os, sys\nassert os.getcwd() != {cwd!r}\nassert 'nsa_eval' not in sys.modules\n"
-    assert mbpp.run_program(program.format(cwd=str(tmp_path)))
+    assert execute(program.format(cwd=str(tmp_path))).passed
     assert list(tmp_path.iterdir()) == []  # nothing left behind where the caller runs
 
 
-def test_pass_at_1_a_hanging_program_fails_at_the_timeout(opted_in, monkeypatch):
-    monkeypatch.setattr(mbpp, "TIMEOUT_S", 1.0)
+def test_a_hanging_program_fails_at_the_timeout(opted_in):
     started = time.monotonic()
-    assert mbpp.pass_at_1(references=[ADD_TESTS], predictions=["while True:\n    pass"]) == 0.0
+    result = execute("while True:\n    pass", timeout=1.0)
+    assert not result.passed and result.outcome == "timed out after 1.0 s"
     assert time.monotonic() - started < 8
 
 
@@ -131,7 +132,7 @@ def test_code_runs_only_with_the_opt_in(monkeypatch, manager, mbpp_rows):
         with pytest.raises(UsageError, match="HF_ALLOW_CODE_EVAL=1"):
             mbpp.pass_at_1(references=[ADD_TESTS], predictions=["def add(a, b):\n    return a + b"])
         with pytest.raises(UsageError, match="HF_ALLOW_CODE_EVAL=1"):
-            mbpp.run_program("pass")
+            execute("pass")
         with pytest.raises(UsageError, match="HF_ALLOW_CODE_EVAL=1"):  # before any generation
             manager.load(["nsa_mbpp"])
 
