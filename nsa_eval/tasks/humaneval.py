@@ -6,14 +6,15 @@ fetches the metric script from the Hugging Face hub, so the task cannot load off
 keeps lm-eval's prompt (the function's signature and docstring), target (the tests and
 `check(entry_point)`), greedy generation with its stop strings, and its `create_test` filter, which
 puts the prompt back in front of the generated body (`build_predictions`). It scores with the
-executor nsa_mbpp uses (`mbpp.pass_at_1`: each program in a fresh python subprocess with a timeout,
-behind the same opt-in, HF_ALLOW_CODE_EVAL=1 and confirm_run_unsafe_code=True). Run it in a sandbox.
+executor nsa_mbpp uses (`mbpp.pass_at_1` through `code_execution.execute`: each program in a guarded
+subprocess, docs/tasks.md says what the guard stops), behind the same opt-in, HF_ALLOW_CODE_EVAL=1
+and confirm_run_unsafe_code=True. Run it in a sandbox.
 """
 
 from __future__ import annotations
 
+from nsa_eval.tasks.code_execution import require_code_eval_opt_in
 from nsa_eval.tasks.local_task import LocalFirstTask
-from nsa_eval.tasks.mbpp import require_code_eval_opt_in
 
 
 class HumanEvalTask(LocalFirstTask):
