@@ -16,24 +16,10 @@ from tests.kernels.sm90 import H200_SHARED_LIMIT, json_from_fresh_python
 
 COMPILE = r"""
 import json
-import sys
 import torch
 from nsa_eval.kernels import _triton_utils as u, band, importance as imp, selection as s
 from nsa_eval.kernels.prefill import DQ_SUM, GATE_IN_BRANCHES, GATE_IN_SELECTED  # as the prefill launches
-from tests.kernels.sm90 import compile_sm90, pointers_then_scalars
-
-sys.path.insert(0, "scripts")
-from ptxas_band_kernels import is_divisible_scalar
-
-
-def shared(kernel, pointers, consts, config):
-    # pointers, strides and sizes specialised as multiples of 16, as a launch at the benchmark's
-    # shapes is (Triton then pipelines the loops, with more buffers: run 39's 256-dim band forward
-    # took 262,144 bytes on the H200, against 131,072 compiled without the scalars' divisibility)
-    types = pointers_then_scalars(kernel, pointers, consts)
-    divisible = [i for i, arg in enumerate(kernel.arg_names) if arg not in consts
-                 and (i < len(pointers) or is_divisible_scalar(arg))]
-    return compile_sm90(kernel, types, consts, config, divisible).metadata.shared
+from tests.kernels.sm90 import shared_bytes as shared
 
 
 def desc(name, rows, cols):
@@ -115,11 +101,41 @@ def prefill(name, dtype, D, DV=None):
 
 
 def decode(name, D):
-    # the fused decode's four launches at Dk = Dv = D (scripts/ptxas_decode_kernels.py's shapes)
-    import ptxas_decode_kernels as dec
-    dec.D, dec.b = D, "*" + name
+    # the fused decode's four launches at Dk = Dv = D, as `decode._decode_fused` launches them at the
+    # benchmark's decode: 64 query heads over 4 KV heads (16 rows a program), a 64k cache, batch 16
+    import triton
+    from nsa_eval.kernels import decode as dec, topk
+
+    M, RATIO, NS = 16, 4, 1024  # rows (G = 16), l' / d, selection blocks at 64k
+    b, f, i = "*" + name, "*fp32", "*i32"
+    n_cmp = 4  # compressed-key splits on a 132-SM H200 at batch 16 (CMP_PROGRAMS_PER_SM = 2)
+    n_selp, n_winp = triton.cdiv(16, dec.SEL_PER_PROGRAM), triton.cdiv(512, 64 * dec.WIN_TILES_PER_PROGRAM)
+    npb = u.pow2(max(n_cmp, n_selp, n_winp), 1)
+    warps = dec.ATTN_WARPS if npb * M <= 256 else 8
+    dvc = min(D, max(4, 512 * warps // (npb * M)))
+    common = dict(DK=D, DV=D, BDK=D, BDV=D, M=M, UPCAST=False)
+    tiles = dec.DECODE_IMPORTANCE == "tiles"
+    jt = dec.CMP_TILE_KEYS // RATIO  # selection blocks per tile; the paper's sizes spill into 1 more
+    launches = [
+        ("1 compressed keys", dec._decode_cmp_split_kernel, [b, b, b, i] + [f] * 7 + [i, i, b, b],
+         dict(common, BC=dec.CMP_TILE_KEYS, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, WIN=dec.WINDOW_STEP == 1,
+              TILE_IMP=tiles, JT=jt, JW=u.pow2(jt + 1), NSP=1, MAP_BF16=dec.TILE_MAP == "bf16x2"),
+         dict(num_warps=dec.CMP_WARPS, num_stages=dec.CMP_STAGES)),
+        ("2 importance + top-k + window", dec._decode_importance_split_kernel,
+         [i] + [f] * 7 + [i, i, "*i64", b, b, b, f],
+         dict(common, BNS=max(16, 128 // RATIO), RATIO=RATIO, SPILL=16, NPB=npb, BNS_ALL=NS, NSEL2=16, BW=64,
+              WT=dec.WIN_TILES_PER_PROGRAM, CPP=dec.IMP_CHUNKS_PER_PROGRAM, TILE_IMP=tiles,
+              CT=u.pow2(dec.IMP_TILES_PER_PROGRAM, 1), JT=jt, NSP=1, NSPP=1, TOPK=dec.TOPK_IN_STEP2,
+              TOPK_KIND=dec._step2_topk(NS, 16), CAP=topk.TOPK_FILTER_CAP),
+         dict(dec.IMP_LAUNCH)),
+        ("3 selected blocks", dec._decode_attn_fused_kernel, [b] * 5 + [i, i, f, f, f, i, b, b, b, b],
+         dict(common, BS=64, SPP=dec.SEL_PER_PROGRAM, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, NPB=npb, DVC=dvc,
+              MERGE=dec.MERGE_IN_ATTN, SEL_STAGES=dec.SEL_STAGES), dict(num_warps=warps)),
+        ("4 merge", dec._decode_merge_kernel, [f, f, f, b, b, b, b],
+         dict(DV=D, BDV=D, M=M, NPB=npb, DVC=dvc), dict(num_warps=warps)),
+    ]
     return {f"decode {launch} {name} d={D}": shared(kernel, pointers, consts, options)
-            for launch, kernel, pointers, consts, options in dec.launches()}
+            for launch, kernel, pointers, consts, options in launches}
 
 
 print(json.dumps(__CALLS__))
