@@ -22,12 +22,10 @@ blocks, not with the cache size. Two implementations, chosen by the module flag 
    chunk from the compressed blocks just before it comes from a 16-wide tile). The program that
    finishes last for its (sequence, KV head) takes the top-k of the whole row, like `topk_blocks`:
    forced blocks taken at once, then the largest of int64 keys ordered like (importance, -block
-   index), so ties go to the lower index. By default (`topk.TOPK_METHOD = "lean"`, `STEP2_LEAN`)
-   the keys at or above a bound from 32 group maxima are compacted and ranked (`_step2_topk`;
-   "filter" compacts them as `filtered_top` does and picks by rank); rows without that path take
-   one max reduction per pick over the whole row (with
-   `TOPK_IN_STEP2 = False`, `topk_blocks` does it in a launch of its own; with
-   `topk.TOPK_METHOD = "bitonic"`, `tl.topk` of the same keys). With `WINDOW_STEP = 2`
+   index), so ties go to the lower index: the lean filter of `topk.py` (the keys at or above a
+   bound from 32 group maxima compacted and ranked), or for rows it does not take one max reduction
+   per pick over the whole row (with `TOPK_IN_STEP2 = False`, `topk_blocks` does it in a launch of
+   its own). With `WINDOW_STEP = 2`
    (default) the same launch has one more program per window chunk (`WIN_TILES_PER_PROGRAM` tiles
    of 64 keys): the window branch does not depend on the selection, and its loads fill the memory
    bus while the top-k runs (`WINDOW_STEP = 1` or 3 puts them in step 1 or 3 instead).
@@ -65,7 +63,7 @@ from nsa_eval.kernels._triton_utils import (
     pow2,
     softmax_start,
 )
-from nsa_eval.kernels.topk import block_keys, filtered_top, lean_filtered_top, top_blocks, topk_blocks
+from nsa_eval.kernels.topk import block_keys, lean_filtered_top, topk_blocks
 
 # "fused" (four launches, see the module docstring) or "v1" (the first split-K version, five launches)
 DECODE_VARIANT = "fused"
@@ -131,15 +129,8 @@ IMP_TILES_PER_PROGRAM = 32
 IMP_LAUNCH = dict(num_warps=4)
 # fused: the top-k by the last importance program of each row (True), or by `topk_blocks` in a
 # launch of its own (False: no serial tail in step 2). Runs 13-16, B=16 at 64k: 113.2-115.7 us
-# against 110.6-115.0 (the launch alone 7-8 us). In step 2 the top-k follows
-# `topk.TOPK_METHOD` (`_step2_topk`): the lean filter, the filter, bitonic, or arg-max passes over
-# the whole row for the others (radix exists only in `topk_blocks`).
+# against 110.6-115.0 (the launch alone 7-8 us).
 TOPK_IN_STEP2 = True
-# With `topk.TOPK_METHOD = "lean"`, step 2 takes the lean filter (`_step2_topk`: "lean", rows of up to
-# 2,048 blocks) rather than the filter. Run 106 (scripts/probe_decode.py step2), B = 16, CUDA graph, in
-# alternation: 64k 65.6 us (three rounds) against 66.7-66.8, 8k 36.1-36.9 against 35.9-36.8; the
-# same outputs
-STEP2_LEAN = True
 # fused: output columns per program of the merge (step 4); None: about 2,048 partial values per program
 # per branch (32 columns at d = 128 with 4 partials per branch). Run 62, 64k (CUDA graph): 32 columns
 # 68.3 us at B = 16 and 220.4 at B = 64, 16 columns 68.1 / 220.4, against 71.0 / 226.1 for 64 (the rule
@@ -352,7 +343,7 @@ def _decode_importance_split_kernel(
     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, CPP: tl.constexpr, TILE_IMP: tl.constexpr,
     CT: tl.constexpr, JT: tl.constexpr, NSP: tl.constexpr, NSPP: tl.constexpr, TOPK: tl.constexpr,
-    TOPK_KIND: tl.constexpr, CAP: tl.constexpr, UPCAST: tl.constexpr,
+    LEAN: tl.constexpr, CAP: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # programs 0 .. NIMP-1: importances of CPP chunks of BNS selection blocks each (from the scores SC)
     # or, with TILE_IMP, of the JT blocks of CT tiles each (from TI, TS, TM of step 1); NIMP ..: window
@@ -372,11 +363,11 @@ def _decode_importance_split_kernel(
                          block_len, stride, select_size, NCMP, M, NPB, CT, JT, NSP, NSPP)
         if TOPK:
             _last_takes_topk(IMP, BI, CNT, SCR, i_bh, _query_pos(LENS, i_bh // HKV), NS, select_size,
-                             num_selected, num_init, num_local, NIMP, BNS_ALL, NSEL2, TOPK_KIND, CAP)
+                             num_selected, num_init, num_local, NIMP, BNS_ALL, NSEL2, LEAN, CAP)
     else:
         _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, SCR, i_c, i_bh, TC, HKV, G, NPART, SC_LEN, NS,
                           block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
-                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP, TOPK, TOPK_KIND, CAP)
+                          M, BNS, RATIO, SPILL, NPB, BNS_ALL, NSEL2, CPP, TOPK, LEAN, CAP)
 
 
 @triton.jit
@@ -432,7 +423,7 @@ def _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, SCR, i_c, i_bh, TC, HKV, G
                       block_len, stride, select_size, num_selected, num_init, num_local, NIMP, NCMP,
                       M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr,
                       NPB: tl.constexpr, BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, CPP: tl.constexpr,
-                      TOPK: tl.constexpr, TOPK_KIND: tl.constexpr, CAP: tl.constexpr):
+                      TOPK: tl.constexpr, LEAN: tl.constexpr, CAP: tl.constexpr):
     BC: tl.constexpr = BNS * RATIO  # compressed blocks starting in this chunk of BNS selection blocks
     i_b = i_bh // HKV
     t = _query_pos(LENS, i_b)
@@ -475,74 +466,31 @@ def _importance_chunk(LENS, SC, PM, PL, IMP, BI, CNT, SCR, i_c, i_bh, TC, HKV, G
 
     if TOPK:  # the last program of this (sequence, KV head) to arrive takes the top-k of the whole row
         _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
-                         BNS_ALL, NSEL2, TOPK_KIND, CAP)
+                         BNS_ALL, NSEL2, LEAN, CAP)
 
 
 @triton.jit
 def _last_takes_topk(IMP, BI, CNT, SCR, i_bh, t, NS, select_size, num_selected, num_init, num_local, NIMP,
-                     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, TOPK_KIND: tl.constexpr, CAP: tl.constexpr):
-    # TOPK_KIND (`_step2_topk`): "bitonic", "lean" (SCR [B*HKV, 2 * CAP] int32), "filter-rank" /
-    # "filter-argmax" (SCR [B*HKV, CAP] int64, the filter's scratch), or "argmax"
+                     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, LEAN: tl.constexpr, CAP: tl.constexpr):
+    # LEAN (`topk.lean_fits`): the lean filter first (SCR [B*HKV, 2 * CAP] int32), as `topk_blocks`
+    # does; the arg-max passes over the whole row where it does not take the row
     tl.debug_barrier()  # all threads' stores before the release of the counter increment
     arrived = tl.atomic_add(CNT + i_bh, 1, sem="acq_rel", scope="gpu")
     if arrived == NIMP - 1:
         o_n = tl.arange(0, NSEL2)
         bi_row = BI + i_bh.to(tl.int64) * num_selected
-        if TOPK_KIND == "bitonic":  # `tl.topk` of the row's keys, as `topk_blocks` does with "bitonic"
+        done = 0
+        if LEAN:  # through L2 (.cg) after the acquire: other programs of this launch wrote the row
+            done = lean_filtered_top(IMP, BI, SCR, i_bh.to(tl.int64), t // select_size, num_selected,
+                                     num_init, num_local, NS, BNS_ALL, NSEL2, CAP, ".cg")
+        if done == 0:
+            chosen = _topk_row(IMP + i_bh.to(tl.int64) * NS, t, NS, select_size, num_selected, num_init,
+                               num_local, BNS_ALL)  # [BNS_ALL]
             o_a = tl.arange(0, BNS_ALL)
-            imp = tl.load(IMP + i_bh.to(tl.int64) * NS + o_a, mask=o_a < NS, other=0.0, cache_modifier=".cg")
-            cur = t // select_size
-            blk = top_blocks(block_keys(imp, o_a, cur, num_init, num_local, BNS_ALL), num_selected, BNS_ALL,
-                             NSEL2)  # [NSEL2] ascending, BNS_ALL in empty slots
-            tl.store(bi_row + o_n, tl.where(blk < BNS_ALL, blk, -1), mask=o_n < num_selected)
-        else:
-            rest = 1  # whether the row still needs the arg-max passes over all its blocks
-            if TOPK_KIND == "lean":  # as `topk_blocks` with "lean", through L2 (.cg) after the acquire
-                done = lean_filtered_top(IMP, BI, SCR, i_bh.to(tl.int64), t // select_size, num_selected,
-                                         num_init, num_local, NS, BNS_ALL, NSEL2, CAP, ".cg")
-                rest = 1 - done.to(tl.int32)
-            elif TOPK_KIND != "argmax":  # the filter of `topk_blocks`, on this row
-                o_a = tl.arange(0, BNS_ALL)
-                cur = t // select_size
-                imp = tl.load(IMP + i_bh.to(tl.int64) * NS + o_a, mask=o_a < NS, other=0.0,
-                              cache_modifier=".cg")
-                imp = tl.where((o_a < num_init) | (o_a > cur - num_local), float("inf"), imp)
-                imp = tl.where(o_a > cur, float("-inf"), imp)
-                done, blocks = filtered_top(imp, o_a, cur, SCR, i_bh.to(tl.int64), num_selected, num_init,
-                                            num_local, NS, BNS_ALL, NSEL2, CAP, TOPK_KIND == "filter-rank")
-                if done:
-                    tl.store(bi_row + o_n, blocks, mask=o_n < num_selected)
-                rest = 1 - done.to(tl.int32)
-            if rest > 0:
-                chosen = _topk_row(IMP + i_bh.to(tl.int64) * NS, t, NS, select_size, num_selected, num_init,
-                                   num_local, BNS_ALL)  # [BNS_ALL]
-                o_a = tl.arange(0, BNS_ALL)
-                rank = tl.cumsum(chosen, 0) - 1  # [BNS_ALL] output slot of each chosen block
-                tl.store(bi_row + o_n, tl.full([NSEL2], -1, tl.int32),
-                         mask=(o_n >= tl.sum(chosen, 0)) & (o_n < num_selected))
-                tl.store(bi_row + rank, o_a, mask=chosen > 0)
-
-
-def step2_method() -> str:
-    """`topk.TOPK_METHOD` as the fused decode's step 2 takes it: "lean" is the filter there unless
-    STEP2_LEAN."""
-    return "filter" if topk.TOPK_METHOD == "lean" and not STEP2_LEAN else topk.TOPK_METHOD
-
-
-def _step2_topk(bns_all: int, nsel2: int) -> str:
-    """How the last program of step 2 takes its row's top-k, after `step2_method()`: "bitonic";
-    "lean" (the lean filter, rows of up to 2,048 blocks; the filter past that), or "filter-rank" or
-    "filter-argmax" (the filter, picks by `TOPK_FILTER_PICK`), each where its 32
-    group maxima hold num_selected candidates (rows of >= 128 blocks, num_selected <= 32), the arg-max
-    passes over the whole row where not or where it finds too many candidates; else "argmax"."""
-    method = step2_method()
-    if method == "bitonic":
-        return "bitonic"
-    if method == "lean" and topk.filter_fits(bns_all, nsel2) and topk.lean_fits(bns_all):
-        return "lean"
-    if method in ("filter", "lean") and topk.filter_fits(bns_all, nsel2):
-        return "filter-" + topk.TOPK_FILTER_PICK
-    return "argmax"
+            rank = tl.cumsum(chosen, 0) - 1  # [BNS_ALL] output slot of each chosen block
+            tl.store(bi_row + o_n, tl.full([NSEL2], -1, tl.int32),
+                     mask=(o_n >= tl.sum(chosen, 0)) & (o_n < num_selected))
+            tl.store(bi_row + rank, o_a, mask=chosen > 0)
 
 
 @triton.jit
@@ -843,12 +791,6 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     # 1. compression branch: scores + one partial softmax per split
     if WINDOW_STEP not in (1, 2, 3):
         raise ValueError(f"WINDOW_STEP must be 1, 2 or 3, got {WINDOW_STEP!r}")
-    if topk.TOPK_METHOD not in topk.TOPK_METHODS:
-        raise ValueError(f"TOPK_METHOD must be one of {topk.TOPK_METHODS}, got "
-                         f"{topk.TOPK_METHOD!r}")
-    if topk.TOPK_FILTER_PICK not in topk.TOPK_FILTER_PICKS:
-        raise ValueError(f"TOPK_FILTER_PICK must be one of {topk.TOPK_FILTER_PICKS}, got "
-                         f"{topk.TOPK_FILTER_PICK!r}")
     launcher(_decode_cmp_split_kernel)[(n_cmp + (n_winp if WINDOW_STEP == 1 else 0), BH)](
         q, k_cmp, v_cmp, lens, scores, tile_sums, tile_spill, tile_max, pm, pl, po, counter[0], counter[1],
         k_swa, v_swa, q.stride(0), q.stride(2), *k_cmp.stride()[:3], *v_cmp.stride()[:3], *k_swa.stride()[:3],
@@ -868,9 +810,8 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
     bi = torch.empty(BH, num_selected, device=dev, dtype=torch.int32)
     nsel2 = pow2(num_selected, 2)  # >= 2 for tl.topk
     bns_all = max(pow2(ns), nsel2)
-    topk_kind = _step2_topk(bns_all, nsel2)
-    filters = topk_kind == "lean" or topk_kind.startswith("filter")
-    scratch = topk.filter_scratch(BH if filters else 1, "lean" if topk_kind == "lean" else "filter", dev)
+    lean = topk.lean_fits(bns_all, nsel2)
+    scratch = topk.lean_scratch(BH if lean else 1, dev)
     ct = pow2(IMP_TILES_PER_PROGRAM, 1)
     if tile_imp:
         n_imp = cdiv(cdiv(ns, jt), ct)
@@ -884,7 +825,7 @@ def _decode_fused(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens
         S, window, scale_log2, M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb,
         BNS_ALL=bns_all, NSEL2=nsel2, DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT,
         CPP=IMP_CHUNKS_PER_PROGRAM, TILE_IMP=tile_imp, CT=ct, JT=max(jt, 1), NSP=nsp, NSPP=pow2(nsp, 1),
-        TOPK=TOPK_IN_STEP2, TOPK_KIND=topk_kind, CAP=topk.TOPK_FILTER_CAP, UPCAST=interp,
+        TOPK=TOPK_IN_STEP2, LEAN=lean, CAP=topk.TOPK_CAP, UPCAST=interp,
         **({} if interp else IMP_LAUNCH),
     )
     if not TOPK_IN_STEP2:  # 2b. the top-k in a launch of its own, one program per row

@@ -208,38 +208,14 @@ def test_topk_in_its_own_launch(monkeypatch):
 
 
 @interpreter_only
-@pytest.mark.parametrize("in_step2", [True, False], ids=["last-program", "own-launch"])
-def test_bitonic_topk(monkeypatch, in_step2):
-    """TOPK_METHOD = "bitonic" (`tl.topk` of int64 keys) in the last importance program and in
-    `topk_blocks`: the reference's blocks and output, exact ties and more forced blocks than slots."""
+def test_lean_topk_in_step2(monkeypatch):
+    """The lean filter in the last importance program, on rows of up to 132 selection blocks: random
+    importances (its compacted candidates), exact ties everywhere (more candidates than TOPK_CAP: the
+    passes over the whole row instead), and a row with fewer blocks than slots."""
     from nsa_eval.kernels import topk
 
-    monkeypatch.setattr(topk, "TOPK_METHOD", "bitonic")
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
-    monkeypatch.setattr(decode, "TOPK_IN_STEP2", in_step2)
-    q, kv, gates = _inputs(3, 600, 8, 2, 16, 16, seed=6)
-    _check(q, kv, gates, [600, 260, 40], select_size=16, num_selected=5, window=40)
-    _check_exact_ties()
-    q, kv, gates = _inputs(2, 300, 4, 2, 16, 16, seed=5)
-    _check(q, kv, gates, [300, 150], select_size=16, num_selected=2, num_init=1, num_local=3, window=16)
-    _check(q, kv, gates, [300, 150], select_size=16, num_selected=1, num_init=0, num_local=0, window=16)
-
-
-@interpreter_only
-@pytest.mark.parametrize("method,pick", [("filter", "rank"), ("filter", "argmax"), ("lean", "rank")],
-                         ids=["filter-rank", "filter-argmax", "lean"])
-def test_filter_topk_in_step2(monkeypatch, method, pick):
-    """The filter top-k (TOPK_METHOD = "filter", its candidates picked by rank or by arg-max passes)
-    and the lean one in the last importance program, on rows of up to 132 selection blocks: random
-    importances (its compacted candidates), exact ties everywhere (more candidates than
-    TOPK_FILTER_CAP: the passes over the whole row instead), and a row with fewer blocks than slots."""
-    from nsa_eval.kernels import topk
-
-    monkeypatch.setattr(topk, "TOPK_METHOD", method)
-    monkeypatch.setattr(topk, "TOPK_FILTER_PICK", pick)
-    monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
-    kind = "lean" if method == "lean" else "filter-" + pick
-    assert decode._step2_topk(256, 8) == kind and decode._step2_topk(64, 8) == "argmax"
+    assert topk.lean_fits(256, 8) and not topk.lean_fits(64, 8)
     q, kv, gates = _inputs(3, 2100, 4, 1, 16, 16, seed=3)
     params = dict(select_size=16, num_selected=8, window=32)
     _check(q, kv, gates, [2100, 1500, 70], **params)
@@ -341,9 +317,6 @@ SWEEP = [  # knob settings of the fused decode timed by the sweep (the first one
     dict(IMP_CHUNKS_PER_PROGRAM=4),
     dict(IMP_CHUNKS_PER_PROGRAM=8),
     dict(TOPK_IN_STEP2=False),
-    dict(TOPK_METHOD="bitonic"),
-    dict(TOPK_METHOD="bitonic", TOPK_IN_STEP2=False),
-    dict(STEP2_LEAN=False),  # step 2's top-k by the filter, as before run 106
     dict(IMP_LAUNCH=dict(num_warps=4, maxnreg=128)),
     dict(IMP_LAUNCH=dict(num_warps=8)),
     dict(IMP_LAUNCH=dict(num_warps=2)),
@@ -365,9 +338,7 @@ def test_gpu_fused_config_sweep(monkeypatch):
     q, kv, gates, seqlens = _gpu_inputs(65536)
     monkeypatch.setattr(decode, "DECODE_VARIANT", "fused")
     want = decode.nsa_decode(q, *kv, *gates, cache_seqlens=seqlens)
-    from nsa_eval.kernels import topk
-
-    owner = lambda name: topk if name == "TOPK_METHOD" else decode  # noqa: E731
+    owner = lambda name: decode  # noqa: E731
     defaults = {name: getattr(owner(name), name) for knobs in SWEEP for name in knobs}
     print()
     for knobs in SWEEP:

@@ -88,13 +88,29 @@ def test_forward_bf16_vs_reference(T, hq, hkv):
         assert rel_err(o, ref.sliding_window_attention(x["q"], x["k"], x["v"])) < BF16_TOL
 
 
+def topk_by_rule(imp, *, T, hkv, select_size, n, num_init=1, num_local=2, positions=None):
+    """The rows' blocks by the rule, in torch: int64 keys (importance bits, then the block index
+    reversed) so that ties go to the lower index, forced blocks first, no block after t; ascending,
+    -1 padded. imp [rows, Ns] float32 >= 0 -> int32 [rows, n]."""
+    rows, ns = imp.shape
+    r = torch.arange(rows, device=imp.device)
+    t = positions.long() if positions is not None else (r // hkv) % T
+    cur = (t // select_size)[:, None]  # [rows, 1]
+    j = torch.arange(ns, device=imp.device)[None, :]
+    forced = (j < num_init) | (j > cur - num_local)
+    bits = torch.where(forced, float("inf"), imp + 0.0).view(torch.int32).long()  # ordered like the values
+    key = torch.where(j <= cur, (bits << 32) + (ns - 1 - j), -1)
+    top = key.topk(n, dim=1).values
+    blk = torch.where(top >= 0, ns - 1 - (top & 0xFFFFFFFF), ns).sort(dim=1).values
+    return torch.where(blk == ns, -1, blk).int()
+
+
 @pytest.mark.parametrize("T,hq", [(65536, 64), (65536, 16), (8192, 64)],
                          ids=["T64k-G16", "T64k-G4", "T8k-G16"])
-def test_topk_methods_agree(monkeypatch, T, hq):
-    """Every top-k method, and the lean filter uncapped and capped at 80, 72 and 64 registers (its
-    full pass spills below the compiler's choice), takes the filter's blocks from the same
-    importances: the benchmark's inputs (4 KV heads), one call each; and a decode-sized call (64 rows
-    at given positions, which runs over 4 warps) of the lean filter against the filter."""
+def test_topk_matches_rule(T, hq):
+    """`topk_blocks` (the lean filter at its register cap, the arg-max passes for the rows it leaves)
+    on the benchmark's importances (4 KV heads) takes the blocks of the rule, computed in torch; and so
+    does a decode-sized call (64 rows at given positions, which runs over 4 warps)."""
     from nsa_eval.kernels import topk
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.importance import block_importance
@@ -104,22 +120,14 @@ def test_topk_methods_agree(monkeypatch, T, hq):
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         imp = block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
                                scale=128 ** -0.5)
-    run = functools.partial(topk.topk_blocks, imp, T=T, num_kv_heads=4, select_size=64, num_selected=16,
-                            num_init=1, num_local=2)
-    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
-    want = run()
-    for method, cap in [(m, None) for m in topk.TOPK_METHODS] + [("lean", c) for c in (80, 72, 64)]:
-        monkeypatch.setattr(topk, "TOPK_METHOD", method)
-        monkeypatch.setattr(topk, "TOPK_LEAN_MAXNREG", cap)
-        assert torch.equal(run(), want), (method, cap)
+    got = topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1, num_local=2)
+    for rows in torch.arange(imp.shape[0], device="cuda").split(32768):  # the keys' memory in parts
+        want = topk_by_rule(imp[rows], T=T, hkv=4, select_size=64, n=16, positions=rows // 4)
+        assert torch.equal(got[rows], want)
     rows = torch.arange(T * 4 - 64 * 97, T * 4, 97, device="cuda")  # 64 rows (b, t, h_kv) of the last
-    few = functools.partial(topk.topk_blocks, imp[rows], T=T, num_kv_heads=1, select_size=64,
-                            num_selected=16, num_init=1, num_local=2, positions=(rows // 4).int())
-    monkeypatch.setattr(topk, "TOPK_METHOD", "lean")
-    monkeypatch.setattr(topk, "TOPK_LEAN_MAXNREG", 80)
-    got = few()
-    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
-    assert torch.equal(got, few()) and torch.equal(got, want[rows])
+    few = topk.topk_blocks(imp[rows], T=T, num_kv_heads=1, select_size=64, num_selected=16, num_init=1,
+                           num_local=2, positions=(rows // 4).int())
+    assert torch.equal(few, got[rows])
 
 
 @pytest.mark.parametrize("layout", [dict(block_len=32, stride=16), dict(block_len=64, stride=64)],

@@ -126,7 +126,7 @@ def decode(name, D):
          dict(common, BNS=max(16, 128 // RATIO), RATIO=RATIO, SPILL=16, NPB=npb, BNS_ALL=NS, NSEL2=16, BW=64,
               WT=dec.WIN_TILES_PER_PROGRAM, CPP=dec.IMP_CHUNKS_PER_PROGRAM, TILE_IMP=tiles,
               CT=u.pow2(dec.IMP_TILES_PER_PROGRAM, 1), JT=jt, NSP=1, NSPP=1, TOPK=dec.TOPK_IN_STEP2,
-              TOPK_KIND=dec._step2_topk(NS, 16), CAP=topk.TOPK_FILTER_CAP),
+              LEAN=topk.lean_fits(NS, 16), CAP=topk.TOPK_CAP),
          dict(dec.IMP_LAUNCH)),
         ("3 selected blocks", dec._decode_attn_fused_kernel, [b] * 5 + [i, i, f, f, f, i, b, b, b, b],
          dict(common, BS=64, SPP=dec.SEL_PER_PROGRAM, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, NPB=npb, DVC=dvc,

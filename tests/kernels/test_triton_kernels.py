@@ -414,20 +414,17 @@ def reference_topk(imp, r, hkv, bs, n, t=None, num_init=1, num_local=2):
     return sorted(order) + [-1] * (n - len(order))
 
 
-@pytest.mark.parametrize("method,pick", [("filter", "rank"), ("filter", "argmax"), ("lean", "rank")])
 @pytest.mark.parametrize("n,num_init,num_local", [(16, 1, 2), (5, 1, 2), (8, 0, 0), (8, 3, 1)])
-def test_topk_filter(monkeypatch, n, num_init, num_local, method, pick):
-    """The filter top-k (TOPK_METHOD = "filter", its candidates picked by rank or by arg-max passes;
-    "lean", its leaner form) on rows of up to 200 blocks: random importances (the compacted path, in
-    32 slots or in 64), many exact ties and -0.0 (ties to the lower index, whichever path), equal
-    importances everywhere (more candidates than TOPK_FILTER_CAP: the full pass), and the short rows at
-    the start (all blocks kept)."""
+def test_topk_lean_filter(n, num_init, num_local):
+    """The lean filter (`topk.lean_filtered_top`) on rows of up to 200 blocks: random importances (the
+    compacted path, in 32 slots or in 64), many exact ties and -0.0 (ties to the lower index, whichever
+    path), equal importances everywhere (more candidates than TOPK_CAP: the arg-max passes), and the
+    short rows at the start (all blocks kept)."""
     from nsa_eval.kernels import topk
 
-    monkeypatch.setattr(topk, "TOPK_METHOD", method)
-    monkeypatch.setattr(topk, "TOPK_FILTER_PICK", pick)
     g = torch.Generator().manual_seed(5)
     T, rows, ns, bs = 400, 48, 200, 2
+    assert topk.lean_fits(256, 16)  # 200 blocks pad to 256: the filter's rows
     pos = torch.cat([torch.arange(0, 40, 5), torch.randint(40, T, (rows - 8,), generator=g)]).int()
     imp = torch.rand(rows, ns, generator=g)
     imp[1::5] = torch.randint(0, 8, imp[1::5].shape, generator=g).float() / 8  # many ties, zeros
@@ -441,10 +438,10 @@ def test_topk_filter(monkeypatch, n, num_init, num_local, method, pick):
 
 
 @pytest.mark.parametrize("ns", [1024, 2000])
-def test_topk_lean_wide_rows(monkeypatch, ns):
+def test_topk_lean_wide_rows(ns):
     """The lean filter on rows of 1,024 blocks (its 32-bit lane masks) and of 2,000 (64-bit masks), a
     mask's top bit set: the same blocks as the rule at every path (few candidates in 32 slots, more in
-    64, too many for the slots, exact ties at the bound), and as the filter it may replace."""
+    64, too many for the slots, exact ties at the bound)."""
     from nsa_eval.kernels import topk
 
     g = torch.Generator().manual_seed(9)
@@ -456,31 +453,22 @@ def test_topk_lean_wide_rows(monkeypatch, ns):
     imp[1] = torch.randint(0, 3, (ns,), generator=g).float()  # ties everywhere, past 64 candidates
     imp[4::5, ::37] = imp[4::5, ::37].max()  # ties at the top
     imp[0, ns - 5] = 10.0  # block 128 * (R - 1) + 4 * lane + 3 at T - 1: its lane mask's top bit
-    run = lambda: topk.topk_blocks(imp, T=T, num_kv_heads=1, select_size=bs, num_selected=16,  # noqa: E731
-                                   num_init=1, num_local=2, positions=pos.int())
-    monkeypatch.setattr(topk, "TOPK_METHOD", "lean")
-    got = run()
+    got = topk.topk_blocks(imp, T=T, num_kv_heads=1, select_size=bs, num_selected=16, num_init=1, num_local=2,
+                           positions=pos.int())
     for r in range(rows):
         assert got[r].tolist() == reference_topk(imp, r, 1, bs, 16, t=pos[r].item()), r
-    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
-    assert torch.equal(run(), got)
 
 
 @pytest.mark.parametrize("n", [5, 1])
-@pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("method", ["radix", "argmax", "bitonic", "filter", "lean"])
-def test_topk_blocks_ties_and_forced(monkeypatch, method, rows, n):
-    """Every top-k method, one or several rows per program, 5 blocks or 1: forced blocks, no block
-    after t, largest importances with ties (many equal values, zeros and -0.0) going to the lower
-    index, ascending output, -1 padding. Rows of 20 blocks are below the filters' 128, so "filter"
-    and "lean" take their full pass here; test_topk_filter and test_topk_lean_wide_rows cover their
-    own paths."""
+def test_topk_blocks_ties_and_forced(n):
+    """Rows of 20 blocks, below the lean filter's 128, take the arg-max passes: forced blocks, no
+    block after t, largest importances with ties (many equal values, zeros and -0.0) going to the
+    lower index, ascending output, -1 padding; 5 blocks or 1."""
     from nsa_eval.kernels import topk
 
-    monkeypatch.setattr(topk, "TOPK_METHOD", method)
-    monkeypatch.setattr(topk, "TOPK_CONFIG", dict(rows=rows, num_warps=1))
     g = torch.Generator().manual_seed(21)
     T, hkv, ns, bs = 40, 2, 20, 2
+    assert not topk.lean_fits(32, 8)
     imp = torch.randint(0, 4, (T * hkv, ns), generator=g).float() / 4  # many ties, zeros included
     imp[::3] = torch.rand(imp[::3].shape, generator=g)
     imp[1::4, 3::5] = -0.0  # ties with +0.0
