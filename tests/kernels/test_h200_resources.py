@@ -61,11 +61,10 @@ def prefill(name, dtype, D, DV=None):
         pointers = [p, *kv, p] + ["*fp32"] * 2 + [p, p] + ["*fp32", p]
         out[f"band dq {branch} {name}"] = shared(band._band_bwd_dq_kernel, pointers, consts, cfg)
     for GP in (16, 4, 1):  # fewer heads: more positions a program
-        launch = imp.importance_launch("reshape", GP, dtype, D)
+        launch = imp.importance_launch(GP, dtype, D)
         rows = launch.pop("rows")
-        consts = dict(DK=D, BDK=BD, BDK2=BD2, GP=GP, BT=rows // GP, BNS=16, RATIO=4, GROUP_FIRST=True,
-                      RESHAPE=True, K=1, UPCAST=False, SPLIT_MASK=imp.IMPORTANCE_SPLIT_MASK,
-                      LANES=imp.IMPORTANCE_LANE_MAP, block_len=32, stride=16, select_size=64)
+        consts = dict(DK=D, BDK=BD, BDK2=BD2, GP=GP, BT=rows // GP, BNS=imp.CHUNK_BLOCKS, RATIO=4, K=1,
+                      UPCAST=False, LANES=True, block_len=32, stride=16, select_size=64)
         out[f"importance G'={GP} {name}"] = shared(imp._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                    launch)
     GP = 16
@@ -83,12 +82,6 @@ def prefill(name, dtype, D, DV=None):
                                                    s.selected_fwd_launch(1, D, tma))
     consts = dict(consts, GP=4, BT=4, PACKED=s.packed_steps(4))  # G = 4: four positions a program
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(4, D, tma))
-    launch = imp.importance_launch("broadcast", GP, dtype, D)
-    consts = dict(DK=D, BDK=BD, BDK2=BD2, GP=GP, BT=launch.pop("rows") // GP, BNS=16, RATIO=4,
-                  GROUP_FIRST=True, RESHAPE=False, K=0, UPCAST=False, SPLIT_MASK=imp.IMPORTANCE_SPLIT_MASK,
-                  LANES=False, block_len=32, stride=16, select_size=64)
-    out[f"importance broadcast {name}"] = shared(imp._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
-                                                 launch)
     config = s.selected_dkv_launch(dtype, D, DV)
     BQ = max(1, config.pop("rows") // GP)
     BK, BK2 = s.dkv_column_tiles(D, config.pop("split_dk"))
@@ -143,13 +136,13 @@ print(json.dumps(__CALLS__))
 
 
 def test_default_launches_fit_h200_shared_memory():
-    """G = 16, d = 128, the paper's blocks: the banded forwards, dq and dk/dv, the importance kernel (both
-    maps; the reshape map also at G' = 4 and 1, whose programs hold more positions), the selected
+    """G = 16, d = 128, the paper's blocks: the banded forwards, dq and dk/dv, the importance kernel (also
+    at G' = 4 and 1, whose programs hold more positions), the selected
     forward (G = 16, with and without NSA's gated sum in its epilogue, and G = 4) and dk/dv, each as its
     default launch, fit in bf16 and float32."""
     calls = 'prefill("bf16", torch.bfloat16, 128) | prefill("fp32", torch.float32, 128)'
     shared = json_from_fresh_python(COMPILE.replace("__CALLS__", calls))
-    assert len(shared) == 28
+    assert len(shared) == 26
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"
 
@@ -166,6 +159,6 @@ def test_widest_head_dims_fit_h200_shared_memory():
     calls = ('prefill("bf16", torch.bfloat16, 256) | decode("bf16", 256) | decode("fp32", 128) | '
              'prefill("bf16", torch.bfloat16, 192, 128)')
     shared = json_from_fresh_python(COMPILE.replace("__CALLS__", calls))
-    assert len(shared) == 36
+    assert len(shared) == 34
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"
