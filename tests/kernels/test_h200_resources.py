@@ -29,7 +29,7 @@ def desc(name, rows, cols):
 
 def prefill(name, dtype, D, DV=None):
     # the prefill's kernels at Dk = D, Dv = DV (default D) as the defaults launch them, TMA copies
-    # where they take them (`band.BAND_TMA`, `selection.SELECTED_TMA`; not with a split head dim):
+    # where they take them (`band.BAND_TMA`; the selected forward wherever it can; not with a split head dim):
     # {kernel, dtype and dims: bytes}
     DV = DV or D
     (BD, BD2), BDV = u.dk_tiles(D), u.pow2(DV)  # a split head dim: two MMAs
@@ -68,26 +68,25 @@ def prefill(name, dtype, D, DV=None):
         out[f"importance G'={GP} {name}"] = shared(imp._importance_kernel, [p, p, "*fp32", "*fp32"], consts,
                                                    launch)
     GP = 16
-    tma = s.SELECTED_TMA and not BD2
+    tma = not BD2
     # as the prefill runs it at G = 16: the walk writes NSA's gated sum (prefill.GATE_IN_SELECTED) on
     # short inputs and only its own output on long ones
-    consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BT=1, BS=64, NP=16, BACKWARD=False,
-                  UPCAST=False, GATED=False, TMA=tma, GATE_SUM=False)
+    consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BT=1, BS=64, NP=16, UPCAST=False, TMA=tma,
+                  GATE_SUM=False, STORE_O=True, PACKED=False)
     kv = [desc(name, 64, BD), desc(name, 64, BDV)] if tma else [p, p]
-    selected = [p, *kv, "*i32", p, "*fp32"] + [p, "*fp32", p, p] + [p] * 6
-    fwd = s._selected_pipelined_kernel
+    selected = [p, *kv, "*i32", p, "*fp32"] + [p] * 6
+    fwd = s._selected_fwd_kernel
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(1, D, tma))
     if GATE_IN_SELECTED:
         out[f"selected fwd gated {name}"] = shared(fwd, selected, dict(consts, GATE_SUM=True),
                                                    s.selected_fwd_launch(1, D, tma))
-    consts = dict(consts, GP=4, BT=4, PACKED=s.packed_steps(4))  # G = 4: four positions a program
+    consts = dict(consts, GP=4, BT=4, PACKED=True)  # G = 4: four positions a program
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(4, D, tma))
     config = s.selected_dkv_launch(dtype, D, DV)
     BQ = max(1, config.pop("rows") // GP)
     BK, BK2 = s.dkv_column_tiles(D, config.pop("split_dk"))
-    consts = dict(DK=D, DV=DV, BDK=BK, BDK2=BK2, BDV=BDV, GP=GP, BQ=BQ, BS=64,
-                  FUSE_DQ=s.SELECTED_DQ == "fused", UPCAST=False, GATED=GATE_IN_BRANCHES,
-                  PRELOAD=BQ * 64 if s.SELECTED_DKV_PRELOAD else 0)  # as selected_backward launches it
+    consts = dict(DK=D, DV=DV, BDK=BK, BDK2=BK2, BDV=BDV, GP=GP, BQ=BQ, BS=64, UPCAST=False,
+                  GATED=GATE_IN_BRANCHES, PRELOAD=BQ * 64)  # as selected_backward launches it
     out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + [p] + ["*i32"] * 4
                                          + ["*fp32"] * 3, consts, config)
     return {f"{key} d={D}/{DV}": size for key, size in out.items()}

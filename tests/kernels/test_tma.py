@@ -1,8 +1,8 @@
-"""TMA copies (`band.BAND_TMA`, `selection.SELECTED_TMA`): the banded kernels and the selected forward
-read their tiles through tensor descriptors (Hopper's tensor memory accelerator) by default; with it
-off, through per-thread loads. On the CPU (Triton's interpreter) both paths must give the same
-values up to float32 rounding, and the reference's; inputs TMA cannot address fall back to the
-loads; `tma_ok` says which. On a GPU (`-m gpu`) the two paths are compared at 8k in bf16."""
+"""TMA copies (`band.BAND_TMA`; the selected forward wherever `tma_ok`): the banded kernels and the
+selected forward read their tiles through tensor descriptors (Hopper's tensor memory accelerator)
+by default; with it off, through per-thread loads. On the CPU (Triton's interpreter) both paths must
+give the same values up to float32 rounding, and the reference's; inputs TMA cannot address fall
+back to the loads; `tma_ok` says which. On a GPU (`-m gpu`) the two paths are compared at 8k in bf16."""
 
 from __future__ import annotations
 
@@ -23,12 +23,16 @@ interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in
 EVERY_PART = {"cmp": ("fwd", "dq", "dkv"), "swa": ("fwd", "dq", "dkv")}
 
 
-def branches(x, block_indices, window=40, select_size=32):
+def branches(x, block_indices, window=40, select_size=32, selected_tma=None):
     """Outputs (o and lse of the compression, the window's o, the selected o) and the gradients of
-    q, k, v, k_cmp, v_cmp through all of them (on the inputs' device)."""
+    q, k, v, k_cmp, v_cmp through all of them (on the inputs' device); the selected forward with TMA
+    copies where `tma_ok` or, with `selected_tma=False`, per-thread loads."""
     o_cmp, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
     o_swa = sliding_window_attention(x["q"], x["k"], x["v"], window=window)
-    o_slc = selected_attention(x["q"], x["k"], x["v"], block_indices, select_size=select_size)
+    q, k, v = (x[n].detach() for n in ("q", "k", "v"))
+    o_slc, _ = selection.selected_forward(q, k, v, block_indices, select_size=select_size,
+                                          scale=q.shape[-1] ** -0.5, tma=selected_tma)
+    o_slc = o_slc + 0 * selected_attention(x["q"], x["k"], x["v"], block_indices, select_size=select_size)
     lse = torch.where(torch.isfinite(lse), lse, 0.0)
     outs = [o_cmp, lse, o_swa, o_slc]
     if o_cmp.is_cuda:  # grads draws its weights on the CPU
@@ -56,11 +60,9 @@ def test_tma_matches_loads(monkeypatch, shape):
     x = make(*shape)
     bi = random_blocks(shape[0], shape[1], shape[3], 3, 32)
     monkeypatch.setattr(band, "BAND_TMA", EVERY_PART)
-    monkeypatch.setattr(selection, "SELECTED_TMA", True)
     with_tma = branches(x, bi)
     monkeypatch.setattr(band, "BAND_TMA", False)
-    monkeypatch.setattr(selection, "SELECTED_TMA", False)
-    for a, b in zip(with_tma, branches(x, bi), strict=True):
+    for a, b in zip(with_tma, branches(x, bi, selected_tma=False), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     o_ref = ref.selected_attention(x["q"], x["k"], x["v"], bi.long(), select_size=32)
     assert rel_err(with_tma[3], o_ref) < TOL
@@ -82,7 +84,6 @@ def test_unaligned_inputs_fall_back_to_loads(monkeypatch):
     """Keys and values at a 4-byte offset (a view into a larger buffer) cannot be TMA-copied: with TMA
     on, the kernels read them through the loads and still match the reference."""
     monkeypatch.setattr(band, "BAND_TMA", EVERY_PART)
-    monkeypatch.setattr(selection, "SELECTED_TMA", True)
     B, T, hq, hkv, d = 1, 90, 4, 1, 16
     x = make(B, T, hq, hkv, d, d)
     buf = torch.randn(2 * B * T * hkv * d + 1)
@@ -112,14 +113,14 @@ def test_gpu_tma_matches_loads():
         with torch.no_grad():
             _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
             bi = select_blocks(x["q"], x["k_cmp"], lse=lse)
-        saved = band.BAND_TMA, selection.SELECTED_TMA
+        saved = band.BAND_TMA
         try:
-            band.BAND_TMA, selection.SELECTED_TMA = EVERY_PART, True
+            band.BAND_TMA = EVERY_PART
             with_tma = branches(x, bi, window=512, select_size=64)
-            band.BAND_TMA, selection.SELECTED_TMA = False, False
-            loads = branches(x, bi, window=512, select_size=64)
+            band.BAND_TMA = False
+            loads = branches(x, bi, window=512, select_size=64, selected_tma=False)
         finally:
-            band.BAND_TMA, selection.SELECTED_TMA = saved
+            band.BAND_TMA = saved
         for i, (a, b) in enumerate(zip(with_tma, loads, strict=True)):
             assert rel_err(a, b) < (2e-3 if i < 4 else 1e-2), i
 
@@ -134,10 +135,10 @@ def desc(rows, cols):
     return f"tensordesc<bf16[1,{rows},1,{cols}]>"
 
 out = {}
-consts = dict(DK=128, DV=128, BDK=128, BDK2=0, BDV=128, GP=16, BT=1, BS=64, NP=16, BACKWARD=False,
-              UPCAST=False, GATED=False, TMA=True)
-fwd = s._selected_pipelined_kernel
-pointers = ["*bf16", desc(64, 128), desc(64, 128), "*i32", "*bf16", "*fp32", "*bf16", "*fp32"] + ["*bf16"] * 8
+consts = dict(DK=128, DV=128, BDK=128, BDK2=0, BDV=128, GP=16, BT=1, BS=64, NP=16, UPCAST=False, TMA=True,
+              GATE_SUM=False, STORE_O=True, PACKED=False)
+fwd = s._selected_fwd_kernel
+pointers = ["*bf16", desc(64, 128), desc(64, 128), "*i32", "*bf16", "*fp32"] + ["*bf16"] * 6
 out["selected fwd"] = compile_sm90(fwd, pointers_then_scalars(fwd, pointers, consts), consts,
                                    s.selected_fwd_launch(1, 128, True)).asm["ptx"]
 cfg = band._band_config(None, "fwd", torch.bfloat16, tma=True)
@@ -157,7 +158,7 @@ def test_default_launches_copy_with_tma_on_h200():
     K and V, in each of the forward's loops)."""
     from tests.kernels.sm90 import json_from_fresh_python
 
-    assert selection.SELECTED_TMA and band._tma(None, "fwd")
+    assert band._tma(None, "fwd")
     got = json_from_fresh_python(COMPILE, timeout=600)
     assert got["selected fwd"] >= 2, got
     assert got["band fwd"] >= 4, got  # interior and diagonal loops

@@ -196,25 +196,21 @@ def test_decode_separate_window_cache():
     assert rel_err(o, ref.nsa_decode(q, *args, *gates, **kw)) < TOL
 
 
-@pytest.mark.parametrize("fused, window_kv, selected_dq, gate_in_branches", [
-    (True, "shared", "fused", False), (True, "own", "fused", False), (True, "shared", "walk", False),
-    (True, "shared", "fused", True), (True, "own", "walk", True),
-    (False, "shared", "fused", False), (False, "own", "fused", False),
-], ids=["fused-backward-shared", "fused-backward-own", "fused-backward-dq-walk",
-        "fused-backward-gates-in-branches", "fused-backward-gates-in-branches-own-dq-walk", "composed-shared",
-        "composed-own"])
-def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv, selected_dq, gate_in_branches):
+@pytest.mark.parametrize("fused, window_kv, gate_in_branches", [
+    (True, "shared", False), (True, "own", False), (True, "shared", True), (True, "own", True),
+    (False, "shared", False), (False, "own", False),
+], ids=["fused-backward-shared", "fused-backward-own", "fused-backward-gates-in-branches",
+        "fused-backward-gates-in-branches-own", "composed-shared", "composed-own"])
+def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv, gate_in_branches):
     """nsa_attention(impl="triton"): the three branches, the reused compression lse and the fused gated
     sum, against the reference, outputs and gradients (gates included), with the window sharing the
     selection's keys/values or having its own; as one autograd op (prefill.FUSED_BACKWARD: deltas
     from the gate backward, the gates applied inside each branch's kernels or as copies g_x * do
-    (GATE_IN_BRANCHES), one dq sum; also with the selected dq walked instead of fused) and composed
-    from the branches' own ops."""
-    from nsa_eval.kernels import prefill, selection
+    (GATE_IN_BRANCHES), one dq sum) and composed from the branches' own ops."""
+    from nsa_eval.kernels import prefill
 
     monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
     monkeypatch.setattr(prefill, "GATE_IN_BRANCHES", gate_in_branches)
-    monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
     assert_nsa_attention_matches_reference(16, 16, seed=11, own_window=window_kv == "own")
 
 
@@ -251,43 +247,37 @@ def test_dk_tiles():
     assert [dk_tiles(d) for d in (128, 256, 16, 24, 112, 200)] == padded
 
 
-@pytest.mark.parametrize("split, walk, selected_dq, gate_in_branches", [
-    (True, "pipelined", "fused", False), (True, "union", "walk", True), (False, "pipelined", "fused", False),
-], ids=["split", "split-union-dq-walk-gates-in-branches", "padded"])
-def test_split_head_dim(monkeypatch, split, walk, selected_dq, gate_in_branches):
+@pytest.mark.parametrize("split, gate_in_branches", [(True, False), (True, True), (False, False)],
+                         ids=["split", "split-gates-in-branches", "padded"])
+def test_split_head_dim(monkeypatch, split, gate_in_branches):
     """Dk = 48 = 32 + 16 (as the paper's 192 = 128 + 64): every prefill kernel runs its score products
     and dq / dk in two column tiles (`_triton_utils.dk_tiles`), or padded to 64 with SPLIT_DK off.
     nsa_attention(impl="triton") against the reference: blocks, output and gradients (the banded
-    forwards, dq and dk/dv of both branches, the importances, both selected walks, the fused dq and
-    the dq walk, the selected dk/dv; the gates as copies g_x * do or in the branches' kernels)."""
-    from nsa_eval.kernels import _triton_utils, prefill, selection
+    forwards, dq and dk/dv of both branches, the importances, the selected walk and its dk/dv and dq;
+    the gates as copies g_x * do or in the branches' kernels)."""
+    from nsa_eval.kernels import _triton_utils, prefill
 
     monkeypatch.setattr(_triton_utils, "SPLIT_DK", split)
     monkeypatch.setattr(prefill, "GATE_IN_BRANCHES", gate_in_branches)
-    monkeypatch.setattr(selection, "SELECTED_WALK", walk)
-    monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
     assert_nsa_attention_matches_reference(48, 16, seed=21)
 
 
-@pytest.mark.parametrize("dq_sum, selected_dq, dk, own_window", [
-    ("fold", "fused", 16, False), ("chain", "fused", 16, True), ("chain", "walk", 16, False),
-    ("fold", "fused", 48, True), ("chain", "fused", 48, False),
-], ids=["fold", "chain-own-window", "chain-dq-walk", "fold-split-dim-own-window", "chain-split-dim"])
-def test_nsa_attention_dq_sums(monkeypatch, dq_sum, selected_dq, dk, own_window):
+@pytest.mark.parametrize("dq_sum, dk, own_window", [
+    ("fold", 16, False), ("chain", 16, True), ("fold", 48, True), ("chain", 48, False),
+], ids=["fold", "chain-own-window", "fold-split-dim-own-window", "chain-split-dim"])
+def test_nsa_attention_dq_sums(monkeypatch, dq_sum, dk, own_window):
     """prefill.DQ_SUM: the three branches' dq added in the compression's dq kernel ("fold": the
     selected float32 dq and the window's; "chain": the selected atomics into the window's float32 dq)
-    instead of a sum pass, with the selected dq fused or walked and a split head dim (48 = 32 + 16):
-    nsa_attention(impl="triton") against the reference, output and every gradient."""
-    from nsa_eval.kernels import prefill, selection
+    instead of a sum pass, with a split head dim (48 = 32 + 16): nsa_attention(impl="triton") against
+    the reference, output and every gradient."""
+    from nsa_eval.kernels import prefill
 
     monkeypatch.setattr(prefill, "DQ_SUM", dq_sum)
-    monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
     assert_nsa_attention_matches_reference(dk, 16, seed=31, own_window=own_window)
 
 
-@pytest.mark.parametrize("walk, hq", [("pipelined", 4), ("pipelined", 16), ("union", 4), ("by-block", 4),
-                                       ("by-block", 16)],
-                         ids=["pipelined-G2", "pipelined-G8", "union-G2", "by-block-G2", "by-block-G8"])
+@pytest.mark.parametrize("walk, hq", [("walk", 4), ("walk", 16), ("by-block", 4), ("by-block", 16)],
+                         ids=["walk-G2", "walk-G8", "by-block-G2", "by-block-G8"])
 def test_gated_sum_in_selected_forward(monkeypatch, walk, hq):
     """prefill.GATE_IN_SELECTED: NSA's output written by the selected forward's epilogue equals the
     separate gate pass's, with gradients (o_slc kept for the backward, whose gradients match the
@@ -300,8 +290,6 @@ def test_gated_sum_in_selected_forward(monkeypatch, walk, hq):
     by_block = walk == "by-block"
     monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MAX_GROUP", 16 if by_block else 0)
     monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MIN_ROWS", 0)
-    if not by_block:
-        monkeypatch.setattr(selection, "SELECTED_WALK", walk)
     B, T, hkv, d = 1, 72, 2, 16
     x = make(B, T, hq, hkv, d, d, seed=41)
     g = torch.Generator().manual_seed(42)
