@@ -265,19 +265,18 @@ def _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk
 
 @triton.jit
 def _band_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, GATE, DQ, ADD1, ADD2,
+    Q, K, V, DO, LSE, DELTA, GATE, DQ, ADD,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, TK, HQ, G, scale, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False, NUM_ADD: tl.constexpr = 0,
+    SPLIT_MASK: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr, HAS_ADD: tl.constexpr,
 ):
     # TMA: K and V are tensor descriptors (`tma_descriptor`).
     # DO and DQ are contiguous [B, T, HQ, DV] / [B, T, HQ, DK]. GATED: this branch's output gradient
     # is GATE [B, T, HQ] (per row) times DO, and DELTA is rowsum(o * DO): ds = g * p * (dp - delta)
-    # for every key, so dq is the ungated one times g. NUM_ADD: the first NUM_ADD of ADD1, ADD2
-    # (contiguous like DQ, any float dtype: other branches' dq) are added in float32 before DQ's one
-    # rounding
+    # for every key, so dq is the ungated one times g. HAS_ADD: ADD (contiguous like DQ, any float dtype:
+    # the other branches' dq) is added in float32 before DQ's one rounding
     i_m, i_bh = _query_tile_and_head(longest_first)
     i_b = (i_bh // HQ).to(tl.int64)
     i_h = i_bh % HQ
@@ -328,10 +327,8 @@ def _band_bwd_dq_kernel(
     m_dq = m_t[:, None] & (o_dk < DK)[None, :]
     if BDK2 > 0:
         dq2 = dq2 * scale
-    if NUM_ADD >= 1:
-        dq, dq2 = _add_rows(ADD1, row, o_dk, m_dq, m_t, dq, dq2, DK, BDK, BDK2)
-    if NUM_ADD >= 2:
-        dq, dq2 = _add_rows(ADD2, row, o_dk, m_dq, m_t, dq, dq2, DK, BDK, BDK2)
+    if HAS_ADD:
+        dq, dq2 = _add_rows(ADD, row, o_dk, m_dq, m_t, dq, dq2, DK, BDK, BDK2)
     tl.store(DQ + row[:, None] * DK + o_dk[None, :], dq.to(DQ.dtype.element_ty), mask=m_dq)
     if BDK2 > 0:
         store_tail(DQ + row * DK, dq2, m_t, BDK, BDK2)
@@ -619,30 +616,29 @@ def _band_consts(window, dk: int, dv: int) -> dict:
 
 
 def band_backward_dq(q, k, v, lse, do, delta, *, scale, key_stride, key_offset, window=None, gate=None,
-                     add=(), dtype=None, tma=None, split_mask=None, longest_first=True):
+                     add=None, dtype=None, tma=None, split_mask=None, longest_first=True):
     """dq `[B, T, Hq, Dk]` of `band_forward` (as `band_backward`; do contiguous, delta float32
-    `[B, T, Hq]`), plus the tensors in `add` (at most two, contiguous, of dq's shape, any float dtype:
-    the other branches' dq), summed in float32 and rounded once to `dtype` (default q's). `tma`,
-    `split_mask`, `longest_first`: as in `band_forward`."""
+    `[B, T, Hq]`), plus `add` (contiguous, of dq's shape, any float dtype: the other branches' dq),
+    summed in float32 and rounded once to `dtype` (default q's). `tma`, `split_mask`,
+    `longest_first`: as in `band_forward`."""
     B, T, HQ, DK = q.shape
     TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
-    if len(add) > 2 or any(a.shape != q.shape or not a.is_contiguous() for a in add):
-        raise ValueError("band_backward_dq: add takes at most two contiguous tensors of shape "
-                         f"{tuple(q.shape)}")
+    if add is not None and (add.shape != q.shape or not add.is_contiguous()):
+        raise ValueError(f"band_backward_dq: add must be a contiguous tensor of shape {tuple(q.shape)}")
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=dtype or q.dtype)
     BDK, BDK2 = dk_tiles(DK)
     cfg = _band_config(window, "dq", q.dtype, DK, DV)
     grid, longest_first = _launch(cdiv(T, cfg["BM"]), B * HQ, longest_first)
     tma = _tma(window, "dq", tma) and not BDK2 and tma_ok(k, v)
     kv = (tma_descriptor(k, cfg["BN"], BDK), tma_descriptor(v, cfg["BN"], pow2(DV))) if tma else (k, v)
-    adds = (*add, dq, dq)[:2]  # unused slots point at dq (never read)
     launcher(_band_bwd_dq_kernel)[grid](
-        q, *kv, do, lse, delta, delta if gate is None else gate, dq, *adds, *_strides(q), *_strides(k),
+        q, *kv, do, lse, delta, delta if gate is None else gate, dq, dq if add is None else add, *_strides(q),
+        *_strides(k),
         *_strides(v),
         T, TK, HQ, HQ // HKV, scale, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
         **cfg, **_band_consts(window, DK, DV), SPLIT_MASK=_split_mask(window, "dq", split_mask),
         GATED=gate is not None,
-        TMA=tma, NUM_ADD=len(add),
+        TMA=tma, HAS_ADD=add is not None,
     )
     return dq
 

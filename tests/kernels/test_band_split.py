@@ -137,7 +137,7 @@ for part, kernel, pointers in (("fwd", band._band_fwd_kernel, ["*bf16"] * 4 + ["
         consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDK2=0, BDV=128, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=True)
         if part == "dkv":
-            consts["GATED"] = False  # prefill.GATE_IN_BRANCHES' default
+            consts["GATED"] = False  # gate_in_branches off, the default
         k = compile_sm90(kernel, pointers_then_scalars(kernel, pointers, consts), consts, cfg)
         out[f"{part} {branch}"] = dict(shared=k.metadata.shared, loops=k.asm["ttgir"].count("scf.for"))
 print(json.dumps(out))

@@ -18,7 +18,6 @@ COMPILE = r"""
 import json
 import torch
 from nsa_eval.kernels import _triton_utils as u, band, importance as imp, selection as s
-from nsa_eval.kernels.prefill import DQ_SUM, GATE_IN_BRANCHES, GATE_IN_SELECTED  # as the prefill launches
 from tests.kernels.sm90 import shared_bytes as shared
 
 
@@ -27,39 +26,42 @@ def desc(name, rows, cols):
     return f"tensordesc<{name}[1,{rows},1,{cols}]>"
 
 
-def prefill(name, dtype, D, DV=None):
-    # the prefill's kernels at Dk = D, Dv = DV (default D) as the defaults launch them, TMA copies
-    # where they take them (`band.BAND_TMA`; the selected forward wherever it can; not with a split head dim):
+def prefill(name, dtype, D, DV=None, gated=(False,)):
+    # the prefill's kernels at Dk = D, Dv = DV (default D) as they launch them, TMA copies where they
+    # take them (`band.BAND_TMA`; the selected forward wherever it can; not with a split head dim),
+    # the backward's also with the gates applied in them (`gate_in_branches`) where `gated` says:
     # {kernel, dtype and dims: bytes}
     DV = DV or D
     (BD, BD2), BDV = u.dk_tiles(D), u.pow2(DV)  # a split head dim: two MMAs
     out = {}
     p = "*" + name
-    for branch in ("cmp", "swa"):
+    for branch, in_branches in ((branch, g) for branch in ("cmp", "swa") for g in gated):
         window = None if branch == "cmp" else 512
+        tag = " gated" if in_branches else ""
         tma = band._tma(window, "dkv") and not BD2
         cfg = band._band_config(window, "dkv", dtype, D, DV)
         consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=band._split_mask(window, "dkv"),
-                      GATED=GATE_IN_BRANCHES, TMA=tma)
+                      GATED=in_branches, TMA=tma)
         q_do = [desc(name, consts["BM"], BD), desc(name, consts["BM"], BDV)] if tma else [p, p]
         pointers = [q_do[0], p, p, q_do[1]] + ["*fp32"] * 2 + [p] + ["*fp32"] * 2
-        out[f"band dkv {branch} {name}"] = shared(band._band_bwd_dkv_kernel, pointers, consts, cfg)
+        out[f"band dkv {branch}{tag} {name}"] = shared(band._band_bwd_dkv_kernel, pointers, consts, cfg)
+        tma = band._tma(window, "dq") and not BD2
+        cfg = band._band_config(window, "dq", dtype, D, DV)
+        # the compression's dq adds the other branches' (float32); the window's writes float32
+        consts = dict(consts, BM=cfg.pop("BM"), BN=cfg.pop("BN"), SPLIT_MASK=band._split_mask(window, "dq"),
+                      TMA=tma, HAS_ADD=branch == "cmp")
+        kv = [desc(name, consts["BN"], BD), desc(name, consts["BN"], BDV)] if tma else [p, p]
+        pointers = [p, *kv, p] + ["*fp32"] * 2 + [p, p if branch == "cmp" else "*fp32", "*fp32"]
+        out[f"band dq {branch}{tag} {name}"] = shared(band._band_bwd_dq_kernel, pointers, consts, cfg)
+    for branch in ("cmp", "swa"):
+        window = None if branch == "cmp" else 512
         tma = band._tma(window, "fwd") and not BD2
         cfg = band._band_config(window, "fwd", dtype, D, DV, tma=tma)
         consts = dict(HAS_WINDOW=branch == "swa", DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=band._split_mask(window, "fwd"), TMA=tma)
         kv = [desc(name, consts["BN"], BD), desc(name, consts["BN"], BDV)] if tma else [p, p]
         out[f"band fwd {branch} {name}"] = shared(band._band_fwd_kernel, [p, *kv, p, "*fp32"], consts, cfg)
-        tma = band._tma(window, "dq") and not BD2
-        cfg = band._band_config(window, "dq", dtype, D, DV)
-        # the compression's dq adds the other branches' (float32 selected, window) unless DQ_SUM is "sum3"
-        adds = {"sum3": 0, "fold": 2, "chain": 1}[DQ_SUM] if branch == "cmp" else 0
-        consts = dict(consts, BM=cfg.pop("BM"), BN=cfg.pop("BN"), SPLIT_MASK=band._split_mask(window, "dq"),
-                      GATED=GATE_IN_BRANCHES, TMA=tma, NUM_ADD=adds)
-        kv = [desc(name, consts["BN"], BD), desc(name, consts["BN"], BDV)] if tma else [p, p]
-        pointers = [p, *kv, p] + ["*fp32"] * 2 + [p, p] + ["*fp32", p]
-        out[f"band dq {branch} {name}"] = shared(band._band_bwd_dq_kernel, pointers, consts, cfg)
     for GP in (16, 4, 1):  # fewer heads: more positions a program
         launch = imp.importance_launch(GP, dtype, D)
         rows = launch.pop("rows")
@@ -69,26 +71,27 @@ def prefill(name, dtype, D, DV=None):
                                                    launch)
     GP = 16
     tma = not BD2
-    # as the prefill runs it at G = 16: the walk writes NSA's gated sum (prefill.GATE_IN_SELECTED) on
-    # short inputs and only its own output on long ones
+    # as the prefill runs it at G = 16: the walk writes NSA's gated sum (`prefill.writes_gated_sum`)
+    # on short inputs and only its own output on long ones
     consts = dict(DK=D, DV=DV, BDK=BD, BDK2=BD2, BDV=BDV, GP=GP, BT=1, BS=64, NP=16, UPCAST=False, TMA=tma,
                   GATE_SUM=False, STORE_O=True, PACKED=False)
     kv = [desc(name, 64, BD), desc(name, 64, BDV)] if tma else [p, p]
     selected = [p, *kv, "*i32", p, "*fp32"] + [p] * 6
     fwd = s._selected_fwd_kernel
     out[f"selected fwd {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(1, D, tma))
-    if GATE_IN_SELECTED:
-        out[f"selected fwd gated {name}"] = shared(fwd, selected, dict(consts, GATE_SUM=True),
+    out[f"selected fwd gated sum {name}"] = shared(fwd, selected, dict(consts, GATE_SUM=True),
                                                    s.selected_fwd_launch(1, D, tma))
     consts = dict(consts, GP=4, BT=4, PACKED=True)  # G = 4: four positions a program
     out[f"selected fwd G=4 {name}"] = shared(fwd, selected, consts, s.selected_fwd_launch(4, D, tma))
     config = s.selected_dkv_launch(dtype, D, DV)
     BQ = max(1, config.pop("rows") // GP)
     BK, BK2 = s.dkv_column_tiles(D, config.pop("split_dk"))
-    consts = dict(DK=D, DV=DV, BDK=BK, BDK2=BK2, BDV=BDV, GP=GP, BQ=BQ, BS=64, UPCAST=False,
-                  GATED=GATE_IN_BRANCHES, PRELOAD=BQ * 64)  # as selected_backward launches it
-    out[f"selected dkv {name}"] = shared(s._selected_dkv_kernel, [p] * 4 + ["*fp32"] * 2 + [p] + ["*i32"] * 4
-                                         + ["*fp32"] * 3, consts, config)
+    for in_branches in gated:
+        consts = dict(DK=D, DV=DV, BDK=BK, BDK2=BK2, BDV=BDV, GP=GP, BQ=BQ, BS=64, UPCAST=False,
+                      GATED=in_branches, PRELOAD=BQ * 64)  # as selected_backward launches it
+        pointers = [p] * 4 + ["*fp32"] * 2 + [p] + ["*i32"] * 4 + ["*fp32"] * 3
+        tag = " gated" if in_branches else ""
+        out[f"selected dkv{tag} {name}"] = shared(s._selected_dkv_kernel, pointers, consts, config)
     return {f"{key} d={D}/{DV}": size for key, size in out.items()}
 
 
@@ -135,13 +138,15 @@ print(json.dumps(__CALLS__))
 
 
 def test_default_launches_fit_h200_shared_memory():
-    """G = 16, d = 128, the paper's blocks: the banded forwards, dq and dk/dv, the importance kernel (also
-    at G' = 4 and 1, whose programs hold more positions), the selected
-    forward (G = 16, with and without NSA's gated sum in its epilogue, and G = 4) and dk/dv, each as its
-    default launch, fit in bf16 and float32."""
-    calls = 'prefill("bf16", torch.bfloat16, 128) | prefill("fp32", torch.float32, 128)'
+    """G = 16, d = 128, the paper's blocks: the banded forwards, dq and dk/dv (also with the gates
+    applied in them, `gate_in_branches`), the importance kernel (also at G' = 4 and 1, whose programs
+    hold more positions), the selected
+    forward (G = 16, with and without NSA's gated sum in its epilogue, and G = 4) and dk/dv (also
+    gated), each as it launches, fit in bf16 and float32."""
+    calls = ('prefill("bf16", torch.bfloat16, 128, gated=(False, True)) | '
+             'prefill("fp32", torch.float32, 128, gated=(False, True))')
     shared = json_from_fresh_python(COMPILE.replace("__CALLS__", calls))
-    assert len(shared) == 26
+    assert len(shared) == 36
     too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"
 
