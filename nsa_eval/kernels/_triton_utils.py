@@ -267,22 +267,6 @@ def split_zeros(R: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr):
 
 
 @triton.jit
-def overlap_weights(stride, block_len, select_size, BC: tl.constexpr, BNS: tl.constexpr):
-    """Geometric overlap weights of one chunk, divided by d: compressed block ii (tokens
-    [ii*d, ii*d + l) from the chunk's start) with selection block jj of this chunk (main) and of the
-    next chunk (spill, the weight of blocks that reach past the chunk). Returns float32 [BC, BNS] x 2."""
-    o_c = tl.arange(0, BC)
-    o_j = tl.arange(0, BNS)
-    c_lo = o_c[:, None] * stride
-    c_hi = c_lo + block_len
-    s_lo = o_j[None, :] * select_size
-    w_main = tl.maximum(tl.minimum(c_hi, s_lo + select_size) - tl.maximum(c_lo, s_lo), 0)
-    s_lo2 = s_lo + BNS * select_size
-    w_spill = tl.maximum(tl.minimum(c_hi, s_lo2 + select_size) - tl.maximum(c_lo, s_lo2), 0)
-    return w_main.to(tl.float32) / stride, w_spill.to(tl.float32) / stride
-
-
-@triton.jit
 def softmax_start(M: tl.constexpr, BDV: tl.constexpr):
     # an empty online softmax: running max m_i [M] (-inf), sum l_i [M] and acc [M, BDV] (zeros)
     return tl.full([M], float("-inf"), tl.float32), tl.zeros([M], tl.float32), tl.zeros([M, BDV], tl.float32)

@@ -96,10 +96,10 @@ def prefill(name, dtype, D, DV=None, gated=(False,)):
 
 
 def decode(name, D):
-    # the fused decode's four launches at Dk = Dv = D, as `decode._decode_fused` launches them at the
+    # the decode's four launches at Dk = Dv = D, as `decode.decode_steps` launches them at the
     # benchmark's decode: 64 query heads over 4 KV heads (16 rows a program), a 64k cache, batch 16
     import triton
-    from nsa_eval.kernels import decode as dec, topk
+    from nsa_eval.kernels import decode as dec, decode_scoring as sc, topk
 
     M, RATIO, NS = 16, 4, 1024  # rows (G = 16), l' / d, selection blocks at 64k
     b, f, i = "*" + name, "*fp32", "*i32"
@@ -109,23 +109,21 @@ def decode(name, D):
     warps = dec.ATTN_WARPS if npb * M <= 256 else 8
     dvc = min(D, max(4, 512 * warps // (npb * M)))
     common = dict(DK=D, DV=D, BDK=D, BDV=D, M=M, UPCAST=False)
-    tiles = dec.DECODE_IMPORTANCE == "tiles"
-    jt = dec.CMP_TILE_KEYS // RATIO  # selection blocks per tile; the paper's sizes spill into 1 more
+    jt, nsp = sc.tile_layout(dec.CMP_TILE_KEYS, 32, 16, 64)  # the paper's sizes spill into 1 more block
     launches = [
-        ("1 compressed keys", dec._decode_cmp_split_kernel, [b, b, b, i] + [f] * 7 + [i, i, b, b],
-         dict(common, BC=dec.CMP_TILE_KEYS, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, WIN=dec.WINDOW_STEP == 1,
-              TILE_IMP=tiles, JT=jt, JW=u.pow2(jt + 1), NSP=1, MAP_BF16=dec.TILE_MAP == "bf16x2"),
+        ("1 compressed keys", sc.decode_cmp_kernel, [b, b, b, i] + [f] * 7 + [i],
+         dict(common, BC=dec.CMP_TILE_KEYS, TILE_IMP=True, JT=jt, JW=u.pow2(jt + nsp), NSP=nsp,
+              MAP_BF16=True),
          dict(num_warps=dec.CMP_WARPS, num_stages=dec.CMP_STAGES)),
-        ("2 importance + top-k + window", dec._decode_importance_split_kernel,
-         [i] + [f] * 7 + [i, i, "*i64", b, b, b, f],
-         dict(common, BNS=max(16, 128 // RATIO), RATIO=RATIO, SPILL=16, NPB=npb, BNS_ALL=NS, NSEL2=16, BW=64,
-              WT=dec.WIN_TILES_PER_PROGRAM, CPP=dec.IMP_CHUNKS_PER_PROGRAM, TILE_IMP=tiles,
-              CT=u.pow2(dec.IMP_TILES_PER_PROGRAM, 1), JT=jt, NSP=1, NSPP=1, TOPK=dec.TOPK_IN_STEP2,
+        ("2 importance + top-k + window", sc.decode_importance_kernel,
+         [i] + [f] * 7 + [i, i, i, b, b, b, f],
+         dict(common, BNS=max(16, 128 // RATIO), RATIO=RATIO, SPILL=1, NPB=npb, BNS_ALL=NS, NSEL2=16, BW=64,
+              WT=dec.WIN_TILES_PER_PROGRAM, CPP=dec.IMP_CHUNKS_PER_PROGRAM, TILE_IMP=True,
+              CT=u.pow2(dec.IMP_TILES_PER_PROGRAM, 1), JT=jt, NSP=nsp, NSPP=u.pow2(nsp, 1),
               LEAN=topk.lean_fits(NS, 16), CAP=topk.TOPK_CAP),
          dict(dec.IMP_LAUNCH)),
-        ("3 selected blocks", dec._decode_attn_fused_kernel, [b] * 5 + [i, i, f, f, f, i, b, b, b, b],
-         dict(common, BS=64, SPP=dec.SEL_PER_PROGRAM, BW=64, WT=dec.WIN_TILES_PER_PROGRAM, NPB=npb, DVC=dvc,
-              MERGE=dec.MERGE_IN_ATTN, SEL_STAGES=dec.SEL_STAGES), dict(num_warps=warps)),
+        ("3 selected blocks", dec._decode_selected_kernel, [b] * 3 + [i, i, f, f, f],
+         dict(common, BS=64, SPP=dec.SEL_PER_PROGRAM, SEL_STAGES=dec.SEL_STAGES), dict(num_warps=warps)),
         ("4 merge", dec._decode_merge_kernel, [f, f, f, b, b, b, b],
          dict(DV=D, BDV=D, M=M, NPB=npb, DVC=dvc), dict(num_warps=warps)),
     ]
