@@ -242,18 +242,18 @@ def test_dk_tiles():
     assert [dk_tiles(d) for d in (128, 256, 16, 24, 112, 200)] == padded
 
 
-@pytest.mark.parametrize("split, gate_in_branches", [(True, False), (True, True), (False, False)],
+@pytest.mark.parametrize("dk, gate_in_branches", [(48, False), (48, True), (24, False)],
                          ids=["split", "split-gates-in-branches-own-window", "padded"])
-def test_split_head_dim(monkeypatch, split, gate_in_branches):
+def test_head_dims_in_two_tiles_or_padded(dk, gate_in_branches):
     """Dk = 48 = 32 + 16 (as the paper's 192 = 128 + 64): every prefill kernel runs its score products
-    and dq / dk in two column tiles (`_triton_utils.dk_tiles`), or padded to 64 with SPLIT_DK off.
-    nsa_attention(impl="triton") against the reference: blocks, output and gradients (the banded
-    forwards, dq and dk/dv of both branches, the importances, the selected walk and its dk/dv and dq;
-    the gates as copies g_x * do or in the branches' kernels, the window on its own keys)."""
-    from nsa_eval.kernels import _triton_utils
+    and dq / dk in two column tiles (`_triton_utils.dk_tiles`); Dk = 24 pads to 32 (its columns past
+    24 masked). nsa_attention(impl="triton") against the reference: blocks, output and gradients (the
+    banded forwards, dq and dk/dv of both branches, the importances, the selected walk and its dk/dv
+    and dq; the gates as copies g_x * do or in the branches' kernels, the window on its own keys)."""
+    from nsa_eval.kernels._triton_utils import dk_tiles
 
-    monkeypatch.setattr(_triton_utils, "SPLIT_DK", split)
-    assert_nsa_attention_matches_reference(48, 16, seed=21, own_window=gate_in_branches,
+    assert dk_tiles(dk) == ((32, 16) if dk == 48 else (32, 0))
+    assert_nsa_attention_matches_reference(dk, 16, seed=21, own_window=gate_in_branches,
                                            gate_in_branches=gate_in_branches)
 
 
