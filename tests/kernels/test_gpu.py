@@ -134,7 +134,7 @@ def test_topk_matches_rule(T, hq):
                          ids=["paper", "fla"])
 def test_float32_selection_matches_reference(layout):
     """Float32 inputs choose the float32 reference's blocks, in prefill and decode, up to ties within
-    1e-5: their score products run in three tf32 passes (`score_dot`). With one pass, Triton's
+    1e-5: their score products run in three tf32 passes (`_triton_utils.dot`). With one pass, Triton's
     default for float32, scores move by ~1e-3 and nearly tied blocks swap."""
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.decode import nsa_decode

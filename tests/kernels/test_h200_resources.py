@@ -1,10 +1,10 @@
-"""Shared memory of the default launch configurations, compiled ahead of time for the H200 (sm_90).
+"""Shared memory of the launch configurations, compiled ahead of time for the H200 (sm_90).
 
-Run 5 on the H200 caught a configuration that compiled in bf16 but not in float32 (the compression
-dk/dv with 128-key tiles needs 262,656 bytes of shared memory, the limit is 232,448). These tests
-compile the kernels the way the defaults launch them, for both dtypes, without a GPU
-(Triton's NVIDIA backend and its bundled ptxas), in a fresh process: the interpreter, which other
-kernel tests use, leaves triton.language patched.
+A launch can compile in bf16 and not in float32 (the compression dk/dv in 128-key tiles needs 262,656
+bytes of shared memory in float32, the limit is 232,448), which a GPU shows only when that dtype runs.
+These tests compile the kernels the way they launch, for both dtypes, without a GPU (Triton's NVIDIA
+backend and its bundled ptxas), in a fresh process: the interpreter, which other kernel tests use,
+leaves triton.language patched.
 """
 
 from __future__ import annotations
