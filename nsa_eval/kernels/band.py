@@ -5,6 +5,11 @@ Key index `i` stands for the token `i * key_stride + key_offset` (its last token
 when that token is `<= t` and, with a window `w`, `> t - w`:
 - compression: `key_stride = d`, `key_offset = l - 1` (block `i` covers tokens `[i*d, i*d + l)`);
 - sliding window: `key_stride = 1`, `key_offset = 0`, window `w`.
+
+The three kernels share this geometry's tile arithmetic (`_key_range`, `_key_interior`,
+`_query_interior`), their tile loads and their launch configurations (`BAND_CONFIGS`, `_band_config`),
+so they stay in one file, the longest of the package: apart, each half would import the other's
+internals.
 """
 
 from __future__ import annotations
