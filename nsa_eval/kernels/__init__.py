@@ -21,7 +21,9 @@ Shapes use the flash-attn layout; ``Hq = G * Hkv``; ``Dk`` (q/k) may differ from
 The Triton versions live in ``compression.py`` (``compressed_attention``), ``importance.py``
 (``select_blocks``), ``selection.py`` (``selected_attention``), ``window.py`` (``sliding_window_attention``),
 ``prefill.py`` (``nsa_attention``: the branches and gates as one autograd op) and ``decode.py``
-(``nsa_decode``), each with the reference's signature minus ``impl``.
+(``nsa_decode``), each with the reference's signature minus ``impl``. They choose their paths from the
+shapes and the device; the one choice left to the caller is ``nsa_attention``'s ``gate_in_branches``
+(backward memory against time, for training at long context).
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_s
     params = dict(block_len=block_len, stride=stride, select_size=select_size, num_selected=num_selected,
                   num_init=num_init, num_local=num_local, window=window, scale=scale)
     fn = _implementation("nsa_attention", impl, q, v.shape[-1])
-    if fn is not reference.nsa_attention:  # the reference's backward is autograd's: nothing to choose
+    if fn is not reference.nsa_attention:  # a choice of the Triton backward; the reference's is autograd's
         params["gate_in_branches"] = gate_in_branches
     return fn(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa=k_swa, v_swa=v_swa,
               return_block_indices=return_block_indices, **params)
