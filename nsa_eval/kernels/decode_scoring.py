@@ -152,12 +152,7 @@ def decode_cmp_kernel(
     i_bh = tl.program_id(1)
     if i_s == 0:
         tl.store(CNT + i_bh, 0)  # the arrival counter of step 2 (launched after this one)
-    i_b = (i_bh // HKV).to(tl.int64)
-    i_hk = i_bh % HKV
-    t = query_pos(LENS, i_b)
-    o_r = tl.arange(0, M)
-    o_dk = tl.arange(0, BDK)
-    o_dv = tl.arange(0, BDV)
+    i_b, i_hk, t, o_r, o_dk, o_dv = program_rows(LENS, i_bh, HKV, BDK, BDV, M)
     _cmp_split(Q, KC, VC, SC, TI, TS, TM, PM, PL, PO, i_s, i_bh, i_b, i_hk, t, sq_b, sq_h, sk_b, sk_t,
                sk_h, sv_b, sv_t, sv_h, TC, G, NCMP, NPART, SC_LEN, NTILES, scale_log2, block_len, stride,
                select_size, o_r, o_dk, o_dv, DK, DV, M, BDV, BC, TILE_IMP, JT, JW, NSP, MAP_BF16, UPCAST)
