@@ -8,6 +8,7 @@ the Triton kernels: their head dims (`check_triton_head_dims`).
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 
@@ -21,6 +22,9 @@ IMPLS = ("auto", "reference", "triton")
 # sm_90). Float32 tiles take twice the bytes: at 256 the selected dk/dv kernel alone needs 246-262 KB
 # at 1 or 2 stages, its block's float32 keys and values 128 KB.
 TRITON_MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
+# The Triton releases the kernels are tested on: 3.6 (torch 2.11's) through 3.8 (torch 2.13's), on a
+# GPU and in CI; pyproject.toml declares the same range.
+TRITON_VERSIONS = ((3, 6), (3, 8))
 
 
 def _fmt(layout: str, sizes) -> str:
@@ -73,6 +77,32 @@ def check_impl(impl, q: torch.Tensor) -> str:
         raise ValueError(f"impl: 'triton' needs CUDA tensors (q is on {q.device}); "
                          "on a CPU run under Triton's interpreter with TRITON_INTERPRET=1")
     return impl
+
+
+def check_triton_version(version: str | None = None) -> None:
+    """Refuse, with the fix, a Triton outside `TRITON_VERSIONS` before any kernel compiles (`version`:
+    the installed Triton's by default, checked once per process)."""
+    if version is None:
+        _check_installed_triton()
+        return
+    found = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    (lo_major, lo_minor), (hi_major, hi_minor) = TRITON_VERSIONS
+    if not (lo_major, lo_minor) <= found <= (hi_major, hi_minor):
+        raise ImportError(
+            f"nsa-eval's Triton kernels run on Triton {lo_major}.{lo_minor} to {hi_major}.{hi_minor}, found "
+            f"{version}: install one of those (pip install 'triton>={lo_major}.{lo_minor},<{hi_major}."
+            f"{hi_minor + 1}', the Triton your torch pins if it is in that range) or use impl='reference'"
+        )
+
+
+@functools.cache
+def _check_installed_triton() -> None:
+    try:
+        import triton
+    except ImportError:
+        raise ImportError("impl='triton' needs the triton package (pip install 'triton>=3.6,<3.9'); "
+                          "impl='reference' runs without it") from None
+    check_triton_version(triton.__version__)
 
 
 def check_triton_head_dims(q: torch.Tensor, dv: int | None = None) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nsa_eval import kernels
+from nsa_eval.kernels import _validate
 
 B, T, Hq, Hkv, Dk, Dv = 2, 40, 4, 2, 8, 6
 PARAMS = dict(block_len=8, stride=4, select_size=16, num_selected=4, num_init=1, num_local=2, window=16)
@@ -177,3 +178,14 @@ def test_short_compressed_cache_is_fine_for_short_sequences():
     o = call_decode(k_cmp=torch.randn(B, 2, Hkv, Dk), v_cmp=torch.randn(B, 2, Hkv, Dv),
                     cache_seqlens=torch.tensor([12, 9], dtype=torch.int32))  # 12 tokens hold 2 blocks
     assert o.shape == (B, 1, Hq, Dv) and torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("version", ["3.5.1", "3.9.0", "4.0.0+git1234"])
+def test_triton_outside_the_tested_range_is_refused_with_the_fix(version):
+    with pytest.raises(ImportError, match=r"Triton 3\.6 to 3\.8, found .*pip install 'triton>=3\.6,<3\.9'"):
+        _validate.check_triton_version(version)
+
+
+@pytest.mark.parametrize("version", ["3.6.0", "3.7.1", "3.8.0"])
+def test_triton_in_the_tested_range_passes(version):
+    _validate.check_triton_version(version)
