@@ -26,7 +26,6 @@ Under `accelerate launch` every process runs the same cells on its share of the 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import json
@@ -429,18 +428,14 @@ def _task_manager_for(cell: Cell):
     Like lm-eval's own CLI, the model's args are visible to tasks (RULER-style tasks read
     `pretrained`/`tokenizer` and `max_length`); the suite's task metadata wins.
     """
-    from lm_eval.tasks._factory import TaskFactory
-
     from nsa_eval.suite import task_manager
+    from nsa_eval.tasks.index import with_metadata
 
     metadata = {"pretrained": cell.model.pretrained}
     if cell.model.max_length is not None:
         metadata["max_length"] = cell.model.max_length
     metadata |= cell.metadata()
-    manager = copy.copy(task_manager(cell.include_path))  # shares the (slow to build) index
-    manager.metadata = metadata
-    manager._factory = TaskFactory(meta=metadata)
-    return manager
+    return with_metadata(task_manager(cell.include_path), metadata)
 
 
 def _reset_activation_stats(lm) -> None:

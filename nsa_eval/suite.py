@@ -44,8 +44,8 @@ from typing import Any
 from nsa_eval.errors import UsageError
 from nsa_eval.models.loading import checkpoint_fingerprint
 from nsa_eval.registry import unknown_name_message
+from nsa_eval.tasks.catalog import metadata_schema
 from nsa_eval.tasks.longbench import MAX_LENGTH_KEY as LONGBENCH_MAX_LENGTH
-from nsa_eval.tasks.longbench import SUBSETS as LONGBENCH_SUBSETS
 
 # Attention methods the lm-eval adapter accepts when nsa_eval.methods / models are not importable.
 FALLBACK_ATTENTION = ("full", "h2o", "nsa", "quest", "sink_window", "topk")
@@ -79,37 +79,6 @@ def _is_int(v) -> bool:
 def _is_number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
-
-def _int_list(v, ok) -> bool:
-    values = v if isinstance(v, list) else [v]
-    return bool(values) and all(_is_int(x) and ok(x) for x in values)
-
-
-# Metadata keys the project's tasks read: task -> key -> (check, expected). A project task not
-# listed here reads none. lm-eval's own tasks (and include_path tasks) are not checked.
-NIAH_TEMPLATE_KEYS = ("instruction", "needle", "question", "answer_prefix")
-TASK_METADATA: dict[str, dict[str, tuple[Any, str]]] = {
-    "nsa_niah": {  # nsa_eval/tasks/niah.py niah_dataset
-        "tokenizer": (lambda v: isinstance(v, str) and bool(v), "a tokenizer name or directory"),
-        "niah_lengths": (lambda v: _int_list(v, lambda x: 0 < x <= MAX_INT),
-                         "a positive integer or a list of them (prompt lengths in tokens)"),
-        "niah_depths": (lambda v: bool(v if isinstance(v, list) else [v]) and all(
-            _is_number(x) and 0 <= x <= 100 for x in (v if isinstance(v, list) else [v])),
-            "a number from 0 to 100 or a list of them (needle depths in percent)"),
-        "niah_seed": (lambda v: _is_int(v) and abs(v) <= MAX_INT, "an integer"),
-        "niah_samples_per_cell": (lambda v: _is_int(v) and 1 <= v <= MAX_INT, "a positive integer"),
-        "niah_haystack": (lambda v: isinstance(v, str) and bool(v), "'builtin' or a folder of .txt files"),
-        "niah_template": (lambda v: isinstance(v, dict) and all(
-            k in NIAH_TEMPLATE_KEYS and isinstance(x, str) for k, x in v.items()),
-            "a mapping with any of " + ", ".join(NIAH_TEMPLATE_KEYS) + " (strings)"),
-    },
-    # LongBench's own prompt length, cut as its pred.py does (nsa_eval/tasks/longbench_task.py)
-    **dict.fromkeys(("nsa_longbench", *(f"nsa_longbench_{s}" for s in LONGBENCH_SUBSETS)), {
-        LONGBENCH_MAX_LENGTH: (lambda v: _is_int(v) and v > 0,
-                               "a positive integer (prompt tokens; a longer prompt loses its middle)"),
-        "tokenizer": (lambda v: isinstance(v, str) and bool(v), "a tokenizer name or directory"),
-    }),
-}
 
 # key -> (accepted types, description) for every model key; `attention` and `budget` may be lists.
 MODEL_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
@@ -761,59 +730,28 @@ def _parse_tasks(entries: Any, where: str, model_labels: set[str]) -> list[TaskS
 
 
 def _check_task_metadata(task: TaskSpec, where: str, key: str) -> None:
-    """The metadata keys a project task reads, with their types; no repeated value in a grid list
-    (a repeated split value would make two cells with one key)."""
-    schema = TASK_METADATA.get(task.task)
-    if schema is None and task.task in _project_tasks():
-        schema = {}
+    """The metadata keys a project task reads, against the schema its module declares; no repeated
+    value in a grid list (a repeated split value would make two cells with one key)."""
+    schema = metadata_schema(task.task)
     for name, value in task.metadata.items():
-        if schema is not None and name not in schema:
-            if not schema:
-                raise UsageError(f"{where}: {key}metadata.{name}: {task.task} reads no metadata keys; "
-                                 "remove `metadata`")
-            raise UsageError(f"{where}: {key}metadata.{name}: {task.task}: "
-                             + unknown_name_message("metadata key", str(name), list(schema)))
-        if schema is not None and not schema[name][0](value):
-            raise UsageError(f"{where}: {key}metadata.{name}: expected {schema[name][1]}, got "
-                             f"{_short_repr(value)}")
-        if name == "niah_template" and schema is not None:
-            _check_niah_template(value, where, f"{key}metadata.niah_template")
+        if schema is not None:
+            if name not in schema:
+                if not schema:
+                    raise UsageError(f"{where}: {key}metadata.{name}: {task.task} reads no metadata keys; "
+                                     "remove `metadata`")
+                raise UsageError(f"{where}: {key}metadata.{name}: {task.task}: "
+                                 + unknown_name_message("metadata key", str(name), list(schema)))
+            if not schema[name].accepts(value):
+                raise UsageError(f"{where}: {key}metadata.{name}: expected {schema[name].expected}, got "
+                                 f"{_short_repr(value)}")
+            if schema[name].check is not None:
+                schema[name].check(value, f"{where}: {key}metadata.{name}")
         if isinstance(value, list) and (name == task.split or schema is not None):
             seen = []
             for v in value:
                 if v in seen:
                     raise UsageError(f"{where}: {key}metadata.{name}: {v!r} appears twice in {value!r}")
                 seen.append(v)
-
-
-# The placeholders nsa_eval/tasks/niah.py fills in each template string (the instruction is used as
-# it is written, braces and all).
-NIAH_TEMPLATE_FIELDS = {"needle": ("key", "value"), "question": ("key",), "answer_prefix": ("key",)}
-
-
-def _check_niah_template(template: dict, where: str, key: str) -> None:
-    """Each template string formats with the placeholders NIAH fills ({key}, and {value} in the
-    needle, which must show it), so a typo fails here rather than when the prompts are built."""
-    import string
-
-    for name, allowed in NIAH_TEMPLATE_FIELDS.items():
-        if name not in template:
-            continue
-        expected = " and ".join(f"{{{a}}}" for a in allowed)
-        try:
-            fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template[name])
-                      if f is not None]
-        except ValueError as err:
-            raise UsageError(f"{where}: {key}.{name}: {err}; expected the placeholders {expected} (write "
-                             "{{ and }} for literal braces)") from None
-        for field_name, spec, conversion in fields:
-            if field_name not in allowed or spec or conversion:
-                shown = field_name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
-                raise UsageError(f"{where}: {key}.{name}: unknown placeholder {{{shown}}}; expected "
-                                 f"{expected} as they are (write {{{{ and }}}} for literal braces)")
-        if name == "needle" and "value" not in {f for f, _, _ in fields}:
-            raise UsageError(f"{where}: {key}.needle: no {{value}} placeholder, so the needle would hide "
-                             "no number; expected a sentence with {key} and {value}")
 
 
 # Generation settings whose values lm-eval or the backends check only when generating, after the
@@ -836,14 +774,6 @@ def _check_gen_kwargs_values(gen_kwargs: dict, where: str, key: str) -> None:
         if name in GEN_KWARG_VALUES and not GEN_KWARG_VALUES[name][0](value):
             raise UsageError(f"{where}: {key}.{name}: expected {GEN_KWARG_VALUES[name][1]}, got "
                              f"{_short_repr(value)}")
-
-
-def _project_tasks() -> frozenset[str]:
-    try:
-        from nsa_eval.tasks import PROJECT_TASKS
-    except ImportError:
-        return frozenset()
-    return frozenset(PROJECT_TASKS)
 
 
 def _check_keys(entry: dict, schema: dict, where: str, key: str) -> None:
@@ -950,7 +880,7 @@ def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = Tr
     for i, task in enumerate(suite.tasks):
         backends = {m.backend for m in suite.models if task.applies_to(m.label)}
         _check_gen_kwargs(task.gen_kwargs, backends, f"{suite.path}: tasks[{i}].gen_kwargs")
-        _check_niah_haystack(task, f"{suite.path}: tasks[{i}].metadata.niah_haystack")
+        _check_metadata_here(task, f"{suite.path}: tasks[{i}].metadata")
     warnings += check_include_path_files(suite)  # before lm-eval opens any of them
     if check_tasks:
         known = set(task_manager(suite.include_path).all_tasks)
@@ -966,34 +896,13 @@ def check_suite(suite: Suite, *, check_tasks: bool = True, check_data: bool = Tr
     return warnings
 
 
-def _check_niah_haystack(task: TaskSpec, where: str) -> None:
-    """nsa_niah's `niah_haystack` folder holds readable, non-empty .txt files (read from the current
-    directory, as the task reads it), so a missing or empty folder fails before any model loads."""
-    import stat
-
-    haystack = task.metadata.get("niah_haystack", "builtin")
-    if task.task != "nsa_niah" or haystack == "builtin":
-        return
-    folder = Path(haystack).expanduser()
-    if not folder.is_dir():
-        raise UsageError(f"{where}: {haystack!r} is not a folder (relative to the current directory, "
-                         f"{Path.cwd()}); expected 'builtin' or a folder of .txt files")
-    texts = sorted(folder.glob("*.txt"))
-    if not texts:
-        raise UsageError(f"{where}: {haystack!r} has no .txt files; expected 'builtin' or a folder of "
-                         ".txt files")
-    has_text = False
-    for path in texts:
-        try:
-            if not stat.S_ISREG(os.stat(path).st_mode):
-                raise UsageError(f"{where}: {path} is not a regular file; expected .txt files")
-            with open(path, "rb") as f:
-                has_text = has_text or bool(f.read(1 << 16).strip())
-        except OSError as err:
-            raise UsageError(f"{where}: cannot read {path} ({err.strerror})") from None
-    if not has_text:
-        raise UsageError(f"{where}: the .txt files of {haystack!r} are empty; expected text to hide the "
-                         "needle in")
+def _check_metadata_here(task: TaskSpec, where: str) -> None:
+    """What the task's metadata names on this machine (NIAH's haystack folder), read as the task
+    will read it, so a missing folder fails before any model loads."""
+    schema = metadata_schema(task.task) or {}
+    for name, value in task.metadata.items():
+        if name in schema and schema[name].check_here is not None:
+            schema[name].check_here(value, f"{where}.{name}")
 
 
 def check_include_path_files(suite: Suite) -> list[str]:
@@ -1125,7 +1034,7 @@ def _check_context_fits(suite: Suite) -> None:
     from lm_eval.models.utils import normalize_gen_kwargs
 
     from nsa_eval.models.loading import context_length
-    from nsa_eval.tasks.data import leaf_configs
+    from nsa_eval.tasks.index import leaf_configs
 
     limits: dict[str, tuple[int, str] | None] = {}
     for model in suite.models:

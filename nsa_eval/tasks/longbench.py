@@ -29,6 +29,8 @@ from collections import Counter
 from functools import partial
 
 from nsa_eval.errors import UsageError
+from nsa_eval.tasks.metadata import TOKENIZER, MetadataKey
+from nsa_eval.values import is_int
 
 # The task metadata key that sets LongBench's own prompt length (longbench_task.LongBenchTask)
 MAX_LENGTH_KEY = "longbench_max_length"
@@ -102,6 +104,15 @@ SUBSETS: dict[str, tuple[str, int, str]] = {
         "retrieval_zh",
     ),
     "lcc": ("Please complete the code given below. \n{context}Next line of code:\n", 64, "code_sim"),
+}
+
+
+# The metadata keys nsa_longbench and each nsa_longbench_<subset> read: LongBench's own prompt length,
+# cut as its pred.py cuts it, counted with the model's tokenizer.
+METADATA: dict[str, MetadataKey] = {
+    MAX_LENGTH_KEY: MetadataKey(lambda v: is_int(v) and v > 0,
+                                "a positive integer (prompt tokens; a longer prompt loses its middle)"),
+    "tokenizer": TOKENIZER,
 }
 
 

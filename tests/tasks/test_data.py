@@ -6,7 +6,8 @@ import pytest
 
 from nsa_eval.errors import UsageError
 from nsa_eval.tasks import check_task_data, data_dir
-from nsa_eval.tasks.data import DataSpec, data_specs, download, fetch, read_jsonl
+from nsa_eval.tasks.data import data_specs, download, fetch
+from nsa_eval.tasks.local_data import DataSpec, read_jsonl
 
 
 def test_data_dir_from_env(data_root, monkeypatch):
