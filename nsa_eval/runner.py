@@ -428,14 +428,14 @@ def _task_manager_for(cell: Cell):
     Like lm-eval's own CLI, the model's args are visible to tasks (RULER-style tasks read
     `pretrained`/`tokenizer` and `max_length`); the suite's task metadata wins.
     """
-    from nsa_eval.suite import task_manager
+    from nsa_eval.suite import suite_task_manager
     from nsa_eval.tasks.index import with_metadata
 
     metadata = {"pretrained": cell.model.pretrained}
     if cell.model.max_length is not None:
         metadata["max_length"] = cell.model.max_length
     metadata |= cell.metadata()
-    return with_metadata(task_manager(cell.include_path), metadata)
+    return with_metadata(suite_task_manager(cell.include_path), metadata)
 
 
 def _reset_activation_stats(lm) -> None:
