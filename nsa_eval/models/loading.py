@@ -429,15 +429,7 @@ def attention_stats_paused(model):
         with model.activation_stats_paused():
             yield
         return
-    from nsa_eval.methods import CONTROLLER_ATTRIBUTE
+    from nsa_eval.methods import attention_stats_paused as method_stats_paused
 
-    controller = getattr(model, CONTROLLER_ATTRIBUTE, None)
-    if controller is None:  # no method applied: nothing is counted
+    with method_stats_paused(model):
         yield
-        return
-    saved = controller.stats
-    controller.stats = type(saved)()
-    try:
-        yield
-    finally:
-        controller.stats = saved
