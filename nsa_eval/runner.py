@@ -229,7 +229,7 @@ def evaluate_cell(lm, cell: Cell, run_dir: Path) -> Path | None:
     import lm_eval
 
     started = time.time()
-    _reset_activation_stats(lm)
+    _reset_attention_stats(lm)
     task = cell.task
     results = lm_eval.simple_evaluate(
         model=lm, tasks=[task.task], num_fewshot=task.num_fewshot, limit=cell.limit,
@@ -245,7 +245,7 @@ def evaluate_cell(lm, cell: Cell, run_dir: Path) -> Path | None:
     results["nsa_eval"] = {
         "cell": cell.key, "label": cell.label, "model": cell.model.label, "task": task.label,
         "part": cell.part, "split": task.split,
-        "activated_tokens": _activation_stats(lm), "wall_seconds": round(time.time() - started, 3),
+        "activated_tokens": _attention_stats(lm), "wall_seconds": round(time.time() - started, 3),
     }
     config = {"key": cell.key, "label": cell.label, "part": cell.part, "identity": cell.identity(),
               "model": dataclasses.asdict(cell.model), "task": dataclasses.asdict(task),
@@ -438,13 +438,13 @@ def _task_manager_for(cell: Cell):
     return with_metadata(suite_task_manager(cell.include_path), metadata)
 
 
-def _reset_activation_stats(lm) -> None:
+def _reset_attention_stats(lm) -> None:
     reset = getattr(lm, "reset_attention_stats", None)
     if callable(reset):
         reset()
 
 
-def _activation_stats(lm) -> Any:
+def _attention_stats(lm) -> Any:
     """Activated tokens per query from the adapter (per context length), or None if it has none."""
     stats = getattr(lm, "attention_stats", None)
     return stats() if callable(stats) else None

@@ -404,7 +404,7 @@ def attention_stats(model) -> dict:
     window tokens); the baselines add `held`, `layers` and their budget settings.
     """
     if is_nsa_model(model):
-        return model.activation_stats()
+        return model.attention_stats()
     from nsa_eval.methods import attention_stats as method_stats
 
     return method_stats(model)
@@ -412,7 +412,7 @@ def attention_stats(model) -> dict:
 
 def reset_attention_stats(model) -> None:
     if is_nsa_model(model):
-        model.reset_activation_stats()
+        model.reset_attention_stats()
         return
     from nsa_eval.methods import reset_attention_stats as reset_method_stats
 
@@ -426,7 +426,7 @@ def attention_stats_paused(model):
     For probes that are not part of an evaluation, such as lm-eval's batch-size detection.
     """
     if is_nsa_model(model):
-        with model.activation_stats_paused():
+        with model.attention_stats_paused():
             yield
         return
     from nsa_eval.methods import attention_stats_paused as method_stats_paused
