@@ -415,10 +415,8 @@ def build_vllm_lm(model: ModelSpec, seed: int = 1234):
 
 def _resolve_checkpoint_path(pretrained: str) -> str:
     """A short name (smollm2-135m, nsa-tiny) -> its local directory, for backends that need a path."""
-    try:
-        from nsa_eval.models import resolve_checkpoint
-    except ImportError:
-        return pretrained
+    from nsa_eval.models import resolve_checkpoint
+
     return str(resolve_checkpoint(pretrained))
 
 

@@ -30,7 +30,6 @@ CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"  # nsa_
 NSA_MODEL_TYPE = "nsa_eval"
 FLA_MODEL_TYPE = "nsa"
 NSA_ATTENTION = "nsa"
-FALLBACK_METHODS = ("full", "h2o", "quest", "sink_window", "topk")  # until nsa_eval.methods imports
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -143,10 +142,8 @@ def resolve_checkpoint(pretrained: str | os.PathLike) -> Path | str:
 
 
 def _valid_hub_name(name: str) -> bool:
-    try:
-        from huggingface_hub.utils import validate_repo_id
-    except ImportError:  # pragma: no cover  (transformers always brings huggingface_hub)
-        return True
+    from huggingface_hub.utils import validate_repo_id
+
     try:
         validate_repo_id(name)
     except ValueError:
@@ -283,13 +280,9 @@ def check_nsa_config(config: dict, where: str) -> None:
 
 def attention_names() -> list[str]:
     """Every accepted `attention=`: `nsa` plus the baseline methods of nsa_eval.methods."""
-    try:
-        from nsa_eval.methods import METHODS
+    from nsa_eval.methods import METHODS
 
-        methods = METHODS.names()
-    except ImportError:
-        methods = list(FALLBACK_METHODS)
-    return sorted(set(methods) | {NSA_ATTENTION})
+    return sorted(set(METHODS.names()) | {NSA_ATTENTION})
 
 
 def check_attention(resolved: Resolved, attention: str, budget: int, sink: int, local: int) -> None:
@@ -377,12 +370,9 @@ def load_for_eval(pretrained: str | os.PathLike, *, attention: str = "full", bud
     if attention == NSA_ATTENTION and method_params:
         raise UsageError(f"attention=nsa takes no method parameters; got {', '.join(sorted(method_params))}")
     if attention != NSA_ATTENTION:
-        try:
-            from nsa_eval.methods import validate_params
-        except ImportError:  # older methods layer: apply_attention checks the same after loading
-            validate_params = None
-        if validate_params is not None:
-            validate_params(attention, budget=budget, sink=sink, local=local, **method_params)
+        from nsa_eval.methods import validate_params
+
+        validate_params(attention, budget=budget, sink=sink, local=local, **method_params)
     model, tokenizer = _load(resolved, dtype, device, device_map, **from_pretrained_kwargs)
     if attention != NSA_ATTENTION:
         from nsa_eval.methods import apply_attention
