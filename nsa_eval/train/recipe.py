@@ -54,8 +54,8 @@ class ModelConfig:
     hidden_size: int = 256
     num_layers: int = 6
     num_heads: int = 8
-    # 4 KV heads (G = 2): NSA selects per KV head, so each layer makes 4 independent selections
-    # (docs/training.md, run x2-6000-kv4)
+    # 4 KV heads (G = 2): NSA selects per KV head, so each layer makes 4 independent selections,
+    # which the retrieval of a 7-digit needle needs more than a larger group does (docs/training.md)
     num_kv_heads: int = 4
     head_dim: int = 32
     intermediate_size: int = 768
