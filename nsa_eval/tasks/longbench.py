@@ -35,6 +35,16 @@ from nsa_eval.values import is_int
 # The task metadata key that sets LongBench's own prompt length (longbench_task.LongBenchTask)
 MAX_LENGTH_KEY = "longbench_max_length"
 
+# hotpotqa's and 2wikimqa's entry: the official config gives both multi-document QA sets one prompt
+_PASSAGES_QA = (
+    "Answer the question based on the given passages. Only give me the answer and do not output any "
+    "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the "
+    "given passages. Only give me the answer and do not output any other words.\n\n"
+    "Question: {input}\nAnswer:",
+    32,
+    "qa_f1",
+)
+
 # subset -> (official prompt, max new tokens, metric)
 SUBSETS: dict[str, tuple[str, int, str]] = {
     "multifieldqa_en": (
@@ -62,22 +72,8 @@ SUBSETS: dict[str, tuple[str, int, str]] = {
         128,
         "qa_f1",
     ),
-    "hotpotqa": (
-        "Answer the question based on the given passages. Only give me the answer and do not output any "
-        "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the "
-        "given passages. Only give me the answer and do not output any other words.\n\n"
-        "Question: {input}\nAnswer:",
-        32,
-        "qa_f1",
-    ),
-    "2wikimqa": (
-        "Answer the question based on the given passages. Only give me the answer and do not output any "
-        "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the "
-        "given passages. Only give me the answer and do not output any other words.\n\n"
-        "Question: {input}\nAnswer:",
-        32,
-        "qa_f1",
-    ),
+    "hotpotqa": _PASSAGES_QA,
+    "2wikimqa": _PASSAGES_QA,
     "gov_report": (
         "You are given a report by a government agency. Write a one-page summary of the report.\n\n"
         "Report:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",
