@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Triton this project pins, packed to travel to the H200 (whose image has Triton 3.6) in device
-# calls of 64 MiB with the working tree (runs 88-92, docs/kernel_runs.md):
+# calls of 64 MiB with the working tree:
 #   bash scripts/pack_triton.sh [VERSION]       # here: writes .t38/partaa, .t38/partab (~26 MB each)
 # On the H200, one call per piece to a warm machine (`carry` [".t38/partaa"], then [".t38/partab"]):
 #   cp .t38/partaa /tmp/t38.partaa                                         # first call

@@ -7,22 +7,29 @@ import triton
 from nsa_eval.bench.kernels import MIN_TIMED_CALLS, Row, markdown_report, software_versions, timing_window
 
 
-def test_report_ratios_g4_per_head_and_variant_line():
+def test_report_ratios_and_g4_per_head():
     T, hs, g4 = 8192, "64/4", "16/4"
     rows = [Row("fwd", "nsa-triton", T, hs, 1, 2.0), Row("fwd", "sdpa-cudnn", T, hs, 1, 3.0),
             Row("fwd", "sdpa-flash", T, hs, 1, 5.0), Row("fwd+bwd", "nsa-triton", T, hs, 1, 8.0),
             Row("fwd+bwd", "sdpa-cudnn", T, hs, 1, 4.0), Row("fwd+bwd", "sdpa-flash", T, hs, 1, 16.0),
             Row("fwd", "nsa-triton", T, g4, 1, 1.0), Row("fwd+bwd", "nsa-triton", T, g4, 1, 3.0),
-            Row("fwd", "nsa-triton [selected stages=2]", T, g4, 1, 1.2),
-            Row("decode", "nsa-triton", T, hs, 16, 0.05), Row("decode", "sdpa-cudnn", T, hs, 16, 0.2),
-            Row("decode", "nsa-triton [tile map in tf32x3]", T, hs, 16, 0.06)]
+            Row("decode", "nsa-triton", T, hs, 16, 0.05), Row("decode", "sdpa-cudnn", T, hs, 16, 0.2)]
     md = markdown_report(rows)
     assert "| 8192 | 2.00 | 3.00 | 5.00 | 1.50x | 2.50x | 8.00 | 4.00 | 16.00 | 0.50x | 2.00x |" in md
     # per query head: G=4 1.0 ms / 16 heads against G=16 2.0 ms / 64 heads -> 2x; fwd+bwd 3/16 : 8/64
     assert "| 8192 | 1.00 | 2.00 | 2.00 | 3.00 | 8.00 | 1.50 |" in md
-    assert "G=4 forward at T=8192 with [selected stages=2]: 1.20 ms (the default, above: 1.00 ms)." in md
     assert "4.00x |" in md.split("Decode")[1]  # 0.2 / 0.05 against cuDNN
-    assert "Decode at T=8192 with [tile map in tf32x3]: 0.060 ms (the default, above: 0.050 ms)." in md
+
+
+def test_report_ops_alone():
+    """The full benchmark's table of each op timed alone (forward, and forward+backward where it has one)."""
+    T, hs = 65536, "64/4"
+    rows = [Row("op-fwd", "select_blocks", T, hs, 1, 7.0),
+            Row("op-fwd", "selected_attention", T, hs, 1, 13.0),
+            Row("op-fwd+bwd", "selected_attention", T, hs, 1, 44.5)]
+    md = markdown_report(rows)
+    assert f"Where the time goes: each Triton op alone at T={T} ({hs} heads), ms." in md
+    assert "| select_blocks | 7.00 | n/a |" in md and "| selected_attention | 13.00 | 44.50 |" in md
 
 
 def test_report_host_check_from_graph_replays():
@@ -35,20 +42,6 @@ def test_report_host_check_from_graph_replays():
     # per head, replays: 1.1 / 16 against 2.3 / 64 -> 1.91; the eager G=4 waited for the host
     assert "| 8192 | 2.30 | 2.30 | 1.30 | 1.10 | 1.91 |" in md
     assert "CUDA graph of one call" not in markdown_report(rows[:2])
-
-
-def test_report_memory_floors():
-    """The floors table: reads / fwd, NSA decode / its floor, SDPA cuDNN / floor (the best speed-up)."""
-    T, hs = 65536, "64/4"
-    rows = [Row("decode", "nsa-triton", T, hs, 16, 0.12), Row("decode", "sdpa-cudnn", T, hs, 16, 0.48),
-            Row("floor", "decode: NSA bytes at HBM bandwidth", T, hs, 16, 0.04, "185 MB at 4.60 TB/s"),
-            Row("floor", "selected_attention fwd", T, hs, 1, 16.0),
-            Row("floor", "selected_attention fwd: its reads alone", T, hs, 1, 12.0, "137.4 GB: 11.45 TB/s")]
-    md = markdown_report(rows)
-    line = next(x for x in md.splitlines() if x.startswith(f"| {T} | 16.00"))
-    assert line == ("| 65536 | 16.00 | 12.00 (137.4 GB: 11.45 TB/s) | 0.75 | 0.040 | 185 MB at 4.60 TB/s | "
-                    "3.00 | 12.00x |")
-    assert "Memory floors" not in markdown_report(rows[:2])  # no floor rows, no table
 
 
 def test_report_names_the_software_it_ran_with():
@@ -69,41 +62,51 @@ def test_timing_window_times_at_least_five_calls_of_long_functions():
     assert timing_window(100, 0.05) == 100  # short functions keep do_bench's 100 ms window
 
 
-def test_table_only_measures_the_tables_alone(monkeypatch):
-    """`bench kernels --table-only` (variants=False): every row of the report's tables, for each length,
-    and nothing beside them (no other settings, profiles, ops alone, selected floor). The timing
-    functions need a CUDA GPU, so stand-ins return fixed times here; what is checked is which
-    measurements the benchmark asks for and the report it makes of them."""
-    from nsa_eval.bench import kernels as bench
-
-    asked = []
+def stand_ins(asked: list):
+    """`Timers` whose measurements record their name in `asked` and return fixed times: the timing
+    functions need a CUDA GPU, so what is checked here is which measurements the benchmark asks for
+    and the report it makes of them."""
+    from nsa_eval.bench.kernels import Timers
 
     def stand_in(name, value):
         def measure(*args, **kwargs):
-            asked.append((name, kwargs.get("variants")))
+            asked.append(name)
             return value
         return measure
 
-    monkeypatch.setattr(bench, "bench_nsa_prefill", stand_in("nsa", (2.0, 8.0)))
-    monkeypatch.setattr(bench, "bench_sdpa_prefill", stand_in("sdpa", (3.0, 9.0)))
-    monkeypatch.setattr(bench, "bench_fla_prefill", stand_in("fla", (4.0, 10.0)))
-    monkeypatch.setattr(bench, "bench_nsa_prefill_graph", stand_in("graph", 1.6))
-    monkeypatch.setattr(bench, "bench_decode", stand_in("decode", {
-        "nsa": 0.05, "nsa_nograph": 0.5, "flash": 0.2, "cudnn": 0.25, "floor_ms": 0.04, "nsa_bytes": 185e6,
-        "hbm_tb_s": 4.6}))
-    for name in ("bench_selected_floor", "_profile_decode", "profile_prefill", "bench_ops", "_g4_variants"):
-        monkeypatch.setattr(bench, name, stand_in(name, None))
-    rows = bench.run_kernel_benchmark([8192, 16384], fla=False, variants=False, log=lambda *a: None)
-    assert {name for name, _ in asked} == {"nsa", "sdpa", "decode", "graph"}
-    assert ("decode", False) in asked
-    md = bench.markdown_report(rows)
+    return Timers(nsa_prefill=stand_in("nsa", (2.0, 8.0)), sdpa_prefill=stand_in("sdpa", (3.0, 9.0)),
+                  fla_prefill=stand_in("fla", (4.0, 10.0)), nsa_prefill_graph=stand_in("graph", 1.6),
+                  decode=stand_in("decode", {"nsa": 0.05, "nsa_nograph": 0.5, "flash": 0.2, "cudnn": 0.25}),
+                  ops=stand_in("ops", {"select_blocks": (7.0, None), "selected_attention": (13.0, 44.5)}),
+                  profile_prefill=stand_in("profile_prefill", None),
+                  profile_decode=stand_in("profile_decode", None))
+
+
+def test_table_only_measures_the_tables_alone():
+    """`bench kernels --table-only`: every row of the report's tables, for each length, and nothing
+    beside them (no profiles, no ops alone); without it, also the ops alone and the profiles, once, at
+    the longest length."""
+    from nsa_eval.bench.kernels import markdown_report, run_kernel_benchmark
+
+    asked = []
+    rows = run_kernel_benchmark([8192, 16384], fla=False, table_only=True, log=lambda *a: None,
+                                timers=stand_ins(asked))
+    assert set(asked) == {"nsa", "sdpa", "decode", "graph"}
+    md = markdown_report(rows)
     for T in (8192, 16384):
         assert f"| {T} | 2.00 | 3.00 | 3.00 | 1.50x | 1.50x | 8.00 | 9.00 | 9.00 | 1.12x | 1.12x |" in md
-        assert f"| {T} | 0.050 | 0.500 | n/a | 0.200 | 0.250 | 4.00x | 5.00x |" in md
+        assert f"| {T} | 0.050 | 0.500 | 0.200 | 0.250 | 4.00x | 5.00x |" in md
         # both forwards replayed from graphs (G=16 and G=4 each 1.6 ms): per head 4x
         assert f"| {T} | 2.00 | 1.60 | 2.00 | 1.60 | 4.00 |" in md
-    assert " with [" not in md and "Where the time goes" not in md
-    assert sorted({r.case for r in rows}) == ["decode", "floor", "fwd", "fwd+bwd"]
+    assert "Where the time goes" not in md
+    assert sorted({r.case for r in rows}) == ["decode", "fwd", "fwd+bwd"]
+
+    asked.clear()
+    rows = run_kernel_benchmark([8192, 16384], fla=False, log=lambda *a: None, timers=stand_ins(asked))
+    assert [name for name in asked if name in ("ops", "profile_prefill", "profile_decode")] == [
+        "profile_prefill", "profile_decode", "ops"]
+    ops = {(r.case, r.T) for r in rows if r.case.startswith("op-")}
+    assert ops == {("op-fwd", 16384), ("op-fwd+bwd", 16384)}
 
 
 @pytest.mark.parametrize("args,message", [

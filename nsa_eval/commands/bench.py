@@ -36,8 +36,7 @@ def register(subparsers) -> None:
     parser.add_argument("--no-fla", action="store_true",
                         help="kernels: skip flash-linear-attention's parallel_nsa")
     parser.add_argument("--table-only", action="store_true",
-                        help="kernels: only the report's tables (no other settings, profiles, ops alone or "
-                        "the selected branch's floor)")
+                        help="kernels: only the report's tables (no per-kernel profiles, no ops timed alone)")
     parser.add_argument("--shape", default="llama-3.2-1b",
                         help="harness: the random models' shape (llama-3.2-1b, or tiny for a quick check)")
     parser.add_argument("--methods", nargs="+", default=None,
@@ -65,7 +64,7 @@ def run(args) -> int:
     from nsa_eval.bench.kernels import run_kernel_benchmark, write_outputs
 
     rows = run_kernel_benchmark(lengths, decode_batch=decode_batch, fla=not args.no_fla,
-                                variants=not args.table_only)
+                                table_only=args.table_only)
     csv_path, md_path = write_outputs(rows, args.out or "reports/kernels", command=_command_line("kernels"))
     print(md_path.read_text())
     print(f"wrote {csv_path} and {md_path}")

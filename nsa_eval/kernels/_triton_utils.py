@@ -29,22 +29,17 @@ def interpreting() -> bool:
     return knobs.runtime.interpret
 
 
-# Launch each compiled kernel directly once Triton found it (`Launcher`); False: through Triton's
-# `JITFunction.run` every time (`scripts/probe_by_block.py launches` times both).
-DIRECT_LAUNCH = True
-
-
 class Launcher:
     """`kernel[grid](*args, **options)` for a `triton.jit` kernel (`launcher(kernel)`) at about two
-    thirds of the host's time of Triton's `JITFunction.run`: 19-57 us a launch on the H200's host,
-    against 5-17 us for Triton's argument binder and 7-17 for the compiled kernel's launcher (runs
-    127-131, `scripts/probe_by_block.py launches`: the 8 launches of G = 4's 8k forward 228-302 us,
-    146-197 direct). Triton's binder still specialises every call (the dtypes, the 16-byte alignment
-    of pointers, the divisibility and the value 1 of integers, the constexprs); the compiled kernel of
-    each specialisation, found once through `JITFunction.run`, is then launched directly, skipping
-    that run's cache key (`str` of the options), launch metadata and hooks. Triton's path is taken
-    instead under the interpreter, with launch hooks or pre-run hooks installed (profilers), for a
-    callable grid, where a global the kernel reads changed, and without `DIRECT_LAUNCH`."""
+    thirds of the host's time of Triton's `JITFunction.run`: that takes 19-57 us a launch on an H200's
+    host, against 5-17 us for Triton's argument binder and 7-17 for the compiled kernel's launcher
+    (the 8 launches of G = 4's 8k forward: 228-302 us, 146-197 direct). Triton's binder still
+    specialises every call (the dtypes, the 16-byte alignment of pointers, the divisibility and the
+    value 1 of integers, the constexprs); the compiled kernel of each specialisation, found once
+    through `JITFunction.run`, is then launched directly, skipping that run's cache key (`str` of the
+    options), launch metadata and hooks. Triton's path is taken instead under the interpreter, with
+    launch hooks or pre-run hooks installed (profilers), for a callable grid, and where a global the
+    kernel reads changed."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -55,7 +50,7 @@ class Launcher:
 
     def launch(self, grid, *args, **options):
         kernel = self.kernel
-        if (not DIRECT_LAUNCH or not isinstance(kernel, JITFunction) or callable(grid) or kernel.pre_run_hooks
+        if (not isinstance(kernel, JITFunction) or callable(grid) or kernel.pre_run_hooks
                 or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
             return kernel[grid](*args, **options)
         device = driver.active.get_current_device()
@@ -92,8 +87,7 @@ def launcher(kernel) -> Launcher:
 
 
 # Plain integer arithmetic for the host: Triton 3.8's `triton.cdiv` and `triton.next_power_of_2` are
-# constexpr functions, 1.3-2.4 us of the H200 host's time a call (runs 127-131), and a forward makes
-# dozens of these calls.
+# constexpr functions, 1.3-2.4 us of an H200 host's time a call, and a forward makes dozens of them.
 def cdiv(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
@@ -103,22 +97,16 @@ def pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(int(n) - 1, 0).bit_length())
 
 
-# Whether a q/k head dim that is the sum of two powers of two runs its products in two parts (True),
-# or padded to the next power of two (False: the kernels before run 44).
-# `scripts/probe_prefill.py dims` times both.
-SPLIT_DK = True
-
-
 def dk_tiles(dk: int) -> tuple[int, int]:
     """`(BDK, BDK2)`: the column tiles of a q/k head dim in the prefill's kernels. Triton's tiles are
     powers of two; a dim that is the sum of two, both >= 16 (the paper's 192 = 128 + 64; 96, 160),
     runs each score product as two MMAs over columns `[0, BDK)` and `[BDK, BDK + BDK2)`, and its dq
-    and dk in two accumulators. Any other dim pads to the next power of two (`BDK2 = 0`), as 192 did
-    to 256 before run 44 (the paper's dims then cost 1.57x the forward and 1.94x the forward+backward
-    of 128 / 128 at 64k, run 41)."""
+    and dk in two accumulators. Any other dim pads to the next power of two (`BDK2 = 0`). Padded to
+    256, the paper's dims cost 1.57x the forward and 1.94x the forward+backward of 128 / 128 at 64k;
+    split, the forward at 64k (64/4 heads) took 48.57 ms against 61.91 padded."""
     padded = pow2(dk)
     head, tail = padded // 2, dk - padded // 2
-    if SPLIT_DK and dk != padded and tail >= 16 and tail & (tail - 1) == 0:
+    if dk != padded and tail >= 16 and tail & (tail - 1) == 0:
         return head, tail
     return padded, 0
 
@@ -267,22 +255,6 @@ def split_zeros(R: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr):
 
 
 @triton.jit
-def overlap_weights(stride, block_len, select_size, BC: tl.constexpr, BNS: tl.constexpr):
-    """Geometric overlap weights of one chunk, divided by d: compressed block ii (tokens
-    [ii*d, ii*d + l) from the chunk's start) with selection block jj of this chunk (main) and of the
-    next chunk (spill, the weight of blocks that reach past the chunk). Returns float32 [BC, BNS] x 2."""
-    o_c = tl.arange(0, BC)
-    o_j = tl.arange(0, BNS)
-    c_lo = o_c[:, None] * stride
-    c_hi = c_lo + block_len
-    s_lo = o_j[None, :] * select_size
-    w_main = tl.maximum(tl.minimum(c_hi, s_lo + select_size) - tl.maximum(c_lo, s_lo), 0)
-    s_lo2 = s_lo + BNS * select_size
-    w_spill = tl.maximum(tl.minimum(c_hi, s_lo2 + select_size) - tl.maximum(c_lo, s_lo2), 0)
-    return w_main.to(tl.float32) / stride, w_spill.to(tl.float32) / stride
-
-
-@triton.jit
 def softmax_start(M: tl.constexpr, BDV: tl.constexpr):
     # an empty online softmax: running max m_i [M] (-inf), sum l_i [M] and acc [M, BDV] (zeros)
     return tl.full([M], float("-inf"), tl.float32), tl.zeros([M], tl.float32), tl.zeros([M, BDV], tl.float32)
@@ -375,7 +347,7 @@ def wide_rows(dtype: torch.dtype, *dims: int) -> bool:
     """Whether rows of these head dims (padded to powers of two: a key row plus a value row, or q's
     alone) need launches smaller than the defaults to fit the H200's shared memory: float32 inputs
     (twice the bytes, and three tf32 passes in the forwards, `dot`), or 16-bit rows past 768
-    bytes (the paper's 192 + 128 fit the defaults; 256 + 256 do not: the compression forward needed
-    262,144 of the H200's 232,448 bytes at its 3 stages, run 39). Split q/k dims (`dk_tiles`) count
+    bytes (the paper's 192 + 128 fit the defaults; 256 + 256 do not: the compression forward needs
+    262,144 of the H200's 232,448 bytes at its 3 stages). Split q/k dims (`dk_tiles`) count
     padded too: 192 as 256, which keeps this bound on the safe side."""
     return dtype == torch.float32 or sum(pow2(d) for d in dims) * dtype.itemsize > 768

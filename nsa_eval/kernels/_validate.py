@@ -58,6 +58,11 @@ def _int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
 
 
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+
+
 def check_impl(impl, q: torch.Tensor) -> str:
     """Resolve ``impl`` to ``"reference"`` or ``"triton"`` (auto: Triton on CUDA, else reference)."""
     if impl not in IMPLS:

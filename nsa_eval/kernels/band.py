@@ -5,6 +5,11 @@ Key index `i` stands for the token `i * key_stride + key_offset` (its last token
 when that token is `<= t` and, with a window `w`, `> t - w`:
 - compression: `key_stride = d`, `key_offset = l - 1` (block `i` covers tokens `[i*d, i*d + l)`);
 - sliding window: `key_stride = 1`, `key_offset = 0`, window `w`.
+
+The three kernels share this geometry's tile arithmetic (`_key_range`, `_key_interior`,
+`_query_interior`), their tile loads and their launch configurations (`BAND_CONFIGS`, `_band_config`),
+so they stay in one file, the longest of the package: apart, each half would import the other's
+internals.
 """
 
 from __future__ import annotations
@@ -38,30 +43,20 @@ from nsa_eval.kernels._triton_utils import (
     wide_rows,
 )
 
-# Split: each loop over tiles runs in three ranges, as in FlashAttention's Triton tutorial: the tiles
-# at the window's start and on the diagonal build the causal/window/bounds mask, the interior tiles
-# between them (every query sees every key, all in range) skip it. Otherwise one masked loop. The
-# tiles stay in ascending order either way, so the results are the same; the benchmark times both.
-# The kernels (per branch: "cmp", "swa") that split; True / False: all / none. Run 7 (H200, 64k, side
-# by side): compression forward 11.50 ms split / 13.46 masked, its forward+backward 54.81 / 60.07,
-# window forward 4.82 / 5.21. The window's backward depends on the Triton that compiles it: with the
-# H200 image's 3.6 it keeps the masked loop (its forward+backward 17.8 ms split against 14.4-15.0 in
-# runs 74-87); with 3.8, the version the project pins, it splits (12.96 against 13.40 in run 88, 12.79
-# / 13.08 against 13.33 / 13.27 in run 91, scripts/probe_band.py triton38).
+# The kernels (per branch, "cmp" and "swa": forward, dq, dk/dv) whose loops over tiles run in three
+# ranges, as in FlashAttention's Triton tutorial: the tiles at the window's start and on the diagonal
+# build the causal/window/bounds mask, the interior tiles between them (every query sees every key, all
+# in range) skip it; the others run one masked loop. The tiles stay in ascending order either way, so
+# the results are the same. At 64k the split took the compression forward from 13.46 to 11.50 ms and
+# its forward+backward from 60.07 to 54.81, the window forward from 5.21 to 4.82. The window's
+# backward splits only with Triton 3.8 and later: compiled by 3.6 its split forward+backward took
+# 17.8 ms against 14.4-15.0 masked, by 3.8 12.8-13.0 against 13.3-13.4.
 TRITON_38 = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
 BAND_SPLIT_MASK = {"cmp": ("fwd", "dq", "dkv"), "swa": ("fwd", "dq", "dkv") if TRITON_38 else ("fwd",)}
 
 
-def _applies(setting, window, part: str) -> bool:
-    """A per-part knob (`BAND_SPLIT_MASK`, `BAND_TMA`, `BAND_LONGEST_FIRST`): True / False for every
-    kernel, or {branch: parts} naming the kernels ("fwd", "dq", "dkv") of each branch it applies to."""
-    if isinstance(setting, bool):
-        return setting
-    return part in setting["cmp" if window is None else "swa"]
-
-
-def _split_mask(window, part: str) -> bool:
-    return _applies(BAND_SPLIT_MASK, window, part)
+def _branch(window) -> str:
+    return "cmp" if window is None else "swa"
 
 
 @triton.jit
@@ -275,19 +270,18 @@ def _band_dq_tile(q, q2, do, lse, delta, dq, dq2, k_base, v_base, start, o_t, sk
 
 @triton.jit
 def _band_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, GATE, DQ, ADD1, ADD2,
+    Q, K, V, DO, LSE, DELTA, GATE, DQ, ADD,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, TK, HQ, G, scale, scale_log2, key_stride, key_offset, window, longest_first,
     HAS_WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
     BDV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_MASK: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False, NUM_ADD: tl.constexpr = 0,
+    SPLIT_MASK: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr, HAS_ADD: tl.constexpr,
 ):
     # TMA: K and V are tensor descriptors (`tma_descriptor`).
     # DO and DQ are contiguous [B, T, HQ, DV] / [B, T, HQ, DK]. GATED: this branch's output gradient
     # is GATE [B, T, HQ] (per row) times DO, and DELTA is rowsum(o * DO): ds = g * p * (dp - delta)
-    # for every key, so dq is the ungated one times g. NUM_ADD: the first NUM_ADD of ADD1, ADD2
-    # (contiguous like DQ, any float dtype: other branches' dq) are added in float32 before DQ's one
-    # rounding
+    # for every key, so dq is the ungated one times g. HAS_ADD: ADD (contiguous like DQ, any float dtype:
+    # the other branches' dq) is added in float32 before DQ's one rounding
     i_m, i_bh = _query_tile_and_head(longest_first)
     i_b = (i_bh // HQ).to(tl.int64)
     i_h = i_bh % HQ
@@ -338,10 +332,8 @@ def _band_bwd_dq_kernel(
     m_dq = m_t[:, None] & (o_dk < DK)[None, :]
     if BDK2 > 0:
         dq2 = dq2 * scale
-    if NUM_ADD >= 1:
-        dq, dq2 = _add_rows(ADD1, row, o_dk, m_dq, m_t, dq, dq2, DK, BDK, BDK2)
-    if NUM_ADD >= 2:
-        dq, dq2 = _add_rows(ADD2, row, o_dk, m_dq, m_t, dq, dq2, DK, BDK, BDK2)
+    if HAS_ADD:
+        dq, dq2 = _add_rows(ADD, row, o_dk, m_dq, m_t, dq, dq2, DK, BDK, BDK2)
     tl.store(DQ + row[:, None] * DK + o_dk[None, :], dq.to(DQ.dtype.element_ty), mask=m_dq)
     if BDK2 > 0:
         store_tail(DQ + row * DK, dq2, m_t, BDK, BDK2)
@@ -497,20 +489,17 @@ def _strides(x):
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-# launch configurations of the banded kernels, per branch ("cmp": compression, "swa": window); the
-# benchmark times alternatives to these (tile sizes BM x BN, warps, pipeline stages)
+# Launch configurations of the banded kernels, per branch ("cmp": compression, "swa": window) and
+# kernel, as measured at 64k (d = 128, bf16):
 BAND_CONFIGS = {
-    # compression fwd at 64k, with the mask split (run 8): 128 x 64, 8 warps, 3 stages 10.74 ms against
-    # 11.40 for 64 x 64 / 4 warps / 3 stages (before the split, run 5: 13.6 against 15.0 the other way)
+    # the compression forward in 128 x 64 tiles over 8 warps: 10.74 ms against 11.40 in 64 x 64 over 4;
+    # with TMA copies 64 x 64 over 4 warps: 0.258 ms at 8k against 0.330 (the same at 64k);
+    # dk/dv in 64 x 64 tiles over 4 warps: the forward+backward 53.2 ms against 54.8 in 64 x 128 over 8
     "cmp": dict(fwd=dict(BM=128, BN=64, num_warps=8, num_stages=3),
-                # with TMA (`BAND_TMA`), run 66: 64 x 64 / 4 warps 0.258 ms at 8k against 0.330 for
-                # 128 x 64 / 8 warps (9.66 against 9.60 at 64k, 2.400 against 2.401 at 64k and G = 4)
                 fwd_tma=dict(BM=64, BN=64, num_warps=4, num_stages=3),
                 dq=dict(BM=64, BN=64, num_warps=4, num_stages=2),
-                # compression fwd+bwd at 64k, 64 x 64 / 4 warps against 64 x 128 / 8 warps: 62.2 vs 59.9
-                # (run 5), 59.9 vs 60.9 (run 6), 53.2 vs 54.8 (run 8, with the mask split)
                 dkv=dict(BM=64, BN=64, num_warps=4, num_stages=2)),
-    # window fwd at 64k (run 8): 64 x 64, 4 warps, 3 stages 4.20 ms against 4.82 for 128 x 64 / 8 warps
+    # the window forward in 64 x 64 tiles over 4 warps: 4.20 ms against 4.82 in 128 x 64 over 8
     "swa": dict(fwd=dict(BM=64, BN=64, num_warps=4, num_stages=3),
                 dq=dict(BM=64, BN=64, num_warps=4, num_stages=2),
                 dkv=dict(BM=64, BN=64, num_warps=4, num_stages=2)),
@@ -519,62 +508,58 @@ BAND_CONFIGS = {
 
 # The kernels (per branch, as BAND_SPLIT_MASK) that read their streamed tiles through Hopper's tensor
 # memory accelerator, one bulk copy per tile from a tensor descriptor (`tma_descriptor`), instead of
-# per-thread loads: the key and value tiles of the forward and dq, the query and do tiles of dk/dv
-# (where `tma_ok`: Hopper or later, aligned rows; True / False: all / none). Run 66 at 64k (forwards,
-# side by side): compression 9.60 ms against 10.60 with loads, window 3.45 against 3.97; at 8k 0.330 /
-# 0.346 and 0.417 / 0.481. Run 68, forward+backward at 64k with the selected forward's TMA: the
-# whole NSA 123.56 ms with these parts, 125.82 with every part, 129.59 with the forwards' alone (129.84
-# - 130.62 with no TMA); the compression op 47.47 against 48.06 with its dq too.
+# per-thread loads (where `tma_ok`: Hopper or later, aligned rows): the key and value tiles of the
+# forward and dq, the query and do tiles of dk/dv. The forwards at 64k: compression 9.60 ms against
+# 10.60 with loads, window 3.45 against 3.97; the whole NSA's forward+backward 123.56 ms with these
+# parts against 125.82 with every part (the compression's dq too) and 129.84-130.62 with none.
 BAND_TMA = {"cmp": ("fwd", "dkv"), "swa": ("fwd", "dq", "dkv")}
 
 
-def _tma(window, part: str) -> bool:
-    return _applies(BAND_TMA, window, part)
+def _tma(window, part: str, tma: bool | None = None) -> bool:
+    """Whether a kernel copies its tiles with TMA (before `tma_ok` and the head dim have their say):
+    `BAND_TMA`'s parts for None, every part for True, none for False."""
+    return part in BAND_TMA[_branch(window)] if tma is None else tma
 
 
-# Launch order of the banded kernels' programs: True, heads fastest and the longest tiles first (the
-# last query tiles of the forward and dq, the first key tiles of dk/dv: with the compression's causal
-# band they do up to 64x the work of the shortest, and a long program launched last keeps its SM busy
-# after the others are done); False, tiles fastest in index order (the first versions). Per kernel
-# as BAND_SPLIT_MASK ({branch: parts} with True). Run 98 (scripts/probe_band.py order), in alternation:
-# the forwards in index order (either, both, or with every kernel) gained nothing, 64k forward
-# 33.15-34.70 ms against 33.05-33.56, forward+backward 108.21-108.77 against 107.42-108.25
-BAND_LONGEST_FIRST = True
+def _split_mask(window, part: str, split_mask: bool | None = None) -> bool:
+    """Whether a kernel splits its loops (`BAND_SPLIT_MASK` for None)."""
+    return part in BAND_SPLIT_MASK[_branch(window)] if split_mask is None else split_mask
 
 
-def _launch(tiles: int, heads: int, window, part: str) -> tuple[tuple[int, int], int]:
-    """(grid, longest_first) of a banded launch. The longest-first grid puts the tiles on CUDA's grid
-    y, which holds at most 65,535 tiles (4M tokens in 64-token tiles, 2M keys in the 32-key dk/dv
-    tiles of q/k dims past 128): beyond that, index order."""
-    longest_first = _applies(BAND_LONGEST_FIRST, window, part) and tiles <= 65535
+def _launch(tiles: int, heads: int, longest_first: bool = True) -> tuple[tuple[int, int], int]:
+    """(grid, longest_first) of a banded launch. Longest first: heads fastest and the longest tiles
+    first (the last query tiles of the forward and dq, the first key tiles of dk/dv do up to 64x the
+    work of the shortest in the compression's causal band), so that no long program launched last
+    keeps its SM busy after the others are done. That grid puts the tiles on CUDA's grid y, which
+    holds at most 65,535 tiles (4M tokens in 64-token tiles, 2M keys in the 32-key dk/dv tiles of
+    q/k dims past 128): beyond that, and with `longest_first` False, index order."""
+    longest_first = longest_first and tiles <= 65535
     return ((heads, tiles) if longest_first else (tiles, heads)), int(longest_first)
 
 
 def _band_config(window, part, dtype=torch.bfloat16, dk=128, dv=128, tma=False):
-    configs = BAND_CONFIGS["cmp" if window is None else "swa"]
+    configs = BAND_CONFIGS[_branch(window)]
     cfg = dict(configs.get(f"{part}_tma", configs[part]) if tma else configs[part])
     if interpreting():
         cfg.update(BM=16, BN=16)
     elif wide_rows(dtype, dk, dv):
-        # wide tiles beyond 64 x 64 can overflow shared memory (float32's dk/dv in 64 x 128 needed 262 KB
-        # of the H200's 227 KB in run 5), and so can the forward at 3 stages (float32's three tf32
-        # passes, `dot`: 295 KB); tests/kernels/test_h200_resources.py compiles every default
+        # wide tiles beyond 64 x 64 can overflow shared memory (float32's dk/dv in 64 x 128 needs 262 KB
+        # of the H200's 227 KB), and so can the forward at 3 stages (float32's three tf32 passes, `dot`:
+        # 295 KB); tests/kernels/test_h200_resources.py compiles every default
         if cfg["BM"] * cfg["BN"] > 64 * 64:
             cfg.update(BM=64, BN=64, num_warps=4)
         if part == "fwd":
             cfg["num_stages"] = min(cfg["num_stages"], 2)
     if dk > 128 and part == "dkv":
         # dk/dv past 128 q/k dims holds three float32 accumulators of a key tile (dk in two parts when
-        # split, `dk_tiles`) and spills (1,260 bytes at 192 / 128): 32-key tiles. Run 45, 192 / 128
-        # at 64k, forward+backward: compression 90.49 ms against 100.22 (8 warps 94.69), window 28.63
-        # against 31.56. With it and the selected forward's 2 warps, the NSA at 256 / 256 took 82.70 /
-        # 334.93 ms (run 46) against 97.93 / 380.25 (run 44)
+        # split, `dk_tiles`) and spills (1,260 bytes at 192 / 128): 32-key tiles. At 192 / 128 and 64k
+        # the forward+backward of the compression took 90.49 ms against 100.22 (8 warps 94.69), the
+        # window's 28.63 against 31.56; the NSA's at 256 / 256 334.93 ms against 380.25
         cfg["BN"] = min(cfg["BN"], 32)
     # The paper's 192: 32-key dq tiles, and 2 forward stages (at 3 the window's forward needs 147,456
-    # bytes, one program per SM). Run 47 at 64k: compression forward+backward 90.56 ms against 92.32,
-    # window 26.35 against 28.33; the window forward 4.75 against 6.57, the compression's 12.60 against
-    # 12.84. Taken at 256 too, they left the NSA at 85.44 / 349.47 ms (run 48) against 82.70 / 334.93
-    # without (run 46; two runs, whose 128 / 128 differed by 4%), so 256 keeps the launches above.
+    # bytes, one program per SM). At 64k the compression's forward+backward took 90.56 ms against
+    # 92.32, the window's 26.35 against 28.33, the window forward 4.75 against 6.57. At 256 they made
+    # the NSA slower (349.47 ms forward+backward against 334.93), so 256 keeps the launches above.
     if 128 < dk <= 192 and part == "dq":
         cfg["BN"] = min(cfg["BN"], 32)
     if 128 < dk <= 192 and part == "fwd":
@@ -582,41 +567,47 @@ def _band_config(window, part, dtype=torch.bfloat16, dk=128, dv=128, tma=False):
     return cfg
 
 
-def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None):
+def band_forward(q, k, v, *, scale, key_stride, key_offset, window=None, tma=None, split_mask=None,
+                 longest_first=True):
     """Banded attention forward. q [B,T,Hq,Dk], k [B,Tk,Hkv,Dk], v [B,Tk,Hkv,Dv] (last dim
-    contiguous) -> o [B,T,Hq,Dv] (q.dtype), lse [B,T,Hq] float32 (natural log, -inf if empty)."""
+    contiguous) -> o [B,T,Hq,Dv] (q.dtype), lse [B,T,Hq] float32 (natural log, -inf if empty).
+    `tma`, `split_mask` (None: the defaults, `BAND_TMA` and `BAND_SPLIT_MASK`) and `longest_first`
+    choose how the kernels read and order their tiles, not what they compute (up to float32
+    rounding): tests and the benchmark pass them to cover or time a path."""
     B, T, HQ, DK = q.shape
     TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
     o = torch.empty(B, T, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     BDK, BDK2 = dk_tiles(DK)
-    tma = _tma(window, "fwd") and not BDK2 and tma_ok(k, v)
+    tma = _tma(window, "fwd", tma) and not BDK2 and tma_ok(k, v)
     cfg = _band_config(window, "fwd", q.dtype, DK, DV, tma=tma)
     BM = cfg["BM"]
-    grid, longest_first = _launch(cdiv(T, BM), B * HQ, window, "fwd")
+    grid, longest_first = _launch(cdiv(T, BM), B * HQ, longest_first)
     kv = (tma_descriptor(k, cfg["BN"], BDK), tma_descriptor(v, cfg["BN"], pow2(DV))) if tma else (k, v)
     launcher(_band_fwd_kernel)[grid](
         q, *kv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         T, TK, HQ, HQ // HKV, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
         HAS_WINDOW=window is not None, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV),
-        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "fwd"), TMA=tma, **cfg,
+        UPCAST=interpreting(), SPLIT_MASK=_split_mask(window, "fwd", split_mask), TMA=tma, **cfg,
     )
     return o, lse
 
 
 def band_backward(q, k, v, o, lse, do, dlse=None, *, scale, key_stride, key_offset, window=None,
-                  split_heads=False, delta=None, gate=None):
+                  split_heads=False, delta=None, gate=None, tma=None, split_mask=None, longest_first=True):
     """Gradients of `band_forward`: (dq, dk, dv). `split_heads` runs one dk/dv program per query
     head and sums the group afterwards (many keys seen by long query ranges: compression). `delta`:
     float32 `[B, T, Hq]` rowsum(o * do) where the caller has it (then `dlse` must be None). `gate`
     (contiguous `[B, T, Hq]`, with `dlse` None): the output's gradient is `gate[..., None] * do`,
-    applied inside the kernels (no scaled copy of do); `delta` stays rowsum(o * do)."""
+    applied inside the kernels (no scaled copy of do); `delta` stays rowsum(o * do). `tma`,
+    `split_mask`, `longest_first`: as in `band_forward`."""
     do = do.contiguous()
     if gate is not None and dlse is not None:
         raise ValueError("band_backward: gate and dlse cannot be combined")
     if delta is None:
         delta = row_delta(o.contiguous(), do, dlse)
-    band = dict(scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, gate=gate)
+    band = dict(scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, gate=gate, tma=tma,
+                split_mask=split_mask, longest_first=longest_first)
     dq = band_backward_dq(q, k, v, lse, do, delta, **band)
     dk, dv = band_backward_dkv(q, k, v, lse, do, delta, split_heads=split_heads, **band)
     return dq, dk, dv
@@ -630,34 +621,35 @@ def _band_consts(window, dk: int, dv: int) -> dict:
 
 
 def band_backward_dq(q, k, v, lse, do, delta, *, scale, key_stride, key_offset, window=None, gate=None,
-                     add=(), dtype=None):
+                     add=None, dtype=None, tma=None, split_mask=None, longest_first=True):
     """dq `[B, T, Hq, Dk]` of `band_forward` (as `band_backward`; do contiguous, delta float32
-    `[B, T, Hq]`), plus the tensors in `add` (at most two, contiguous, of dq's shape, any float dtype:
-    the other branches' dq), summed in float32 and rounded once to `dtype` (default q's)."""
+    `[B, T, Hq]`), plus `add` (contiguous, of dq's shape, any float dtype: the other branches' dq),
+    summed in float32 and rounded once to `dtype` (default q's). `tma`, `split_mask`,
+    `longest_first`: as in `band_forward`."""
     B, T, HQ, DK = q.shape
     TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
-    if len(add) > 2 or any(a.shape != q.shape or not a.is_contiguous() for a in add):
-        raise ValueError("band_backward_dq: add takes at most two contiguous tensors of shape "
-                         f"{tuple(q.shape)}")
+    if add is not None and (add.shape != q.shape or not add.is_contiguous()):
+        raise ValueError(f"band_backward_dq: add must be a contiguous tensor of shape {tuple(q.shape)}")
     dq = torch.empty(B, T, HQ, DK, device=q.device, dtype=dtype or q.dtype)
     BDK, BDK2 = dk_tiles(DK)
     cfg = _band_config(window, "dq", q.dtype, DK, DV)
-    grid, longest_first = _launch(cdiv(T, cfg["BM"]), B * HQ, window, "dq")
-    tma = _tma(window, "dq") and not BDK2 and tma_ok(k, v)
+    grid, longest_first = _launch(cdiv(T, cfg["BM"]), B * HQ, longest_first)
+    tma = _tma(window, "dq", tma) and not BDK2 and tma_ok(k, v)
     kv = (tma_descriptor(k, cfg["BN"], BDK), tma_descriptor(v, cfg["BN"], pow2(DV))) if tma else (k, v)
-    adds = (*add, dq, dq)[:2]  # unused slots point at dq (never read)
     launcher(_band_bwd_dq_kernel)[grid](
-        q, *kv, do, lse, delta, delta if gate is None else gate, dq, *adds, *_strides(q), *_strides(k),
+        q, *kv, do, lse, delta, delta if gate is None else gate, dq, dq if add is None else add, *_strides(q),
+        *_strides(k),
         *_strides(v),
         T, TK, HQ, HQ // HKV, scale, scale * LOG2E, key_stride, key_offset, window or 0, longest_first,
-        **cfg, **_band_consts(window, DK, DV), SPLIT_MASK=_split_mask(window, "dq"), GATED=gate is not None,
-        TMA=tma, NUM_ADD=len(add),
+        **cfg, **_band_consts(window, DK, DV), SPLIT_MASK=_split_mask(window, "dq", split_mask),
+        GATED=gate is not None,
+        TMA=tma, HAS_ADD=add is not None,
     )
     return dq
 
 
 def band_backward_dkv(q, k, v, lse, do, delta, *, scale, key_stride, key_offset, window=None, gate=None,
-                      split_heads=False):
+                      split_heads=False, tma=None, split_mask=None, longest_first=True):
     """(dk, dv) of `band_forward` (as `band_backward`; do contiguous, delta float32 `[B, T, Hq]`)."""
     B, T, HQ, DK = q.shape
     TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -668,8 +660,8 @@ def band_backward_dkv(q, k, v, lse, do, delta, *, scale, key_stride, key_offset,
     dk = torch.empty(B, TK, HKV * split, DK, device=q.device, dtype=buf_dtype)
     dv = torch.empty(B, TK, HKV * split, DV, device=q.device, dtype=buf_dtype)
     cfg = _band_config(window, "dkv", q.dtype, DK, DV)
-    grid, longest_first = _launch(cdiv(TK, cfg["BN"]), B * HKV * split, window, "dkv")
-    tma = _tma(window, "dkv") and not BDK2 and tma_ok(q, do)
+    grid, longest_first = _launch(cdiv(TK, cfg["BN"]), B * HKV * split, longest_first)
+    tma = _tma(window, "dkv", tma) and not BDK2 and tma_ok(q, do)
     q_src, do_src = q, do
     if tma:
         q_src, do_src = tma_descriptor(q, cfg["BM"], BDK), tma_descriptor(do, cfg["BM"], pow2(DV))
@@ -677,8 +669,8 @@ def band_backward_dkv(q, k, v, lse, do, delta, *, scale, key_stride, key_offset,
         q_src, k, v, do_src, lse, delta, delta if gate is None else gate, dk, dv, *_strides(q), *_strides(k),
         *_strides(v),
         T, TK, HQ, G, split, scale, scale * LOG2E, key_stride, key_offset, window or 0,
-        longest_first, **cfg, **_band_consts(window, DK, DV), SPLIT_MASK=_split_mask(window, "dkv"),
-        GATED=gate is not None, TMA=tma,
+        longest_first, **cfg, **_band_consts(window, DK, DV),
+        SPLIT_MASK=_split_mask(window, "dkv", split_mask), GATED=gate is not None, TMA=tma,
     )
     if split > 1:
         dk = dk.view(B, TK, HKV, split, DK).sum(3).to(k.dtype)  # [B, TK, HKV, DK]

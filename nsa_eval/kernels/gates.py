@@ -1,6 +1,6 @@
-"""The gated sum of NSA's three branches in Triton, `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa`
-(forward, and a backward that also gives each branch's softmax row term), and the one-pass sum of
-the branches' dq (`sum3`).
+"""The gated sum of NSA's three branches in Triton, `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa`:
+the forward pass (where the selected forward does not write it, `prefill.writes_gated_sum`) and the
+backward, which also gives each branch's softmax row term.
 """
 
 from __future__ import annotations
@@ -9,35 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import cdiv, contiguous, launcher, pow2
-
-
-@triton.jit
-def _sum3_kernel(A, B, C, OUT, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < N
-    total = tl.load(A + offs, mask=m, other=0.0).to(tl.float32)
-    total += tl.load(B + offs, mask=m, other=0.0).to(tl.float32)
-    total += tl.load(C + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, total.to(OUT.dtype.element_ty), mask=m)
-
-
-def sum3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dtype: torch.dtype,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """`(a + b + c).to(dtype)`, summed in float32 in one pass (one rounding); a, b, c of one shape,
-    any float dtypes. `out`: a contiguous tensor of that shape and dtype to write (it may be one of
-    the inputs: each element is read before it is written). The reference:
-    `(a.float() + b.float() + c.float()).to(dtype)`."""
-    a, b, c = contiguous(a, b, c)
-    if out is None:
-        out = torch.empty(a.shape, device=a.device, dtype=dtype)
-    elif out.shape != a.shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"sum3: out must be a contiguous {dtype} tensor of shape {tuple(a.shape)}")
-    n = a.numel()
-    if n:
-        BLOCK = 1024
-        launcher(_sum3_kernel)[(cdiv(n, BLOCK),)](a, b, c, out, n, BLOCK=BLOCK, num_warps=4)
-    return out
+from nsa_eval.kernels._triton_utils import cdiv, launcher, pow2
 
 
 @triton.jit
@@ -59,11 +31,11 @@ def _gate_fwd_kernel(OC, OS, OW, GC, GS, GW, O, N, DV: tl.constexpr, BDV: tl.con
 
 @triton.jit
 def _gate_bwd_kernel(OC, OS, OW, GC, GS, GW, DO, DOC, DOS, DOW, DGC, DGS, DGW, DELTA, N, DV: tl.constexpr,
-                     BDV: tl.constexpr, BR: tl.constexpr, HAS_DELTA: tl.constexpr, SCALED_DO: tl.constexpr):
-    # d o_x = g_x * do, d g_x = rowsum(o_x * do); everything contiguous as in the forward.
-    # HAS_DELTA: also each branch's softmax-backward row term, float32 DELTA [3, N] (cmp, slc, swa),
-    # so that the branches need no delta pass of their own: rowsum(o_x * d o_x) = g_x * d g_x with
-    # SCALED_DO, else (no d o_x written: the branches' kernels apply g_x themselves) d g_x in float32
+                     BDV: tl.constexpr, BR: tl.constexpr, SCALED_DO: tl.constexpr):
+    # d o_x = g_x * do, d g_x = rowsum(o_x * do); everything contiguous as in the forward. Also each
+    # branch's softmax-backward row term, float32 DELTA [3, N] (cmp, slc, swa), so that the branches
+    # need no delta pass of their own: rowsum(o_x * d o_x) = g_x * d g_x with SCALED_DO, else (no d o_x
+    # written: the branches' kernels apply g_x themselves) d g_x in float32
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
     cols = tl.arange(0, BDV)
     m_r = rows < N
@@ -83,29 +55,15 @@ def _gate_bwd_kernel(OC, OS, OW, GC, GS, GW, DO, DOC, DOS, DOW, DGC, DGS, DGW, D
     tl.store(DGS + rows, dgs.to(DGS.dtype.element_ty), mask=m_r)
     dgw = tl.sum(tl.load(OW + offs, mask=mask, other=0.0).to(tl.float32) * do, 1)
     tl.store(DGW + rows, dgw.to(DGW.dtype.element_ty), mask=m_r)
-    if HAS_DELTA:
-        if SCALED_DO:
-            dgc, dgs, dgw = gc * dgc, gs * dgs, gw * dgw
-        tl.store(DELTA + rows, dgc, mask=m_r)
-        tl.store(DELTA + N + rows, dgs, mask=m_r)
-        tl.store(DELTA + 2 * N + rows, dgw, mask=m_r)
+    if SCALED_DO:
+        dgc, dgs, dgw = gc * dgc, gs * dgs, gw * dgw
+    tl.store(DELTA + rows, dgc, mask=m_r)
+    tl.store(DELTA + N + rows, dgs, mask=m_r)
+    tl.store(DELTA + 2 * N + rows, dgw, mask=m_r)
 
 
 def _gate_rows(dv: int) -> int:
     return max(1, min(64, 4096 // pow2(dv)))
-
-
-class GatedSumFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
-        inputs = contiguous(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)
-        ctx.save_for_backward(*inputs)
-        return gate_forward(*inputs)
-
-    @staticmethod
-    def backward(ctx, do):
-        d_o, d_g, _ = gate_backward(*ctx.saved_tensors, do, with_delta=False)
-        return (*d_o, *d_g)
 
 
 def gate_forward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
@@ -120,31 +78,21 @@ def gate_forward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
     return o
 
 
-def gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *, with_delta, scaled_do=True):
-    """Backward of `gated_sum` (contiguous inputs): ([do_cmp, do_slc, do_swa], [dg_cmp, dg_slc,
-    dg_swa], delta), with delta float32 `[3, B, T, Hq]`, each branch's rowsum(o_x * do_x), if asked
-    (else None). `scaled_do=False`: no do_x = g_x * do is written (None in its place) and delta is
-    each branch's rowsum(o_x * do), for kernels that take do and g_x (`band_backward(gate=...)`,
-    `selected_backward(gate=...)`)."""
+def gate_backward(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *, scaled_do=True):
+    """Backward of the gated sum (contiguous inputs; o_x, do `[B, T, Hq, Dv]`, g_x `[B, T, Hq]`):
+    ([do_cmp, do_slc, do_swa], [dg_cmp, dg_slc, dg_swa], delta), with delta float32 `[3, B, T, Hq]`,
+    each branch's rowsum(o_x * do_x). `scaled_do=False`: no do_x = g_x * do is written (None in its
+    place) and delta is each branch's rowsum(o_x * do), for kernels that take do and g_x
+    (`band_backward(gate=...)`, `selected_backward(gate=...)`)."""
     do = do.contiguous()
     dv = o_cmp.shape[-1]
     n = o_cmp.numel() // max(dv, 1)
-    if not scaled_do and not with_delta:
-        raise ValueError("gate_backward: scaled_do=False needs with_delta=True")
     d_o = [torch.empty_like(x) if scaled_do else do for x in (o_cmp, o_slc, o_swa)]
     d_g = [torch.empty_like(g) for g in (g_cmp, g_slc, g_swa)]
-    delta = torch.empty(3, *g_cmp.shape, device=do.device, dtype=torch.float32) if with_delta else None
+    delta = torch.empty(3, *g_cmp.shape, device=do.device, dtype=torch.float32)
     if n:
         BR = _gate_rows(dv)
         launcher(_gate_bwd_kernel)[(cdiv(n, BR),)](
-            o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *d_o, *d_g, delta if with_delta else do, n, DV=dv,
-            BDV=pow2(dv), BR=BR, HAS_DELTA=with_delta, SCALED_DO=scaled_do, num_warps=4)
+            o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa, do, *d_o, *d_g, delta, n, DV=dv, BDV=pow2(dv), BR=BR,
+            SCALED_DO=scaled_do, num_warps=4)
     return (d_o if scaled_do else [None] * 3), d_g, delta
-
-
-def gated_sum(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa):
-    """`g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa` in one pass (float32 math, one rounding).
-
-    o_*: `[B, T, Hq, Dv]` (same dtype); g_*: `[B, T, Hq]`. Returns `[B, T, Hq, Dv]`; differentiable.
-    """
-    return GatedSumFunction.apply(o_cmp, o_slc, o_swa, g_cmp, g_slc, g_swa)

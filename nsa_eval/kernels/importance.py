@@ -4,9 +4,14 @@ and KV head, and `select_blocks`, which keeps the forced blocks and the most imp
 `select_blocks`: one program per (tile of query positions, KV head) loads all G query heads of the
 group for `BT` positions (`M = BT * G'` rows, `G'` = G rounded up to a power of two, so `tl.dot`
 gets `M >= 16` for any G), streams the compressed keys in chunks aligned with selection blocks,
-turns scores into probabilities with the compression branch's lse, and maps them onto selection
-blocks with the geometric overlap weights (`|block_i ∩ block_j| / d`, see reference.py) as a small
-matmul. Weight that spills past the chunk's last selection block is carried into the next chunk.
+turns scores into probabilities with the compression branch's lse, sums them over the group, and
+maps them onto selection blocks with the geometric overlap weights (`|block_i ∩ block_j| / d`, see
+reference.py). The weight of compressed block `c = j * RATIO + r` on selection block `j + k` depends
+only on `(r, k)`, so the map is a sum over `r` for each `k` up to `K`, the farthest block a compressed
+block reaches, each landing `k` blocks later: a rotation whose wrapped part spills into the next
+chunk, carried there. With the paper's sizes (4 compressed blocks a selection block) the compressed
+keys are loaded in an order that puts whole selection blocks in each thread's accumulator columns, so
+the map runs in registers before the group sum (`LANES`).
 The importances (summed over the group) go to a float32 buffer `[B*T*Hkv, Ns]`; `topk.topk_blocks`
 keeps the forced blocks and the largest importances (ties to the lower index) and writes them
 ascending, `-1` padded. Needs `select_size % stride == 0` with a power-of-two ratio (true for the
@@ -31,48 +36,22 @@ from nsa_eval.kernels._triton_utils import (
     launcher,
     load_rows,
     load_tail,
-    overlap_weights,
     pow2,
     wide_rows,
 )
 from nsa_eval.kernels.band import band_forward
 from nsa_eval.kernels.topk import topk_blocks
 
-# True: sum the probabilities over the group before mapping them onto selection blocks (BT rows, not
-# BT * G'); False: the first version, per-head tf32x3 matmuls (run 17, select_blocks at 64k: 20.3 ms
-# against 9.8)
-IMPORTANCE_GROUP_FIRST = True
-# rows (positions x G') per importance program and its launch, per map (IMPORTANCE_MAP): more rows
-# read each compressed key for more positions (fewer bytes), at more registers and shared memory.
-# select_blocks at 64k (run 8): reshape 10.43 ms with 128 rows / 8 warps, 11.20 with 64 / 4;
-# broadcast 16.41 with 64 rows, 31.35 with 128. With the lane map and unmasked chunks (80 registers at
-# 128 rows, 119 at 256), run 23: 256 rows / 8 warps 6.83 ms against 7.27 for 128 / 8. The 256 rows
-# apply where `importance_launch` allows them (16-bit inputs, G' >= 16, q/k dims outside (128, 192]);
-# elsewhere 128.
-IMPORTANCE_CONFIG = {"reshape": dict(rows=256, num_warps=8, num_stages=3),
-                     "broadcast": dict(rows=64, num_warps=4, num_stages=3)}
-# warps and stages of the reshape map by G' below 16, where rows are 128 (`importance_launch`), for
-# 16-bit q/k dims up to 128 (where it was measured). G = 4 at 64k: the kernel alone 1.664 ms at 4 warps
-# and 2 stages against 1.724-1.727 for 8 and 3 (run 103, scripts/probe_importance.py launches); the G = 4
-# forward 16.69-16.92 ms against 16.76-18.17 in five rounds in alternation (run 108, `... g4rounds`)
-RESHAPE_LAUNCH_BY_GROUP = {4: dict(num_warps=4, num_stages=2)}
-# How the group's probabilities pg [BT, BC] (IMPORTANCE_GROUP_FIRST) are mapped onto the chunk's BNS
-# selection blocks; the benchmark times both.
-#   "broadcast": products with the [BC, BNS] overlap weights, a [BT, BC, BNS] broadcast reduced across
-#       threads (or tf32x3 dots beyond 8192 products), twice (this chunk's blocks and the spill).
-#   "reshape": the weight of compressed block c = j * RATIO + r on selection block j + k depends only
-#       on (r, k), so x_k = sum_r a[r, k] * pg[:, j * RATIO + r] ([BT, BNS, RATIO] -> [BT, BNS]) and
-#       x_k lands k blocks later: a rotation (tl.gather) whose wrapped part is the spill. Used while
-#       the farthest block reached, K, is <= IMPORTANCE_RESHAPE_MAX_K (one rotation per k is unrolled).
-IMPORTANCE_MAP = "reshape"  # run 8, select_blocks at 64k: 10.43 ms against 16.41 for broadcast
-IMPORTANCE_RESHAPE_MAX_K = 2  # paper's 32/16/64: K = 1; fla's 64/64/64: K = 0
-# Chunks that every row of a program sees whole (all but the last one or two of each program) run
-# without the visibility mask: no compare and select per probability (True); False masks every chunk.
-IMPORTANCE_SPLIT_MASK = True
-# The reshape map with 4 compressed blocks per selection block (the paper's sizes): the compressed keys
-# of a chunk are loaded in an order that puts whole selection blocks in each thread's accumulator
-# columns, so the map runs in registers before the group sum, which then shuffles 4x fewer values.
-IMPORTANCE_LANE_MAP = True
+# rows (positions x G') a program holds: more rows read each compressed key for more positions (fewer
+# bytes) at more registers and shared memory; 256 rows over 8 warps took select_blocks at 64k from
+# 7.27 to 6.83 ms against 128. `importance_launch` fits them to the group, the dtype and the head dim.
+IMPORTANCE_LAUNCH = dict(rows=256, num_warps=8, num_stages=3)
+# G' below 16 holds 128 rows; at G' = 4 (16-bit q/k dims up to 128, where it was measured) 4 warps and
+# 2 stages took the kernel at 64k from 1.72 to 1.66 ms.
+LAUNCH_BY_GROUP = {4: dict(num_warps=4, num_stages=2)}
+# selection blocks a chunk maps at once: the rotation's width, so the farthest block a compressed block
+# may reach (K <= 16, `block_importance`'s check) spills into the next chunk at most
+CHUNK_BLOCKS = 16
 
 
 @triton.jit
@@ -81,11 +60,10 @@ def _importance_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
     T, TC, HQ, G, NS, scale_log2, block_len: tl.constexpr, stride: tl.constexpr, select_size: tl.constexpr,
     DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
-    BNS: tl.constexpr, RATIO: tl.constexpr, GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
-    UPCAST: tl.constexpr, SPLIT_MASK: tl.constexpr, LANES: tl.constexpr,
+    BNS: tl.constexpr, RATIO: tl.constexpr, K: tl.constexpr, UPCAST: tl.constexpr, LANES: tl.constexpr,
 ):
-    # RESHAPE: the "reshape" map of IMPORTANCE_MAP (with GROUP_FIRST), K: its farthest block ahead;
-    # SPLIT_MASK: chunks that every row sees whole skip the visibility mask (IMPORTANCE_SPLIT_MASK)
+    # K: the farthest selection block ahead of its own that a compressed block reaches (<= BNS);
+    # LANES: the lane-ordered map of RATIO = 4 (`_importance_chunk`)
     BC: tl.constexpr = BNS * RATIO  # compressed blocks per chunk of BNS selection blocks
     HKV = HQ // G
     i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
@@ -97,34 +75,25 @@ def _importance_kernel(
     lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634  # [M]
     k_base = KC + i_b * sk_b + i_hk * sk_h
 
-    if RESHAPE:
-        w_main = 0.0
-        w_spill = 0.0
-    else:
-        w_main, w_spill = overlap_weights(stride, block_len, select_size, BC, BNS)  # [BC, BNS] each
-
     t_last = tl.minimum(t0 + BT - 1, T - 1)
     ns_hi = t_last // select_size + 1
     carry = tl.zeros([BT, BNS], tl.float32)
     r_rows = (i_b * T + t0 + tl.arange(0, BT)) * HKV + i_hk  # [BT] rows of IMP
     m_rows = (t0 + tl.arange(0, BT)) < T
-    j_full = 0
-    if SPLIT_MASK:
-        # chunks whose compressed blocks are all visible to the program's first position, so to every
-        # row: no mask, and padding rows (past T, or heads past G) drop out through lse = +inf
-        n_full = tl.minimum(tl.maximum(t0 - block_len + 1 + stride, 0) // stride, TC)  # blocks t0 sees
-        j_full = (n_full // BC) * BNS
-        lse_full = tl.where(m_r, lse, float("inf"))
-        for j0 in range(0, j_full, BNS):
-            carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse_full, r_t, m_r, j0, TC, stride,
-                                      block_len, scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS,
-                                      select_size, DK, BDK, BDK2, BT, GP, BNS, RATIO, GROUP_FIRST, RESHAPE, K,
-                                      UPCAST, LANES, False)
+    # chunks whose compressed blocks are all visible to the program's first position, so to every row,
+    # skip the visibility mask (a compare and select per probability); padding rows (past T, or heads
+    # past G) drop out there through lse = +inf
+    n_full = tl.minimum(tl.maximum(t0 - block_len + 1 + stride, 0) // stride, TC)  # blocks t0 sees
+    j_full = (n_full // BC) * BNS
+    lse_full = tl.where(m_r, lse, float("inf"))
+    for j0 in range(0, j_full, BNS):
+        carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse_full, r_t, m_r, j0, TC, stride, block_len,
+                                  scale_log2, carry, IMP, r_rows, m_rows, NS, select_size, DK, BDK, BDK2, BT,
+                                  GP, BNS, RATIO, K, UPCAST, LANES, False)
     for j0 in range(j_full, ns_hi, BNS):
         carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride, block_len,
-                                  scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS, select_size,
-                                  DK, BDK, BDK2, BT, GP, BNS, RATIO, GROUP_FIRST, RESHAPE, K, UPCAST, LANES,
-                                  True)
+                                  scale_log2, carry, IMP, r_rows, m_rows, NS, select_size, DK, BDK, BDK2, BT,
+                                  GP, BNS, RATIO, K, UPCAST, LANES, True)
 
 
 @triton.jit
@@ -142,11 +111,10 @@ def _overlap_weight(r: tl.constexpr, k: tl.constexpr, block_len: tl.constexpr, s
 
 @triton.jit
 def _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: tl.constexpr,
-                      block_len: tl.constexpr, scale_log2, carry, w_main, w_spill, IMP, r_rows, m_rows, NS,
+                      block_len: tl.constexpr, scale_log2, carry, IMP, r_rows, m_rows, NS,
                       select_size: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
                       BT: tl.constexpr, GP: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr,
-                      GROUP_FIRST: tl.constexpr, RESHAPE: tl.constexpr, K: tl.constexpr,
-                      UPCAST: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr):
+                      K: tl.constexpr, UPCAST: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr):
     # importances of selection blocks j0 .. j0 + BNS - 1 (plus `carry`, the weight spilled into them by
     # the previous chunk) stored; returns what spills into the next chunk. MASKED: the chunk may hold
     # blocks some row does not see (or past TC); unmasked chunks are visible to every row.
@@ -179,81 +147,65 @@ def _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride: 
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)  # [M, BC]
     else:
         p = tl.exp2(s - lse[:, None])
-    if GROUP_FIRST:
-        if LANES:  # the map over r first, in registers, then the group sum on 4x fewer values
-            p5 = tl.reshape(p, [BT, GP, BNS // 4, 2, 4, 2])  # (position, head, i, h, l, e)
-            p5 = tl.permute(p5, (0, 1, 2, 4, 3, 5))  # (.., i, l, h, e)
-            p_e0, p_e1 = tl.split(p5)  # [BT, GP, BNS // 4, 4, 2] (.., i, l, h)
-            p_r0, p_r2 = tl.split(p_e0)  # [BT, GP, BNS // 4, 4]: p of compressed block r = 2*h + e
-            p_r1, p_r3 = tl.split(p_e1)
-        else:
-            pg = tl.sum(tl.reshape(p, [BT, GP, BC]), 1)  # [BT, BC] summed over the group first
-        if RESHAPE:
-            if not LANES:
-                p3 = tl.reshape(pg, [BT, BNS, RATIO])  # p of compressed block j * RATIO + r
-            main = tl.zeros([BT, BNS], tl.float32)
-            spill = tl.zeros([BT, BNS], tl.float32)
-            c_lo = tl.arange(0, RATIO) * stride  # [RATIO] start of compressed block r in its selection block
-            for k in tl.static_range(K + 1):
-                # a[r, k] [RATIO]: tokens [r*stride, r*stride + block_len) in selection block k, / stride
-                a_k = tl.maximum(tl.minimum(c_lo + block_len, (k + 1) * select_size)
-                                 - tl.maximum(c_lo, k * select_size), 0).to(tl.float32) / stride
-                if LANES:  # the weights are constants: zero terms drop out, ones cost no multiply
-                    x = tl.zeros([BT, GP, BNS // 4, 4], tl.float32)
-                    if _overlap_weight(0, k, block_len, stride, select_size) != 0:
-                        x += p_r0 * _overlap_weight(0, k, block_len, stride, select_size)
-                    if _overlap_weight(1, k, block_len, stride, select_size) != 0:
-                        x += p_r1 * _overlap_weight(1, k, block_len, stride, select_size)
-                    if _overlap_weight(2, k, block_len, stride, select_size) != 0:
-                        x += p_r2 * _overlap_weight(2, k, block_len, stride, select_size)
-                    if _overlap_weight(3, k, block_len, stride, select_size) != 0:
-                        x += p_r3 * _overlap_weight(3, k, block_len, stride, select_size)
-                    x = tl.reshape(tl.sum(x, 1), [BT, BNS])  # [BT, BNS] block 4*i + l, summed over the group
-                else:
-                    x = tl.sum(p3 * a_k[None, None, :], 2)  # [BT, BNS] weight from block j onto j + k
-                if k == 0:
-                    main += x
-                else:  # rot[:, j] = x[:, j - k], wrapping: blocks past the chunk's end spill
-                    shift = tl.broadcast_to(((o_j - k + BNS) % BNS)[None, :], [BT, BNS])
-                    rot = tl.gather(x, shift, 1)  # [BT, BNS], exact (a register/shared move)
-                    main += tl.where(o_j[None, :] >= k, rot, 0.0)
-                    spill += tl.where(o_j[None, :] < k, rot, 0.0)
-        elif BT * BC * BNS <= 8192:  # few positions: exact float32 products, no MMA
-            main = tl.sum(pg[:, :, None] * w_main[None, :, :], 1)  # [BT, BNS]
-            spill = tl.sum(pg[:, :, None] * w_spill[None, :, :], 1)  # [BT, BNS]
-        else:
-            main = tl.dot(pg, w_main, input_precision="tf32x3")  # [BT, BNS]
-            spill = tl.dot(pg, w_spill, input_precision="tf32x3")  # [BT, BNS]
+    if LANES:  # the map over r first, in registers, then the group sum on 4x fewer values
+        p5 = tl.reshape(p, [BT, GP, BNS // 4, 2, 4, 2])  # (position, head, i, h, l, e)
+        p5 = tl.permute(p5, (0, 1, 2, 4, 3, 5))  # (.., i, l, h, e)
+        p_e0, p_e1 = tl.split(p5)  # [BT, GP, BNS // 4, 4, 2] (.., i, l, h)
+        p_r0, p_r2 = tl.split(p_e0)  # [BT, GP, BNS // 4, 4]: p of compressed block r = 2*h + e
+        p_r1, p_r3 = tl.split(p_e1)
     else:
-        main = tl.dot(p, w_main, input_precision="tf32x3")  # [M, BNS]
-        spill = tl.dot(p, w_spill, input_precision="tf32x3")  # [M, BNS]
-        main = tl.sum(tl.reshape(main, [BT, GP, BNS]), 1)  # [BT, BNS] summed over the group
-        spill = tl.sum(tl.reshape(spill, [BT, GP, BNS]), 1)
+        pg = tl.sum(tl.reshape(p, [BT, GP, BC]), 1)  # [BT, BC] summed over the group first
+        p3 = tl.reshape(pg, [BT, BNS, RATIO])  # p of compressed block j * RATIO + r
+    main = tl.zeros([BT, BNS], tl.float32)
+    spill = tl.zeros([BT, BNS], tl.float32)
+    c_lo = tl.arange(0, RATIO) * stride  # [RATIO] start of compressed block r in its selection block
+    for k in tl.static_range(K + 1):
+        # a[r, k] [RATIO]: tokens [r*stride, r*stride + block_len) in selection block k, / stride
+        a_k = tl.maximum(tl.minimum(c_lo + block_len, (k + 1) * select_size)
+                         - tl.maximum(c_lo, k * select_size), 0).to(tl.float32) / stride
+        if LANES:  # the weights are constants: zero terms drop out, ones cost no multiply
+            x = tl.zeros([BT, GP, BNS // 4, 4], tl.float32)
+            if _overlap_weight(0, k, block_len, stride, select_size) != 0:
+                x += p_r0 * _overlap_weight(0, k, block_len, stride, select_size)
+            if _overlap_weight(1, k, block_len, stride, select_size) != 0:
+                x += p_r1 * _overlap_weight(1, k, block_len, stride, select_size)
+            if _overlap_weight(2, k, block_len, stride, select_size) != 0:
+                x += p_r2 * _overlap_weight(2, k, block_len, stride, select_size)
+            if _overlap_weight(3, k, block_len, stride, select_size) != 0:
+                x += p_r3 * _overlap_weight(3, k, block_len, stride, select_size)
+            x = tl.reshape(tl.sum(x, 1), [BT, BNS])  # [BT, BNS] block 4*i + l, summed over the group
+        else:
+            x = tl.sum(p3 * a_k[None, None, :], 2)  # [BT, BNS] weight from block j onto j + k
+        if k == 0:
+            main += x
+        else:  # rot[:, j] = x[:, j - k], wrapping: blocks past the chunk's end spill (all of them at k = BNS)
+            shift = tl.broadcast_to(((o_j - k + BNS) % BNS)[None, :], [BT, BNS])
+            rot = tl.gather(x, shift, 1)  # [BT, BNS], exact (a register/shared move)
+            main += tl.where(o_j[None, :] >= k, rot, 0.0)
+            spill += tl.where(o_j[None, :] < k, rot, 0.0)
     cols = j0 + o_j
     tl.store(IMP + r_rows[:, None] * NS + cols[None, :], main + carry,
              mask=m_rows[:, None] & (cols < NS)[None, :])
     return spill
 
 
-def importance_launch(map_name: str, GP: int, dtype: torch.dtype, dk: int = 128) -> dict:
-    """The importance kernel's launch, `IMPORTANCE_CONFIG[map_name]` fitted to G', the dtype and the
-    head dim: rows (positions x G') at most 128 for wide rows of q (`wide_rows`: float32; 16-bit q fits
-    the defaults up to 256 dims, 230,400 bytes at 256) or groups below 16 heads. With fewer heads a
+def importance_launch(GP: int, dtype: torch.dtype, dk: int = 128) -> dict:
+    """The importance kernel's launch, `IMPORTANCE_LAUNCH` fitted to G', the dtype and the head dim:
+    rows (positions x G') at most 128 for wide rows of q (`wide_rows`: float32; 16-bit q fits the
+    defaults up to 256 dims, 230,400 bytes at 256) or groups below 16 heads. With fewer heads a
     program holds more positions, and at 256 rows float32 needs more shared memory than the H200 has
-    (233,472-245,760 bytes at G' <= 4 against 232,448); G = 4 in bf16 ran slower at 256 rows
-    (importance 1.91 ms in run 24's profile against 1.66 at 128 in run 22). Wide rows also keep at
-    most 2 stages: float32 scores multiply in three tf32 passes (`dot`), which at 3 stages needs
-    262,144 bytes. The paper's 192 in 16-bit takes the same launch: there the defaults hold one
-    program per SM (173,056 bytes); select_blocks at 64k and 192 / 128 took 9.05 ms against 9.78
-    (run 47; 128 rows alone 10.96, 2 stages alone 10.54). 256 keeps the defaults (`_band_config`
-    says why). The reshape map at 16-bit dims up to 128 takes `RESHAPE_LAUNCH_BY_GROUP`'s warps and
-    stages for its G'."""
-    launch = dict(IMPORTANCE_CONFIG[map_name])
+    (233,472-245,760 bytes at G' <= 4 against 232,448); G = 4 in bf16 runs slower at 256 rows (1.91
+    ms against 1.66 at 64k). Wide rows also keep at most 2 stages: float32 scores multiply in three
+    tf32 passes (`dot`), which at 3 stages needs 262,144 bytes. The paper's 192 in 16-bit takes the
+    same launch: there the defaults hold one program per SM (173,056 bytes), and select_blocks at 64k
+    took 9.05 ms against 9.78. 256 keeps the defaults (`band._band_config` says why). At 16-bit dims
+    up to 128, `LAUNCH_BY_GROUP` gives the warps and stages of its G'."""
+    launch = dict(IMPORTANCE_LAUNCH)
     wide = wide_rows(dtype, dk) or 128 < dk <= 192
     if wide or GP < 16:
         launch["rows"] = min(launch["rows"], 128)
-    if map_name == "reshape" and not wide and dk <= 128:
-        launch.update((RESHAPE_LAUNCH_BY_GROUP or {}).get(GP, {}))
+    if not wide and dk <= 128:
+        launch.update(LAUNCH_BY_GROUP.get(GP, {}))
     if wide:
         launch["num_stages"] = min(launch["num_stages"], 2)
     return launch
@@ -276,28 +228,21 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
         )
     if block_len - stride > 16 * select_size:
         raise ValueError(f"block_len - stride must be <= 16 * select_size, got {block_len}, {stride}")
-    if IMPORTANCE_MAP not in ("broadcast", "reshape"):
-        raise ValueError(f"IMPORTANCE_MAP must be 'broadcast' or 'reshape', got {IMPORTANCE_MAP!r}")
     ratio = select_size // stride
     # K: selection blocks ahead of its own that a compressed block reaches (its last one, r = ratio - 1,
-    # ends at token select_size - stride + block_len - 1 of its selection block)
+    # ends at token select_size - stride + block_len - 1 of its selection block); <= 16 by the check above
     shifts = (select_size - stride + block_len - 1) // select_size
-    # the reshape map unrolls one rotation per k (and needs K < BNS): beyond the limit, broadcast
-    reshape = IMPORTANCE_GROUP_FIRST and IMPORTANCE_MAP == "reshape" and shifts <= IMPORTANCE_RESHAPE_MAX_K
     imp = torch.empty(B * T * HKV, ns, device=q.device, dtype=torch.float32)
     GP = pow2(G, 1)
-    launch = importance_launch("reshape" if reshape else "broadcast", GP, q.dtype, DK)
+    launch = importance_launch(GP, q.dtype, DK)
     rows = launch.pop("rows")
     BT = max(1, (16 if interpreting() else rows) // GP)
-    BNS = 16 if ratio <= 8 else pow2(max(1, 128 // ratio), 1)
-    BNS = max(BNS, 16)
     BDK, BDK2 = dk_tiles(DK)
     launcher(_importance_kernel)[(cdiv(T, BT), B * HKV)](
         q, k_cmp, lse, imp, q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1),
         k_cmp.stride(2), T, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
-        DK=DK, BDK=BDK, BDK2=BDK2, GP=GP, BT=BT, BNS=BNS, RATIO=ratio, GROUP_FIRST=IMPORTANCE_GROUP_FIRST,
-        RESHAPE=reshape, K=shifts if reshape else 0, UPCAST=interpreting(), SPLIT_MASK=IMPORTANCE_SPLIT_MASK,
-        LANES=reshape and IMPORTANCE_LANE_MAP and ratio == 4, **launch,
+        DK=DK, BDK=BDK, BDK2=BDK2, GP=GP, BT=BT, BNS=CHUNK_BLOCKS, RATIO=ratio, K=shifts,
+        UPCAST=interpreting(), LANES=ratio == 4, **launch,
     )
     return imp
 

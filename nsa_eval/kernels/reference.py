@@ -40,7 +40,7 @@ Sliding window: keys ``t - w + 1 .. t`` (``w = window`` [512]).
 
 Every function is differentiable (``select_blocks`` returns indices, no gradient). Computation runs
 in float32 and returns the input dtype (``lse`` stays float32). Queries are processed in chunks (at
-most ``QUERY_CHUNK`` queries and about ``SCORES_PER_CHUNK`` scores) so memory grows with the chunk,
+most ``query_chunk`` queries and about ``SCORES_PER_CHUNK`` scores) so memory grows with the chunk,
 not with ``T^2``; with gradients enabled each chunk is checkpointed (recomputed in backward) for the
 same reason. Each branch is one masked softmax over the keys a chunk can reach, the mask built from
 the definitions above: short code to check by eye, and fast enough on a CPU for ~4k-token evals.
@@ -54,7 +54,7 @@ import math
 import torch
 from torch.utils.checkpoint import checkpoint
 
-QUERY_CHUNK = 256  # most queries per chunk; tests lower it to exercise chunk boundaries
+QUERY_CHUNK = 256  # most queries per chunk, the default of every function's `query_chunk`
 SCORES_PER_CHUNK = 2**24  # at most this many float32 scores per chunk (64 MiB) at long T
 
 
@@ -124,13 +124,13 @@ def _attend(q, k, v, mask, scale, with_lse=False):
     return o, lse, p.transpose(1, 2)  # p: [B, C, Hkv, G, S]
 
 
-def _query_chunks(q: torch.Tensor):
+def _query_chunks(q: torch.Tensor, query_chunk: int, max_scores: int = SCORES_PER_CHUNK):
     """Yield ``(slice, q_pos)`` over the T query positions of ``q [B, T, Hq, D]``; ``q_pos`` int64 ``[B, C]``.
 
-    A chunk holds at most ``QUERY_CHUNK`` queries and about ``SCORES_PER_CHUNK`` scores against T keys.
+    A chunk holds at most ``query_chunk`` queries and about ``max_scores`` scores against T keys.
     """
     B, T, Hq, _ = q.shape
-    size = max(1, min(QUERY_CHUNK, SCORES_PER_CHUNK // (B * Hq * T)))
+    size = max(1, min(query_chunk, max_scores // (B * Hq * T)))
     device = q.device
     for start in range(0, T, size):
         stop = min(T, start + size)
@@ -274,7 +274,7 @@ def _window_chunk(q, q_pos, k, v, window, scale):
 # --------------------------------------------------------------------------------------------------
 
 
-def compressed_attention(q, k_cmp, v_cmp, *, block_len=32, stride=16, scale=None):
+def compressed_attention(q, k_cmp, v_cmp, *, block_len=32, stride=16, scale=None, query_chunk=QUERY_CHUNK):
     """Attention over compressed keys/values (NSA Eq. 7).
 
     Args:
@@ -283,6 +283,7 @@ def compressed_attention(q, k_cmp, v_cmp, *, block_len=32, stride=16, scale=None
         v_cmp: compressed values ``[B, Tc, Hkv, Dv]``.
         block_len, stride: compression block length ``l`` and stride ``d``.
         scale: score scale, default ``1 / sqrt(Dk)``.
+        query_chunk: most queries computed at once (memory grows with it, not with ``T^2``).
 
     Returns:
         o: ``[B, T, Hq, Dv]`` in q's dtype, zero for queries that see no compressed block;
@@ -297,7 +298,7 @@ def compressed_attention(q, k_cmp, v_cmp, *, block_len=32, stride=16, scale=None
         return o, lse
 
     outs, lses = [], []
-    for rows, q_pos in _query_chunks(q):
+    for rows, q_pos in _query_chunks(q, query_chunk):
         o, lse = _maybe_checkpoint(chunk, q[:, rows], q_pos, k_cmp, v_cmp)
         outs.append(o)
         lses.append(lse)
@@ -306,7 +307,7 @@ def compressed_attention(q, k_cmp, v_cmp, *, block_len=32, stride=16, scale=None
 
 @torch.no_grad()
 def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_selected=16, num_init=1,
-                  num_local=2, scale=None):
+                  num_local=2, scale=None, query_chunk=QUERY_CHUNK):
     """Choose the selection blocks of every query (NSA Eq. 8-12, geometric overlap, see module doc).
 
     Args:
@@ -316,6 +317,7 @@ def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_sele
         num_selected: blocks per query ``n``; num_init: leading blocks always kept; num_local: most
             recent blocks always kept (the one holding ``t`` and those before it).
         scale: score scale, default ``1 / sqrt(Dk)``.
+        query_chunk: most queries computed at once (memory grows with it, not with ``T^2``).
 
     Returns:
         int32 ``[B, T, Hkv, num_selected]``: block indices, ascending, ``-1`` padded at the end.
@@ -327,14 +329,14 @@ def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_sele
     k_cmp = k_cmp.float()
     v_none = k_cmp[..., :1]  # values are irrelevant for the probabilities: a 1-wide dummy
     out = []
-    for rows, q_pos in _query_chunks(q):
+    for rows, q_pos in _query_chunks(q, query_chunk):
         _, _, p_cmp = _compressed_chunk(q[:, rows].float(), q_pos, k_cmp, v_none, block_len, stride, scale)
         out.append(_select_from_probs(p_cmp, q_pos, num_blocks, block_len, stride, select_size,
                                       num_selected, num_init, num_local))
     return torch.cat(out, dim=1)  # [B, T, Hkv, n]
 
 
-def selected_attention(q, k, v, block_indices, *, select_size=64, scale=None):
+def selected_attention(q, k, v, block_indices, *, select_size=64, scale=None, query_chunk=QUERY_CHUNK):
     """Attention over the tokens of selected blocks, with a token-level causal mask.
 
     Args:
@@ -344,6 +346,7 @@ def selected_attention(q, k, v, block_indices, *, select_size=64, scale=None):
             (j+1)*select_size)``; negative entries are padding, repeats count once.
         select_size: selection block length ``l'``.
         scale: score scale, default ``1 / sqrt(Dk)``.
+        query_chunk: most queries computed at once (memory grows with it, not with ``T^2``).
 
     Returns:
         o: ``[B, T, Hq, Dv]`` in q's dtype (zero for a query with no usable token).
@@ -356,17 +359,18 @@ def selected_attention(q, k, v, block_indices, *, select_size=64, scale=None):
         return _selected_chunk(q_chunk.float(), q_pos, k, v, idx, select_size, scale)
 
     outs = [_maybe_checkpoint(chunk, q[:, rows], q_pos, k, v, block_indices[:, rows])
-            for rows, q_pos in _query_chunks(q)]
+            for rows, q_pos in _query_chunks(q, query_chunk)]
     return torch.cat(outs, dim=1).to(q.dtype)  # [B, T, Hq, Dv]
 
 
-def sliding_window_attention(q, k, v, *, window=512, scale=None):
+def sliding_window_attention(q, k, v, *, window=512, scale=None, query_chunk=QUERY_CHUNK):
     """Causal attention over the last ``window`` keys (``t - window + 1 .. t``).
 
     Args:
         q: queries ``[B, T, Hq, Dk]``; k, v: ``[B, T, Hkv, Dk]``, ``[B, T, Hkv, Dv]``.
         window: number of keys each query sees, itself included.
         scale: score scale, default ``1 / sqrt(Dk)``.
+        query_chunk: most queries computed at once (memory grows with it, not with ``T^2``).
 
     Returns:
         o: ``[B, T, Hq, Dv]`` in q's dtype.
@@ -378,7 +382,8 @@ def sliding_window_attention(q, k, v, *, window=512, scale=None):
     def chunk(q_chunk, q_pos, k, v):
         return _window_chunk(q_chunk.float(), q_pos, k, v, window, scale)
 
-    outs = [_maybe_checkpoint(chunk, q[:, rows], q_pos, k, v) for rows, q_pos in _query_chunks(q)]
+    outs = [_maybe_checkpoint(chunk, q[:, rows], q_pos, k, v)
+            for rows, q_pos in _query_chunks(q, query_chunk)]
     return torch.cat(outs, dim=1).to(q.dtype)  # [B, T, Hq, Dv]
 
 
@@ -404,7 +409,7 @@ def _nsa_chunk(q, q_pos, k, v, k_cmp, v_cmp, k_swa, v_swa, g_cmp, g_slc, g_swa, 
 
 def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_swa=None, block_len=32,
                   stride=16, select_size=64, num_selected=16, num_init=1, num_local=2, window=512,
-                  scale=None, return_block_indices=False):
+                  scale=None, return_block_indices=False, query_chunk=QUERY_CHUNK):
     """NSA prefill/training: ``g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa`` (NSA Eq. 5).
 
     Args:
@@ -416,6 +421,7 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_s
         block_len, stride, select_size, num_selected, num_init, num_local, window: see module doc.
         scale: score scale, default ``1 / sqrt(Dk)``.
         return_block_indices: also return the selected blocks.
+        query_chunk: most queries computed at once (memory grows with it, not with ``T^2``).
 
     Returns:
         o: ``[B, T, Hq, Dv]`` in q's dtype; with ``return_block_indices`` also int32
@@ -434,7 +440,7 @@ def nsa_attention(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, k_swa=None, v_s
                           g_cmp.float(), g_slc.float(), g_swa.float(), num_blocks, params)
 
     outs, indices = [], []
-    for rows, q_pos in _query_chunks(q):
+    for rows, q_pos in _query_chunks(q, query_chunk):
         o, idx = _maybe_checkpoint(chunk, q[:, rows], q_pos, *kv, g_cmp[:, rows], g_slc[:, rows],
                                    g_swa[:, rows])
         outs.append(o)

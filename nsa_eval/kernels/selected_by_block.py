@@ -10,6 +10,10 @@ output normalised over the block's keys and their log2-sum-exp, and a merge pass
 partials of every position, as split-K decoding does, then writes o and lse (and, with `gated_sum`,
 NSA's gated output).
 
+The partials are stored in q's dtype: one more rounding of each partial (outputs within 7.8e-3 of the
+walk's, against 3.9e-3 with float32 partials, the lse the same) for a quarter less time (G = 4, the
+op at 64k 6.65 ms against 8.32).
+
 Bytes per (position, block) pair: the group's q rows in, G partial rows out and back; with G = 16
 that is ~8 KB, where the walk's K/V reads are shared by 16 rows, so large groups keep the walk, as do
 short inputs, whose K/V stay in L2 (`selection.SELECTED_BY_BLOCK_MAX_GROUP`, `..._MIN_ROWS`).
@@ -35,22 +39,17 @@ from nsa_eval.kernels._triton_utils import (
     softmax_start,
 )
 
-# rows (positions x G') per MMA of the block-major forward, and MMA steps per work item; run 115, G = 4
-# at 64k, the op: 8.33 ms at 64 rows and 16 steps (float32 partials), 9.18 at 32 rows, 15.80 at 128,
-# 9.40 at 4 steps, 8.16 at 64 (8k: 1.18 against 1.24), 8 warps 11.01, 4 stages 12.23. Run 122 (the
-# counting index, bf16 partials), G = 4's NSA forward at 16 / 32 / 64 steps: 8k 1.105-1.113 / 1.098 /
-# 1.148 ms, 64k 11.337-11.343 / 11.218 / 11.156
+# rows (positions x G') per MMA of the block-major forward, and MMA steps per work item. G = 4 at 64k,
+# the op: 8.33 ms at 64 rows against 9.18 at 32 and 15.80 at 128 (8 warps 11.01, 4 stages 12.23); the
+# G = 4 NSA forward at 16 / 32 / 64 steps 1.105-1.113 / 1.098 / 1.148 ms at 8k, 11.34 / 11.22 / 11.16
+# at 64k.
 BY_BLOCK_ROWS = 64
 BY_BLOCK_CHUNK_STEPS = 32
 BY_BLOCK_CONFIG = dict(num_warps=4, num_stages=3)
-# The partial outputs' dtype: "input" (q's: one more rounding of each partial, so the output may move
-# by one more unit in its last place) or "float32". Run 115, G = 4, the op at 64k 6.65 ms against 8.32
-# (16k: 1.78 against 2.20), outputs within 7.8e-3 of the walk's against 3.9e-3, lse the same.
-BY_BLOCK_PARTIALS = "input"
 MERGE_CONFIG = dict(num_warps=4, num_stages=1)
 
 
-def inverted_index(bi, *, select_size, chunk, presorted=False, entries=False):
+def inverted_index(bi, *, select_size, chunk, presorted=False):
     """Counting sort of the selections by key block, without a host sync.
 
     bi: int32 `[B, T, Hkv, n]`. Returns `(pos, seg_start, item_seg, item_chunk)`: `pos` int32, the
@@ -59,9 +58,8 @@ def inverted_index(bi, *, select_size, chunk, presorted=False, entries=False):
     a segment: `item_seg` (NSEG for unused items) and `item_chunk`, both `[n_items]` (an upper bound).
     Padding, repeats within one list and blocks starting after the query are dropped. `presorted`:
     each list is already ascending (`select_blocks`' output, or any list sorted with its -1 padding
-    first), so repeats are neighbours without a sort. `entries`: also return, fifth, the flat index
-    `((b * T + t) * Hkv + h) * n + slot` of each sorted entry into the (sorted) lists (int32 below
-    2**31 entries, else int64).
+    first), so repeats are neighbours without a sort. The backward's dk/dv kernel reads the positions
+    in ascending order within a block; the forward per block takes `block_entries`, which needs no sort.
     """
     B, T, HKV, n = bi.shape
     ns = cdiv(T, select_size)
@@ -85,14 +83,9 @@ def inverted_index(bi, *, select_size, chunk, presorted=False, entries=False):
     items = torch.arange(n_items, device=dev)
     item_seg = torch.searchsorted(chunk_end, items, right=True)  # [n_items]
     first = (chunk_end - n_chunks)[item_seg.clamp_max(nseg - 1)]
-    index = (pos, seg_start.to(torch.int32), item_seg.to(torch.int32), (items - first).to(torch.int32))
-    return (*index, perm.to(torch.int32 if perm.numel() < 2**31 else torch.int64)) if entries else index
+    return pos, seg_start.to(torch.int32), item_seg.to(torch.int32), (items - first).to(torch.int32)
 
 
-# How the forward finds the positions of each block: "count" (`block_entries`: two Triton launches,
-# the order within a block arbitrary, which the forward's per-row results do not depend on) or "sort"
-# (`inverted_index`'s ~30 torch ops, ascending within a block, as the backward's dk/dv needs)
-BY_BLOCK_INDEX = "count"
 INDEX_BLOCK = 1024  # list entries per program of the counting index
 # counters per segment: program p counts in counter p % INDEX_SPREAD, so that a block every position
 # chose (block 0) is not one address for all the atomics
@@ -133,7 +126,7 @@ def _count_kernel(BI, SEG, RANK, COUNTS, ARRIVED, SEG_START, SUB_START, ITEM_FIR
     # * NS + block, -1 if unusable (padding, a repeat of the entry before it, a block starting after
     # the position), and RANK[e] its place among the entries its program counts in its segment's
     # counter COUNTS[seg, pid % SPREAD] (one atomic each). The program that finishes last (ARRIVED, a
-    # zeroed counter, as the fused decode's steps count theirs) scans the counts (`_scan_counts`).
+    # zeroed counter, as the decode's steps count theirs) scans the counts (`_scan_counts`).
     pid = tl.program_id(0)
     e = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = e < E
@@ -172,7 +165,7 @@ def _scatter_kernel(SEG, RANK, SEG_START, SUB_START, ITEM_FIRST, ENTRY, ITEM_SEG
     tl.store(ITEM_CHUNK + item, rank // CHUNK, mask=opens)
 
 
-def block_entries(bi, *, select_size, chunk):
+def block_entries(bi, *, select_size, chunk, block=INDEX_BLOCK, spread=INDEX_SPREAD):
     """The usable entries of sorted lists grouped by key block, for the forward per block, in two
     launches and without a host sync (`inverted_index` holds the same groups in ~30 torch ops).
 
@@ -182,27 +175,28 @@ def block_entries(bi, *, select_size, chunk):
     particular order within one; `seg_start` `[NSEG + 1]` where each segment starts in `entry`; one
     work item per `chunk` entries of a segment: `item_seg` and `item_chunk` `[n_items_max]`, valid
     below `n_items` (int32 `[1]`, on the device). Padding, repeats and blocks past the position are
-    dropped, as in `inverted_index`."""
+    dropped, as in `inverted_index`. `block`: list entries per program; `spread` (a power of two):
+    counters per segment."""
     B, T, HKV, n = bi.shape
     ns = cdiv(T, select_size)
     nseg, E = B * HKV * ns, bi.numel()
     max_items = cdiv(E, chunk) + nseg  # >= the items, known without a sync
     dev = bi.device
-    # two allocations for the index's ten buffers: the host's time per call is part of a short
-    # forward's (run 120's profile: 20 allocations and 10 launches were most of it at 8k)
-    counts, arrived = _int32_parts(torch.zeros, dev, nseg * INDEX_SPREAD, 1)
+    # two allocations for the index's ten buffers: at 8k the host's time for 20 allocations and 10
+    # launches was most of a short forward's
+    counts, arrived = _int32_parts(torch.zeros, dev, nseg * spread, 1)
     wide = E >= 2**31  # entry indices past int32
-    sizes = (E, E, nseg + 1, nseg * INDEX_SPREAD, nseg, 1, max_items, max_items) + ((0,) if wide else (E,))
+    sizes = (E, E, nseg + 1, nseg * spread, nseg, 1, max_items, max_items) + ((0,) if wide else (E,))
     seg, rank, seg_start, sub_start, item_first, n_items, item_seg, item_chunk, entry = _int32_parts(
         torch.empty, dev, *sizes)
     if wide:
         entry = torch.empty(E, device=dev, dtype=torch.int64)
-    grid = (cdiv(E, INDEX_BLOCK),)
+    grid = (cdiv(E, block),)
     launcher(_count_kernel)[grid](
         bi, seg, rank, counts, arrived, seg_start, sub_start, item_first, n_items, E, T, HKV, n, ns, nseg,
-        chunk, BS=select_size, SPREAD=INDEX_SPREAD, BLOCK=INDEX_BLOCK, SCAN_BLOCK=512 if nseg > 128 else 128)
+        chunk, BS=select_size, SPREAD=spread, BLOCK=block, SCAN_BLOCK=512 if nseg > 128 else 128)
     launcher(_scatter_kernel)[grid](seg, rank, seg_start, sub_start, item_first, entry, item_seg, item_chunk,
-                                    E, chunk, SPREAD=INDEX_SPREAD, BLOCK=INDEX_BLOCK)
+                                    E, chunk, SPREAD=spread, BLOCK=block)
     return entry, seg_start, item_seg, item_chunk, n_items
 
 
@@ -357,14 +351,14 @@ def _merge_kernel(
 def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presorted=False, gated_sum=None,
                               store_o=True, before_merge=None):
     """The selected branch's forward per key block: writes o `[B, T, Hq, Dv]` (if `store_o`) and lse
-    `[B, T, Hq]` float32 (natural log), as `selection._launch_selected`'s forward does.
+    `[B, T, Hq]` float32 (natural log), as `selection._selected_walk` does.
 
     q `[B, T, Hq, Dk]`, k `[B, T, Hkv, Dk]`, v `[B, T, Hkv, Dv]` contiguous; bi int32 `[B, T, Hkv, n]`
     contiguous (`presorted`: every list ascending, as `select_blocks` writes them). `gated_sum`:
     `(o_cmp, o_swa, g_cmp, g_slc, g_swa, out)`, NSA's gated output written to `out` by the merge.
     `before_merge`: called once the partials' launches are queued, before the merge's (the prefill
     joins the window's stream there, so that the window runs beside the block-major kernel).
-    Transient memory: the partials, n x Hq x Dv floats per position (`BY_BLOCK_PARTIALS`)."""
+    Transient memory: the partials, n x Hq x Dv values of q's dtype per position."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
@@ -376,21 +370,11 @@ def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presor
     BQ = max(1, rows // GP)  # positions per MMA
     chunk = BQ * (2 if interpreting() else BY_BLOCK_CHUNK_STEPS)  # positions per work item
     assert chunk & (chunk - 1) == 0, f"positions per work item must be a power of two, got {chunk}"
-    if BY_BLOCK_PARTIALS not in ("input", "float32"):
-        raise ValueError(f"BY_BLOCK_PARTIALS must be 'input' or 'float32', got {BY_BLOCK_PARTIALS!r}")
-    if BY_BLOCK_INDEX not in ("count", "sort"):
-        raise ValueError(f"BY_BLOCK_INDEX must be 'count' or 'sort', got {BY_BLOCK_INDEX!r}")
-    pdtype = torch.float32 if BY_BLOCK_PARTIALS == "float32" else q.dtype
-    po = torch.empty(B * T * HKV * nsel * G, DV, device=q.device, dtype=pdtype)
+    po = torch.empty(B * T * HKV * nsel * G, DV, device=q.device, dtype=q.dtype)
     plse = torch.empty(B * T * HKV * nsel * G, device=q.device, dtype=torch.float32)
     if B * T * HKV * nsel:
-        if BY_BLOCK_INDEX == "count":
-            entry, seg_start, item_seg, item_chunk, n_items = block_entries(bi, select_size=select_size,
-                                                                            chunk=chunk)
-        else:
-            _, seg_start, item_seg, item_chunk, entry = inverted_index(
-                bi, select_size=select_size, chunk=chunk, presorted=True, entries=True)
-            n_items = torch.full((1,), item_seg.numel(), device=q.device, dtype=torch.int32)
+        entry, seg_start, item_seg, item_chunk, n_items = block_entries(bi, select_size=select_size,
+                                                                        chunk=chunk)
         ns = cdiv(T, select_size)
         BDK, BDK2 = dk_tiles(DK)
         launcher(_by_block_kernel)[(item_seg.numel(),)](

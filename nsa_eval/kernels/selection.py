@@ -1,19 +1,20 @@
 """Triton selected-block attention (NSA's selection branch over the blocks `importance.select_blocks`
 chose, with the group-centric tiling of the paper's kernel).
 
-`selected_attention`: one program per (tile of query positions, KV head) holds all G query heads of the
-group for `BT` positions (`SELECTED_ROWS` rows per program, `G'` = G rounded up to a power of two). The
-program walks the union of the block lists of its `BT` positions once each (a block chosen by several
-positions, or repeated in one list, is read once) with a per-row mask saying which rows selected it and
-a token-level causal mask. `SELECTED_WALK = "pipelined"` numbers the distinct usable blocks up front
-from the preloaded lists and walks them with no branch (so the next block's K/V can be loaded during the
-current MMAs); "union" is the first version (an index load, a 'seen' test and an `if` per list entry).
-Small groups on long inputs run the forward per key block instead (`selected_by_block`,
-`SELECTED_BY_BLOCK_MAX_GROUP`). Backward: dq in the same walk (`SELECTED_DQ = "fused"`: in the dk/dv
-kernel instead, by float32 atomics); dk/dv per key block through an inverted index (a counting sort of
-the selections by block, `inverted_index`): a program takes up to `CHUNK` of the positions that selected
-one block, gathers `BQ` positions x the group's heads into one MMA, and adds its partial dk/dv once with
-a float32 atomic (work items split long lists, e.g. the forced block 0).
+Forward, `selected_forward`: one program per (tile of query positions, KV head) holds all G query
+heads of the group for `BT` positions (`SELECTED_ROWS` rows per program, `G'` = G rounded up to a
+power of two). It numbers the distinct usable blocks of its `BT` lists up front (a block chosen by
+several positions, or repeated in one list, is read once) and walks them with no branch, so the next
+block's K/V load (a TMA copy on Hopper) runs during the current MMAs; a per-row mask says which rows
+chose the block, a token-level mask keeps it causal. Small groups on long inputs run the forward per
+key block instead (`selected_by_block`, `by_block`). `selected_forward_gated` also writes NSA's gated
+sum of the three branches from the forward's last launch.
+
+Backward, `selected_backward`: per key block through an inverted index (a counting sort of the
+selections by block, `inverted_index`): a program takes up to `CHUNK` of the positions that selected
+one block, gathers `BQ` positions x the group's heads into one MMA, adds its partial dk/dv once with
+a float32 atomic, and each row's dq share with float32 atomics (work items split long lists, e.g. the
+forced block 0).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from nsa_eval.kernels._triton_utils import (
     row_delta,
     softmax_start,
     split_zeros,
-    store_tail,
     tma_descriptor,
     tma_load_pair,
     tma_ok,
@@ -55,90 +55,44 @@ from nsa_eval.kernels.selected_by_block import (
     store_forward,
 )
 
-# How a selected-attention program (forward and dq walk) walks its blocks; the benchmark times both.
-#   "pipelined": the distinct usable blocks of the program's lists are found once, vectorised over
-#       the preloaded [BT, n] lists, then walked by an unconditional loop that takes block i from
-#       registers, so the compiler can prefetch the next K/V (num_stages) during the current MMAs.
-#   "union": the first version: per list entry a scalar index load, a 'seen' reduction and an `if`
-#       around the block, which leaves every block's load latency exposed.
-SELECTED_WALK = "pipelined"
-# Several positions a program (G < 16): how the pipelined walk finds block i and the positions that
-# chose it. True: one reduction per step of [N] int64 entries packing the block index with a bit per
-# position whose list holds it (built with the dedup, up front); False: the block by one reduction and
-# those positions by a second over the [BT, NP] lists. Run 109 (scripts/probe_prefill.py g4steps), G = 4
-# at 64k: the selected op 11.32-11.34 ms against 11.37-12.00, faster in all six rounds; the forward
-# 16.63-17.12 against 16.64-17.38 (within the spread); outputs identical.
-SELECTED_PACKED_STEP = True
-# rows (positions x G') per selected-attention program: BT = max(1, SELECTED_ROWS // G') positions
+# rows (positions x G') a walking program holds: BT = max(1, SELECTED_ROWS // G') positions, one at
+# G = 16, whose 16 heads fill an MMA's rows
 SELECTED_ROWS = 16
-# launch configurations of the selected-attention forward and dq walk (the benchmark times alternatives).
-# Compiled for sm_90 at G = 16, d = 128, blocks of 64: 3 stages give the pipelined walk two K/V
-# buffers (72 KB shared, ~100 registers: 3 programs per SM) with the next block in flight during the
-# current MMAs; 2 stages one buffer (39 KB), refilled only after the MMAs. The union walk compiles to
-# plain loads at any num_stages (148 registers in the forward).
-# The forward's depends on the positions per program: one (G' >= SELECTED_ROWS, e.g. G = 16) or
-# several (G = 4: 4 positions, up to 4n distinct blocks to walk). At 4 warps: G = 16 2 stages (run 5:
-# 16.2 ms at 64k, 17.9 with 3), G = 4 3 stages (its whole forward: 26.5 ms at 3 in run 5, 28.7 at 2 in
-# run 6). G = 16 at 64k (one position's 16 rows per program): 2 warps 15.25 ms against 16.17 for 4 (run 8),
-# 1 warp 14.92 against 15.42 for 2 (run 9). G = 4 (several positions), the whole G = 4 forward: 2
-# warps 23.47 ms against 24.07 for 4 (run 9); at 2 warps, 2 stages 22.51 against 23.70 for 3 (run 10).
+# Launch of the forward at one position a program (G >= 16): one warp, 2 stages; the selected op at
+# 64k (G = 16, TMA copies) took 13.47 ms against 14.70 at 3 stages and 14.03 at 2 warps.
 SELECTED_FWD_CONFIG = dict(num_warps=1, num_stages=2)
-# The pipelined walk reads each block's K/V through Hopper's tensor memory accelerator (one bulk copy
-# per block from a tensor descriptor, `tma_descriptor`; where `tma_ok`) instead of per-thread loads.
-# Run 66, the selected op's forward side by side: 64k 13.47 ms against 14.60 (G = 16) and 11.89
-# against 12.99 (G = 4); 8k 1.44 against 1.68.
-SELECTED_TMA = True
+# At several positions a program (G = 4: up to 4n distinct blocks to walk): 2 warps and 2 stages, the
+# G = 4 forward at 64k 22.51 ms against 23.70 at 3 stages and 24.07 at 4 warps; with TMA copies 3
+# stages, the op 11.46 ms against 11.89 at 2 (1 warp 12.81, 4 warps 12.14).
 SELECTED_FWD_CONFIG_MULTI = dict(num_warps=2, num_stages=2)
-# G = 4's with TMA (`SELECTED_TMA`), run 66, the selected op at 64k: 3 stages 11.46 ms against 11.89
-# at 2 (2 warps; 1 warp / 3 stages 12.81, 4 warps / 3 stages 12.14). G = 16's stays at 1 warp and 2
-# stages: 13.47 ms against 14.70 at 3 stages, 14.03 at 2 warps
 SELECTED_FWD_CONFIG_MULTI_TMA = dict(num_warps=2, num_stages=3)
 # q/k dims past 128 (the paper's 192) run the one-position forward over at least this many warps: one
-# warp holds 16 rows of q in two tiles and the scores; run 45, the selected op at 64k and 192 / 128:
-# 20.27 ms at 2 warps against 27.10 at 1 (4 warps 20.45; padded to 256, 25.07 at 1 warp)
+# warp holds 16 rows of q in two tiles and the scores; the op at 64k and 192 / 128 took 20.27 ms at 2
+# warps against 27.10 at 1.
 SELECTED_FWD_WIDE_WARPS = 2
-SELECTED_DQ_CONFIG = dict(num_warps=4, num_stages=3)
-# launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4, unless given here) and its
-# rows (positions x G') per MMA; with SELECTED_DQ = "fused" at G = 16, d = 128, 64 rows compile to
-# 255 registers with a small spill, 32 rows to 182 without
-# 3 stages against 2, the selected op's fwd+bwd at 64k: 54.03 / 55.07 ms (run 9), 53.99 / 54.71 (10),
-# 53.40 / 54.43 (11), 53.51 / 54.49 (12); float32 inputs keep 2 (see `selected_dkv_launch`)
+# Launch of the dk/dv kernel (num_warps: 8 for head dims >= 128, else 4) and its rows (positions x G')
+# per MMA: 3 stages took the selected op's forward+backward at 64k to 54.0 ms from 55.1 at 2; float32
+# inputs keep 2 (`selected_dkv_launch`).
 SELECTED_DKV_CONFIG = dict(num_stages=3)
 SELECTED_DKV_ROWS = 64
 # The launches at 16-bit q/k and v dims {(dk, dv): launch} (`selected_dkv_launch`; elsewhere the one
 # above). Over 64 rows, 8 warps compute the scores and dp twice: Triton lays a dot whose result feeds
 # another dot out as warpsPerCTA = [8, 1], 128 rows of warps, so both warpgroups hold the same 64
 # rows. 128 rows fill both. At 128 / 128 the q/k dim in two column halves of 64 (`split_dk`, as
-# `dk_tiles` splits the paper's 192) keeps dq's and dk's products from spilling (compiled for sm_90
-# without a GPU, ptxas: 60 / 32 bytes stored / loaded at 2 stages, against 120 / 88 for 64 rows);
-# 3 stages need 264,192 bytes of shared memory (the H200's compile). Run 103 at 64k
-# (scripts/probe_order.py dkv): the selected op's forward+backward 44.41-44.54 ms against 45.25-46.54,
-# the NSA's 107.49 / 107.62 against 109.21 / 109.82, and at G = 4 (16/4 heads) 36.75 against 38.75;
-# 128 rows without the split 54.65, the split alone 44.76-45.06, the scores as k q^T (which leaves p^T
-# and ds^T as the accumulators of dv's and dk's MMAs) 45.30-45.85 at 64 rows and 57.47 at 128. At the
-# paper's 192 / 128 (already in two column tiles), 2 stages need 271,360 bytes; at 1 the selected op
-# took 77.34-77.36 ms against 80.66-80.69 (run 105, `probe_order.py dkv192`)
+# `dk_tiles` splits the paper's 192) keeps dq's and dk's products from spilling (compiled for sm_90,
+# ptxas: 60 / 32 bytes stored / loaded at 2 stages, against 120 / 88 for 64 rows); 3 stages need
+# 264,192 bytes of shared memory, more than the H200 has. The selected op's forward+backward at 64k:
+# 44.4-44.5 ms against 45.3-46.5, the NSA's 107.5 against 109.2-109.8, G = 4 36.75 against 38.75
+# (128 rows without the split 54.65, the split alone 44.8-45.1). At the paper's 192 / 128 (already
+# in two column tiles) 2 stages need 271,360 bytes; at 1 stage the op took 77.3 ms against 80.7.
 SELECTED_DKV_WIDE = {(128, 128): dict(rows=128, split_dk=True, num_stages=2),
                      (192, 128): dict(rows=128, num_stages=1)}
-# Where the selected backward computes dq. "walk": a second walk of every query's blocks, as the
-# forward. "fused": in the dk/dv kernel (per key block), which has ds already: one more MMA and a
-# float32 atomic add per (query, block) instead of reading each selected block's K/V again.
-SELECTED_DQ = "fused"  # run 5: 57.4 ms fwd+bwd at 64k, 59.6 with the dq walk
-# the dk/dv kernel's positions loaded once per work item, not per step (`PRELOAD` of the kernel). Run 85
-# (scripts/probe_order.py) at 64k: the selected op's forward+backward 45.14 ms against 51.68, the NSA's
-# 117.81 against 122.91 / 123.09; the kernel alone (Nsight Compute) 27.95 ms against 35.84 (run 83)
-SELECTED_DKV_PRELOAD = True
 # Groups of up to this many query heads run the forward per key block (`selected_by_block`: each
 # block's K/V read once for every position that chose it, partials merged per position) instead of
-# the walk, once the keys have at least SELECTED_BY_BLOCK_MIN_ROWS rows (B x T x Hkv); 0: always the
-# walk. Run 115 (scripts/probe_by_block.py), 16/4 heads (G = 4), the selected op with bf16 partials
-# against the walk: 64k 6.65 ms against 11.38, 32k 3.38 against 5.27, 16k 1.78 against 2.38, and 8k
-# 1.18 against 1.04, where the walk's K/V (16 MB) stay in L2 (the NSA forward there 1.88-2.65 against
-# 1.31 ms); at 32/4 (G = 8) and 64k 12.51 against 12.35, and at 64/4 (G = 16) 19.53 against 13.86 in
-# the run's first round (with the first merge). Since runs 118-119 its index is built by counting
-# (`selected_by_block.block_entries`, no host sync): the op at 8k 0.83-0.86 ms against the walk's
-# 1.03, the G = 4 NSA forward there 1.14 against 1.32 where the host keeps ahead (run 118); hence from
-# 8k (32k key rows) on.
+# the walk, once the keys have at least SELECTED_BY_BLOCK_MIN_ROWS rows (B x T x Hkv). G = 4, the
+# selected op: 64k 6.65 ms against the walk's 11.38, 32k 3.38 against 5.27, 8k 0.83-0.86 against 1.03
+# (below that the walk's K/V stay in L2); G = 8 at 64k 12.51 against 12.35, G = 16 19.53 against
+# 13.86, where the walk's K/V reads already serve 16 rows each.
 SELECTED_BY_BLOCK_MAX_GROUP = 4
 SELECTED_BY_BLOCK_MIN_ROWS = 8192 * 4
 
@@ -155,33 +109,6 @@ def _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK: tl.constexpr, BDK: tl.cons
     q, q2 = load_rows(Q + i_b * sq_b + r_h * sq_h + r_t.to(tl.int64) * sq_t, m_r, DK, BDK, BDK2, UPCAST)
     return i_b, i_hk, t0, r_t, m_r, row, q, q2
 
-
-@triton.jit
-def _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV: tl.constexpr, UPCAST: tl.constexpr):
-    # what the dq walk needs per row: do [M, BDV], lse [M] (log2 units, 0 for empty rows), delta [M]
-    do = tl.load(DO + row[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :],
-                 other=0.0)  # [M, BDV]
-    if UPCAST:
-        do = do.to(tl.float32)
-    lse = tl.load(LSE + row, mask=m_r, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-    delta = tl.load(DELTA + row, mask=m_r, other=0.0)
-    return do, lse, delta
-
-
-@triton.jit
-def _dq_block(q, q2, k, k2, v, do, lse, delta, valid, scale_log2, dq, dq2, BDK2: tl.constexpr):
-    # dq [M, BDK] plus this block's share (before the final * scale); k [BS, BDK], v [BS, BDV]; with
-    # a split head dim, its tail: q2 [M, BDK2], k2 [BS, BDK2], dq2 [M, BDK2]
-    s = tl.dot(q, tl.trans(k))  # [M, BS]
-    if BDK2 > 0:
-        s += tl.dot(q2, tl.trans(k2))
-    pr = tl.where(valid, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)  # [M, BS]
-    dp = tl.dot(do, tl.trans(v))  # [M, BS]
-    ds = pr * (dp - delta[:, None])
-    if BDK2 > 0:
-        dq2 += tl.dot(ds.to(k2.dtype), k2)
-    return dq + tl.dot(ds.to(k.dtype), k), dq2
 
 
 @triton.jit
@@ -202,98 +129,24 @@ def _key_tail(k_base, o_k, sk_t, T, k, BDK: tl.constexpr, BDK2: tl.constexpr, UP
     return k2
 
 
-@triton.jit
-def _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr,
-              GATED: tl.constexpr):
-    # GATED: the output's gradient was GATE (per row) times do, so dq is the ungated one times it
-    if GATED:
-        g = tl.load(GATE + row, mask=m_r, other=0.0).to(tl.float32)
-        dq = dq * g[:, None]
-        if BDK2 > 0:
-            dq2 = dq2 * g[:, None]
-    o_dk = tl.arange(0, BDK)
-    tl.store(DQ + row[:, None] * DK + o_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=m_r[:, None] & (o_dk < DK)[None, :])
-    if BDK2 > 0:
-        store_tail(DQ + row * DK, dq2 * scale, m_r, BDK, BDK2)
-
 
 @triton.jit
-def _selected_kernel(
-    Q, K, V, BI, O, LSE, DO, DELTA, GATE, DQ, OC, OW, GC, GS, GW, OUT,
+def _selected_fwd_kernel(
+    Q, K, V, BI, O, LSE, OC, OW, GC, GS, GW, OUT,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-    T, HQ, G, NSEL, scale, scale_log2,
+    T, HQ, G, NSEL, scale_log2,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
-    GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr,
-    UPCAST: tl.constexpr, GATED: tl.constexpr, GATE_SUM: tl.constexpr = False, STORE_O: tl.constexpr = True,
+    GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, UPCAST: tl.constexpr,
+    TMA: tl.constexpr, GATE_SUM: tl.constexpr, STORE_O: tl.constexpr, PACKED: tl.constexpr,
 ):
-    # Forward (BACKWARD=False): O, LSE. Backward: DQ only (dk/dv: `_selected_dkv_kernel`); GATED: the
-    # output's gradient is GATE [B, T, HQ] (per row) times DO, DELTA rowsum(o * DO).
-    # O, DO, DQ contiguous [B, T, HQ, D]; BI contiguous [B, T, HKV, NSEL].
-    # GATE_SUM (forward): also OUT = GC * OC + GS * O + GW * OW (`store_forward`); STORE_O: O is written.
-    M: tl.constexpr = BT * GP
-    i_b, i_hk, t0, r_t, m_r, row, q, q2 = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, BDK2, GP, BT,
-                                                         UPCAST)
-    HKV = HQ // G
-    o_dk = tl.arange(0, BDK)
-    o_dv = tl.arange(0, BDV)
-    # block lists of the BT positions: [BT, NP]
-    o_p = tl.arange(0, BT)
-    o_s = tl.arange(0, NP)
-    bi_base = BI + ((i_b * T + t0) * HKV + i_hk) * NSEL
-    idx = tl.load(bi_base + o_p[:, None] * (HKV * NSEL) + o_s[None, :],
-                  mask=((t0 + o_p) < T)[:, None] & (o_s < NSEL)[None, :], other=-1)
-    flat = o_p[:, None] * NP + o_s[None, :]  # [BT, NP] order in which the lists are walked
-    k_base = K + i_b * sk_b + i_hk * sk_h
-    v_base = V + i_b * sv_b + i_hk * sv_h
-    o_n = tl.arange(0, BS)
-
-    if BACKWARD:
-        do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
-        dq, dq2 = split_zeros(M, BDK, BDK2)
-    else:
-        m_i, l_i, acc = softmax_start(M, BDV)
-
-    for p in range(0, BT):
-        t_p = t0 + p
-        for slot in range(0, NSEL):
-            blk = tl.load(BI + ((i_b * T + t_p) * HKV + i_hk) * NSEL + slot, mask=t_p < T, other=-1)
-            is_blk = idx == blk  # [BT, NP]
-            seen = tl.sum((is_blk & (flat < p * NP + slot)).to(tl.int32), 0)
-            seen = tl.sum(seen, 0)  # walked before: skip
-            if (blk >= 0) & (seen == 0):
-                pos_has = tl.sum(is_blk.to(tl.int32), 1) > 0  # [BT] positions that chose blk
-                row_has = tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])  # [M]
-                o_k = blk * BS + o_n  # [BS] token positions
-                valid = row_has[:, None] & (o_k[None, :] <= r_t[:, None]) & m_r[:, None]  # [M, BS]
-                # k [BS, BDK], v [BS, BDV]
-                k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)
-                k2 = _key_tail(k_base, o_k, sk_t, T, k, BDK, BDK2, UPCAST)
-                if BACKWARD:
-                    dq, dq2 = _dq_block(q, q2, k, k2, v, do, lse, delta, valid, scale_log2, dq, dq2, BDK2)
-                else:
-                    m_i, l_i, acc = _softmax_block(q, q2, k, k2, v, valid, scale_log2, m_i, l_i, acc, BDK2)
-
-    if BACKWARD:
-        _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK, BDK, BDK2, GATED)
-    else:
-        store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV, GATE_SUM, STORE_O)
-
-
-@triton.jit
-def _selected_pipelined_kernel(
-    Q, K, V, BI, O, LSE, DO, DELTA, GATE, DQ, OC, OW, GC, GS, GW, OUT,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-    T, HQ, G, NSEL, scale, scale_log2,
-    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
-    GP: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, NP: tl.constexpr, BACKWARD: tl.constexpr,
-    UPCAST: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr = False, GATE_SUM: tl.constexpr = False,
-    STORE_O: tl.constexpr = True, PACKED: tl.constexpr = False,
-):
-    # Same contract as `_selected_kernel`. The distinct usable blocks of the BT lists are numbered
-    # 0 .. n_blk-1 up front; iteration i reads block i, with no branch, so loads can run ahead.
-    # TMA: K and V are tensor descriptors over [B, T, HKV, D] with blocks [1, BS, 1, BDK / BDV]
-    # (`tma_descriptor`): each block is one bulk copy, rows past T read as 0.
+    # O, LSE of BT positions x the group's G heads (O contiguous [B, T, HQ, DV]; BI contiguous
+    # [B, T, HKV, NSEL]). The distinct usable blocks of the BT lists are numbered 0 .. n_blk-1 up front;
+    # iteration i reads block i, with no branch, so the next block's loads can run ahead of this
+    # block's MMAs. TMA: K and V are tensor descriptors over [B, T, HKV, D] with blocks
+    # [1, BS, 1, BDK / BDV] (`tma_descriptor`): each block is one bulk copy, rows past T read as 0.
+    # PACKED (BT > 1): each list entry carries a bit per position whose list holds its block, so one
+    # reduction per step gives the block and the rows that chose it. GATE_SUM: also
+    # OUT = GC * OC + GS * O + GW * OW (`store_forward`); STORE_O: O is written.
     M: tl.constexpr = BT * GP
     N: tl.constexpr = BT * NP
     i_b, i_hk, t0, r_t, m_r, row, q, q2 = _selected_rows(Q, sq_b, sq_t, sq_h, T, HQ, G, DK, BDK, BDK2, GP, BT,
@@ -330,11 +183,7 @@ def _selected_pipelined_kernel(
 
     k_base, v_base = kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA)
     o_n = tl.arange(0, BS)
-    if BACKWARD:
-        do, lse, delta = _dq_inputs(DO, LSE, DELTA, row, m_r, o_dv, DV, UPCAST)
-        dq, dq2 = split_zeros(M, BDK, BDK2)
-    else:
-        m_i, l_i, acc = softmax_start(M, BDV)
+    m_i, l_i, acc = softmax_start(M, BDV)
 
     for i in range(0, n_blk):
         entry = tl.sum(tl.where(slot == i, blocks, 0), 0)  # block i, from registers
@@ -343,9 +192,6 @@ def _selected_pipelined_kernel(
         valid = (o_k[None, :] <= r_t[:, None]) & m_r[:, None]  # [M, BS]
         if PACKED:  # only the rows whose position chose blk
             valid = valid & (((entry >> (r_t - t0).to(tl.int64)) & 1) != 0)[:, None]
-        elif BT > 1:
-            pos_has = tl.max((idx == blk).to(tl.int32), 1) > 0  # [BT]
-            valid = valid & tl.reshape(tl.broadcast_to(pos_has[:, None], [BT, GP]), [M])[:, None]
         if TMA:
             k, v = tma_load_pair(k_base, v_base, i_b, blk * BS, i_hk, BS, BDK, BDV)
             if UPCAST:
@@ -356,18 +202,9 @@ def _selected_pipelined_kernel(
             # k [BS, BDK], v [BS, BDV]
             k, v = load_kv(k_base, v_base, o_k, o_k < T, sk_t, sv_t, o_dk, o_dv, DK, DV, UPCAST)
             k2 = _key_tail(k_base, o_k, sk_t, T, k, BDK, BDK2, UPCAST)
-        if BACKWARD:
-            dq, dq2 = _dq_block(q, q2, k, k2, v, do, lse, delta, valid, scale_log2, dq, dq2, BDK2)
-        else:
-            m_i, l_i, acc = _softmax_block(q, q2, k, k2, v, valid, scale_log2, m_i, l_i, acc, BDK2)
+        m_i, l_i, acc = _softmax_block(q, q2, k, k2, v, valid, scale_log2, m_i, l_i, acc, BDK2)
 
-    if BACKWARD:
-        _store_dq(DQ, GATE, row, m_r, dq, dq2, scale, DK, BDK, BDK2, GATED)
-    else:
-        store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV, GATE_SUM, STORE_O)
-
-
-_SELECTED_WALKS = {"pipelined": _selected_pipelined_kernel, "union": _selected_kernel}
+    store_forward(O, LSE, OC, OW, GC, GS, GW, OUT, row, m_r, o_dv, m_i, l_i, acc, DV, GATE_SUM, STORE_O)
 
 
 def _tiling(G: int):
@@ -375,41 +212,26 @@ def _tiling(G: int):
     return GP, max(1, SELECTED_ROWS // GP)
 
 
-def _launch_selected(q, k, v, bi, o, lse, do, delta, dq, *, select_size, scale, backward, gate=None,
-                     gated_sum=None, store_o=True):
-    # gated_sum (forward): (o_cmp, o_swa, g_cmp, g_slc, g_swa, out) for `store_forward`'s GATE_SUM
+def _selected_walk(q, k, v, bi, o, lse, *, select_size, scale, gated_sum=None, store_o=True, tma=None):
+    # gated_sum: (o_cmp, o_swa, g_cmp, g_slc, g_swa, out) for `store_forward`'s GATE_SUM; tma: None or
+    # True, TMA copies where `tma_ok`; False, per-thread loads
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
     GP, BT = _tiling(G)
     nsel = bi.shape[-1]
-    if SELECTED_WALK not in _SELECTED_WALKS:
-        raise ValueError(f"SELECTED_WALK must be one of {sorted(_SELECTED_WALKS)}, got {SELECTED_WALK!r}")
-    dummy = o if o is not None else dq
     BDK, BDK2 = dk_tiles(DK)
-    tma = SELECTED_TMA and SELECTED_WALK == "pipelined" and not BDK2 and tma_ok(k, v)
+    tma = tma is not False and not BDK2 and tma_ok(k, v)
     kv = (tma_descriptor(k, select_size, BDK), tma_descriptor(v, select_size, pow2(DV))) if tma else (k, v)
-    launcher(_SELECTED_WALKS[SELECTED_WALK])[(cdiv(T, BT), B * HKV)](
-        q, *kv, bi, dummy, lse, do if do is not None else dummy,
-        delta if delta is not None else lse,
-        gate if gate is not None else lse, dq if dq is not None else dummy,
-        *(gated_sum if gated_sum is not None else (dummy,) * 6),
+    launcher(_selected_fwd_kernel)[(cdiv(T, BT), B * HKV)](
+        q, *kv, bi, o, lse, *(gated_sum if gated_sum is not None else (o,) * 6),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale, scale * LOG2E,
+        v.stride(0), v.stride(1), v.stride(2), T, HQ, G, nsel, scale * LOG2E,
         DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BT=BT, BS=select_size, NP=pow2(nsel, 1),
-        BACKWARD=backward, UPCAST=interpreting(), GATED=gate is not None, GATE_SUM=gated_sum is not None,
-        STORE_O=store_o,
-        **({"TMA": True} if tma else {}),  # the union walk has no TMA path
-        **({"PACKED": True} if packed_steps(BT) else {}),
-        **(SELECTED_DQ_CONFIG if backward else selected_fwd_launch(BT, DK, tma)),
+        UPCAST=interpreting(), TMA=tma, GATE_SUM=gated_sum is not None, STORE_O=store_o,
+        PACKED=BT > 1,  # BT <= SELECTED_ROWS = 16 positions: a bit each beside a block index fits int64
+        **selected_fwd_launch(BT, DK, tma),
     )
-
-
-def packed_steps(positions: int) -> bool:
-    """Whether the pipelined walk of `positions` positions a program packs its steps
-    (`SELECTED_PACKED_STEP`): a bit per position beside a block index of up to 31 bits fits int64
-    up to 32 positions."""
-    return SELECTED_PACKED_STEP and SELECTED_WALK == "pipelined" and 1 < positions <= 32
 
 
 def selected_fwd_launch(positions: int, dk: int, tma: bool = False) -> dict:
@@ -424,7 +246,7 @@ def selected_fwd_launch(positions: int, dk: int, tma: bool = False) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# dk/dv through an inverted index: per key block, the query positions that selected it
+# dk/dv (and dq) through an inverted index: per key block, the query positions that selected it
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _selected_dkv_kernel(
@@ -432,19 +254,18 @@ def _selected_dkv_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
     T, HQ, G, NS, NSEG, scale, scale_log2, CHUNK,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
-    GP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr, FUSE_DQ: tl.constexpr, UPCAST: tl.constexpr,
-    GATED: tl.constexpr, PRELOAD: tl.constexpr = 0,
+    GP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, GATED: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     # One program per work item: up to CHUNK query positions (x G heads) of one (b, kv head, block)
     # segment (`inverted_index`), gathered BQ positions at a time into M = BQ * GP rows of one
     # MMA. Partial dk/dv go to the float32 DK32/DV32 [B, T, HKV, D] by atomics (one add per item, not
-    # per query).
-    # FUSE_DQ: also each query's dq share from this block, ds @ k, to the float32 DQ32 [B, T, HQ, DK]
-    # by atomics (instead of the dq walk reading every selected block again). GATED: the output's
-    # gradient is GATE [B, T, HQ] (per row) times DO, and DELTA rowsum(o * DO): the gates scale p.
-    # PRELOAD (= CHUNK, a power of two; 0: off): the item's positions are loaded once before the loop
-    # and each step's rows gathered from registers, so that no load in the loop depends on another
-    # (a position load there made Triton's pipeliner wait for every copy in flight at each step).
+    # per query). Each query's dq share from this block, ds @ k, goes to the float32 DQ32 [B, T, HQ, DK]
+    # by atomics too: ds is at hand, where a walk of every query's blocks would read them all again.
+    # GATED: the output's gradient is GATE [B, T, HQ] (per row) times DO, and DELTA rowsum(o * DO):
+    # the gates scale p. PRELOAD (= CHUNK, a power of two): the item's positions are loaded once before
+    # the loop and each step's rows gathered from registers, so that no load in the loop depends on
+    # another (a position load there makes Triton's pipeliner wait for every copy in flight).
     M: tl.constexpr = BQ * GP
     i_item = tl.program_id(0)
     seg = tl.load(ITEM_SEG + i_item)
@@ -461,17 +282,13 @@ def _selected_dkv_kernel(
         r_h = i_hk * G + r_g  # [M] query head of each row
         dk, dk2 = split_zeros(BS, BDK, BDK2)
         dv = tl.zeros([BS, BDV], tl.float32)
-        if PRELOAD > 0:
-            o_c = tl.arange(0, PRELOAD)
-            item_pos = tl.load(POS + start + o_c, mask=start + o_c < end, other=0)  # [PRELOAD]
+        o_c = tl.arange(0, PRELOAD)
+        item_pos = tl.load(POS + start + o_c, mask=start + o_c < end, other=0)  # [PRELOAD]
         for i0 in range(start, end, BQ):
             e = i0 + o_r // GP  # [M] entry of each row in the sorted list
             m_r = (e < end) & (r_g < G)
-            if PRELOAD > 0:
-                r_t = tl.gather(item_pos, tl.minimum(e - start, PRELOAD - 1), 0)
-                r_t = tl.where(m_r, r_t, 0)  # [M] query position of each row
-            else:
-                r_t = tl.load(POS + e, mask=m_r, other=0)  # [M] query position of each row
+            r_t = tl.gather(item_pos, tl.minimum(e - start, PRELOAD - 1), 0)
+            r_t = tl.where(m_r, r_t, 0)  # [M] query position of each row
             row = (i_b * T + r_t.to(tl.int64)) * HQ + r_h  # [M] flat (b, t, h)
             q, q2 = load_rows(Q + i_b * sq_b + r_h * sq_h + r_t.to(tl.int64) * sq_t, m_r, DK, BDK, BDK2,
                               UPCAST)  # [M, BDK], [M, BDK2]
@@ -495,15 +312,14 @@ def _selected_dkv_kernel(
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)  # [BS, BDK]
             if BDK2 > 0:
                 dk2 += tl.dot(tl.trans(ds.to(q2.dtype)), q2)  # [BS, BDK2]
-            if FUSE_DQ:
-                dq = tl.dot(ds.to(k.dtype), k)  # [M, BDK]
-                tl.atomic_add(DQ32 + row[:, None] * DK + o_dk[None, :], dq * scale,
-                              mask=m_r[:, None] & (o_dk < DK)[None, :], sem="relaxed")
-                if BDK2 > 0:
-                    o_dk2 = BDK + tl.arange(0, BDK2)
-                    dq2 = tl.dot(ds.to(k2.dtype), k2)  # [M, BDK2]
-                    tl.atomic_add(DQ32 + row[:, None] * DK + o_dk2[None, :], dq2 * scale, mask=m_r[:, None],
-                                  sem="relaxed")
+            dq = tl.dot(ds.to(k.dtype), k)  # [M, BDK]
+            tl.atomic_add(DQ32 + row[:, None] * DK + o_dk[None, :], dq * scale,
+                          mask=m_r[:, None] & (o_dk < DK)[None, :], sem="relaxed")
+            if BDK2 > 0:
+                o_dk2 = BDK + tl.arange(0, BDK2)
+                dq2 = tl.dot(ds.to(k2.dtype), k2)  # [M, BDK2]
+                tl.atomic_add(DQ32 + row[:, None] * DK + o_dk2[None, :], dq2 * scale, mask=m_r[:, None],
+                              sem="relaxed")
         kv_row = (i_b * T + o_k.to(tl.int64)) * HKV + i_hk  # [BS]
         tl.atomic_add(DK32 + kv_row[:, None] * DK + o_dk[None, :], dk * scale,
                       mask=m_k[:, None] & (o_dk < DK)[None, :], sem="relaxed")
@@ -523,81 +339,76 @@ def by_block(G: int, kv_rows: int) -> bool:
 
 
 def _forward(q, k, v, bi, o, lse, *, select_size, scale, presorted, gated_sum=None, store_o=True,
-             before_sum=None):
+             before_sum=None, per_block=None, tma=None):
     # before_sum: called before the first launch that reads gated_sum's outputs
     B, T, HKV = k.shape[:3]
-    if by_block(q.shape[2] // HKV, B * T * HKV):
+    if by_block(q.shape[2] // HKV, B * T * HKV) if per_block is None else per_block:
         selected_forward_by_block(q, k, v, bi, o, lse, select_size=select_size, scale=scale,
                                   presorted=presorted, gated_sum=gated_sum, store_o=store_o,
                                   before_merge=before_sum)
     else:
         if before_sum is not None:
             before_sum()
-        _launch_selected(q, k, v, bi, o, lse, None, None, None, select_size=select_size, scale=scale,
-                         backward=False, gated_sum=gated_sum, store_o=store_o)
+        _selected_walk(q, k, v, bi, o, lse, select_size=select_size, scale=scale, gated_sum=gated_sum,
+                       store_o=store_o, tma=tma)
 
 
-def selected_forward(q, k, v, bi, *, select_size, scale, presorted=False):
+def selected_forward(q, k, v, bi, *, select_size, scale, presorted=False, per_block=None, tma=None):
     """o [B,T,Hq,Dv], lse [B,T,Hq] of the selection branch (inputs contiguous, bi int32; `presorted`:
-    every list ascending, as `select_blocks` writes them)."""
+    every list ascending, as `select_blocks` writes them). `per_block` (None: `by_block` decides) and
+    `tma` (None: TMA copies where `tma_ok`; False: per-thread loads) choose the path, for tests that
+    cover one the inputs at hand would not take."""
     B, T, HQ, _ = q.shape
     o = torch.empty(B, T, HQ, v.shape[3], device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    _forward(q, k, v, bi, o, lse, select_size=select_size, scale=scale, presorted=presorted)
+    _forward(q, k, v, bi, o, lse, select_size=select_size, scale=scale, presorted=presorted,
+             per_block=per_block, tma=tma)
     return o, lse
 
 
 def selected_forward_gated(q, k, v, bi, o_cmp, o_swa, g_cmp, g_slc, g_swa, *, select_size, scale,
-                           keep_o=True, presorted=False, before_sum=None):
+                           keep_o=True, presorted=False, before_sum=None, per_block=None):
     """The selection branch's forward that also writes NSA's output,
     `g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa`, from its epilogue (no pass of its own over the
     three outputs). Inputs contiguous, bi int32; o_cmp, o_swa `[B, T, Hq, Dv]`, gates `[B, T, Hq]`.
     Returns (o `[B, T, Hq, Dv]`, o_slc or None without `keep_o`, lse_slc `[B, T, Hq]` float32).
     `before_sum`: called before the first launch that reads o_cmp, o_swa or the gates (the walk's, or
-    the merge after the forward per key block), e.g. to wait for the stream that writes o_swa."""
+    the merge after the forward per key block), e.g. to wait for the stream that writes o_swa.
+    `per_block`: as in `selected_forward`."""
     B, T, HQ, _ = q.shape
     o = torch.empty(B, T, HQ, v.shape[3], device=q.device, dtype=q.dtype)
     o_slc = torch.empty_like(o) if keep_o else o  # without keep_o the kernel writes only o
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     _forward(q, k, v, bi, o_slc, lse, select_size=select_size, scale=scale, presorted=presorted,
-             gated_sum=(o_cmp, o_swa, g_cmp, g_slc, g_swa, o), store_o=keep_o, before_sum=before_sum)
+             gated_sum=(o_cmp, o_swa, g_cmp, g_slc, g_swa, o), store_o=keep_o, before_sum=before_sum,
+             per_block=per_block)
     return o, (o_slc if keep_o else None), lse
 
 
 def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None, dq_float32=False,
-                      gate=None, presorted=False, dq_into=None):
-    """dq (one walk per query tile, as the forward) and dk/dv (per key block, inverted index).
-    `delta`: float32 `[B, T, Hq]` rowsum(o * do) where the caller has it. `dq_float32`: with
-    SELECTED_DQ = "fused", dq as its float32 accumulator (no cast), for a caller that adds more to
-    it; with "walk" dq stays in q's dtype either way. `gate` (contiguous `[B, T, Hq]`): the output's
-    gradient is `gate[..., None] * do`, applied inside the kernels; `delta` stays rowsum(o * do).
-    `presorted`: every list of bi is ascending, -1 padded at the end (as `select_blocks` writes them).
-    `dq_into`: a contiguous float32 tensor of q's shape (another branch's dq) that this dq is added to
-    and that is returned as dq (instead of a zeroed accumulator)."""
+                      gate=None, presorted=False, dq_into=None, split_dk=None):
+    """dq, dk, dv of the selected forward, all from one kernel per key block (inverted index).
+    `delta`: float32 `[B, T, Hq]` rowsum(o * do) where the caller has it. `dq_float32`: dq as its
+    float32 accumulator (no cast), for a caller that adds more to it. `gate` (contiguous
+    `[B, T, Hq]`): the output's gradient is `gate[..., None] * do`, applied inside the kernel; `delta`
+    stays rowsum(o * do). `presorted`: every list of bi is ascending, -1 padded at the end (as
+    `select_blocks` writes them). `dq_into`: a contiguous float32 tensor of q's shape (another
+    branch's dq) that this dq is added to and that is returned as dq (instead of a zeroed
+    accumulator). `split_dk` (None: the launch's, `selected_dkv_launch`): the q/k dim in two halves."""
     B, T, HQ, DK = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     G = HQ // HKV
     do = do.contiguous()
     if delta is None:
         delta = row_delta(o, do)
-    if SELECTED_DQ not in ("walk", "fused"):
-        raise ValueError(f"SELECTED_DQ must be 'walk' or 'fused', got {SELECTED_DQ!r}")
-    fuse_dq = SELECTED_DQ == "fused"
     if dq_into is not None and (dq_into.shape != q.shape or dq_into.dtype != torch.float32
                                 or not dq_into.is_contiguous()):
         raise ValueError(f"selected_backward: dq_into must be a contiguous float32 tensor of shape "
                          f"{tuple(q.shape)}")
-    if fuse_dq:
-        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_into is None else dq_into
-    else:
-        dq = torch.empty_like(q)
-        _launch_selected(q, k, v, bi, None, lse, do, delta, dq, select_size=select_size, scale=scale,
-                         backward=True, gate=gate)
-        if dq_into is not None:
-            dq = dq_into.add_(dq)
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if dq_into is None else dq_into
     dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv32 = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    dq_dtype = torch.float32 if (dq_float32 and fuse_dq) or dq_into is not None else q.dtype
+    dq_dtype = torch.float32 if dq_float32 or dq_into is not None else q.dtype
     if B * T * HKV * bi.shape[-1] == 0:
         return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
     GP = pow2(G, 1)
@@ -610,15 +421,15 @@ def selected_backward(q, k, v, bi, o, lse, do, *, select_size, scale, delta=None
     pos, seg_start, item_seg, item_chunk = inverted_index(bi, select_size=select_size, chunk=chunk,
                                                           presorted=presorted)
     ns = cdiv(T, select_size)
-    BDK, BDK2 = dkv_column_tiles(DK, launch.pop("split_dk"))
+    split = launch.pop("split_dk")
+    BDK, BDK2 = dkv_column_tiles(DK, split if split_dk is None else split_dk)
     launcher(_selected_dkv_kernel)[(item_seg.numel(),)](
         q, k, v, do, lse, delta, gate if gate is not None else delta, item_seg, item_chunk, seg_start, pos,
         dk32, dv32, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, scale, scale * LOG2E, chunk,
-        DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, FUSE_DQ=fuse_dq,
-        UPCAST=interpreting(), GATED=gate is not None, PRELOAD=chunk if SELECTED_DKV_PRELOAD else 0,
-        **launch,
+        DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size, UPCAST=interpreting(),
+        GATED=gate is not None, PRELOAD=chunk, **launch,
     )
     return dq.to(dq_dtype), dk32.to(k.dtype), dv32.to(v.dtype)
 
@@ -635,7 +446,7 @@ def selected_dkv_launch(dtype, dk: int, dv: int) -> dict:
     config = dict(rows=SELECTED_DKV_ROWS, num_warps=8 if max(dk, dv) >= 128 else 4, split_dk=False)
     config |= SELECTED_DKV_CONFIG
     wide = wide_rows(dtype, dk, dv)
-    if (dk, dv) in (SELECTED_DKV_WIDE or {}) and not wide:
+    if (dk, dv) in SELECTED_DKV_WIDE and not wide:
         config |= SELECTED_DKV_WIDE[dk, dv]
     if wide:
         config["num_stages"] = min(config.get("num_stages", 2), 2)

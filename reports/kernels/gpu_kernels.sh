@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One H200 round of the kernel work (docs/kernels.md): the GPU tests, then the benchmark.
+# The kernels on a GPU (docs/kernels.md): the GPU tests, then the benchmark.
 #   OUT=/some/dir [FLA_WHEELS=dir] [TESTS=0] [BENCH=0] [BENCH_ARGS=...] bash reports/kernels/gpu_kernels.sh [RUN_NAME]
 # Writes $OUT/kernels.tar (gpu_tests_<run>.log, bench_<run>.log, kernels.csv, kernels.md). TESTS=0 or
-# BENCH=0 skips that half (in run 95 the tests took 404 s, the benchmark 470: one device call may be
-# limited to 10 minutes, so run each half in a call of its own). BENCH_ARGS (default `--lengths 8k
-# 64k`) replaces the benchmark's arguments, e.g. `--table-only --lengths 8k 16k 32k 64k`.
-# Runs 88-95 ran the Triton the project pins on the H200 (its image has 3.6): scripts/pack_triton.sh
-# packs it and says how to unpack it there, ahead on PYTHONPATH.
+# BENCH=0 skips that half (each takes 5-8 minutes on an H200: where one call is limited to 10 minutes,
+# run each half in a call of its own). BENCH_ARGS (default `--lengths 8k 64k`) replaces the
+# benchmark's arguments, e.g. `--table-only --lengths 8k 16k 32k 64k`. To time the Triton the project
+# pins on a machine whose image has another, scripts/pack_triton.sh packs it and says how to unpack
+# it there, ahead on PYTHONPATH.
 set -uo pipefail
 RUN=${1:-run}
 OUT=${OUT:-/tmp/nsa-kernels}

@@ -1,7 +1,7 @@
-"""BAND_SPLIT_MASK: the banded kernels (compression and sliding-window branches) with their key /
-query loops split into masked edge tiles and unmasked interior tiles, against the single masked loop
-(bit for bit: same tiles, same order; also in either launch order, BAND_LONGEST_FIRST) and the
-PyTorch reference, outputs, lse and gradients, on the
+"""The banded kernels (compression and sliding-window branches) with their key / query loops split
+into masked edge tiles and unmasked interior tiles (`band.BAND_SPLIT_MASK`), against the single
+masked loop (bit for bit: same tiles, same order; also in either launch order, `longest_first`) and
+the PyTorch reference, outputs, lse and gradients, on the
 CPU through Triton's interpreter (tiles of BM = BN = 16 there, so interior tiles appear from a few
 hundred tokens on); and the split kernels compiled for the H200 (sm_90) without a GPU."""
 
@@ -50,25 +50,44 @@ def interior_tiles(T, TK, key_stride, key_offset, window=None, tile=16):
     return int(grid.view(nq, tile, nk, tile).all(3).all(1).sum())
 
 
-def run(branch, x, params, impl):
-    """Outputs ([o, lse] or [o]) and gradients [dq, dk, dv] of one branch."""
+def run_reference(branch, x, params):
+    """Outputs ([o, lse] or [o]) and gradients [dq, dk, dv] of one branch's reference, for the output
+    gradients `grads` draws (gradients through o and, where finite, lse)."""
     if branch == "cmp":
         ins = (x["q"], x["k_cmp"], x["v_cmp"])
-        fn = compressed_attention if impl == "triton" else ref.compressed_attention
-        o, lse = fn(*ins, **params)
-        out = [o, torch.where(torch.isfinite(lse), lse, 0.0)]  # gradients through o and lse
+        o, lse = ref.compressed_attention(*ins, **params)
+        out = [o, torch.where(torch.isfinite(lse), lse, 0.0)]
+        return [o.detach(), lse.detach()] + list(grads(out, ins))
+    ins = (x["q"], x["k"], x["v"])
+    o = ref.sliding_window_attention(*ins, **params)
+    return [o.detach()] + list(grads([o], ins))
+
+
+def run_triton(branch, x, params, **paths):
+    """As `run_reference`, through `band_forward` and `band_backward` as the branch's autograd op calls
+    them, with `paths` (`split_mask`, `longest_first`) chosen by the test."""
+    q = x["q"].detach()
+    if branch == "cmp":
+        k, v = x["k_cmp"].detach(), x["v_cmp"].detach()
+        geometry = dict(key_stride=params["stride"], key_offset=params["block_len"] - 1, split_heads=True)
     else:
-        ins = (x["q"], x["k"], x["v"])
-        fn = sliding_window_attention if impl == "triton" else ref.sliding_window_attention
-        o = fn(*ins, **params)
-        lse = None
-        out = [o]
-    return [o.detach()] + ([] if lse is None else [lse.detach()]) + list(grads(out, ins))
+        k, v = x["k"].detach(), x["v"].detach()
+        geometry = dict(key_stride=1, key_offset=0, window=params["window"])
+    scale = q.shape[-1] ** -0.5
+    forward = {name: value for name, value in geometry.items() if name != "split_heads"}
+    o, lse = band.band_forward(q, k, v, scale=scale, **forward, **paths)
+    g = torch.Generator().manual_seed(1)  # the output gradients `grads` draws
+    do = torch.randn(o.shape, generator=g)
+    dlse = None
+    if branch == "cmp":
+        dlse = torch.where(torch.isfinite(lse), torch.randn(lse.shape, generator=g), 0.0)
+    dq, dk, dv = band.band_backward(q, k, v, o, lse, do, dlse, scale=scale, **geometry, **paths)
+    return [o] + ([lse] if branch == "cmp" else []) + [dq, dk, dv]
 
 
 @interpreter_only
 @pytest.mark.parametrize("name", list(CASES))
-def test_split_matches_masked_loop_and_reference(monkeypatch, name):
+def test_split_matches_masked_loop_and_reference(name):
     branch, shape, params = CASES[name]
     T = shape[1]
     x = make(*shape, **{k: v for k, v in params.items() if k != "window"})
@@ -79,18 +98,21 @@ def test_split_matches_masked_loop_and_reference(monkeypatch, name):
         n = interior_tiles(T, T, 1, 0, params["window"])
     assert (n > 0) == (name not in ("cmp-T40", "swa-T11")), n  # the unmasked interior is exercised
 
-    monkeypatch.setattr(band, "BAND_SPLIT_MASK", True)
-    split = run(branch, x, params, "triton")
-    # the launch order (BAND_LONGEST_FIRST) changes which program runs when, not what it computes
-    monkeypatch.setattr(band, "BAND_LONGEST_FIRST", not band.BAND_LONGEST_FIRST)
-    for a, b in zip(run(branch, x, params, "triton"), split, strict=True):
+    split = run_triton(branch, x, params, split_mask=True)
+    # the launch order changes which program runs when, not what it computes
+    for a, b in zip(run_triton(branch, x, params, split_mask=True, longest_first=False), split, strict=True):
         assert torch.equal(a, b)
-    monkeypatch.setattr(band, "BAND_SPLIT_MASK", False)
-    masked = run(branch, x, params, "triton")
+    masked = run_triton(branch, x, params, split_mask=False)
     for a, b in zip(split, masked, strict=True):
         assert torch.equal(a, b)
+    # the branch's own op takes the split (with Triton 3.8 everywhere) and computes the same
+    if branch == "cmp":
+        op = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], **params)[0]
+    else:
+        op = sliding_window_attention(x["q"], x["k"], x["v"], **params)
+    assert torch.equal(op, split[0])
 
-    want = run(branch, x, params, "reference")
+    want = run_reference(branch, x, params)
     if branch == "cmp":
         lse, lse_ref = split.pop(1), want.pop(1)
         assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))  # queries that see no block
@@ -115,7 +137,7 @@ for part, kernel, pointers in (("fwd", band._band_fwd_kernel, ["*bf16"] * 4 + ["
         consts = dict(HAS_WINDOW=branch == "swa", DK=128, DV=128, BDK=128, BDK2=0, BDV=128, BM=cfg.pop("BM"),
                       BN=cfg.pop("BN"), UPCAST=False, SPLIT_MASK=True)
         if part == "dkv":
-            consts["GATED"] = False  # prefill.GATE_IN_BRANCHES' default
+            consts["GATED"] = False  # gate_in_branches off, the default
         k = compile_sm90(kernel, pointers_then_scalars(kernel, pointers, consts), consts, cfg)
         out[f"{part} {branch}"] = dict(shared=k.metadata.shared, loops=k.asm["ttgir"].count("scf.for"))
 print(json.dumps(out))
@@ -133,17 +155,21 @@ def test_split_kernels_compile_for_h200():
         assert got[name]["shared"] <= H200_SHARED_LIMIT, (name, got[name])
 
 
-def test_launch_order_falls_back_beyond_grid_y(monkeypatch):
+def test_launch_order_falls_back_beyond_grid_y():
     """The longest-first grid puts the tiles on CUDA's grid y (at most 65,535): beyond that, and with
-    BAND_LONGEST_FIRST off, the tiles go on x in index order, and the kernels are told which; per
-    branch and kernel as {branch: parts} (window None: the compression)."""
-    monkeypatch.setattr(band, "BAND_LONGEST_FIRST", True)
-    assert band._launch(65535, 64, None, "fwd") == ((64, 65535), 1)
-    assert band._launch(65536, 64, None, "fwd") == ((65536, 64), 0)
-    monkeypatch.setattr(band, "BAND_LONGEST_FIRST", False)
-    assert band._launch(10, 64, 512, "dkv") == ((10, 64), 0)
-    monkeypatch.setattr(band, "BAND_LONGEST_FIRST", {"cmp": ("dq", "dkv"), "swa": ("fwd",)})
-    assert band._launch(10, 64, None, "fwd") == ((10, 64), 0)
-    assert band._launch(10, 64, None, "dq") == ((64, 10), 1)
-    assert band._launch(10, 64, 512, "fwd") == ((64, 10), 1)
-    assert band._launch(10, 64, 512, "dkv") == ((10, 64), 0)
+    `longest_first` off, the tiles go on x in index order, and the kernels are told which."""
+    assert band._launch(65535, 64) == ((64, 65535), 1)
+    assert band._launch(65536, 64) == ((65536, 64), 0)
+    assert band._launch(10, 64, longest_first=False) == ((10, 64), 0)
+
+
+def test_split_mask_and_tma_parts():
+    """Which kernels split their loops and which copy with TMA by default, per branch; the Triton the
+    kernels compile with decides the window's backward (it splits from Triton 3.8 on)."""
+    assert all(band._split_mask(None, part) for part in ("fwd", "dq", "dkv"))
+    assert band._split_mask(512, "fwd") and band._split_mask(512, "dkv") == band.TRITON_38
+    assert not band._split_mask(512, "fwd", split_mask=False)
+    assert band._split_mask(None, "dq", split_mask=True)
+    assert [band._tma(None, part) for part in ("fwd", "dq", "dkv")] == [True, False, True]
+    assert all(band._tma(512, part) for part in ("fwd", "dq", "dkv"))
+    assert band._tma(None, "dq", tma=True) and not band._tma(512, "fwd", tma=False)

@@ -88,13 +88,29 @@ def test_forward_bf16_vs_reference(T, hq, hkv):
         assert rel_err(o, ref.sliding_window_attention(x["q"], x["k"], x["v"])) < BF16_TOL
 
 
+def topk_by_rule(imp, *, T, hkv, select_size, n, num_init=1, num_local=2, positions=None):
+    """The rows' blocks by the rule, in torch: int64 keys (importance bits, then the block index
+    reversed) so that ties go to the lower index, forced blocks first, no block after t; ascending,
+    -1 padded. imp [rows, Ns] float32 >= 0 -> int32 [rows, n]."""
+    rows, ns = imp.shape
+    r = torch.arange(rows, device=imp.device)
+    t = positions.long() if positions is not None else (r // hkv) % T
+    cur = (t // select_size)[:, None]  # [rows, 1]
+    j = torch.arange(ns, device=imp.device)[None, :]
+    forced = (j < num_init) | (j > cur - num_local)
+    bits = torch.where(forced, float("inf"), imp + 0.0).view(torch.int32).long()  # ordered like the values
+    key = torch.where(j <= cur, (bits << 32) + (ns - 1 - j), -1)
+    top = key.topk(n, dim=1).values
+    blk = torch.where(top >= 0, ns - 1 - (top & 0xFFFFFFFF), ns).sort(dim=1).values
+    return torch.where(blk == ns, -1, blk).int()
+
+
 @pytest.mark.parametrize("T,hq", [(65536, 64), (65536, 16), (8192, 64)],
                          ids=["T64k-G16", "T64k-G4", "T8k-G16"])
-def test_topk_methods_agree(monkeypatch, T, hq):
-    """Every top-k method, and the lean filter uncapped and capped at 80, 72 and 64 registers (its
-    full pass spills below the compiler's choice), takes the filter's blocks from the same
-    importances: the benchmark's inputs (4 KV heads), one call each; and a decode-sized call (64 rows
-    at given positions, which runs over 4 warps) of the lean filter against the filter."""
+def test_topk_matches_rule(T, hq):
+    """`topk_blocks` (the lean filter at its register cap, the arg-max passes for the rows it leaves)
+    on the benchmark's importances (4 KV heads) takes the blocks of the rule, computed in torch; and so
+    does a decode-sized call (64 rows at given positions, which runs over 4 warps)."""
     from nsa_eval.kernels import topk
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.importance import block_importance
@@ -104,29 +120,21 @@ def test_topk_methods_agree(monkeypatch, T, hq):
         _, lse = compressed_attention(x["q"], x["k_cmp"], x["v_cmp"])
         imp = block_importance(x["q"], x["k_cmp"], lse, block_len=32, stride=16, select_size=64,
                                scale=128 ** -0.5)
-    run = functools.partial(topk.topk_blocks, imp, T=T, num_kv_heads=4, select_size=64, num_selected=16,
-                            num_init=1, num_local=2)
-    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
-    want = run()
-    for method, cap in [(m, None) for m in topk.TOPK_METHODS] + [("lean", c) for c in (80, 72, 64)]:
-        monkeypatch.setattr(topk, "TOPK_METHOD", method)
-        monkeypatch.setattr(topk, "TOPK_LEAN_MAXNREG", cap)
-        assert torch.equal(run(), want), (method, cap)
+    got = topk.topk_blocks(imp, T=T, num_kv_heads=4, select_size=64, num_selected=16, num_init=1, num_local=2)
+    for rows in torch.arange(imp.shape[0], device="cuda").split(32768):  # the keys' memory in parts
+        want = topk_by_rule(imp[rows], T=T, hkv=4, select_size=64, n=16, positions=rows // 4)
+        assert torch.equal(got[rows], want)
     rows = torch.arange(T * 4 - 64 * 97, T * 4, 97, device="cuda")  # 64 rows (b, t, h_kv) of the last
-    few = functools.partial(topk.topk_blocks, imp[rows], T=T, num_kv_heads=1, select_size=64,
-                            num_selected=16, num_init=1, num_local=2, positions=(rows // 4).int())
-    monkeypatch.setattr(topk, "TOPK_METHOD", "lean")
-    monkeypatch.setattr(topk, "TOPK_LEAN_MAXNREG", 80)
-    got = few()
-    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
-    assert torch.equal(got, few()) and torch.equal(got, want[rows])
+    few = topk.topk_blocks(imp[rows], T=T, num_kv_heads=1, select_size=64, num_selected=16, num_init=1,
+                           num_local=2, positions=(rows // 4).int())
+    assert torch.equal(few, got[rows])
 
 
 @pytest.mark.parametrize("layout", [dict(block_len=32, stride=16), dict(block_len=64, stride=64)],
                          ids=["paper", "fla"])
 def test_float32_selection_matches_reference(layout):
     """Float32 inputs choose the float32 reference's blocks, in prefill and decode, up to ties within
-    1e-5: their score products run in three tf32 passes (`score_dot`). With one pass, Triton's
+    1e-5: their score products run in three tf32 passes (`_triton_utils.dot`). With one pass, Triton's
     default for float32, scores move by ~1e-3 and nearly tied blocks swap."""
     from nsa_eval.kernels.compression import compressed_attention
     from nsa_eval.kernels.decode import nsa_decode
@@ -216,24 +224,15 @@ def test_decode_matches_prefill(hq, hkv):
             assert rel_err(o_dec, o_ref) < BF16_TOL
 
 
-@pytest.mark.parametrize("fused, gate_in_branches, dq_sum", [
-    (True, False, "sum3"), (True, False, "fold"), (True, False, "chain"), (True, True, "sum3"),
-    (False, False, "sum3"),
-], ids=["fused-backward", "fused-backward-dq-fold", "fused-backward-dq-chain",
-        "fused-backward-gates-in-branches", "composed"])
-def test_nsa_attention_triton_gradients(monkeypatch, fused, gate_in_branches, dq_sum):
+@pytest.mark.parametrize("gate_in_branches", [False, True], ids=["gate-copies", "gates-in-branches"])
+def test_nsa_attention_triton_gradients(gate_in_branches):
     """nsa_attention(impl="triton") (reused compression lse, fused gated sum, inverted-index selection
-    backward with work items split over long block lists) against the float32 reference, G = 16, as
-    one autograd op (prefill.FUSED_BACKWARD; the gates applied in the branches' kernels, or as
-    copies g_x * do: GATE_IN_BRANCHES; the branches' dq summed by each DQ_SUM, across the window's
-    stream) and composed from the branches' ops."""
-    from nsa_eval.kernels import prefill
-
-    monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
-    monkeypatch.setattr(prefill, "GATE_IN_BRANCHES", gate_in_branches)
-    monkeypatch.setattr(prefill, "DQ_SUM", dq_sum)
+    backward with work items split over long block lists, the branches' dq summed across the window's
+    stream) against the float32 reference, G = 16; the gates applied as copies g_x * do or in the
+    branches' kernels (`gate_in_branches`)."""
     g = torch.Generator(device="cuda").manual_seed(10)
-    assert_nsa_matches_reference(with_gates(make(1, 4096, 16, 1, 128, grad=True), g), g)
+    assert_nsa_matches_reference(with_gates(make(1, 4096, 16, 1, 128, grad=True), g), g,
+                                 gate_in_branches=gate_in_branches)
 
 
 NSA_ARGS = ["q", "k", "v", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa"]  # nsa_attention's, in order
@@ -247,13 +246,14 @@ def with_gates(x, g):
     return x
 
 
-def assert_nsa_matches_reference(x, g):
-    """nsa_attention(impl="triton") on x against the float32 reference: blocks, output and the
-    gradients of every input; returns the output."""
+def assert_nsa_matches_reference(x, g, **options):
+    """nsa_attention(impl="triton", **options) on x against the float32 reference: blocks, output and
+    the gradients of every input; returns the output."""
     from nsa_eval import kernels
 
     x32 = {n: t.detach().float().requires_grad_() for n, t in x.items()}
-    o, idx = kernels.nsa_attention(*[x[n] for n in NSA_ARGS], impl="triton", return_block_indices=True)
+    o, idx = kernels.nsa_attention(*[x[n] for n in NSA_ARGS], impl="triton", return_block_indices=True,
+                                   **options)
     o_ref, idx_ref = kernels.nsa_attention(*[x32[n] for n in NSA_ARGS], impl="reference",
                                            return_block_indices=True)
     # near-ties may pick other blocks in bf16: few rows, so the whole-tensor errors stay small
@@ -293,24 +293,24 @@ def test_head_dims_and_float16(dk, dv, dtype):
 
 @pytest.mark.parametrize("hq, per_block", [(16, False), (4, False), (4, True)],
                          ids=["G16", "G4", "G4-by-block"])
-def test_gated_sum_in_selected_forward(monkeypatch, hq, per_block):
-    """prefill.GATE_IN_SELECTED: NSA's output from the selected forward's epilogue (True, and "auto" at
-    this length) or, where the forward runs per key block, from its merge ("by block"), without
-    gradients (o_slc not stored) and with them, against the separate gate pass and the float32
-    reference (T = 4096, bf16, 4 KV heads at G = 16 and G = 4, the walk and per key block)."""
+def test_gated_sum_in_selected_forward(hq, per_block):
+    """NSA's output from the selected forward's last launch (the walk's epilogue, or the merge of the
+    forward per key block; also the default at this length), without gradients (o_slc not stored) and
+    with them, against the separate gate pass and the float32 reference (T = 4096, bf16, 4 KV heads at
+    G = 16 and G = 4, the walk and per key block)."""
     from nsa_eval import kernels
-    from nsa_eval.kernels import prefill, selection
+    from nsa_eval.kernels import prefill
 
-    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MIN_ROWS", 0 if per_block else 2**62)
     g = torch.Generator(device="cuda").manual_seed(12)
     x = with_gates(make(1, 4096, hq * 4, 4, 128, grad=True), g)
     args = [x[n] for n in NSA_ARGS]
     out = {}
-    for fused in (False, True, "by block", "auto"):
-        monkeypatch.setattr(prefill, "GATE_IN_SELECTED", fused)
+    for in_selected in (False, True, None):
+        run = lambda choice=in_selected: prefill.nsa_attention(  # noqa: E731
+            *args, selected_per_block=per_block, gated_sum_in_selected=choice)
         with torch.no_grad():
-            out[fused, False] = kernels.nsa_attention(*args, impl="triton")
-        out[fused, True] = kernels.nsa_attention(*args, impl="triton").detach()
+            out[in_selected, False] = run()
+        out[in_selected, True] = run().detach()
     for key in out:
         assert rel_err(out[key], out[False, False]) < 1e-3, key
     with torch.no_grad():
@@ -318,49 +318,43 @@ def test_gated_sum_in_selected_forward(monkeypatch, hq, per_block):
     assert rel_err(out[True, False], o_ref) < BF16_TOL
 
 
-def test_window_side_stream_gated_merge(monkeypatch):
+def test_window_side_stream_gated_merge():
     """The window on its own stream, joined just before the merge of the forward per key block that
-    writes NSA's gated output (GATE_IN_SELECTED = "by block", G = 4): the output of one stream bit for
-    bit, without gradients and with them; 20 calls in a row with fresh inputs, so that a merge that
-    read the window's output before the window wrote it would show."""
-    from nsa_eval import kernels
-    from nsa_eval.kernels import prefill, selection
+    writes NSA's gated output (G = 4): the output of one stream bit for bit, without gradients and with
+    them; 20 calls in a row with fresh inputs, so that a merge that read the window's output before the
+    window wrote it would show."""
+    from nsa_eval.kernels import prefill
 
-    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MIN_ROWS", 0)
-    monkeypatch.setattr(prefill, "GATE_IN_SELECTED", "by block")
     for seed in range(20):
         g = torch.Generator(device="cuda").manual_seed(seed)
         x = with_gates(make(1, 4096, 16, 4, 128, grad=True, seed=seed), g)
+        args = [x[n] for n in NSA_ARGS]
         out = {}
         for on in (False, True):
-            monkeypatch.setattr(prefill, "WINDOW_STREAM", on)
+            run = lambda on=on, args=args: prefill.nsa_attention(  # noqa: E731
+                *args, window_stream=on, selected_per_block=True, gated_sum_in_selected=True)
             with torch.no_grad():
-                out[on, False] = kernels.nsa_attention(*[x[n] for n in NSA_ARGS], impl="triton")
-            out[on, True] = kernels.nsa_attention(*[x[n] for n in NSA_ARGS], impl="triton").detach()
+                out[on, False] = run()
+            out[on, True] = run().detach()
         assert torch.equal(out[True, False], out[False, False]), seed
         assert torch.equal(out[True, True], out[False, True]), seed
         assert torch.equal(out[True, True], out[True, False]), seed
 
 
-@pytest.mark.parametrize("dq_sum", ["sum3", "fold", "chain"])
-def test_window_side_stream_matches_one_stream(monkeypatch, dq_sum):
-    """prefill.WINDOW_STREAM: the window branch on a second stream gives the output of the single
-    stream bit for bit, and the same gradients up to the order of the selected branch's float32
-    atomics; 20 calls in a row with fresh inputs (the allocator reusing memory across the streams),
-    with each way of summing the branches' dq (prefill.DQ_SUM: "chain" has the selected atomics wait
-    for the window's dq on the other stream)."""
-    from nsa_eval import kernels
+def test_window_side_stream_matches_one_stream():
+    """The window branch on a second stream gives the output of the single stream bit for bit, and the
+    same gradients up to the order of the selected branch's float32 atomics; 20 calls in a row with
+    fresh inputs (the allocator reusing memory across the streams; the selected atomics wait for the
+    window's dq on the other stream)."""
     from nsa_eval.kernels import prefill
 
-    monkeypatch.setattr(prefill, "DQ_SUM", dq_sum)
     for seed in range(20):
         g = torch.Generator(device="cuda").manual_seed(seed)
         x = with_gates(make(1, 4096, 16, 1, 128, grad=True, seed=seed), g)
         do = torch.randn(1, 4096, 16, 128, generator=g, device="cuda").to(torch.bfloat16)
         out = {}
         for on in (False, True):
-            monkeypatch.setattr(prefill, "WINDOW_STREAM", on)
-            o = kernels.nsa_attention(*[x[n] for n in NSA_ARGS], impl="triton")
+            o = prefill.nsa_attention(*[x[n] for n in NSA_ARGS], window_stream=on)
             out[on] = (o, torch.autograd.grad(o, [x[n] for n in NSA_ARGS], do))
         assert torch.equal(out[True][0], out[False][0])
         for n, a, b in zip(NSA_ARGS, out[True][1], out[False][1], strict=True):

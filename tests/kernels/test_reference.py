@@ -124,11 +124,7 @@ def nsa_args(x):
     return [x[n] for n in ("q", "k", "v", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa")]
 
 
-@pytest.fixture
-def chunk(monkeypatch):
-    """Several query chunks per sequence, so chunk boundaries are exercised."""
-    monkeypatch.setattr(reference, "QUERY_CHUNK", 37)
-    return 37
+CHUNK = 37  # queries per chunk of the reference: several chunks per sequence, at odd boundaries
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,14 +135,14 @@ def chunk(monkeypatch):
 @pytest.mark.parametrize("config", [PAPER, FLA], ids=["paper", "fla"])
 @pytest.mark.parametrize("Hq,Hkv", HEADS, ids=[f"Hq{hq}-Hkv{hkv}" for hq, hkv in HEADS])
 @pytest.mark.parametrize("T", [150, 300])
-def test_nsa_attention_matches_brute_force(config, Hq, Hkv, T, chunk):
+def test_nsa_attention_matches_brute_force(config, Hq, Hkv, T):
     B, Dk, Dv = 2, 24, 16
     x = make_inputs(B, T, Hq, Hkv, Dk, Dv, config["block_len"], config["stride"], extra_cmp=1,
                     seed=Hq * 7 + T)
     leaves = {n: t.clone().requires_grad_(True) for n, t in x.items() if t is not None}
     ref_in = {n: leaves.get(n) for n in x}
-    o, idx = kernels.nsa_attention(*nsa_args(ref_in), k_swa=ref_in["k_swa"], v_swa=ref_in["v_swa"],
-                                   return_block_indices=True, impl="reference", **config)
+    o, idx = reference.nsa_attention(*nsa_args(ref_in), k_swa=ref_in["k_swa"], v_swa=ref_in["v_swa"],
+                                     return_block_indices=True, query_chunk=CHUNK, **config)
 
     bf_leaves = {n: t.detach().double().requires_grad_(True) for n, t in leaves.items()}
     bf_in = {n: bf_leaves.get(n) for n in x}
@@ -165,7 +161,7 @@ def test_nsa_attention_matches_brute_force(config, Hq, Hkv, T, chunk):
 
 @pytest.mark.parametrize("config", [PAPER, FLA], ids=["paper", "fla"])
 @pytest.mark.parametrize("T", [5, 16, 131])
-def test_branches_match_brute_force(config, T, chunk):
+def test_branches_match_brute_force(config, T):
     """Each public branch alone, including T shorter than one compressed block (no block visible)."""
     B, Hq, Hkv, Dk, Dv = 2, 6, 2, 24, 16
     x = make_inputs(B, T, Hq, Hkv, Dk, Dv, config["block_len"], config["stride"], separate_swa=False, seed=T)
@@ -174,7 +170,7 @@ def test_branches_match_brute_force(config, T, chunk):
     geometry = dict(block_len=config["block_len"], stride=config["stride"])
 
     q = x["q"].clone().requires_grad_(True)
-    o_cmp, lse = kernels.compressed_attention(q, x["k_cmp"], x["v_cmp"], impl="reference", **geometry)
+    o_cmp, lse = reference.compressed_attention(q, x["k_cmp"], x["v_cmp"], query_chunk=CHUNK, **geometry)
     q64 = x64["q"].clone().requires_grad_(True)
     _, _, o_cmp_bf, lse_bf, _, _ = brute_nsa(q64, *nsa_args(x64)[1:], x64["k"], x64["v"], **config)
     assert lse.dtype == torch.float32 and lse.shape == (B, T, Hq)
@@ -192,16 +188,16 @@ def test_branches_match_brute_force(config, T, chunk):
     if blind.any():
         assert (q.grad[blind] == 0).all()
 
-    idx = kernels.select_blocks(x["q"], x["k_cmp"], select_size=config["select_size"],
-                                num_selected=config["num_selected"], impl="reference", **geometry)
+    idx = reference.select_blocks(x["q"], x["k_cmp"], select_size=config["select_size"],
+                                  num_selected=config["num_selected"], query_chunk=CHUNK, **geometry)
     assert idx.dtype == torch.int32 and torch.equal(idx, idx_bf)
 
-    o_slc = kernels.selected_attention(x["q"], x["k"], x["v"], idx, select_size=config["select_size"],
-                                       impl="reference")
+    o_slc = reference.selected_attention(x["q"], x["k"], x["v"], idx, select_size=config["select_size"],
+                                         query_chunk=CHUNK)
     assert err_ratio(o_slc, o_slc_bf) < 1e-5
 
-    o_swa = kernels.sliding_window_attention(x["q"], x["k"], x["v"], window=config["window"],
-                                             impl="reference")
+    o_swa = reference.sliding_window_attention(x["q"], x["k"], x["v"], window=config["window"],
+                                               query_chunk=CHUNK)
     t = torch.arange(T)
     in_window = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - config["window"])
     rep = lambda y: y.double().repeat_interleave(Hq // Hkv, dim=2)
@@ -273,11 +269,12 @@ def test_decode_equals_prefill_rows(config):
     assert torch.equal(idx, idx_full[:, t:t + 1])
 
 
-def test_long_sequence_chunks_bound_memory(monkeypatch):
-    """At long T the chunk shrinks so the score tensor stays within SCORES_PER_CHUNK."""
-    monkeypatch.setattr(reference, "SCORES_PER_CHUNK", 4096)
+def test_long_sequence_chunks_bound_memory():
+    """At long T the chunk shrinks so the score tensor stays within SCORES_PER_CHUNK (here 4096: chunks
+    of 10 queries), and the result does not depend on the chunks."""
     x = make_inputs(1, 100, 4, 2, 8, 8, 8, 4)
-    o_small = reference.nsa_attention(*nsa_args(x), **PAPER)  # chunks of 10 queries
-    monkeypatch.setattr(reference, "SCORES_PER_CHUNK", 2**24)
+    sizes = [rows.stop - rows.start for rows, _ in reference._query_chunks(x["q"], 256, max_scores=4096)]
+    assert sizes == [10] * 10
+    o_small = reference.nsa_attention(*nsa_args(x), **PAPER, query_chunk=10)
     o_big = reference.nsa_attention(*nsa_args(x), **PAPER)
     assert err_ratio(o_small, o_big) < 1e-6

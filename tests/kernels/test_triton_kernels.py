@@ -196,29 +196,20 @@ def test_decode_separate_window_cache():
     assert rel_err(o, ref.nsa_decode(q, *args, *gates, **kw)) < TOL
 
 
-@pytest.mark.parametrize("fused, window_kv, selected_dq, gate_in_branches", [
-    (True, "shared", "fused", False), (True, "own", "fused", False), (True, "shared", "walk", False),
-    (True, "shared", "fused", True), (True, "own", "walk", True),
-    (False, "shared", "fused", False), (False, "own", "fused", False),
-], ids=["fused-backward-shared", "fused-backward-own", "fused-backward-dq-walk",
-        "fused-backward-gates-in-branches", "fused-backward-gates-in-branches-own-dq-walk", "composed-shared",
-        "composed-own"])
-def test_nsa_attention_triton_composition(monkeypatch, fused, window_kv, selected_dq, gate_in_branches):
-    """nsa_attention(impl="triton"): the three branches, the reused compression lse and the fused gated
-    sum, against the reference, outputs and gradients (gates included), with the window sharing the
-    selection's keys/values or having its own; as one autograd op (prefill.FUSED_BACKWARD: deltas
-    from the gate backward, the gates applied inside each branch's kernels or as copies g_x * do
-    (GATE_IN_BRANCHES), one dq sum; also with the selected dq walked instead of fused) and composed
-    from the branches' own ops."""
-    from nsa_eval.kernels import prefill, selection
-
-    monkeypatch.setattr(prefill, "FUSED_BACKWARD", fused)
-    monkeypatch.setattr(prefill, "GATE_IN_BRANCHES", gate_in_branches)
-    monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
-    assert_nsa_attention_matches_reference(16, 16, seed=11, own_window=window_kv == "own")
+@pytest.mark.parametrize("window_kv, gate_in_branches", [
+    ("shared", False), ("own", False), ("shared", True), ("own", True),
+], ids=["shared", "own", "gates-in-branches", "gates-in-branches-own"])
+def test_nsa_attention_triton_composition(window_kv, gate_in_branches):
+    """nsa_attention(impl="triton"): the three branches, the reused compression lse and the gated sum,
+    against the reference, outputs and gradients (gates included), with the window sharing the
+    selection's keys/values or having its own; the gates applied as copies g_x * do or inside each
+    branch's kernels (`gate_in_branches`); the three branches' dq summed by the window's, the selected
+    and the compression's kernels in turn."""
+    assert_nsa_attention_matches_reference(16, 16, seed=11, own_window=window_kv == "own",
+                                           gate_in_branches=gate_in_branches)
 
 
-def assert_nsa_attention_matches_reference(dk, dv, *, seed, own_window=False):
+def assert_nsa_attention_matches_reference(dk, dv, *, seed, own_window=False, gate_in_branches=False):
     """nsa_attention(impl="triton") against the reference at B = 1, T = 72, 4 / 2 heads, with gates:
     the blocks, the output and every gradient (of the window's own keys/values too, if it has them)."""
     from nsa_eval import kernels
@@ -228,7 +219,7 @@ def assert_nsa_attention_matches_reference(dk, dv, *, seed, own_window=False):
     g = torch.Generator().manual_seed(seed + 1)
     gates = [torch.rand(B, T, hq, generator=g).requires_grad_() for _ in range(3)]
     ins = (x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates)
-    params = dict(select_size=16, num_selected=3, window=20)
+    params = dict(select_size=16, num_selected=3, window=20, gate_in_branches=gate_in_branches)
     if own_window:
         y = make(B, T, hq, hkv, dk, dv, seed=seed + 2)
         params.update(k_swa=y["k"], v_swa=y["v"])
@@ -251,101 +242,61 @@ def test_dk_tiles():
     assert [dk_tiles(d) for d in (128, 256, 16, 24, 112, 200)] == padded
 
 
-@pytest.mark.parametrize("split, walk, selected_dq, gate_in_branches", [
-    (True, "pipelined", "fused", False), (True, "union", "walk", True), (False, "pipelined", "fused", False),
-], ids=["split", "split-union-dq-walk-gates-in-branches", "padded"])
-def test_split_head_dim(monkeypatch, split, walk, selected_dq, gate_in_branches):
+@pytest.mark.parametrize("dk, gate_in_branches", [(48, False), (48, True), (24, False)],
+                         ids=["split", "split-gates-in-branches-own-window", "padded"])
+def test_head_dims_in_two_tiles_or_padded(dk, gate_in_branches):
     """Dk = 48 = 32 + 16 (as the paper's 192 = 128 + 64): every prefill kernel runs its score products
-    and dq / dk in two column tiles (`_triton_utils.dk_tiles`), or padded to 64 with SPLIT_DK off.
-    nsa_attention(impl="triton") against the reference: blocks, output and gradients (the banded
-    forwards, dq and dk/dv of both branches, the importances, both selected walks, the fused dq and
-    the dq walk, the selected dk/dv; the gates as copies g_x * do or in the branches' kernels)."""
-    from nsa_eval.kernels import _triton_utils, prefill, selection
+    and dq / dk in two column tiles (`_triton_utils.dk_tiles`); Dk = 24 pads to 32 (its columns past
+    24 masked). nsa_attention(impl="triton") against the reference: blocks, output and gradients (the
+    banded forwards, dq and dk/dv of both branches, the importances, the selected walk and its dk/dv
+    and dq; the gates as copies g_x * do or in the branches' kernels, the window on its own keys)."""
+    from nsa_eval.kernels._triton_utils import dk_tiles
 
-    monkeypatch.setattr(_triton_utils, "SPLIT_DK", split)
-    monkeypatch.setattr(prefill, "GATE_IN_BRANCHES", gate_in_branches)
-    monkeypatch.setattr(selection, "SELECTED_WALK", walk)
-    monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
-    assert_nsa_attention_matches_reference(48, 16, seed=21)
+    assert dk_tiles(dk) == ((32, 16) if dk == 48 else (32, 0))
+    assert_nsa_attention_matches_reference(dk, 16, seed=21, own_window=gate_in_branches,
+                                           gate_in_branches=gate_in_branches)
 
 
-@pytest.mark.parametrize("dq_sum, selected_dq, dk, own_window", [
-    ("fold", "fused", 16, False), ("chain", "fused", 16, True), ("chain", "walk", 16, False),
-    ("fold", "fused", 48, True), ("chain", "fused", 48, False),
-], ids=["fold", "chain-own-window", "chain-dq-walk", "fold-split-dim-own-window", "chain-split-dim"])
-def test_nsa_attention_dq_sums(monkeypatch, dq_sum, selected_dq, dk, own_window):
-    """prefill.DQ_SUM: the three branches' dq added in the compression's dq kernel ("fold": the
-    selected float32 dq and the window's; "chain": the selected atomics into the window's float32 dq)
-    instead of a sum pass, with the selected dq fused or walked and a split head dim (48 = 32 + 16):
-    nsa_attention(impl="triton") against the reference, output and every gradient."""
-    from nsa_eval.kernels import prefill, selection
-
-    monkeypatch.setattr(prefill, "DQ_SUM", dq_sum)
-    monkeypatch.setattr(selection, "SELECTED_DQ", selected_dq)
-    assert_nsa_attention_matches_reference(dk, 16, seed=31, own_window=own_window)
-
-
-@pytest.mark.parametrize("walk, hq", [("pipelined", 4), ("pipelined", 16), ("union", 4), ("by-block", 4),
-                                       ("by-block", 16)],
-                         ids=["pipelined-G2", "pipelined-G8", "union-G2", "by-block-G2", "by-block-G8"])
-def test_gated_sum_in_selected_forward(monkeypatch, walk, hq):
-    """prefill.GATE_IN_SELECTED: NSA's output written by the selected forward's epilogue equals the
-    separate gate pass's, with gradients (o_slc kept for the backward, whose gradients match the
-    reference) and without (o_slc not stored), for the pipelined and the union walk and for the
-    forward per key block (its merge writes the sum); "by block" gates in the merge only there, "auto"
-    also in the walk up to `GATE_IN_WALK_MAX_ROWS` key rows."""
+@pytest.mark.parametrize("per_block, hq", [(False, 4), (False, 16), (True, 4), (True, 16)],
+                         ids=["walk-G2", "walk-G8", "by-block-G2", "by-block-G8"])
+def test_gated_sum_in_selected_forward(per_block, hq):
+    """NSA's output written by the selected forward's last launch (the walk's epilogue, or the merge
+    of the forward per key block) equals the separate gate pass's, with gradients (o_slc kept for the
+    backward, whose gradients match the reference) and without (o_slc not stored). On an input this
+    short the walk writes it by default too (`prefill.writes_gated_sum`)."""
     from nsa_eval import kernels
-    from nsa_eval.kernels import prefill, selection
+    from nsa_eval.kernels import prefill
 
-    by_block = walk == "by-block"
-    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MAX_GROUP", 16 if by_block else 0)
-    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MIN_ROWS", 0)
-    if not by_block:
-        monkeypatch.setattr(selection, "SELECTED_WALK", walk)
     B, T, hkv, d = 1, 72, 2, 16
+    assert prefill.writes_gated_sum(hq // hkv, B * T * hkv, per_block)
     x = make(B, T, hq, hkv, d, d, seed=41)
     g = torch.Generator().manual_seed(42)
     gates = [torch.rand(B, T, hq, generator=g).requires_grad_() for _ in range(3)]
     ins = (x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates)
-    params = dict(select_size=16, num_selected=3, window=20, impl="triton")
+    params = dict(select_size=16, num_selected=3, window=20)
     out = {}
-    for fused in (False, True, "by block", "auto"):  # "auto": the walk's too, on an input this short
-        monkeypatch.setattr(prefill, "GATE_IN_SELECTED", fused)
-        expected = fused is True or fused == "auto" or (fused == "by block" and by_block)
-        assert prefill.gate_in_selected(hq // hkv, B * T * hkv) == expected
+    for in_selected in (False, True, None):
+        run = lambda choice=in_selected: prefill.nsa_attention(  # noqa: E731
+            *ins, **params, selected_per_block=per_block, gated_sum_in_selected=choice)
         with torch.no_grad():
-            o_nograd = kernels.nsa_attention(*ins, **params)
-        o = kernels.nsa_attention(*ins, **params)
-        out[fused] = (o_nograd, o, grads([o], ins))
-    for fused in (True, "by block", "auto"):
-        assert torch.allclose(out[fused][0], out[False][0], atol=1e-6)
-        assert torch.allclose(out[fused][1], out[False][1], atol=1e-6)
-        assert torch.allclose(out[fused][0], out[fused][1])
-    o_ref = kernels.nsa_attention(*ins, **dict(params, impl="reference"))
+            o_nograd = run()
+        o = run()
+        out[in_selected] = (o_nograd, o, grads([o], ins))
+    for in_selected in (True, None):
+        assert torch.allclose(out[in_selected][0], out[False][0], atol=1e-6)
+        assert torch.allclose(out[in_selected][1], out[False][1], atol=1e-6)
+        assert torch.allclose(out[in_selected][0], out[in_selected][1])
+    o_ref = kernels.nsa_attention(*ins, **params, impl="reference")
     assert rel_err(out[True][1], o_ref) < TOL
     for a, b in zip(out[True][2], grads([o_ref], ins), strict=True):
         assert rel_err(a, b) < TOL
 
 
-def test_gate_in_selected_rejects_unknown_values(monkeypatch):
-    """prefill.GATE_IN_SELECTED takes False, True, "by block" or "auto"; anything else is a ValueError naming
-    the knob and its choices, before any kernel runs."""
-    from nsa_eval import kernels
-    from nsa_eval.kernels import prefill
-
-    monkeypatch.setattr(prefill, "GATE_IN_SELECTED", "merge")
-    x = make(1, 72, 4, 2, 16, 16, seed=3)
-    gates = [torch.rand(1, 72, 4) for _ in range(3)]
-    with pytest.raises(ValueError, match="GATE_IN_SELECTED must be one of .*'by block'.*got 'merge'"):
-        kernels.nsa_attention(x["q"], x["k"], x["v"], x["k_cmp"], x["v_cmp"], *gates, select_size=16,
-                              num_selected=3, window=20, impl="triton")
-
-
 @pytest.mark.parametrize("dk", [16, 48], ids=["dim-16", "split-dim-48"])
 def test_band_dq_adds_other_branches(dk):
-    """band_backward_dq's `add`: the dq of the band plus up to two other tensors (float32 and the
-    input dtype, float32 output too), equal to the sum of the band's own dq and them; more than two,
-    or a wrong shape, is a ValueError."""
+    """band_backward_dq's `add`: the dq of the band plus another tensor (the other branches' dq, any
+    float dtype, float32 output too), equal to the sum of the band's own dq and it; a tensor of
+    another shape is a ValueError."""
     from nsa_eval.kernels import _triton_utils as tu
     from nsa_eval.kernels.band import band_backward_dq, band_forward
 
@@ -357,19 +308,17 @@ def test_band_dq_adds_other_branches(dk):
     do = torch.randn(o.shape, generator=g)
     delta = tu.row_delta(o, do)
     alone = band_backward_dq(q, k, v, lse, do, delta, **band)
-    a, b = (torch.randn(q.shape, generator=g) for _ in range(2))
-    both = band_backward_dq(q, k, v, lse, do, delta, **band, add=(a, b))
-    assert torch.allclose(both, alone + a + b, atol=1e-5)
-    one = band_backward_dq(q, k, v, lse, do, delta, **band, add=(a,), dtype=torch.float64)
-    assert one.dtype == torch.float64 and torch.allclose(one.float(), alone + a, atol=1e-5)
-    for bad in ((a, b, a), (a[:, :10].contiguous(),)):
-        with pytest.raises(ValueError, match="add takes at most two contiguous tensors"):
-            band_backward_dq(q, k, v, lse, do, delta, **band, add=bad)
+    a = torch.randn(q.shape, generator=g)
+    assert torch.allclose(band_backward_dq(q, k, v, lse, do, delta, **band, add=a), alone + a, atol=1e-5)
+    wide = band_backward_dq(q, k, v, lse, do, delta, **band, add=a.double(), dtype=torch.float64)
+    assert wide.dtype == torch.float64 and torch.allclose(wide.float(), alone + a, atol=1e-5)
+    with pytest.raises(ValueError, match="add must be a contiguous tensor"):
+        band_backward_dq(q, k, v, lse, do, delta, **band, add=a[:, :10].contiguous())
 
 
-def test_gate_backward_deltas_and_sum3():
+def test_gate_backward_deltas():
     """The gate backward's deltas equal each branch's rowsum(o_x * do_x) (rowsum(o_x * do) without the
-    copies do_x); `sum3` equals its float32 reference, for mixed input dtypes, and rounds once to bf16."""
+    copies do_x, when the branches' kernels apply the gates themselves)."""
     from nsa_eval.kernels import _triton_utils as tu
     from nsa_eval.kernels import gates
 
@@ -377,29 +326,16 @@ def test_gate_backward_deltas_and_sum3():
     o = [torch.randn(2, 9, 3, 20, generator=g) for _ in range(3)]
     gate_values = [torch.rand(2, 9, 3, generator=g) for _ in range(3)]
     do = torch.randn(2, 9, 3, 20, generator=g)
-    d_o, d_g, delta = gates.gate_backward(*o, *gate_values, do, with_delta=True)
+    d_o, d_g, delta = gates.gate_backward(*o, *gate_values, do)
     for i in range(3):
         assert torch.allclose(d_o[i], gate_values[i][..., None] * do, atol=1e-6)
         assert torch.allclose(d_g[i], (o[i] * do).sum(-1), atol=1e-5)
         assert torch.allclose(delta[i], tu.row_delta(o[i], d_o[i]), atol=1e-5)
-    # scaled_do=False (the gates applied in the branches' kernels): no copies, delta_x = rowsum(o_x * do)
-    none, d_g2, delta2 = gates.gate_backward(*o, *gate_values, do, with_delta=True, scaled_do=False)
+    none, d_g2, delta2 = gates.gate_backward(*o, *gate_values, do, scaled_do=False)
     assert none == [None] * 3
     for i in range(3):
         assert torch.equal(d_g2[i], d_g[i])
         assert torch.allclose(delta2[i], tu.row_delta(o[i], do), atol=1e-5)
-    a, b, c = (torch.randn(5, 37, generator=g) for _ in range(3))
-    b16 = b.to(torch.bfloat16)
-    want = a + b16.float() + c  # the same order of float32 adds
-    assert torch.equal(gates.sum3(a, b16, c, torch.float32), want)
-    # one rounding to bf16 (the interpreter truncates where the GPU rounds to nearest: 1 ulp apart)
-    got = gates.sum3(a, b16, c, torch.bfloat16)
-    assert got.dtype == torch.bfloat16
-    assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=0)
-    into = b16.clone()  # written in place, as the fused backward does with a branch's dq
-    assert gates.sum3(a, into, c, torch.bfloat16, out=into) is into and torch.equal(into, got)
-    with pytest.raises(ValueError, match="out must be"):
-        gates.sum3(a, b16, c, torch.float32, out=b16.clone())
 
 
 def reference_topk(imp, r, hkv, bs, n, t=None, num_init=1, num_local=2):
@@ -414,20 +350,17 @@ def reference_topk(imp, r, hkv, bs, n, t=None, num_init=1, num_local=2):
     return sorted(order) + [-1] * (n - len(order))
 
 
-@pytest.mark.parametrize("method,pick", [("filter", "rank"), ("filter", "argmax"), ("lean", "rank")])
 @pytest.mark.parametrize("n,num_init,num_local", [(16, 1, 2), (5, 1, 2), (8, 0, 0), (8, 3, 1)])
-def test_topk_filter(monkeypatch, n, num_init, num_local, method, pick):
-    """The filter top-k (TOPK_METHOD = "filter", its candidates picked by rank or by arg-max passes;
-    "lean", its leaner form) on rows of up to 200 blocks: random importances (the compacted path, in
-    32 slots or in 64), many exact ties and -0.0 (ties to the lower index, whichever path), equal
-    importances everywhere (more candidates than TOPK_FILTER_CAP: the full pass), and the short rows at
-    the start (all blocks kept)."""
+def test_topk_lean_filter(n, num_init, num_local):
+    """The lean filter (`topk.lean_filtered_top`) on rows of up to 200 blocks: random importances (the
+    compacted path, in 32 slots or in 64), many exact ties and -0.0 (ties to the lower index, whichever
+    path), equal importances everywhere (more candidates than TOPK_CAP: the arg-max passes), and the
+    short rows at the start (all blocks kept)."""
     from nsa_eval.kernels import topk
 
-    monkeypatch.setattr(topk, "TOPK_METHOD", method)
-    monkeypatch.setattr(topk, "TOPK_FILTER_PICK", pick)
     g = torch.Generator().manual_seed(5)
     T, rows, ns, bs = 400, 48, 200, 2
+    assert topk.lean_fits(256, 16)  # 200 blocks pad to 256: the filter's rows
     pos = torch.cat([torch.arange(0, 40, 5), torch.randint(40, T, (rows - 8,), generator=g)]).int()
     imp = torch.rand(rows, ns, generator=g)
     imp[1::5] = torch.randint(0, 8, imp[1::5].shape, generator=g).float() / 8  # many ties, zeros
@@ -441,10 +374,10 @@ def test_topk_filter(monkeypatch, n, num_init, num_local, method, pick):
 
 
 @pytest.mark.parametrize("ns", [1024, 2000])
-def test_topk_lean_wide_rows(monkeypatch, ns):
+def test_topk_lean_wide_rows(ns):
     """The lean filter on rows of 1,024 blocks (its 32-bit lane masks) and of 2,000 (64-bit masks), a
     mask's top bit set: the same blocks as the rule at every path (few candidates in 32 slots, more in
-    64, too many for the slots, exact ties at the bound), and as the filter it may replace."""
+    64, too many for the slots, exact ties at the bound)."""
     from nsa_eval.kernels import topk
 
     g = torch.Generator().manual_seed(9)
@@ -456,31 +389,22 @@ def test_topk_lean_wide_rows(monkeypatch, ns):
     imp[1] = torch.randint(0, 3, (ns,), generator=g).float()  # ties everywhere, past 64 candidates
     imp[4::5, ::37] = imp[4::5, ::37].max()  # ties at the top
     imp[0, ns - 5] = 10.0  # block 128 * (R - 1) + 4 * lane + 3 at T - 1: its lane mask's top bit
-    run = lambda: topk.topk_blocks(imp, T=T, num_kv_heads=1, select_size=bs, num_selected=16,  # noqa: E731
-                                   num_init=1, num_local=2, positions=pos.int())
-    monkeypatch.setattr(topk, "TOPK_METHOD", "lean")
-    got = run()
+    got = topk.topk_blocks(imp, T=T, num_kv_heads=1, select_size=bs, num_selected=16, num_init=1, num_local=2,
+                           positions=pos.int())
     for r in range(rows):
         assert got[r].tolist() == reference_topk(imp, r, 1, bs, 16, t=pos[r].item()), r
-    monkeypatch.setattr(topk, "TOPK_METHOD", "filter")
-    assert torch.equal(run(), got)
 
 
 @pytest.mark.parametrize("n", [5, 1])
-@pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("method", ["radix", "argmax", "bitonic", "filter", "lean"])
-def test_topk_blocks_ties_and_forced(monkeypatch, method, rows, n):
-    """Every top-k method, one or several rows per program, 5 blocks or 1: forced blocks, no block
-    after t, largest importances with ties (many equal values, zeros and -0.0) going to the lower
-    index, ascending output, -1 padding. Rows of 20 blocks are below the filters' 128, so "filter"
-    and "lean" take their full pass here; test_topk_filter and test_topk_lean_wide_rows cover their
-    own paths."""
+def test_topk_blocks_ties_and_forced(n):
+    """Rows of 20 blocks, below the lean filter's 128, take the arg-max passes: forced blocks, no
+    block after t, largest importances with ties (many equal values, zeros and -0.0) going to the
+    lower index, ascending output, -1 padding; 5 blocks or 1."""
     from nsa_eval.kernels import topk
 
-    monkeypatch.setattr(topk, "TOPK_METHOD", method)
-    monkeypatch.setattr(topk, "TOPK_CONFIG", dict(rows=rows, num_warps=1))
     g = torch.Generator().manual_seed(21)
     T, hkv, ns, bs = 40, 2, 20, 2
+    assert not topk.lean_fits(32, 8)
     imp = torch.randint(0, 4, (T * hkv, ns), generator=g).float() / 4  # many ties, zeros included
     imp[::3] = torch.rand(imp[::3].shape, generator=g)
     imp[1::4, 3::5] = -0.0  # ties with +0.0
