@@ -32,13 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMANDS.values():
-        try:
-            module = importlib.import_module(f"nsa_eval.commands.{module_name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"nsa_eval.commands.{module_name}":
-                raise
-            continue  # subcommand not built yet
-        module.register(subparsers)
+        importlib.import_module(f"nsa_eval.commands.{module_name}").register(subparsers)
     return parser
 
 

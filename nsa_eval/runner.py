@@ -26,7 +26,6 @@ Under `accelerate launch` every process runs the same cells on its share of the 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import json
@@ -230,7 +229,7 @@ def evaluate_cell(lm, cell: Cell, run_dir: Path) -> Path | None:
     import lm_eval
 
     started = time.time()
-    _reset_activation_stats(lm)
+    _reset_attention_stats(lm)
     task = cell.task
     results = lm_eval.simple_evaluate(
         model=lm, tasks=[task.task], num_fewshot=task.num_fewshot, limit=cell.limit,
@@ -246,7 +245,7 @@ def evaluate_cell(lm, cell: Cell, run_dir: Path) -> Path | None:
     results["nsa_eval"] = {
         "cell": cell.key, "label": cell.label, "model": cell.model.label, "task": task.label,
         "part": cell.part, "split": task.split,
-        "activated_tokens": _activation_stats(lm), "wall_seconds": round(time.time() - started, 3),
+        "activated_tokens": _attention_stats(lm), "wall_seconds": round(time.time() - started, 3),
     }
     config = {"key": cell.key, "label": cell.label, "part": cell.part, "identity": cell.identity(),
               "model": dataclasses.asdict(cell.model), "task": dataclasses.asdict(task),
@@ -416,10 +415,8 @@ def build_vllm_lm(model: ModelSpec, seed: int = 1234):
 
 def _resolve_checkpoint_path(pretrained: str) -> str:
     """A short name (smollm2-135m, nsa-tiny) -> its local directory, for backends that need a path."""
-    try:
-        from nsa_eval.models import resolve_checkpoint
-    except ImportError:
-        return pretrained
+    from nsa_eval.models import resolve_checkpoint
+
     return str(resolve_checkpoint(pretrained))
 
 
@@ -429,27 +426,23 @@ def _task_manager_for(cell: Cell):
     Like lm-eval's own CLI, the model's args are visible to tasks (RULER-style tasks read
     `pretrained`/`tokenizer` and `max_length`); the suite's task metadata wins.
     """
-    from lm_eval.tasks._factory import TaskFactory
-
-    from nsa_eval.suite import task_manager
+    from nsa_eval.suite import suite_task_manager
+    from nsa_eval.tasks.index import with_metadata
 
     metadata = {"pretrained": cell.model.pretrained}
     if cell.model.max_length is not None:
         metadata["max_length"] = cell.model.max_length
     metadata |= cell.metadata()
-    manager = copy.copy(task_manager(cell.include_path))  # shares the (slow to build) index
-    manager.metadata = metadata
-    manager._factory = TaskFactory(meta=metadata)
-    return manager
+    return with_metadata(suite_task_manager(cell.include_path), metadata)
 
 
-def _reset_activation_stats(lm) -> None:
+def _reset_attention_stats(lm) -> None:
     reset = getattr(lm, "reset_attention_stats", None)
     if callable(reset):
         reset()
 
 
-def _activation_stats(lm) -> Any:
+def _attention_stats(lm) -> Any:
     """Activated tokens per query from the adapter (per context length), or None if it has none."""
     stats = getattr(lm, "attention_stats", None)
     return stats() if callable(stats) else None

@@ -188,15 +188,15 @@ def test_what_the_check_cannot_measure_is_one_usage_error(tmp_path):
 
 def test_a_vllm_entry_without_max_length_sizes_its_own_context(tmp_path):
     """vLLM reads rope scaling too (a YaRN model runs past max_position_embeddings): not checked."""
-    from nsa_eval.suite import _check_context_fits
+    from nsa_eval.suite.checks import check_context_fits
 
     path = tmp_path / "fit.yaml"
     path.write_text(SUITE.format(longest=65536, answer=12, model_extra="", task_extra="").replace(
         "pretrained: nsa-tiny, attention: nsa", "pretrained: full-tiny, attention: full, backend: vllm"))
-    _check_context_fits(load_suite(path))
+    check_context_fits(load_suite(path))
     path.write_text(path.read_text().replace("backend: vllm", "backend: vllm, max_length: 8192"))
     with pytest.raises(UsageError, match=r"full-tiny takes 8192 \(its max_length\)"):
-        _check_context_fits(load_suite(path))
+        check_context_fits(load_suite(path))
 
 
 def test_groups_with_inline_subgroups_are_walked(tmp_path):

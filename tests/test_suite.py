@@ -128,14 +128,14 @@ def test_include_path_contents_change_cell_keys(tmp_path):
 
 
 def test_include_path_fingerprint_is_read_once_and_only_with_include_path(tmp_path, monkeypatch):
-    from nsa_eval import suite as suite_module
+    from nsa_eval.suite import spec
 
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "mine.yaml").write_text("task: mine\n")
     calls = []
-    real = suite_module.include_path_fingerprint
-    monkeypatch.setattr(suite_module, "include_path_fingerprint", lambda p: calls.append(p) or real(p))
+    real = spec.include_path_fingerprint
+    monkeypatch.setattr(spec, "include_path_fingerprint", lambda p: calls.append(p) or real(p))
     text = BASE.replace("name: t", f"name: t\ninclude_path: {tasks}")
     suite = load_suite(write(tmp_path, text))
     cells = suite.cells() + suite.cells(limit=2)

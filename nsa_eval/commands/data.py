@@ -47,11 +47,11 @@ def _requested(args: argparse.Namespace, default: list[str] | None = None):
 
     names, manager = list(args.tasks), None
     if args.suite:
-        from nsa_eval.suite import load_suite, task_manager
+        from nsa_eval.suite import load_suite, suite_task_manager
 
         suite = load_suite(args.suite)
         names += [task.task for task in suite.tasks]
-        manager = task_manager(suite.include_path) if suite.include_path else None
+        manager = suite_task_manager(suite.include_path) if suite.include_path else None
     if not names:
         if default is None:
             raise UsageError(f"nsa-eval data {args.data_command}: name at least one task (e.g. "

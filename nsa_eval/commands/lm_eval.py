@@ -35,22 +35,15 @@ def with_defaults(argv: list[str]) -> list[str]:
     runs = not argv or argv[0] not in ("ls", "validate")  # `run`, or lm-eval's legacy flags-only form
     if runs and not _has_flag(argv, "--model"):
         argv += ["--model", MODEL_NAME]
-    tasks_dir = _project_tasks_dir()
-    if tasks_dir is not None and not _has_flag(argv, "--include_path"):
-        argv += ["--include_path", tasks_dir]
+    if not _has_flag(argv, "--include_path"):
+        from nsa_eval.tasks import TASKS_DIR
+
+        argv += ["--include_path", str(TASKS_DIR)]
     return argv
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
-
-
-def _project_tasks_dir() -> str | None:
-    try:
-        from nsa_eval.tasks import TASKS_DIR
-    except ImportError:
-        return None
-    return str(TASKS_DIR)
 
 
 def run_passthrough(argv: list[str]) -> int:

@@ -176,10 +176,10 @@ def _validated_config(args):
             raise UsageError(f"--retrieval-fraction must be in (0, 1], got {args.retrieval_fraction}")
         cfg = replace(cfg, mix=replace(cfg.mix, retrieval_fraction=args.retrieval_fraction))
     if args.distractors is not None:
-        from nsa_eval.tasks.niah import _KEYS
+        from nsa_eval.tasks.niah import NEEDLE_KEYS
 
-        if not 0 <= args.distractors < len(_KEYS):
-            raise UsageError(f"--distractors must be in [0, {len(_KEYS) - 1}], got {args.distractors}")
+        if not 0 <= args.distractors < len(NEEDLE_KEYS):
+            raise UsageError(f"--distractors must be in [0, {len(NEEDLE_KEYS) - 1}], got {args.distractors}")
         cfg = replace(cfg, mix=replace(cfg.mix, distractors=args.distractors))
     if args.match is not None:
         shape = [f"--{f.replace('_', '-')}" for f in ("head_dim", "kv_heads", "layers") if getattr(args, f)]

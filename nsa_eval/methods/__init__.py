@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from contextlib import contextmanager
 from typing import Any
 
 from nsa_eval.errors import UsageError
-from nsa_eval.methods.base import (
+from nsa_eval.methods.base import AttentionMethod, BudgetConfig
+from nsa_eval.methods.controller import (
     ATTN_IMPLEMENTATION,
     MODULE_ATTRIBUTE,
     AttentionController,
-    AttentionMethod,
-    BudgetConfig,
     BudgetExceededError,
     nsa_eval_attention,
 )
@@ -37,6 +37,7 @@ __all__ = [
     "BudgetExceededError",
     "apply_attention",
     "attention_stats",
+    "attention_stats_paused",
     "check_model_config",
     "hf_config_from_dict",
     "reset_attention_stats",
@@ -193,6 +194,22 @@ def reset_attention_stats(model) -> None:
     """Start counting afresh (the method and budget stay)."""
     controller = _controller(model)
     controller.stats = type(controller.stats)()
+
+
+@contextmanager
+def attention_stats_paused(model):
+    """Forward passes inside the block leave the statistics as they were (saved, then restored); a
+    model without a method applied counts nothing, so there is nothing to pause."""
+    controller = getattr(model, CONTROLLER_ATTRIBUTE, None)
+    if controller is None:
+        yield
+        return
+    saved = controller.stats
+    controller.stats = type(saved)()
+    try:
+        yield
+    finally:
+        controller.stats = saved
 
 
 # ----------------------------------------------------------------------------------------------------------

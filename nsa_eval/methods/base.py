@@ -1,57 +1,48 @@
-"""Shared machinery of the training-free sparse attention methods, written once.
+"""The interface every attention method implements: a dataclass of its own parameters and its scoring rule.
 
-A method is a small dataclass (`full.py`, `sink_window.py`, `topk.py`, `quest.py`, `h2o.py`) that holds
-only its scoring rule. Everything else lives here:
+A method is a small dataclass (`full.py`, `sink_window.py`, `topk.py`, `quest.py`, `h2o.py`) that
+subclasses `AttentionMethod` and writes only how keys are ranked, as kvpress's ScorerPress subclasses
+write only `score()`:
 
-- budget accounting: every query attends to at most `budget` keys, counting the `sink` leading keys
-  and the `local` most recent keys (the query itself included): the paper's 2,560 = 128 + 512 + 1,920.
-  A query with at most `budget` visible keys attends to all of them.
-- masking: the method picks `budget - sink - local` keys (fewer if it forces more) from the keys between
-  the sink and the local window; attention is a softmax over the kept keys only.
-- positions: a key's position is its rank among the non-padding keys of its sequence, read off the
-  model's 4D mask, so left and right padding marked in the attention mask count from the first real
-  token (positions the mask does not mark as padding are ordinary tokens, and are counted).
-- caches: only a plain `DynamicCache` of full-attention layers (`check_cache`), whose keys are the
-  sequence so far with the new ones last.
-- chunking over queries: scores are materialised for at most `query_chunk` queries at a time
-  (`[B, Hq, Tc, S]`), never `T x T`.
-- state: per-layer method state (H2O's accumulated attention mass) lives on the KV cache object
-  (`cache.nsa_eval_state[layer_idx]`), so it follows `generate()` and is fresh for every new cache.
-- statistics: keys attended per query, per layer and phase (prefill/decode), always on, and
-  `BudgetExceededError` as soon as a query held to the budget attends to more.
+- `score(chunk)`: higher = keep; the controller keeps the best `budget - sink - local` keys outside
+  the sink and local windows (`topk`: `q . k`; `quest`: its page bound);
+- `forced(chunk)`: keys always kept besides sink and local, counted in the budget (Quest's own page);
+- `prepare(key, kpos)`: per-layer-call precomputation over all keys (Quest's page summaries);
+- a stateful method (`stateful = True`, H2O) is selected query by query from a state the earlier
+  queries left: `grow_state`, `state_score`, `update_state`.
 
-The attention function is registered with transformers' `AttentionInterface` as `nsa_eval`; each
-attention module carries a `_nsa_eval` pointer to the `AttentionController` that `apply_attention` built.
-Shapes follow transformers' attention interface: query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]`,
-output `[B, T, Hq, D]`; `Hq = G * Hkv` and query head `h` reads KV head `h // G`.
+Everything else (budget, masking, positions, chunking, the per-forward state, the attention function)
+is the controller's (controller.py); the activated-token counts are stats.py's. `BudgetConfig` holds
+the budget settings shared by every method. Shapes follow transformers' attention interface: query
+`[B, Hq, T, D]`, key/value `[B, Hkv, S, D]`; `Hq = G * Hkv` and query head `h` reads KV head `h // G`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from nsa_eval.errors import UsageError
 
-ATTN_IMPLEMENTATION = "nsa_eval"
-STATE_ATTRIBUTE = "nsa_eval_state"  # on a transformers Cache: {layer_idx: LayerState}
-MODULE_ATTRIBUTE = "_nsa_eval"  # on each attention module: its AttentionController
 
+@dataclass(frozen=True)
+class BudgetConfig:
+    """Budget settings shared by every method (see `apply_attention`)."""
 
-class BudgetExceededError(RuntimeError):
-    """A query held to the budget attended to more keys than the budget allows."""
+    budget: int = 2560
+    sink: int = 128
+    local: int = 512
+    sparse_prefill: bool = True
+    dense_layers: int = 0
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Method interface
-# ----------------------------------------------------------------------------------------------------------
+    @property
+    def selected(self) -> int:
+        """Keys the method chooses per query beyond sink and local."""
+        return self.budget - self.sink - self.local
 
 
 @dataclass
@@ -79,7 +70,7 @@ class Chunk:
     @functools.cached_property
     def logits(self) -> Tensor:
         """`[B, Hq, Tc, Sc]` float32, scaled `q . k` before any mask (computed on first use)."""
-        return _grouped_scores(self.query.float(), self.key.float()) * self.scaling
+        return grouped_scores(self.query.float(), self.key.float()) * self.scaling
 
 
 @dataclass
@@ -100,7 +91,6 @@ class AttentionMethod:
     selects: ClassVar[bool] = True  # False for sink_window: sink and local only
     stateful: ClassVar[bool] = False
     stable_ties: ClassVar[bool] = False  # break score ties by position (a stable sort) instead of topk
-    gqa: ClassVar[str] = "per query head"  # how selection treats a GQA group (see docs/methods.md)
 
     query_chunk: int = 512
 
@@ -140,519 +130,9 @@ class AttentionMethod:
         raise NotImplementedError
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Statistics
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Tally:
-    """Running totals for one (layer, phase): query-head pairs, keys attended, KV tokens read.
-
-    The totals stay on the device of the counts until read: reading one waits for the GPU, and a
-    wait per layer and step would hold a decode step to the host's pace."""
-
-    held: bool  # True when these queries were held to the budget
-    totals: Tensor | None = None  # int64 [5]: queries, activated sum, activated max, KV queries, KV read sum
-
-    def add(self, activated: Tensor, kv_read: Tensor, real: Tensor) -> None:
-        """activated `[B, Hq, Tc]`, kv_read `[B, Hkv, Tc]` int; only real queries (`real` `[B, Tc]`) count."""
-        real_a = real[:, None].expand_as(activated)
-        real_r = real[:, None].expand_as(kv_read)
-        activated, kv_read = activated.long(), kv_read.long()
-        top = activated.masked_fill(~real_a, 0).amax() if activated.numel() else activated.new_zeros(())
-        step = torch.stack([real_a.sum(), (activated * real_a).sum(), top,
-                            real_r.sum(), (kv_read * real_r).sum()])
-        if self.totals is None:
-            self.totals = step
-        else:
-            self.totals = torch.cat([self.totals[:2] + step[:2], torch.maximum(self.totals[2:3], step[2:3]),
-                                     self.totals[3:] + step[3:]])
-
-    def _read(self, i: int) -> int:
-        return 0 if self.totals is None else int(self.totals[i])
-
-    @property
-    def queries(self) -> int:  # (query, query head) pairs
-        return self._read(0)
-
-    @property
-    def activated_sum(self) -> int:
-        return self._read(1)
-
-    @property
-    def activated_max(self) -> int:
-        return self._read(2)
-
-    @property
-    def kv_queries(self) -> int:  # (query, KV head) pairs
-        return self._read(3)
-
-    @property
-    def kv_read_sum(self) -> int:
-        return self._read(4)
-
-
-def _summary(tallies: list[_Tally]) -> dict[str, Any]:
-    queries = sum(t.queries for t in tallies)
-    kv_queries = sum(t.kv_queries for t in tallies)
-    return {
-        "queries": queries,
-        "mean": sum(t.activated_sum for t in tallies) / queries if queries else 0.0,
-        "max": max((t.activated_max for t in tallies), default=0),
-        "kv_read_mean": sum(t.kv_read_sum for t in tallies) / kv_queries if kv_queries else 0.0,
-    }
-
-
-class AttentionStats:
-    """Keys attended per query, per layer and phase; always on (a few reductions per layer call)."""
-
-    def __init__(self) -> None:
-        self.tallies: dict[tuple[int, str], _Tally] = {}
-
-    def tally(self, layer: int, phase: str, held: bool) -> _Tally:
-        key = (layer, phase)
-        if key not in self.tallies:
-            self.tallies[key] = _Tally(held=held)
-        self.tallies[key].held = self.tallies[key].held and held
-        return self.tallies[key]
-
-    def summary(self) -> dict[str, Any]:
-        """Per layer, per phase and overall: queries (query-head pairs), mean and max keys attended,
-        and mean KV tokens read per (query, KV head), the union over the KV head's query group."""
-        layers = sorted({layer for layer, _ in self.tallies})
-        phases = sorted({phase for _, phase in self.tallies})
-        held = [t for t in self.tallies.values() if t.held]
-        return {
-            **_summary(list(self.tallies.values())),
-            "held": _summary(held),
-            "layers": [
-                {"layer": layer, **_summary([t for (lay, _), t in self.tallies.items() if lay == layer])}
-                for layer in layers
-            ],
-            "phases": {p: _summary([t for (_, ph), t in self.tallies.items() if ph == p]) for p in phases},
-        }
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Per-layer state on the cache
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LayerState:
-    """What a stateful method carries between forward calls for one layer.
-
-    Attributes:
-        method: the method instance that wrote it (a state from another method is not reused).
-        length: number of keys the state covers.
-        tensors: the method's tensors, keys on the last dimension, e.g. H2O's accumulated mass
-            `[B, Hq, length]` float32. Each chunk gets views cut to its keys, updated in place.
-    """
-
-    method: AttentionMethod | None = None
-    length: int = 0
-    tensors: dict[str, Tensor] = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The controller: one per model, holds the method, the budget, the stats, the current state
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BudgetConfig:
-    """Budget settings shared by every method (see `apply_attention`)."""
-
-    budget: int = 2560
-    sink: int = 128
-    local: int = 512
-    sparse_prefill: bool = True
-    dense_layers: int = 0
-
-    @property
-    def selected(self) -> int:
-        """Keys the method chooses per query beyond sink and local."""
-        return self.budget - self.sink - self.local
-
-
-class AttentionController:
-    """The method applied to one model: budget, statistics and the per-forward layer states."""
-
-    def __init__(self, method: AttentionMethod, config: BudgetConfig):
-        self.method = method
-        self.config = config
-        self.stats = AttentionStats()
-        self.states: dict[int, LayerState] = {}  # replaced at each forward by the pre-hook
-        self.hook_handle = None
-        # Tests set a list here to receive (layer, phase, first query, keep [B, Hq, Tc, S]) per chunk.
-        self.capture: list | None = None
-
-    # ---- forward pre-hook on the decoder stack: find (or make) the cache, point at its state
-    def begin_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        from transformers import DynamicCache
-
-        name = "past_key_values" if "past_key_values" in kwargs else "cache"
-        cache = kwargs.get(name)
-        if cache is not None:
-            check_cache(cache, self.method.name)
-        use_cache = kwargs.get("use_cache")
-        if use_cache is None:
-            use_cache = getattr(module.config, "use_cache", False)
-        if cache is None and use_cache:
-            # The model would create this cache itself; creating it here lets the state ride on it.
-            cache = DynamicCache(config=module.config)
-            kwargs[name] = cache
-        if cache is None:
-            self.states = {}
-        else:
-            if not hasattr(cache, STATE_ATTRIBUTE):
-                setattr(cache, STATE_ATTRIBUTE, {})
-            self.states = getattr(cache, STATE_ATTRIBUTE)
-        return args, kwargs
-
-    # ---- the attention function body
-    def attend(
-        self,
-        module: torch.nn.Module,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask: Tensor | None,
-        scaling: float | None,
-        **kwargs: Any,
-    ) -> Tensor:
-        """query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]`, mask `[B|1, 1, T, S]` or None.
-
-        Returns the attention output `[B, T, Hq, Dv]`.
-        """
-        B, Hq, T, D = query.shape
-        Hkv, S = key.shape[1], key.shape[2]
-        if Hq % Hkv:
-            raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-        layer = int(module.layer_idx)
-        scaling = D**-0.5 if scaling is None else scaling
-        phase = "decode" if T == 1 else "prefill"
-        method, cfg = self.method, self.config
-        held = method.sparse and layer >= cfg.dense_layers and (cfg.sparse_prefill or phase == "decode")
-
-        allowed = _allowed_keys(attention_mask, B, T, S)  # [B, T, S] bool or None
-        kpos, qpos = _positions(allowed, B, T, S, query.device)  # [B, S], [B, T]
-        stateful = method.stateful and method.sparse and layer >= cfg.dense_layers
-        state = self._layer_state(layer, B, Hq, S, T, query.device) if stateful else None
-        tally = self.stats.tally(layer, phase, held)
-
-        if not held and not stateful:
-            return self._dense(
-                module, query, key, value, attention_mask, scaling, kwargs, allowed, qpos, tally
-            )
-
-        out = query.new_empty(B, Hq, T, value.shape[-1])  # [B, Hq, T, Dv]
-        prepared = method.prepare(key, kpos) if held and method.selects else None
-        chunk_len = self._chunk_len(B, Hq, T, S)
-        for t0 in range(0, T, chunk_len):
-            t1 = min(T, t0 + chunk_len)
-            Sc = S - T + t1  # keys after the chunk's last query are invisible to all of it
-            kp = kpos[:, :Sc]  # [B, Sc]
-            visible = (kp[:, None, :] <= qpos[:, t0:t1, None]) & (kp >= 0)[:, None, :]  # [B, Tc, Sc]
-            if allowed is not None:
-                visible &= allowed[:, t0:t1, :Sc]
-            q, k, v = query[:, :, t0:t1], key[:, :, :Sc], value[:, :, :Sc]  # [B, H, Tc|Sc, D]
-            chunk = Chunk(q, k, scaling, qpos[:, t0:t1], kp, visible, prepared)
-            if stateful:
-                tensors = {name: t[..., :Sc] for name, t in state.tensors.items()}  # views: updates land
-                keep, probs = self._select_stateful(chunk, tensors, held)  # [B, Hq, Tc, Sc] each
-                o = _grouped_apply(probs, v.float())  # [B, Hq, Tc, Dv]
-            else:
-                keep = self._select(chunk)  # [B, 1|Hq, Tc, Sc]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scaling, enable_gqa=True)
-            out[:, :, t0:t1] = o.nan_to_num(0.0)  # a padding query (nothing visible) gets zeros
-            self._record(tally, keep, Hq, Hkv, qpos[:, t0:t1], held, layer)
-            if self.capture is not None:
-                full = keep.new_zeros(B, Hq, t1 - t0, S)  # [B, Hq, Tc, S]
-                full[..., :Sc] = keep
-                self.capture.append((layer, phase, t0, full))
-        if state is not None:
-            state.length = S
-        return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
-
-    # ---- pieces
-    def _dense(self, module, query, key, value, mask, scaling, kwargs, allowed, qpos, tally) -> Tensor:
-        """Plain SDPA (transformers' own function: `full` is bit-identical to `sdpa`); stats from the mask."""
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        kwargs = {k: v for k, v in kwargs.items() if k in ("dropout", "is_causal")}
-        out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
-        B, Hq, T, _ = query.shape
-        Hkv = key.shape[1]
-        if allowed is None:
-            count = qpos + 1  # [B, T]
-        else:
-            count = allowed.sum(-1)  # [B, T]
-        tally.add(
-            count[:, None].expand(B, Hq, T),  # [B, Hq, T]
-            count[:, None].expand(B, Hkv, T),  # [B, Hkv, T]
-            qpos >= 0,
-        )
-        if self.capture is not None:
-            kpos = _positions(allowed, B, T, key.shape[2], query.device)[0]
-            visible = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos >= 0)[:, None, :]  # [B, T, S]
-            if allowed is not None:
-                visible &= allowed
-            phase = "decode" if T == 1 else "prefill"
-            self.capture.append((int(module.layer_idx), phase, 0, visible[:, None].expand(B, Hq, -1, -1)))
-        return out
-
-    def _chunk_len(self, B: int, Hq: int, T: int, S: int) -> int:
-        return max(1, min(T, self.method.query_chunk))
-
-    def _forced(self, chunk: Chunk) -> Tensor:
-        """`[B, Tc, S]` bool: sink, local window and the method's own forced keys (all within `visible`)."""
-        cfg = self.config
-        kpos, qpos = chunk.kpos[:, None, :], chunk.qpos[:, :, None]  # [B, 1, S], [B, Tc, 1]
-        forced = (kpos < cfg.sink) | (kpos > qpos - cfg.local)  # [B, Tc, S]
-        extra = self.method.forced(chunk) if self.method.selects else None
-        if extra is not None:
-            forced |= extra
-        return forced & chunk.visible
-
-    def _over_budget(self, chunk: Chunk) -> Tensor:
-        """`[B, Tc]` bool: queries that see more keys than they may attend to."""
-        cfg = self.config
-        limit = cfg.budget if self.method.selects else min(cfg.budget, cfg.sink + cfg.local)
-        return chunk.visible.sum(-1, dtype=torch.int32) > limit  # [B, Tc]
-
-    def _select(self, chunk: Chunk) -> Tensor:
-        """Keys to attend, `[B, 1, Tc, Sc]` when shared by all heads, else `[B, Hq, Tc, Sc]` bool:
-        all visible keys, or sink + local (+ forced) + the method's best."""
-        visible = chunk.visible[:, None]  # [B, 1, Tc, Sc]
-        over = self._over_budget(chunk)[:, None, :, None]  # [B, 1, Tc, 1]
-        if not over.any():
-            return visible
-        forced = self._forced(chunk)[:, None]  # [B, 1, Tc, Sc]
-        if not self.method.selects:
-            return torch.where(over, forced, visible)  # [B, 1, Tc, Sc]
-        picks = self.config.budget - forced.sum(-1, dtype=torch.int32)  # [B, 1, Tc]
-        candidates = visible & ~forced  # [B, 1, Tc, Sc]
-        best = _top_keys(self.method.score(chunk), candidates, picks, self.method.stable_ties)
-        return torch.where(over, forced | best, visible)  # [B, Hq, Tc, Sc]
-
-    def _select_stateful(self, chunk: Chunk, tensors: dict[str, Tensor], held: bool) -> tuple[Tensor, Tensor]:
-        """Select query by query, each from the state left by the queries before it (H2O).
-
-        Returns keep and probs (float32), both `[B, Hq, Tc, Sc]`; updates the state `tensors` in place.
-        """
-        logits = chunk.logits  # [B, Hq, Tc, Sc]
-        B, Hq, Tc, Sc = logits.shape
-        method = self.method
-        visible = chunk.visible[:, None]  # [B, 1, Tc, Sc]
-        over = self._over_budget(chunk) & held  # [B, Tc]
-        # Leading queries that attend densely in every sequence need no selection: one batched step.
-        n_dense = int(over.any(0).int().argmax()) if over.any() else Tc
-        keep = visible.expand(B, Hq, Tc, Sc).clone()  # [B, Hq, Tc, Sc]
-        probs = _masked_softmax(logits, keep)  # [B, Hq, Tc, Sc]
-        if n_dense:
-            method.update_state(tensors, probs[:, :, :n_dense], keep[:, :, :n_dense])
-        if n_dense == Tc:
-            return keep, probs
-        forced = self._forced(chunk)[:, None]  # [B, 1, Tc, Sc]
-        picks = self.config.budget - forced.sum(-1, dtype=torch.int32)  # [B, 1, Tc]
-        candidates = visible & ~forced  # [B, 1, Tc, Sc]
-        for t in range(n_dense, Tc):
-            best = _top_keys(method.state_score(tensors), candidates[:, :, t], picks[:, :, t])  # [B, Hq, Sc]
-            row = torch.where(over[:, None, t, None], forced[:, :, t] | best, visible[:, :, t])  # [B, Hq, Sc]
-            keep[:, :, t] = row
-            probs[:, :, t] = p = _masked_softmax(logits[:, :, t].contiguous(), row)  # [B, Hq, Sc]
-            method.update_state(tensors, p[:, :, None], row[:, :, None])
-        return keep, probs
-
-    def _record(
-        self, tally: _Tally, keep: Tensor, Hq: int, Hkv: int, qpos: Tensor, held: bool, layer: int
-    ) -> None:
-        """Count keys per query (`keep` `[B, 1|Hq, Tc, Sc]`); fail if a held query is over budget."""
-        B, H, Tc, Sc = keep.shape
-        activated = keep.sum(-1, dtype=torch.int32)  # [B, 1|Hq, Tc]
-        if H == 1:  # shared by every head
-            kv_read = activated.expand(B, Hkv, Tc)  # [B, Hkv, Tc]
-        else:
-            kv_read = keep.view(B, Hkv, H // Hkv, Tc, Sc).any(2).sum(-1, dtype=torch.int32)  # [B, Hkv, Tc]
-        real = qpos >= 0  # [B, Tc]
-        if held:
-            worst = int(activated.masked_fill(~real[:, None], 0).max()) if activated.numel() else 0
-            if worst > self.config.budget:
-                raise BudgetExceededError(
-                    f"layer {layer}: a query attended to {worst} keys, over the budget of "
-                    f"{self.config.budget} (method {self.method.name})"
-                )
-        tally.add(activated.expand(B, Hq, Tc), kv_read, real)
-
-    def _layer_state(self, layer: int, B: int, Hq: int, S: int, T: int, device) -> LayerState:
-        """The layer's state, grown to cover `S` keys; a fresh one when the cache holds no past."""
-        state = self.states.get(layer)
-        past = S - T
-        if state is None or past == 0:
-            state = LayerState(method=self.method)
-            self.states[layer] = state
-        if state.method is not self.method or state.length != past:
-            raise RuntimeError(
-                f"{self.method.name}: layer {layer} has no state for the {past} cached keys (it covers "
-                f"{state.length}, written by {getattr(state.method, 'name', None)!r}); pass one cache "
-                "through every call of a sequence (generate() does), and do not switch methods mid-sequence"
-            )
-        self.method.grow_state(state.tensors, B, Hq, S, device)
-        return state
-
-
-def check_cache(cache: Any, method: str) -> None:
-    """UsageError unless `cache` is a plain transformers `DynamicCache` of full-attention layers.
-
-    The controller reads a layer call's keys as the whole sequence so far, the T new keys last
-    (`_positions`, `_layer_state`, the chunks' key ranges). A preallocated cache (`StaticCache`,
-    anything `is_compileable`, `generate(..., cache_implementation="static")`) hands attention every
-    slot, written or not; a sliding-window layer drops old keys. Either would give silently wrong
-    positions, sinks and budgets, so both are refused before the forward does any work.
-    """
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    problem = None
-    if type(cache) is not DynamicCache:
-        problem = f"a {type(cache).__name__}"
-    elif getattr(cache, "is_compileable", False):
-        problem = f"a compileable (preallocated) {type(cache).__name__}"
-    else:
-        layers = [type(layer) for layer in getattr(cache, "layers", [])]
-        replicate = getattr(cache, "layer_class_to_replicate", None)
-        if replicate is not None:
-            layers.append(replicate)
-        other = sorted({cls.__name__ for cls in layers if cls is not DynamicLayer})
-        if other:
-            problem = f"a {type(cache).__name__} with {', '.join(other)} layers"
-    if problem is not None:
-        raise UsageError(
-            f"attention method {method!r} got {problem} as its KV cache; a dynamic cache is expected: "
-            "transformers' DynamicCache of full-attention layers (generate()'s default), whose keys are "
-            "the sequence so far with the new ones last (no cache_implementation='static', no "
-            "preallocated, sliding-window or quantized cache)"
-        )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Small tensor helpers
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _allowed_keys(mask: Tensor | None, B: int, T: int, S: int) -> Tensor | None:
-    """The model's 4D mask `[B|1, 1|H, T, S]` (bool True = attend, or additive float) as `[B, T, S]` bool."""
-    if mask is None:
-        return None
-    if mask.dim() != 4:
-        raise ValueError(f"expected a 4D attention mask [B, 1, T, S], got shape {tuple(mask.shape)}")
-    mask = mask[:, 0, -T:, -S:]  # [B|1, T, S]
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    return allowed.expand(B, T, S)
-
-
-def _positions(allowed: Tensor | None, B: int, T: int, S: int, device) -> tuple[Tensor, Tensor]:
-    """Key positions `[B, S]` and query positions `[B, T]`: rank among real keys, -1 for padding.
-
-    The queries are the last T keys (transformers appends them to the cache before attention).
-    """
-    if allowed is None:
-        kpos = torch.arange(S, device=device).expand(B, S)  # [B, S]
-    else:
-        real = allowed.any(1)  # [B, S]: a real key is seen by some query (at least by itself)
-        kpos = torch.where(real, real.long().cumsum(-1) - 1, -1)  # [B, S]
-    qpos = kpos[:, S - T :]  # [B, T]
-    return kpos, qpos
-
-
-def _grouped_scores(q: Tensor, k: Tensor) -> Tensor:
+def grouped_scores(q: Tensor, k: Tensor) -> Tensor:
     """q `[B, Hq, Tc, D]`, k `[B, Hkv, S, D]` -> `q . k` `[B, Hq, Tc, S]` without repeating k per group."""
     B, Hq, Tc, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, (Hq // Hkv) * Tc, D)  # [B, Hkv, G*Tc, D]
     return (qg @ k.transpose(-1, -2)).view(B, Hq, Tc, S)  # [B, Hq, Tc, S]
-
-
-def _grouped_apply(p: Tensor, v: Tensor) -> Tensor:
-    """p `[B, Hq, Tc, S]`, v `[B, Hkv, S, Dv]` -> `p @ v` `[B, Hq, Tc, Dv]`."""
-    B, Hq, Tc, S = p.shape
-    Hkv, Dv = v.shape[1], v.shape[-1]
-    pg = p.reshape(B, Hkv, (Hq // Hkv) * Tc, S)  # [B, Hkv, G*Tc, S]
-    return (pg @ v).view(B, Hq, Tc, Dv)  # [B, Hq, Tc, Dv]
-
-
-def _masked_softmax(logits: Tensor, keep: Tensor) -> Tensor:
-    """Softmax over kept keys (float32); a row with nothing kept (a padding query) is all zeros.
-
-    Written out rather than `torch.softmax`: on a busy CPU, softmax's thread pool made each of H2O's
-    small per-query calls cost milliseconds; these element-wise ops stay on one thread when small.
-    """
-    x = logits.float().masked_fill(~keep, -math.inf)
-    top = x.amax(-1, keepdim=True)
-    e = (x - top.masked_fill(top == -math.inf, 0.0)).exp()  # [..., S]
-    return (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)
-
-
-def _top_keys(score: Tensor, candidates: Tensor, picks: Tensor, stable: bool = False) -> Tensor:
-    """Bool mask of the `picks` best-scoring candidates per row.
-
-    Args:
-        score: `[..., S]` float, higher is better.
-        candidates: `[..., S]` bool, the keys allowed to compete (broadcast against score).
-        picks: `[...]` int, how many to take per row (broadcast; fewer if fewer candidates).
-        stable: among equal scores prefer earlier keys (a full stable sort; `topk`'s order is unspecified).
-    """
-    S = score.shape[-1]
-    k = int(picks.clamp(0, S).max()) if picks.numel() else 0
-    chosen = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
-    if k == 0:
-        return chosen
-    # Only the columns where some row has a candidate compete (drops sink, local and future keys).
-    columns = candidates.reshape(-1, candidates.shape[-1]).any(0).nonzero()  # [n, 1]
-    if columns.numel() == 0:
-        return chosen
-    first, last = int(columns[0]), int(columns[-1]) + 1
-    if last - first < k:  # keep the slice wide enough for topk (k <= S)
-        first = max(0, last - k)
-        last = max(last, first + k)
-    masked = score[..., first:last].float().masked_fill(~candidates[..., first:last], -math.inf)
-    if stable:
-        top = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [..., k]
-    else:  # ranks matter only where rows take different numbers of keys
-        top = masked.topk(k, dim=-1, sorted=bool((picks != k).any())).indices  # [..., k]
-    top = top + first  # [..., k] column indices into S
-    rank_ok = torch.arange(k, device=score.device) < picks[..., None]  # [..., k]
-    chosen.scatter_(-1, top, rank_ok.expand_as(top))
-    return chosen & candidates
-
-
-def nsa_eval_attention(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """The function registered with transformers' AttentionInterface: dispatch to the module's controller.
-
-    Args:
-        query: `[B, Hq, T, D]`; key, value: `[B, Hkv, S, D]` (the whole cache, the T new keys last).
-        attention_mask: `[B|1, 1, T, S]` bool (True = attend) or None for plain causal.
-
-    Returns:
-        (`[B, T, Hq, Dv]`, None): no attention weights are returned.
-    """
-    controller = getattr(module, MODULE_ATTRIBUTE, None)
-    if controller is None:
-        raise RuntimeError(
-            f"attention implementation {ATTN_IMPLEMENTATION!r} needs "
-            "nsa_eval.methods.apply_attention(model, ...)"
-        )
-    if dropout:
-        raise ValueError("nsa_eval attention methods are for inference: dropout must be 0 (model.eval())")
-    return controller.attend(module, query, key, value, attention_mask, scaling, **kwargs), None

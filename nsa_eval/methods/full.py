@@ -17,4 +17,3 @@ class FullAttention(AttentionMethod):
 
     name = "full"
     sparse = False
-    gqa = "dense: every head reads the whole cache"

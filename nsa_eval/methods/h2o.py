@@ -30,7 +30,6 @@ class H2O(AttentionMethod):
 
     name = "h2o"
     stateful = True
-    gqa = "per query head (KV read = union over the group)"
 
     def grow_state(self, tensors: dict[str, Tensor], B: int, Hq: int, S: int, device) -> None:
         mass = tensors.get("mass")

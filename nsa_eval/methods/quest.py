@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from nsa_eval.errors import UsageError
-from nsa_eval.methods.base import AttentionMethod, BudgetConfig, Chunk, _grouped_scores
+from nsa_eval.methods.base import AttentionMethod, BudgetConfig, Chunk, grouped_scores
 
 
 def page_bounds(query: Tensor, key_min: Tensor, key_max: Tensor) -> Tensor:
@@ -22,8 +22,8 @@ def page_bounds(query: Tensor, key_min: Tensor, key_max: Tensor) -> Tensor:
         `[B, Hq, Tc, P]` float (unscaled): >= `q . k` for every key of the page.
     """
     # max(q*mn, q*mx) is q*mx where q >= 0 and q*mn where q < 0: two matmuls, no [.., P, D] product.
-    upper = _grouped_scores(query.clamp(min=0), key_max)  # [B, Hq, Tc, P]
-    return upper + _grouped_scores(query.clamp(max=0), key_min)  # [B, Hq, Tc, P]
+    upper = grouped_scores(query.clamp(min=0), key_max)  # [B, Hq, Tc, P]
+    return upper + grouped_scores(query.clamp(max=0), key_min)  # [B, Hq, Tc, P]
 
 
 def page_summaries(key: Tensor, page: Tensor, num_pages: int) -> tuple[Tensor, Tensor]:
@@ -62,7 +62,6 @@ class Quest(AttentionMethod):
 
     name = "quest"
     stable_ties = True
-    gqa = "per query head (KV read = union over the group)"
 
     page_size: int = 16
 

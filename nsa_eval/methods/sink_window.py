@@ -18,4 +18,3 @@ class SinkWindow(AttentionMethod):
 
     name = "sink_window"
     selects = False
-    gqa = "shared: positions only, identical for every head"

@@ -19,7 +19,6 @@ class TopK(AttentionMethod):
     """
 
     name = "topk"
-    gqa = "per query head (KV read = union over the group)"
 
     def score(self, chunk: Chunk) -> Tensor:
         return chunk.logits  # [B, Hq, Tc, S]

@@ -163,8 +163,6 @@ class NSAEvalLM(HFLM):
             return self._merged_stats
         return attention_stats(self.model)
 
-    activation_stats = attention_stats
-
     def reset_attention_stats(self) -> None:
         self._merged_stats = None
         reset_attention_stats(self.model)

@@ -30,7 +30,6 @@ CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"  # nsa_
 NSA_MODEL_TYPE = "nsa_eval"
 FLA_MODEL_TYPE = "nsa"
 NSA_ATTENTION = "nsa"
-FALLBACK_METHODS = ("full", "h2o", "quest", "sink_window", "topk")  # until nsa_eval.methods imports
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -143,10 +142,8 @@ def resolve_checkpoint(pretrained: str | os.PathLike) -> Path | str:
 
 
 def _valid_hub_name(name: str) -> bool:
-    try:
-        from huggingface_hub.utils import validate_repo_id
-    except ImportError:  # pragma: no cover  (transformers always brings huggingface_hub)
-        return True
+    from huggingface_hub.utils import validate_repo_id
+
     try:
         validate_repo_id(name)
     except ValueError:
@@ -283,13 +280,9 @@ def check_nsa_config(config: dict, where: str) -> None:
 
 def attention_names() -> list[str]:
     """Every accepted `attention=`: `nsa` plus the baseline methods of nsa_eval.methods."""
-    try:
-        from nsa_eval.methods import METHODS
+    from nsa_eval.methods import METHODS
 
-        methods = METHODS.names()
-    except ImportError:
-        methods = list(FALLBACK_METHODS)
-    return sorted(set(methods) | {NSA_ATTENTION})
+    return sorted(set(METHODS.names()) | {NSA_ATTENTION})
 
 
 def check_attention(resolved: Resolved, attention: str, budget: int, sink: int, local: int) -> None:
@@ -377,12 +370,9 @@ def load_for_eval(pretrained: str | os.PathLike, *, attention: str = "full", bud
     if attention == NSA_ATTENTION and method_params:
         raise UsageError(f"attention=nsa takes no method parameters; got {', '.join(sorted(method_params))}")
     if attention != NSA_ATTENTION:
-        try:
-            from nsa_eval.methods import validate_params
-        except ImportError:  # older methods layer: apply_attention checks the same after loading
-            validate_params = None
-        if validate_params is not None:
-            validate_params(attention, budget=budget, sink=sink, local=local, **method_params)
+        from nsa_eval.methods import validate_params
+
+        validate_params(attention, budget=budget, sink=sink, local=local, **method_params)
     model, tokenizer = _load(resolved, dtype, device, device_map, **from_pretrained_kwargs)
     if attention != NSA_ATTENTION:
         from nsa_eval.methods import apply_attention
@@ -404,7 +394,7 @@ def attention_stats(model) -> dict:
     window tokens); the baselines add `held`, `layers` and their budget settings.
     """
     if is_nsa_model(model):
-        return model.activation_stats()
+        return model.attention_stats()
     from nsa_eval.methods import attention_stats as method_stats
 
     return method_stats(model)
@@ -412,7 +402,7 @@ def attention_stats(model) -> dict:
 
 def reset_attention_stats(model) -> None:
     if is_nsa_model(model):
-        model.reset_activation_stats()
+        model.reset_attention_stats()
         return
     from nsa_eval.methods import reset_attention_stats as reset_method_stats
 
@@ -426,18 +416,10 @@ def attention_stats_paused(model):
     For probes that are not part of an evaluation, such as lm-eval's batch-size detection.
     """
     if is_nsa_model(model):
-        with model.activation_stats_paused():
+        with model.attention_stats_paused():
             yield
         return
-    from nsa_eval.methods import CONTROLLER_ATTRIBUTE
+    from nsa_eval.methods import attention_stats_paused as method_stats_paused
 
-    controller = getattr(model, CONTROLLER_ATTRIBUTE, None)
-    if controller is None:  # no method applied: nothing is counted
+    with method_stats_paused(model):
         yield
-        return
-    saved = controller.stats
-    controller.stats = type(saved)()
-    try:
-        yield
-    finally:
-        controller.stats = saved

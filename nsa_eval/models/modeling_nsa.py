@@ -400,7 +400,7 @@ class NSAModel(NSAPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([NSABlock(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.reset_activation_stats()
+        self.reset_attention_stats()
         self.post_init()
 
     def get_input_embeddings(self):
@@ -409,10 +409,10 @@ class NSAModel(NSAPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def reset_activation_stats(self) -> None:
+    def reset_attention_stats(self) -> None:
         self._tallies: dict[str, dict[str, int]] = {}  # phase -> running sums
 
-    def activation_stats(self) -> dict:
+    def attention_stats(self) -> dict:
         """Activated tokens per query since the last reset, in the shape of `methods.attention_stats`.
 
         `queries` counts (query, query head) pairs over all layers (every layer and head of NSA
@@ -427,7 +427,7 @@ class NSAModel(NSAPreTrainedModel):
         return summary
 
     @contextmanager
-    def activation_stats_paused(self):
+    def attention_stats_paused(self):
         """Forward passes inside the block are not counted (e.g. lm-eval's batch-size probe)."""
         saved = self._tallies
         self._tallies = {}
@@ -531,15 +531,15 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def activation_stats(self) -> dict:
-        return self.model.activation_stats()
+    def attention_stats(self) -> dict:
+        return self.model.attention_stats()
 
-    def reset_activation_stats(self) -> None:
-        self.model.reset_activation_stats()
+    def reset_attention_stats(self) -> None:
+        self.model.reset_attention_stats()
 
-    def activation_stats_paused(self):
+    def attention_stats_paused(self):
         """Context manager: forward passes inside it are not counted."""
-        return self.model.activation_stats_paused()
+        return self.model.attention_stats_paused()
 
     def forward(
         self,

@@ -104,11 +104,6 @@ def extract_answer(response: str) -> int | None:
     return _boxed_int(boxed[1])
 
 
-def is_correct(response: str, target) -> bool:
-    answer = extract_answer(response)
-    return answer is not None and answer == int(str(target).strip())
-
-
 def keep_all(resps, docs):
     """lm-eval filter (`custom`): keep every sampled response (the default keeps only the first)."""
     return resps

@@ -1,4 +1,4 @@
-"""`LocalFirstTask`: an lm-eval task that reads $NSA_EVAL_DATA before the hub (see data.py).
+"""`LocalFirstTask`: an lm-eval task that reads $NSA_EVAL_DATA before the hub (see local_data.py).
 
 The project's YAMLs select it with `class: !function nsa_eval.tasks.local_task.LocalFirstTask`;
 a group that sets it at top level passes it down to every member task, lm-eval's own included.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from lm_eval.api.task import ConfigurableTask
 
 from nsa_eval.errors import UsageError
-from nsa_eval.tasks.data import hub_offline, load_local, missing_data_message, spec_from_config
+from nsa_eval.tasks.local_data import hub_offline, load_local, missing_data_message, spec_from_config
 
 
 class LocalFirstTask(ConfigurableTask):

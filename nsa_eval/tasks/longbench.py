@@ -29,9 +29,21 @@ from collections import Counter
 from functools import partial
 
 from nsa_eval.errors import UsageError
+from nsa_eval.tasks.metadata import TOKENIZER, MetadataKey
+from nsa_eval.values import is_int
 
 # The task metadata key that sets LongBench's own prompt length (longbench_task.LongBenchTask)
 MAX_LENGTH_KEY = "longbench_max_length"
+
+# hotpotqa's and 2wikimqa's entry: the official config gives both multi-document QA sets one prompt
+_PASSAGES_QA = (
+    "Answer the question based on the given passages. Only give me the answer and do not output any "
+    "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the "
+    "given passages. Only give me the answer and do not output any other words.\n\n"
+    "Question: {input}\nAnswer:",
+    32,
+    "qa_f1",
+)
 
 # subset -> (official prompt, max new tokens, metric)
 SUBSETS: dict[str, tuple[str, int, str]] = {
@@ -60,22 +72,8 @@ SUBSETS: dict[str, tuple[str, int, str]] = {
         128,
         "qa_f1",
     ),
-    "hotpotqa": (
-        "Answer the question based on the given passages. Only give me the answer and do not output any "
-        "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the "
-        "given passages. Only give me the answer and do not output any other words.\n\n"
-        "Question: {input}\nAnswer:",
-        32,
-        "qa_f1",
-    ),
-    "2wikimqa": (
-        "Answer the question based on the given passages. Only give me the answer and do not output any "
-        "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the "
-        "given passages. Only give me the answer and do not output any other words.\n\n"
-        "Question: {input}\nAnswer:",
-        32,
-        "qa_f1",
-    ),
+    "hotpotqa": _PASSAGES_QA,
+    "2wikimqa": _PASSAGES_QA,
     "gov_report": (
         "You are given a report by a government agency. Write a one-page summary of the report.\n\n"
         "Report:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",
@@ -102,6 +100,15 @@ SUBSETS: dict[str, tuple[str, int, str]] = {
         "retrieval_zh",
     ),
     "lcc": ("Please complete the code given below. \n{context}Next line of code:\n", 64, "code_sim"),
+}
+
+
+# The metadata keys nsa_longbench and each nsa_longbench_<subset> read: LongBench's own prompt length,
+# cut as its pred.py cuts it, counted with the model's tokenizer.
+METADATA: dict[str, MetadataKey] = {
+    MAX_LENGTH_KEY: MetadataKey(lambda v: is_int(v) and v > 0,
+                                "a positive integer (prompt tokens; a longer prompt loses its middle)"),
+    "tokenizer": TOKENIZER,
 }
 
 

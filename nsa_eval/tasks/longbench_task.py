@@ -18,7 +18,7 @@ from functools import lru_cache
 
 from nsa_eval.errors import UsageError
 from nsa_eval.tasks.local_task import LocalFirstTask
-from nsa_eval.tasks.longbench import MAX_LENGTH_KEY, truncate_prompt_middle
+from nsa_eval.tasks.longbench import MAX_LENGTH_KEY, METADATA, truncate_prompt_middle
 
 
 class LongBenchTask(LocalFirstTask):
@@ -43,7 +43,7 @@ def prompt_limit(metadata: dict, task: str) -> int | None:
     value = metadata.get(MAX_LENGTH_KEY)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not METADATA[MAX_LENGTH_KEY].accepts(value):
         raise UsageError(f"{task}: metadata {MAX_LENGTH_KEY} must be a positive integer (prompt tokens), "
                          f"got {value!r}")
     return value

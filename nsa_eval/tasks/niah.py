@@ -32,19 +32,20 @@ from __future__ import annotations
 import os
 import random
 import re
-from dataclasses import asdict, dataclass
-from functools import lru_cache
-from pathlib import Path
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from nsa_eval.errors import UsageError
+from nsa_eval.tasks.haystack import check_haystack, haystack_text
+from nsa_eval.tasks.metadata import TOKENIZER, MetadataKey, int_list, number_list
+from nsa_eval.values import MAX_INT, is_int
 
 # The paper's Figure 5 grid: 1K, 8K, 15K, ..., 64K (step 7K) x depths 0, 11.11, ..., 100 %.
 PAPER_LENGTHS = [1024 + 7168 * i for i in range(10)]
 PAPER_DEPTHS = [round(100 * i / 9, 2) for i in range(10)]
 
-# Haystack starts tried per doc before giving up. The first is the text's own start; with the
-# bundled nsa-tiny BPE ~2% of cells need a second (7 of 300, lengths 256-4096), none a third.
+# Haystack starts tried per doc before giving up: a later start is needed only where a tokenizer's
+# count jumps by two tokens at the cut, which the next start almost always avoids, so 64 is ample.
 MAX_HAYSTACK_STARTS = 64
 _START_MARGIN = 4096  # extra haystack characters so that a later start still leaves enough text
 
@@ -64,9 +65,8 @@ class NiahTemplate:
 
 DEFAULT_TEMPLATE = NiahTemplate()
 
-# ------------------------------------------------------------------ the built-in haystack grammar
-
-_KEYS = (
+# The words a needle's key is drawn from (its value is a 7-digit number).
+NEEDLE_KEYS = (
     "amber anchor apricot badger ballad banner barley beacon bramble breeze bucket cactus canyon "
     "cedar chisel cinder clover cobalt comet copper cricket crystal dagger delta dolphin ember "
     "falcon fennel fjord flint garnet gecko glacier granite harbor hazel heron hickory iris ivory "
@@ -75,94 +75,6 @@ _KEYS = (
     "quill raven reef saffron sage sapphire sparrow spruce tangerine thistle thunder topaz tulip "
     "velvet violet walnut willow zephyr"
 ).split()
-
-_GRAMMAR = {
-    "subject": (
-        "the old farmer|a quiet engineer|the travelling musician|my neighbour|the river guide|"
-        "a young painter|the village baker|the ship's captain|an honest clerk|the night watchman|"
-        "a curious student|the mountain shepherd|our teacher|the city gardener|a tired courier|"
-        "the lighthouse keeper|a careful tailor|the market trader|an elderly poet|the forest ranger"
-    ),
-    "verb": (
-        "carried|painted|repaired|described|discovered|borrowed|admired|measured|collected|"
-        "followed|remembered|noticed|cleaned|polished|planted|studied|ignored|sketched|traded|folded"
-    ),
-    "object": (
-        "a wooden chair|the broken lantern|an empty basket|the blue notebook|a bundle of letters|"
-        "the heavy anchor|a jar of honey|the silver kettle|an old map|the woollen scarf|"
-        "a stack of firewood|the painted door|a box of apples|the narrow bridge|a copper bell|"
-        "the garden fence|a loaf of bread|the torn sail|a pair of boots|the stone wall"
-    ),
-    "place": (
-        "near the harbour|behind the mill|across the valley|beside the old well|under the bridge|"
-        "in the crowded square|along the river|at the edge of the forest|inside the library|"
-        "on the hill|past the orchard|by the railway station|in the quiet courtyard|"
-        "over the frozen lake|around the market"
-    ),
-    "time": (
-        "early in the morning|after the long rain|before the festival|late one evening|"
-        "during the harvest|in the spring|at dawn|when the snow melted|on a windy afternoon|"
-        "every summer|after supper|before the storm"
-    ),
-    "adjective": (
-        "calm|bright|patient|cheerful|stubborn|gentle|restless|clever|humble|careful|noisy|"
-        "generous|thoughtful|weary|proud"
-    ),
-    "feeling": (
-        "it seemed like the right thing to do|nobody else had the time|the weather was kind|"
-        "the town needed it|it reminded everyone of home|the old ways still mattered|"
-        "a friend had asked for help|the work brought some peace|it was simply a habit by then"
-    ),
-}
-_WORDS = {k: v.split("|") for k, v in _GRAMMAR.items()}
-_PATTERNS = (
-    "{Subject} {verb} {object} {place}.",
-    "{Time}, {subject} {verb} {object}.",
-    "{Subject} was {adjective}, so {subject} {verb} {object} {time}.",
-    "Because {feeling}, {subject} {verb} {object}.",
-    "{Subject} {verb} {object} {place}, and {subject} {verb} {object} {time}.",
-    "Nobody knew why {subject} {verb} {object}, but {feeling}.",
-    "{Place}, {subject} {verb} {object} while {subject} looked {adjective}.",
-    "It was {adjective} work, yet {subject} {verb} {object} {place}.",
-)
-
-
-def _fill(pattern: str, rng: random.Random) -> str:
-    def word(match: re.Match) -> str:
-        name = match.group(1)
-        text = rng.choice(_WORDS[name.lower()])
-        return text[0].upper() + text[1:] if name[0].isupper() else text
-
-    return re.sub(r"\{(\w+)\}", word, pattern)
-
-
-def builtin_haystack(num_chars: int, rng: random.Random) -> str:
-    """Varied English filler of at least num_chars characters (paragraphs of 4-8 sentences)."""
-    paragraphs, size = [], 0
-    while size < num_chars:
-        sentences = [_fill(rng.choice(_PATTERNS), rng) for _ in range(rng.randint(4, 8))]
-        paragraphs.append(" ".join(sentences))
-        size += len(paragraphs[-1]) + 2
-    return "\n\n".join(paragraphs)
-
-
-@lru_cache(maxsize=4)
-def _folder_text(folder: str) -> str:
-    files = sorted(Path(folder).glob("*.txt"))
-    if not files:
-        raise UsageError(f"NIAH haystack folder {folder} has no .txt files (or use niah_haystack: builtin)")
-    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace").strip() for f in files)
-
-
-def haystack_text(haystack: str, num_chars: int, rng: random.Random) -> str:
-    """At least num_chars of haystack: the builtin grammar, or a .txt folder repeated as needed."""
-    if haystack == "builtin":
-        return builtin_haystack(num_chars, rng)
-    if not os.path.isdir(haystack):
-        raise UsageError(f"NIAH haystack must be 'builtin' or a folder of .txt files; got {haystack!r}")
-    text = _folder_text(str(Path(haystack).resolve()))
-    return "\n\n".join([text] * (num_chars // max(len(text), 1) + 1))
-
 
 # ------------------------------------------------------------------ exact sizing
 
@@ -373,7 +285,7 @@ def make_niah_doc(
     if not 0 <= depth_percent <= 100:
         raise UsageError(f"NIAH depth_percent must be in [0, 100]; got {depth_percent}")
     rng = random.Random(f"nsa-niah:{seed}:{context_length}:{depth_percent}")
-    key = rng.choice(_KEYS)
+    key = rng.choice(NEEDLE_KEYS)
     value = str(rng.randint(1_000_000, 9_999_999))
     sample = haystack_text(haystack, 4096, random.Random(0))[:4096]
     chars_per_token = len(sample) / max(count_tokens(tokenizer, sample), 1)
@@ -441,7 +353,7 @@ def framing_tokens(tokenizer, *, chat: bool = False, system_instruction: str | N
     assistant's turn), as lm-eval 0.4.13 renders and encodes them. Exact for special tokens alone;
     with a system instruction or a chat template it is measured on a short stand-in prompt, so it
     can be a token off where they meet a long prompt's first and last words."""
-    body, prefix = "x", template.answer_prefix.format(key=_KEYS[0])
+    body, prefix = "x", template.answer_prefix.format(key=NEEDLE_KEYS[0])
     bare = body + answer_separator(body, prefix) + prefix
     if chat:
         messages = ([{"role": "system", "content": system_instruction}] if system_instruction else [])
@@ -525,3 +437,53 @@ def needle_found(answer: str, value: str) -> bool:
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
     return {"score": float(needle_found(results[0], doc["answer"]))}
+
+
+# ------------------------------------------------------------------ the metadata keys nsa_niah reads
+
+TEMPLATE_KEYS = tuple(f.name for f in fields(NiahTemplate))
+# The placeholders each template string is filled with (the instruction is used as it is written,
+# braces and all).
+TEMPLATE_FIELDS = {"needle": ("key", "value"), "question": ("key",), "answer_prefix": ("key",)}
+
+
+def check_template(template: dict, where: str) -> None:
+    """Each template string formats with the placeholders NIAH fills ({key}, and {value} in the
+    needle, which must show it), so a typo fails when the suite loads rather than when the prompts
+    are built; `where` starts the message (the suite's file and key)."""
+    import string
+
+    for name, allowed in TEMPLATE_FIELDS.items():
+        if name not in template:
+            continue
+        expected = " and ".join(f"{{{a}}}" for a in allowed)
+        try:
+            parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template[name])
+                      if f is not None]
+        except ValueError as err:
+            raise UsageError(f"{where}.{name}: {err}; expected the placeholders {expected} (write "
+                             "{{ and }} for literal braces)") from None
+        for field_name, spec, conversion in parsed:
+            if field_name not in allowed or spec or conversion:
+                shown = field_name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+                raise UsageError(f"{where}.{name}: unknown placeholder {{{shown}}}; expected "
+                                 f"{expected} as they are (write {{{{ and }}}} for literal braces)")
+        if name == "needle" and "value" not in {f for f, _, _ in parsed}:
+            raise UsageError(f"{where}.needle: no {{value}} placeholder, so the needle would hide "
+                             "no number; expected a sentence with {key} and {value}")
+
+
+METADATA: dict[str, MetadataKey] = {
+    "tokenizer": TOKENIZER,
+    "niah_lengths": MetadataKey(lambda v: int_list(v, lambda x: 0 < x <= MAX_INT),
+                                "a positive integer or a list of them (prompt lengths in tokens)"),
+    "niah_depths": MetadataKey(lambda v: number_list(v, lambda x: 0 <= x <= 100),
+                               "a number from 0 to 100 or a list of them (needle depths in percent)"),
+    "niah_seed": MetadataKey(lambda v: is_int(v) and abs(v) <= MAX_INT, "an integer"),
+    "niah_samples_per_cell": MetadataKey(lambda v: is_int(v) and 1 <= v <= MAX_INT, "a positive integer"),
+    "niah_haystack": MetadataKey(lambda v: isinstance(v, str) and bool(v),
+                                 "'builtin' or a folder of .txt files", check_here=check_haystack),
+    "niah_template": MetadataKey(lambda v: isinstance(v, dict) and all(
+        k in TEMPLATE_KEYS and isinstance(x, str) for k, x in v.items()),
+        "a mapping with any of " + ", ".join(TEMPLATE_KEYS) + " (strings)", check=check_template),
+}

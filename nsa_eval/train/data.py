@@ -211,12 +211,12 @@ def make_retrieval_doc(tokenizer, context_length: int, depth_percent: float, see
 
     template = niah.DEFAULT_TEMPLATE
     rng = random.Random(f"nsa-train-niah:{seed}")
-    key = rng.choice(niah._KEYS)
+    key = rng.choice(niah.NEEDLE_KEYS)
     value = str(rng.randint(1_000_000, 9_999_999))
     head = template.instruction + "\n"
     tail = "\n" + template.question.format(key=key) + " " + template.answer_prefix.format(key=key)
     needles = [template.needle.format(key=key, value=value)]
-    for other in rng.sample([k for k in niah._KEYS if k != key], distractors) if distractors else []:
+    for other in rng.sample([k for k in niah.NEEDLE_KEYS if k != key], distractors) if distractors else []:
         needles.append(template.needle.format(key=other, value=rng.randint(1_000_000, 9_999_999)))
     fixed = len(tokenizer(head + " ".join(needles) + tail)["input_ids"])
     hay, offsets = _haystack_pool(tokenizer, context_length)
@@ -246,11 +246,11 @@ def _haystack_pool(tokenizer, context_length: int):
 
     Generated once per tokenizer and process, and again only if a longer context needs more.
     """
-    from nsa_eval.tasks import niah
+    from nsa_eval.tasks.haystack import builtin_haystack
 
     n_chars = max(50_000, 400 * context_length)
     if id(tokenizer) not in _POOL or len(_POOL[id(tokenizer)][0]) < n_chars:
-        hay = niah.builtin_haystack(n_chars, random.Random("nsa-train-haystack"))
+        hay = builtin_haystack(n_chars, random.Random("nsa-train-haystack"))
         _POOL[id(tokenizer)] = hay, tokenizer(hay, return_offsets_mapping=True)["offset_mapping"]
     return _POOL[id(tokenizer)]
 
@@ -261,11 +261,11 @@ def tokenizer_training_texts(n_chars: int = 2_000_000) -> list[str]:
     Without it a code-trained BPE splits English words into fragments, and token counts jump by
     more than one per character, which `make_niah_doc`'s exact sizing cannot handle.
     """
-    from nsa_eval.tasks import niah
+    from nsa_eval.tasks.haystack import builtin_haystack
+    from nsa_eval.tasks.niah import DEFAULT_TEMPLATE as t
 
-    t = niah.DEFAULT_TEMPLATE
     template = " ".join([t.instruction, t.needle, t.question, t.answer_prefix]).replace("{key}", "x")
-    return [template] * 200 + [niah.builtin_haystack(n_chars, random.Random("nsa-train-tokenizer"))]
+    return [template] * 200 + [builtin_haystack(n_chars, random.Random("nsa-train-tokenizer"))]
 
 
 def retrieval_segment(tokenizer, context_length: int, depth_percent: float, seed: int, answer_weight: float,

@@ -86,13 +86,6 @@ def score_docs(model, tokenizer, docs: list[dict], mode: str = "teacher", device
     return rows
 
 
-def niah_grid(model, tokenizer, lengths=WITHIN + BEYOND, depths=DEPTHS, samples: int = 2, seed: int = 0,
-              mode: str = "teacher", device: str = "cpu", progress: bool = True) -> list[dict]:
-    """build_docs + score_docs for one model."""
-    docs = build_docs(tokenizer, lengths, depths, samples, seed, progress)
-    return score_docs(model, tokenizer, docs, mode, device, progress)
-
-
 def accuracy(rows: list[dict], max_length: int | None = None) -> float | None:
     """Mean score of the rows up to max_length tokens; None when there are none."""
     scores = [r["score"] for r in rows if max_length is None or r["context_length"] <= max_length]

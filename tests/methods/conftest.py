@@ -64,7 +64,8 @@ def random_qkv(B=2, Hq=4, Hkv=2, T=64, D=8, seed=0):
 def run_attend(method, q, k, v, mask=None, budget=32, sink=4, local=8, **params):
     """Run one layer call of `method` on raw tensors; returns (out `[B, T, Hq, D]`, keep `[B, Hq, T, S]`)."""
     from nsa_eval.methods import METHODS
-    from nsa_eval.methods.base import AttentionController, BudgetConfig
+    from nsa_eval.methods.base import BudgetConfig
+    from nsa_eval.methods.controller import AttentionController
 
     instance = METHODS.get(method)(**params)
     controller = AttentionController(instance, BudgetConfig(budget, sink, local))

@@ -9,7 +9,8 @@ import torch
 
 from nsa_eval.errors import UsageError
 from nsa_eval.methods import METHODS, BudgetExceededError, apply_attention, attention_stats
-from nsa_eval.methods.base import AttentionController, AttentionMethod, BudgetConfig
+from nsa_eval.methods.base import AttentionMethod, BudgetConfig
+from nsa_eval.methods.controller import AttentionController
 from tests.methods.conftest import fake_module, random_qkv, tiny_llama
 
 

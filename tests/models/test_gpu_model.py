@@ -166,7 +166,7 @@ def test_bf16_model_on_triton_tracks_the_float32_reference():
 
 
 @pytest.mark.parametrize("num_local", [2, 0])
-def test_activation_stats_are_the_same_on_both_paths(num_local):
+def test_attention_stats_are_the_same_on_both_paths(num_local):
     """With num_local = 0 the selected count comes from the kernel's blocks: Triton's must count
     what the reference's do, in prefill and in decode."""
     model = build(num_init=0 if num_local == 0 else 1, num_local=num_local)
@@ -177,9 +177,9 @@ def test_activation_stats_are_the_same_on_both_paths(num_local):
     ids = torch.randint(0, 97, (2, 1100), device="cuda")
     stats = {}
     for impl in ("triton", "reference"):
-        model.reset_activation_stats()
+        model.reset_attention_stats()
         logits_with(model, impl, lambda m: step_by_step_logits(m, ids, 1064))
-        stats[impl] = model.activation_stats()
+        stats[impl] = model.attention_stats()
     for phase in ("prefill", "decode"):
         got, want = stats["triton"]["phases"][phase], stats["reference"]["phases"][phase]
         assert got["queries"] == want["queries"] > 0

@@ -160,12 +160,12 @@ def test_right_padding_without_cache_is_not_counted(num_init, num_local):
     lengths = [30, 17, 5]
     mask = (torch.arange(30)[None] < torch.tensor(lengths)[:, None]).long()
     with torch.no_grad():
-        model.reset_activation_stats()
+        model.reset_attention_stats()
         padded = model(ids, attention_mask=mask, use_cache=False).logits
-        batched = model.activation_stats()
-        model.reset_activation_stats()
+        batched = model.attention_stats()
+        model.reset_attention_stats()
         rows = [model(ids[i : i + 1, :n], use_cache=False).logits for i, n in enumerate(lengths)]
-        separate = model.activation_stats()
+        separate = model.attention_stats()
     for i, n in enumerate(lengths):
         torch.testing.assert_close(padded[i, :n], rows[i][0], rtol=1e-5, atol=1e-5)
     assert batched["queries"] == sum(lengths) * 4 * 2  # tokens * heads * layers
@@ -244,9 +244,9 @@ def test_model_counts_the_selected_blocks_when_num_local_is_0():
     hooks = [layer.attn.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0])))
              for layer in model.model.layers]
     with torch.no_grad():
-        model.reset_activation_stats()
+        model.reset_attention_stats()
         model(ids, use_cache=False)
-        prefill = model.activation_stats()
+        prefill = model.attention_stats()
         for h in hooks:
             h.remove()
         expected = 0
@@ -257,9 +257,9 @@ def test_model_counts_the_selected_blocks_when_num_local_is_0():
             blocks = select_blocks(p["q"], k_cmp.to(p["q"].dtype), **kwargs, impl="reference")
             heads_per_kv_head = 4 // 2
             expected += int(selected_tokens(torch.arange(T), blocks, ls).sum()) * heads_per_kv_head
-        model.reset_activation_stats()
+        model.reset_attention_stats()
         step_by_step_logits(model, ids, 1)
-        decode = model.activation_stats()
+        decode = model.attention_stats()
     queries = 2 * T * 4 * 2  # batch * tokens * heads * layers
     assert prefill["queries"] == queries
     assert prefill["mean_per_branch"]["selected"] == pytest.approx(expected / queries)
@@ -270,7 +270,7 @@ def test_model_counts_the_selected_blocks_when_num_local_is_0():
         assert decode[key] == pytest.approx(prefill[key])
 
 
-def test_activation_stats_paper_budget_at_32k():
+def test_attention_stats_paper_budget_at_32k():
     """The paper's matched budget: NSA's mean over a 32k sequence is about 2,560 tokens per query."""
     config = tiny_nsa_config(block_len=32, stride=16, select_size=64, num_selected=16, window=512)
     counts = activated_tokens(torch.arange(32768), config)
@@ -278,12 +278,12 @@ def test_activation_stats_paper_budget_at_32k():
     assert counts["total"][-1] == 2047 + 1024 + 512  # Table 4 at 32k: 3584 token loads (rounded)
 
 
-def test_model_records_activation_stats():
+def test_model_records_attention_stats():
     model = build("paper")
-    model.reset_activation_stats()
+    model.reset_attention_stats()
     with torch.no_grad():
         model(torch.randint(0, 97, (2, 10)), use_cache=False)
-    stats = model.activation_stats()
+    stats = model.attention_stats()
     expected = activated_tokens(torch.arange(10), model.config)["total"].float().mean()
     assert stats["queries"] == 2 * 10 * 4 * 2  # batch * tokens * heads * layers
     assert stats["mean"] == pytest.approx(float(expected))

