@@ -64,10 +64,20 @@ def _guarded(handler, arg) -> int:
         import signal
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the message short
+        _close_progress_bars()
         lines = str(interrupt).splitlines() if str(interrupt) else [
             "interrupted", "nothing half-written is kept; run the same command again"]
         print("\n".join(f"nsa-eval: {line}" for line in lines), file=sys.stderr)
         return INTERRUPTED
+
+
+def _close_progress_bars() -> None:
+    """Close the progress bars an interrupt left open: otherwise each prints its last state when the
+    interpreter exits, after the two-line message."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 if __name__ == "__main__":
