@@ -32,7 +32,7 @@ def branches(x, block_indices, *, tma, window=40, select_size=32):
     o_cmp, lse = band.band_forward(q, k_cmp, v_cmp, **cmp)
     o_swa, lse_swa = band.band_forward(q, k, v, **swa)
     o_slc, lse_slc = selection.selected_forward(q, k, v, block_indices, select_size=select_size, scale=scale,
-                                                tma=tma)
+                                                tma=tma, per_block=False)  # the walk: per block ignores tma
     g = torch.Generator(device=q.device).manual_seed(1)
     rnd = lambda t: torch.randn(t.shape, generator=g, device=q.device).to(t.dtype)  # noqa: E731
     finite = torch.isfinite(lse)
