@@ -84,6 +84,10 @@ class AttentionMethod:
 
     Fields shared by all methods:
         query_chunk: queries per chunk; the chunk's scores are `[B, Hq, query_chunk, S]` float32.
+        group_shared: one selection per KV head instead of per query head: the G heads of a GQA group
+            rank keys by the sum of their probabilities (each head's scores softmax-normalised over the
+            keys it may see; H2O's accumulated attention summed), as NSA's group shares its blocks. A
+            KV head then reads `budget` keys per query instead of up to G x budget.
     """
 
     name: ClassVar[str] = ""
@@ -93,10 +97,13 @@ class AttentionMethod:
     stable_ties: ClassVar[bool] = False  # break score ties by position (a stable sort) instead of topk
 
     query_chunk: int = 512
+    group_shared: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.query_chunk, int) or self.query_chunk < 1:
             raise UsageError(f"query_chunk must be a positive integer, got {self.query_chunk!r}")
+        if not isinstance(self.group_shared, bool):
+            raise UsageError(f"group_shared must be true or false, got {self.group_shared!r}")
 
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,7 +113,9 @@ class AttentionMethod:
         return None
 
     def score(self, chunk: Chunk) -> Tensor:
-        """`[B, Hq, Tc, S]` float: which keys to keep first (only keys outside sink and local compete)."""
+        """`[B, Hq, Tc, S]` float: which keys to keep first (only keys outside sink and local compete).
+        A logit on the softmax's scale (`chunk.logits` or comparable): `group_shared` normalises it per
+        head with a softmax before summing over the group."""
         raise NotImplementedError
 
     def forced(self, chunk: Chunk) -> Tensor | None:

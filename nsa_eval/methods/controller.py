@@ -220,7 +220,13 @@ class AttentionController:
             return torch.where(over, forced, visible)  # [B, 1, Tc, Sc]
         picks = self.config.budget - forced.sum(-1, dtype=torch.int32)  # [B, 1, Tc]
         candidates = visible & ~forced  # [B, 1, Tc, Sc]
-        best = _top_keys(self.method.score(chunk), candidates, picks, self.method.stable_ties)
+        score = self.method.score(chunk)  # [B, Hq, Tc, Sc]
+        if self.method.group_shared:
+            probs = torch.softmax(score.float().masked_fill(~visible, -math.inf), -1).nan_to_num(0.0)
+            score = _group_sum(probs, chunk.key.shape[1])  # [B, Hkv, Tc, Sc]
+        best = _top_keys(score, candidates, picks, self.method.stable_ties)  # [B, Hq|Hkv, Tc, Sc]
+        if self.method.group_shared:
+            best = best.repeat_interleave(chunk.query.shape[1] // chunk.key.shape[1], dim=1)  # [B, Hq, ...]
         return torch.where(over, forced | best, visible)  # [B, Hq, Tc, Sc]
 
     def _select_stateful(self, chunk: Chunk, tensors: dict[str, Tensor], held: bool) -> tuple[Tensor, Tensor]:
@@ -244,8 +250,14 @@ class AttentionController:
         forced = self._forced(chunk)[:, None]  # [B, 1, Tc, Sc]
         picks = self.config.budget - forced.sum(-1, dtype=torch.int32)  # [B, 1, Tc]
         candidates = visible & ~forced  # [B, 1, Tc, Sc]
+        G = Hq // chunk.key.shape[1]
         for t in range(n_dense, Tc):
-            best = _top_keys(method.state_score(tensors), candidates[:, :, t], picks[:, :, t])  # [B, Hq, Sc]
+            score = method.state_score(tensors)  # [B, Hq, Sc]
+            if method.group_shared:
+                score = _group_sum(score[:, :, None], chunk.key.shape[1])[:, :, 0]  # [B, Hkv, Sc]
+            best = _top_keys(score, candidates[:, :, t], picks[:, :, t])  # [B, Hq|Hkv, Sc]
+            if method.group_shared:
+                best = best.repeat_interleave(G, dim=1)  # [B, Hq, Sc]
             row = torch.where(over[:, None, t, None], forced[:, :, t] | best, visible[:, :, t])  # [B, Hq, Sc]
             keep[:, :, t] = row
             probs[:, :, t] = p = _masked_softmax(logits[:, :, t].contiguous(), row)  # [B, Hq, Sc]
@@ -370,6 +382,12 @@ def _masked_softmax(logits: Tensor, keep: Tensor) -> Tensor:
     top = x.amax(-1, keepdim=True)
     e = (x - top.masked_fill(top == -math.inf, 0.0)).exp()  # [..., S]
     return (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)
+
+
+def _group_sum(score: Tensor, Hkv: int) -> Tensor:
+    """`[B, Hq, Tc, S]` -> `[B, Hkv, Tc, S]`: summed over each KV head's group of query heads."""
+    B, Hq, Tc, S = score.shape
+    return score.view(B, Hkv, Hq // Hkv, Tc, S).sum(2)
 
 
 def _top_keys(score: Tensor, candidates: Tensor, picks: Tensor, stable: bool = False) -> Tensor:

@@ -90,7 +90,9 @@ class Quest(AttentionMethod):
         B, Hq, Tc, _ = bounds.shape
         page = page[:, : chunk.kpos.shape[-1]].clamp(min=0)  # [B, Sc]
         index = page[:, None, None, :].expand(B, Hq, Tc, page.shape[-1])  # [B, Hq, Tc, Sc]
-        return bounds.gather(-1, index)  # [B, Hq, Tc, Sc]
+        bounds = bounds.gather(-1, index)  # [B, Hq, Tc, Sc]
+        # a group's softmax needs the logits' scale; alone, only the order counts (kept bit for bit)
+        return bounds * chunk.scaling if self.group_shared else bounds
 
     def forced(self, chunk: Chunk) -> Tensor:
         same_page = chunk.kpos[:, None, :] // self.page_size == chunk.qpos[:, :, None] // self.page_size

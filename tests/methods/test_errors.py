@@ -26,7 +26,7 @@ def small():
         ({"method": "nope"}, "full, h2o, quest, sink_window, topk"),
         ({"method": "topk", "budget": 100, "sink": 64, "local": 64}, "at least sink + local"),
         ({"method": "topk", "window": 3}, "unknown parameter(s) 'window'"),
-        ({"method": "h2o", "page_size": 16}, "expected some of: query_chunk"),
+        ({"method": "h2o", "page_size": 16}, "expected some of: group_shared, query_chunk"),
         ({"method": "quest", "page_size": 0}, "page_size"),
         ({"method": "quest", "budget": 12, "sink": 0, "local": 8}, "local >= page_size"),
         ({"method": "topk", "budget": -1}, "budget must be an integer >= 1"),
