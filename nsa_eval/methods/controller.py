@@ -136,8 +136,19 @@ class AttentionController:
         out = query.new_empty(B, Hq, T, value.shape[-1])  # [B, Hq, T, Dv]
         prepared = method.prepare(key, kpos) if held and method.selects else None
         chunk_len = self._chunk_len(B, Hq, T, S)
+        # keys by position alone on an unpadded batch: each chunk reads only its sink and local keys
+        by_position = allowed is None and not method.selects and not stateful
         for t0 in range(0, T, chunk_len):
             t1 = min(T, t0 + chunk_len)
+            if by_position:
+                keep, o, columns = self._sink_and_local(query[:, :, t0:t1], key, value, S - T + t0, scaling)
+                out[:, :, t0:t1] = o
+                self._record(tally, keep.expand(B, 1, -1, -1), Hq, Hkv, qpos[:, t0:t1], held, layer)
+                if self.capture is not None:
+                    full = keep.new_zeros(B, Hq, t1 - t0, S)  # [B, Hq, Tc, S]
+                    full[..., columns] = keep
+                    self.capture.append((layer, phase, t0, full))
+                continue
             Sc = S - T + t1  # keys after the chunk's last query are invisible to all of it
             kp = kpos[:, :Sc]  # [B, Sc]
             visible = (kp[:, None, :] <= qpos[:, t0:t1, None]) & (kp >= 0)[:, None, :]  # [B, Tc, Sc]
@@ -228,6 +239,32 @@ class AttentionController:
         if self.method.group_shared:
             best = best.repeat_interleave(chunk.query.shape[1] // chunk.key.shape[1], dim=1)  # [B, Hq, ...]
         return torch.where(over, forced | best, visible)  # [B, Hq, Tc, Sc]
+
+    def _sink_and_local(self, q: Tensor, key: Tensor, value: Tensor, first: int, scaling: float):
+        """Sink + local attention of queries at positions `first ..` over unpadded keys (no mask, so a
+        key's index is its position), reading only the keys some query of the chunk keeps.
+
+        q `[B, Hq, Tc, D]`, key/value `[B, Hkv, S, D]` -> keep `[1, 1, Tc, n]` bool, o `[B, Hq, Tc, Dv]`
+        and the n key columns read. The same keys and output as `_select` over all S keys: a query
+        over the limit keeps the sink and the keys after `t - local`, all within the columns; one under
+        it sees at most `limit` keys, all of them sink or local columns too (it sits at t < limit).
+        """
+        cfg, Tc = self.config, q.shape[2]
+        limit = min(cfg.budget, cfg.sink + cfg.local)
+        last = first + Tc - 1
+        lo = max(0, first - cfg.local + 1)  # the first query's oldest local key
+        if lo <= cfg.sink:
+            columns = torch.arange(0, last + 1, device=q.device)  # [n]
+        else:
+            columns = torch.cat([torch.arange(0, cfg.sink, device=q.device),
+                                 torch.arange(lo, last + 1, device=q.device)])  # [n]
+        t = torch.arange(first, last + 1, device=q.device)[:, None]  # [Tc, 1] query positions
+        visible = columns[None, :] <= t  # [Tc, n]
+        forced = (columns[None, :] < cfg.sink) | (columns[None, :] > t - cfg.local)  # [Tc, n]
+        keep = torch.where(t + 1 > limit, forced & visible, visible)[None, None]  # [1, 1, Tc, n]
+        o = F.scaled_dot_product_attention(q, key[:, :, columns], value[:, :, columns], attn_mask=keep,
+                                           scale=scaling, enable_gqa=True)  # [B, Hq, Tc, Dv]
+        return keep, o, columns
 
     def _select_stateful(self, chunk: Chunk, tensors: dict[str, Tensor], held: bool) -> tuple[Tensor, Tensor]:
         """Select query by query, each from the state left by the queries before it (H2O).
