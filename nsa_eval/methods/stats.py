@@ -39,38 +39,20 @@ class Tally:
             self.totals = torch.cat([self.totals[:2] + step[:2], torch.maximum(self.totals[2:3], step[2:3]),
                                      self.totals[3:] + step[3:]])
 
-    def _read(self, i: int) -> int:
-        return 0 if self.totals is None else int(self.totals[i])
-
-    @property
-    def queries(self) -> int:  # (query, query head) pairs
-        return self._read(0)
-
-    @property
-    def activated_sum(self) -> int:
-        return self._read(1)
-
-    @property
-    def activated_max(self) -> int:
-        return self._read(2)
-
-    @property
-    def kv_queries(self) -> int:  # (query, KV head) pairs
-        return self._read(3)
-
-    @property
-    def kv_read_sum(self) -> int:
-        return self._read(4)
+    def counts(self) -> list[int]:
+        """[queries, activated sum, activated max, KV queries, KV read sum]: one wait for the device."""
+        return [0] * 5 if self.totals is None else self.totals.tolist()
 
 
 def _summary(tallies: list[Tally]) -> dict[str, Any]:
-    queries = sum(t.queries for t in tallies)
-    kv_queries = sum(t.kv_queries for t in tallies)
+    counts = [t.counts() for t in tallies]
+    queries = sum(c[0] for c in counts)
+    kv_queries = sum(c[3] for c in counts)
     return {
         "queries": queries,
-        "mean": sum(t.activated_sum for t in tallies) / queries if queries else 0.0,
-        "max": max((t.activated_max for t in tallies), default=0),
-        "kv_read_mean": sum(t.kv_read_sum for t in tallies) / kv_queries if kv_queries else 0.0,
+        "mean": sum(c[1] for c in counts) / queries if queries else 0.0,
+        "max": max((c[2] for c in counts), default=0),
+        "kv_read_mean": sum(c[4] for c in counts) / kv_queries if kv_queries else 0.0,
     }
 
 
