@@ -1,3 +1,2 @@
 """Benchmarks behind `nsa-eval bench`: `kernels` (the Triton NSA kernels against SDPA) and `harness`
-(whole models through the lm-eval adapter, every attention method against full attention); and
-`methods.py` (`python -m nsa_eval.bench.methods`): one prefill per attention method on SmolLM2."""
+(whole models through the lm-eval adapter, every attention method against full attention)."""
