@@ -7,3 +7,10 @@ class UsageError(ValueError):
     The message names what is wrong and what was expected. The CLI prints it and exits with 2,
     before any model loads or any result is written.
     """
+
+
+def print_warning(line: str) -> None:
+    """One warning line on stderr, as every command prints them."""
+    import sys
+
+    print(f"nsa-eval: warning: {line}", file=sys.stderr)

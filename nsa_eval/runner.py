@@ -40,7 +40,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
-from nsa_eval.errors import UsageError
+from nsa_eval.errors import UsageError, print_warning
 from nsa_eval.folders import RunLock, check_folder, claim_folder, is_writable, remove_stale_temporaries
 from nsa_eval.suite import Cell, ModelSpec, Suite
 
@@ -161,7 +161,7 @@ def run_suite(suite: Suite, run_dir: str | Path | None = None, *, limit: int | N
     """
     from tqdm.auto import tqdm
 
-    warn = warn or _print_warning
+    warn = warn or print_warning
     cells = suite.cells(limit=limit, only=only)
     if device:
         cells = [dataclasses.replace(c, model=dataclasses.replace(c.model, device=device)) for c in cells]
@@ -218,10 +218,6 @@ def _evaluate_cells(todo: list[Cell], run_dir: Path, cells: list[Cell], factory,
 def is_main_process() -> bool:
     """Process 0 of an `accelerate launch` (or the only process): the one that writes files."""
     return int(os.environ.get("RANK", "0")) == 0
-
-
-def _print_warning(line: str) -> None:
-    print(f"nsa-eval: warning: {line}", file=sys.stderr)
 
 
 def evaluate_cell(lm, cell: Cell, run_dir: Path) -> Path | None:

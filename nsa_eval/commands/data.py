@@ -89,13 +89,13 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    import sys
 
+    from nsa_eval.errors import print_warning
     from nsa_eval.tasks.data import task_data_warnings
 
     names, manager = _requested(args)
     warnings = task_data_warnings(names, manager)
     for warning in warnings:
-        print(f"nsa-eval: warning: {warning}", file=sys.stderr)
+        print_warning(warning)
     print("all data on disk" if not warnings else f"{len(warnings)} task(s) not fully on disk")
     return 0

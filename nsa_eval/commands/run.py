@@ -28,9 +28,8 @@ def register(subparsers) -> None:
 
 
 def handle(args) -> int:
-    import sys
 
-    from nsa_eval.errors import UsageError
+    from nsa_eval.errors import UsageError, print_warning
     from nsa_eval.folders import check_output_folders
     from nsa_eval.suite import check_suite, load_suite
 
@@ -44,7 +43,7 @@ def handle(args) -> int:
         folders.append((report_origin, report_dir, "report"))
     check_output_folders(folders)
     for warning in check_suite(suite, device=args.device, runs_here=True):
-        print(f"nsa-eval: warning: {warning}", file=sys.stderr)
+        print_warning(warning)
     suite.cells(limit=args.limit, only=args.only)  # an --only that matches nothing fails here
 
     from nsa_eval.runner import is_main_process, run_suite

@@ -20,8 +20,8 @@ def register(subparsers) -> None:
 def handle(args) -> int:
     """A device this machine lacks (cuda on a CPU machine) is a warning, not an error: a suite may
     be validated on a laptop for a GPU machine. With --device, the device must exist here."""
-    import sys
 
+    from nsa_eval.errors import print_warning
     from nsa_eval.folders import check_output_folders
     from nsa_eval.suite import check_suite, load_suite
 
@@ -31,7 +31,7 @@ def handle(args) -> int:
     warnings = check_suite(suite, device=args.device, runs_here=args.device is not None)
     cells = suite.cells(limit=args.limit, only=args.only)
     for warning in warnings:
-        print(f"nsa-eval: warning: {warning}", file=sys.stderr)
+        print_warning(warning)
     print(f"{args.suite}: suite {suite.name!r} is valid: {len(suite.models)} models x "
           f"{len(suite.tasks)} tasks = {len(cells)} cells")
     for cell in cells:

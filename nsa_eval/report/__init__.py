@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nsa_eval.errors import UsageError
+from nsa_eval.errors import UsageError, print_warning
 from nsa_eval.report.bootstrap import paired_bootstrap
 from nsa_eval.report.builder import ReportBuilder
 from nsa_eval.report.load import load_run
@@ -61,7 +61,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *, boot
     run = load_run(run_dir)
     out = check_folder(out_dir or report_folder(run), "report", "report folder")
     for label, problem in run.unreadable.items():
-        (warn or _print_warning)(f"cell {label} left out of the report: {problem}")
+        (warn or print_warning)(f"cell {label} left out of the report: {problem}")
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(out)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-{os.getpid()}-", dir=out.parent))
@@ -76,12 +76,6 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *, boot
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
-
-
-def _print_warning(line: str) -> None:
-    import sys
-
-    print(f"nsa-eval: warning: {line}", file=sys.stderr)
 
 
 def _remove_stale_staging(out: Path) -> None:

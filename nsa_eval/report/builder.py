@@ -18,6 +18,7 @@ from nsa_eval.report.figures import budget_plot, length_label, niah_heatmap, slu
 from nsa_eval.report.load import CellData, RunData
 from nsa_eval.report.protocol import environment_section, protocol_section
 from nsa_eval.report.scores import Score, TaskScore, doc_values, group_scores, task_score
+from nsa_eval.suite.spec import UNBUDGETED
 
 SCALE_NOTE = ("Scores are lm-eval's own metrics on a 0-1 scale (higher is better). A task that is an "
               "lm-eval group with an aggregate is scored by that aggregate (as lm-eval weights it); "
@@ -281,7 +282,7 @@ class ReportBuilder:
         specs = {m: self.run.model_spec(m) for m in self.models}
         groups = defaultdict(list)  # (pretrained, attention) -> [(budget, model)]
         for model, spec in specs.items():
-            if spec.get("budget") is not None and spec["attention"] not in ("full", "nsa"):
+            if spec.get("budget") is not None and spec["attention"] not in UNBUDGETED:
                 groups[(spec["pretrained"], spec["attention"])].append((spec["budget"], model))
         if not any(len(v) > 1 for v in groups.values()):
             return
@@ -300,7 +301,7 @@ class ReportBuilder:
                     curves[name] = points
             if not curves:
                 continue
-            refs = {m: self._average(m, task) for m, s in specs.items() if s["attention"] in ("full", "nsa")}
+            refs = {m: self._average(m, task) for m, s in specs.items() if s["attention"] in UNBUDGETED}
             refs = {m: v for m, v in refs.items() if v is not None}
             path = self.out / "figures" / f"budget_{slug(task)}.png"
             budget_plot(curves, refs, task, "score", path)

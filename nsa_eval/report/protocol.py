@@ -13,6 +13,7 @@ from collections import defaultdict
 
 from nsa_eval.report.document import Document
 from nsa_eval.report.load import RunData
+from nsa_eval.suite.spec import UNBUDGETED
 
 
 def protocol_section(doc: Document, report) -> None:
@@ -22,7 +23,7 @@ def protocol_section(doc: Document, report) -> None:
     rows = []
     for model in report.models:
         s = report.run.model_spec(model)
-        sparse = s["attention"] not in ("full", "nsa")
+        sparse = s["attention"] not in UNBUDGETED
         dense = s.get("dense_layers") or 0
         rows.append([model, s["pretrained"], s["attention"],
                      str(s["budget"]) if sparse else "-", str(s["sink"]) if sparse else "-",
@@ -78,7 +79,7 @@ def _protocol_notes(report) -> list[str]:
             notes.append(f"{model}: Quest " + (
                 f"keeps its first {dense} layers dense, as Quest's own code keeps two" if dense else
                 "is sparse in every layer (Quest's own code keeps the first two dense)") + ".")
-        elif dense and s["attention"] not in ("full", "nsa"):
+        elif dense and s["attention"] not in UNBUDGETED:
             notes.append(f"{model}: the first {dense} layers are dense.")
     return notes
 

@@ -161,8 +161,9 @@ class Cell:
             ident["include_path"] = self.include_fingerprint
         return ident
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        """The cell's folder name: computed once, as it fingerprints the checkpoint's files."""
         return stable_hash(self.identity())
 
 
