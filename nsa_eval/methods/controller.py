@@ -233,8 +233,7 @@ class AttentionController:
         candidates = visible & ~forced  # [B, 1, Tc, Sc]
         score = self.method.score(chunk)  # [B, Hq, Tc, Sc]
         if self.method.group_shared:
-            probs = torch.softmax(score.float().masked_fill(~visible, -math.inf), -1).nan_to_num(0.0)
-            score = _group_sum(probs, chunk.key.shape[1])  # [B, Hkv, Tc, Sc]
+            score = _group_sum(_masked_softmax(score, visible), chunk.key.shape[1])  # [B, Hkv, Tc, Sc]
         best = _top_keys(score, candidates, picks, self.method.stable_ties)  # [B, Hq|Hkv, Tc, Sc]
         if self.method.group_shared:
             best = best.repeat_interleave(chunk.query.shape[1] // chunk.key.shape[1], dim=1)  # [B, Hq, ...]
@@ -250,7 +249,6 @@ class AttentionController:
         it sees at most `limit` keys, all of them sink or local columns too (it sits at t < limit).
         """
         cfg, Tc = self.config, q.shape[2]
-        limit = min(cfg.budget, cfg.sink + cfg.local)
         last = first + Tc - 1
         lo = max(0, first - cfg.local + 1)  # the first query's oldest local key
         if lo <= cfg.sink:
@@ -258,12 +256,14 @@ class AttentionController:
         else:
             columns = torch.cat([torch.arange(0, cfg.sink, device=q.device),
                                  torch.arange(lo, last + 1, device=q.device)])  # [n]
-        t = torch.arange(first, last + 1, device=q.device)[:, None]  # [Tc, 1] query positions
-        visible = columns[None, :] <= t  # [Tc, n]
-        forced = (columns[None, :] < cfg.sink) | (columns[None, :] > t - cfg.local)  # [Tc, n]
-        keep = torch.where(t + 1 > limit, forced & visible, visible)[None, None]  # [1, 1, Tc, n]
-        o = F.scaled_dot_product_attention(q, key[:, :, columns], value[:, :, columns], attn_mask=keep,
-                                           scale=scaling, enable_gqa=True)  # [B, Hq, Tc, Dv]
+        t = torch.arange(first, last + 1, device=q.device)  # [Tc] query positions
+        k = key[:, :, columns]  # [B, Hkv, n, D]
+        chunk = Chunk(q, k, scaling, t[None], columns[None], columns[None, None, :] <= t[None, :, None])
+        # the masked path's rule on these columns, without its host-side check for a query over budget
+        keep = torch.where(self._over_budget(chunk)[:, None, :, None], self._forced(chunk)[:, None],
+                           chunk.visible[:, None])  # [1, 1, Tc, n]
+        o = F.scaled_dot_product_attention(q, k, value[:, :, columns], attn_mask=keep, scale=scaling,
+                                           enable_gqa=True)  # [B, Hq, Tc, Dv]
         return keep, o, columns
 
     def _select_stateful(self, chunk: Chunk, tensors: dict[str, Tensor], held: bool) -> tuple[Tensor, Tensor]:
@@ -279,8 +279,9 @@ class AttentionController:
         # Leading queries that attend densely in every sequence need no selection: one batched step.
         n_dense = int(over.any(0).int().argmax()) if over.any() else Tc
         keep = visible.expand(B, Hq, Tc, Sc).clone()  # [B, Hq, Tc, Sc]
-        probs = _masked_softmax(logits, keep)  # [B, Hq, Tc, Sc]
-        if n_dense:
+        probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [B, Hq, Tc, Sc]
+        if n_dense:  # the rows after them get their softmax in the loop below
+            probs[:, :, :n_dense] = _masked_softmax(logits[:, :, :n_dense], keep[:, :, :n_dense])
             method.update_state(tensors, probs[:, :, :n_dense], keep[:, :, :n_dense])
         if n_dense == Tc:
             return keep, probs
@@ -312,14 +313,15 @@ class AttentionController:
         else:
             kv_read = keep.view(B, Hkv, H // Hkv, Tc, Sc).any(2).sum(-1, dtype=torch.int32)  # [B, Hkv, Tc]
         real = qpos >= 0  # [B, Tc]
-        if held:
-            worst = int(activated.masked_fill(~real[:, None], 0).max()) if activated.numel() else 0
+        top = activated.masked_fill(~real[:, None], 0).amax() if activated.numel() else activated.sum()
+        if held and self.method.selects:  # sink and local alone stay within the budget by construction
+            worst = int(top)  # waits for the device: only where a selection could overrun
             if worst > self.config.budget:
                 raise BudgetExceededError(
                     f"layer {layer}: a query attended to {worst} keys, over the budget of "
                     f"{self.config.budget} (method {self.method.name})"
                 )
-        tally.add(activated.expand(B, Hq, Tc), kv_read, real)
+        tally.add(activated.expand(B, Hq, Tc), kv_read, real, top=top)
 
     def _layer_state(self, layer: int, B: int, Hq: int, S: int, T: int, device) -> LayerState:
         """The layer's state, grown to cover `S` keys; a fresh one when the cache holds no past."""

@@ -23,29 +23,34 @@ class Tally:
     wait per layer and step would hold a decode step to the host's pace."""
 
     held: bool  # True when these queries were held to the budget
-    totals: Tensor | None = None  # int64 [5]: queries, activated sum, activated max, KV queries, KV read sum
+    sums: Tensor | None = None  # int64 [4]: queries, keys attended, KV queries, KV tokens read
+    top: Tensor | None = None  # int64 []: the most keys one query attended to
 
-    def add(self, activated: Tensor, kv_read: Tensor, real: Tensor) -> None:
-        """activated `[B, Hq, Tc]`, kv_read `[B, Hkv, Tc]` int; only real queries (`real` `[B, Tc]`) count."""
+    def add(self, activated: Tensor, kv_read: Tensor, real: Tensor, top: Tensor | None = None) -> None:
+        """activated `[B, Hq, Tc]`, kv_read `[B, Hkv, Tc]` int; only real queries (`real` `[B, Tc]`) count.
+        `top`: their largest activated count, where the caller has it already."""
         real_a = real[:, None].expand_as(activated)
         real_r = real[:, None].expand_as(kv_read)
         activated, kv_read = activated.long(), kv_read.long()
-        top = activated.masked_fill(~real_a, 0).amax() if activated.numel() else activated.new_zeros(())
-        step = torch.stack([real_a.sum(), (activated * real_a).sum(), top,
-                            real_r.sum(), (kv_read * real_r).sum()])
-        if self.totals is None:
-            self.totals = step
+        if top is None:
+            top = activated.masked_fill(~real_a, 0).amax() if activated.numel() else activated.new_zeros(())
+        sums = torch.stack([real_a.sum(), (activated * real_a).sum(), real_r.sum(), (kv_read * real_r).sum()])
+        if self.sums is None:
+            self.sums, self.top = sums, top.long().clone()
         else:
-            self.totals = torch.cat([self.totals[:2] + step[:2], torch.maximum(self.totals[2:3], step[2:3]),
-                                     self.totals[3:] + step[3:]])
+            self.sums += sums
+            torch.maximum(self.top, top.long(), out=self.top)
 
     def counts(self) -> list[int]:
         """[queries, activated sum, activated max, KV queries, KV read sum]: one wait for the device."""
-        return [0] * 5 if self.totals is None else self.totals.tolist()
+        if self.sums is None:
+            return [0] * 5
+        queries, activated, kv_queries, kv_read = self.sums.tolist()
+        return [queries, activated, int(self.top), kv_queries, kv_read]
 
 
-def _summary(tallies: list[Tally]) -> dict[str, Any]:
-    counts = [t.counts() for t in tallies]
+def _summary(counts: list[list[int]]) -> dict[str, Any]:
+    """Totals of `Tally.counts()` lists -> queries, mean and max keys attended, mean KV tokens read."""
     queries = sum(c[0] for c in counts)
     kv_queries = sum(c[3] for c in counts)
     return {
@@ -72,15 +77,15 @@ class AttentionStats:
     def summary(self) -> dict[str, Any]:
         """Per layer, per phase and overall: queries (query-head pairs), mean and max keys attended,
         and mean KV tokens read per (query, KV head), the union over the KV head's query group."""
-        layers = sorted({layer for layer, _ in self.tallies})
-        phases = sorted({phase for _, phase in self.tallies})
-        held = [t for t in self.tallies.values() if t.held]
+        counts = {key: t.counts() for key, t in self.tallies.items()}  # one read of each tally
+        layers = sorted({layer for layer, _ in counts})
+        phases = sorted({phase for _, phase in counts})
         return {
-            **_summary(list(self.tallies.values())),
-            "held": _summary(held),
+            **_summary(list(counts.values())),
+            "held": _summary([c for key, c in counts.items() if self.tallies[key].held]),
             "layers": [
-                {"layer": layer, **_summary([t for (lay, _), t in self.tallies.items() if lay == layer])}
+                {"layer": layer, **_summary([c for (lay, _), c in counts.items() if lay == layer])}
                 for layer in layers
             ],
-            "phases": {p: _summary([t for (_, ph), t in self.tallies.items() if ph == p]) for p in phases},
+            "phases": {p: _summary([c for (_, ph), c in counts.items() if ph == p]) for p in phases},
         }
