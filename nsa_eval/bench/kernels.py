@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PAPER = dict(block_len=32, stride=16, select_size=64, num_selected=16, num_init=1, num_local=2, window=512)
@@ -37,7 +37,6 @@ class Row:
     batch: int
     ms: float | None
     note: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def nsa_prefill(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, **params):
@@ -506,9 +505,7 @@ def write_outputs(rows, out_dir, *, command="", **kw) -> tuple[Path, Path]:
         writer = csv.DictWriter(f, fieldnames=["case", "impl", "T", "heads", "batch", "ms", "note"])
         writer.writeheader()
         for r in rows:
-            d = asdict(r)
-            d.pop("extra")
-            writer.writerow(d)
+            writer.writerow(asdict(r))
     md_path.write_text(markdown_report(rows, command=command, versions=software_versions(), **kw))
     return csv_path, md_path
 

@@ -58,7 +58,7 @@ def _implementation(name: str, impl: str, q: torch.Tensor, dv: int | None = None
     """The Triton or the reference version of ``name``; Triton checks its head dims (Dk, and dv).
     The Triton modules are imported on first use: importing this package compiles nothing."""
     if _validate.check_impl(impl, q) == "triton":
-        _validate.check_triton_version()
+        _validate.check_installed_triton()
         _validate.check_triton_head_dims(q, dv)
         return getattr(importlib.import_module(_TRITON_MODULES[name]), name)
     return getattr(reference, name)

@@ -20,7 +20,6 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 def interpreting() -> bool:

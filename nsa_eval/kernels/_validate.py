@@ -79,12 +79,8 @@ def check_impl(impl, q: torch.Tensor) -> str:
     return impl
 
 
-def check_triton_version(version: str | None = None) -> None:
-    """Refuse, with the fix, a Triton outside `TRITON_VERSIONS` before any kernel compiles (`version`:
-    the installed Triton's by default, checked once per process)."""
-    if version is None:
-        _check_installed_triton()
-        return
+def check_triton_version(version: str) -> None:
+    """Refuse, with the fix, a Triton `version` outside `TRITON_VERSIONS`."""
     found = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
     (lo_major, lo_minor), (hi_major, hi_minor) = TRITON_VERSIONS
     if not (lo_major, lo_minor) <= found <= (hi_major, hi_minor):
@@ -96,7 +92,8 @@ def check_triton_version(version: str | None = None) -> None:
 
 
 @functools.cache
-def _check_installed_triton() -> None:
+def check_installed_triton() -> None:
+    """`check_triton_version` on the installed Triton, once per process, before any kernel compiles."""
     try:
         import triton
     except ImportError:
