@@ -36,9 +36,9 @@ def doc_to_text(doc: dict) -> str:
     return f"{doc['Problem'].strip()}\n{INSTRUCTION}"
 
 
-def _last_boxed(text: str) -> tuple[int, str | None] | None:
-    """(start, contents) of the last \\boxed{...} / \\fbox{...} or `\\boxed 5`; contents None where
-    the box is cut off (no closing brace). None without a box."""
+def _last_boxed(text: str) -> str | None:
+    """The contents of the last \\boxed{...} / \\fbox{...} or `\\boxed 5`; None without a box or where
+    the box is cut off (no closing brace)."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
@@ -46,13 +46,13 @@ def _last_boxed(text: str) -> tuple[int, str | None] | None:
     brace = rest.find("{")
     if brace < 0 or rest[len("\\boxed") : brace].strip():  # "\boxed 42" form
         match = re.match(r"\\(?:boxed|fbox)\s+([^\s$]+)", rest)
-        return start, match.group(1) if match else None
+        return match.group(1) if match else None
     depth = 0
     for i in range(brace, len(rest)):
         depth += {"{": 1, "}": -1}.get(rest[i], 0)
         if depth == 0:
-            return start, rest[brace + 1 : i]
-    return start, None
+            return rest[brace + 1 : i]
+    return None
 
 
 # LaTeX commands that only format their argument: \mathbf{33} is 33
@@ -99,9 +99,7 @@ def extract_answer(response: str) -> int | None:
     """The final integer answer of a response, or None (module docstring: what counts)."""
     text = final_answer_text(response)
     boxed = _last_boxed(text) if text is not None else None
-    if boxed is None or boxed[1] is None:  # no box, or one cut off by the limit: no answer
-        return None
-    return _boxed_int(boxed[1])
+    return None if boxed is None else _boxed_int(boxed)  # no box, or one cut off by the limit: none
 
 
 def keep_all(resps, docs):

@@ -98,9 +98,10 @@ def haystack_text(haystack: str, num_chars: int, rng: random.Random) -> str:
     """At least num_chars of haystack: the builtin grammar, or a .txt folder repeated as needed."""
     if haystack == "builtin":
         return builtin_haystack(num_chars, rng)
-    if not os.path.isdir(haystack):
+    folder = Path(haystack).expanduser()  # as check_haystack reads it
+    if not folder.is_dir():
         raise UsageError(f"NIAH haystack must be 'builtin' or a folder of .txt files; got {haystack!r}")
-    text = _folder_text(str(Path(haystack).resolve()))
+    text = _folder_text(str(folder.resolve()))
     return "\n\n".join([text] * (num_chars // max(len(text), 1) + 1))
 
 

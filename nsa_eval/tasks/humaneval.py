@@ -13,16 +13,9 @@ and confirm_run_unsafe_code=True. Run it in a sandbox.
 
 from __future__ import annotations
 
-from nsa_eval.tasks.code_execution import require_code_eval_opt_in
-from nsa_eval.tasks.local_task import LocalFirstTask
+from nsa_eval.tasks.local_task import CodeExecutionTask
 
-
-class HumanEvalTask(LocalFirstTask):
-    """LocalFirstTask that refuses to build without the code-execution opt-in (before generating)."""
-
-    def __init__(self, data_dir=None, cache_dir=None, download_mode=None, config=None):
-        require_code_eval_opt_in()
-        super().__init__(data_dir, cache_dir, download_mode, config=config)
+HumanEvalTask = CodeExecutionTask  # the class nsa_humaneval_0shot.yaml names
 
 
 def build_predictions(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:

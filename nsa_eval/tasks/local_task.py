@@ -1,7 +1,7 @@
 """`LocalFirstTask`: an lm-eval task that reads $NSA_EVAL_DATA before the hub (see local_data.py).
 
 The project's YAMLs select it with `class: !function nsa_eval.tasks.local_task.LocalFirstTask`;
-a group that sets it at top level passes it down to every member task, lm-eval's own included.
+lm-eval indexes a YAML with a `class` key as a task, so a group sets it on each member entry.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from lm_eval.api.task import ConfigurableTask
 
 from nsa_eval.errors import UsageError
+from nsa_eval.tasks.code_execution import require_code_eval_opt_in
 from nsa_eval.tasks.local_data import hub_offline, load_local, missing_data_message, spec_from_config
 
 
@@ -30,3 +31,12 @@ class LocalFirstTask(ConfigurableTask):
         if hub_offline():
             raise UsageError(missing_data_message({spec.task: spec.missing()}, [spec.task]))
         return super().download(dataset_kwargs, **kwargs)
+
+
+class CodeExecutionTask(LocalFirstTask):
+    """A LocalFirstTask that scores by running model-written code (MBPP, HumanEval): it refuses to
+    build without the code-execution opt-in, so nothing is generated that could not be scored."""
+
+    def __init__(self, data_dir=None, cache_dir=None, download_mode=None, config=None):
+        require_code_eval_opt_in()
+        super().__init__(data_dir, cache_dir, download_mode, config=config)

@@ -14,11 +14,10 @@ The template (longbench/_longbench_template.yaml) selects it with
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from nsa_eval.errors import UsageError
 from nsa_eval.tasks.local_task import LocalFirstTask
 from nsa_eval.tasks.longbench import MAX_LENGTH_KEY, METADATA, truncate_prompt_middle
+from nsa_eval.tasks.niah import load_tokenizer
 
 
 class LongBenchTask(LocalFirstTask):
@@ -54,12 +53,4 @@ def _tokenizer_of(metadata: dict):
     if not isinstance(name, str) or not name:
         raise UsageError(f"LongBench's {MAX_LENGTH_KEY} counts the model's tokens: pass metadata "
                          '{"tokenizer": "<name or dir>"} (or pretrained=... in model_args)')
-    return _load_tokenizer(name)
-
-
-@lru_cache(maxsize=4)
-def _load_tokenizer(name: str):
-    """One tokenizer per name for the ten subsets (each builds its own task)."""
-    from nsa_eval.tasks.niah import load_tokenizer
-
     return load_tokenizer(name)

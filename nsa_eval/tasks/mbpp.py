@@ -23,17 +23,12 @@ from __future__ import annotations
 
 from nsa_eval.errors import UsageError
 from nsa_eval.tasks.code_execution import TIMEOUT_S, execute, require_code_eval_opt_in
-from nsa_eval.tasks.local_task import LocalFirstTask
+from nsa_eval.tasks.local_task import CodeExecutionTask
 
 FEWSHOT_TASK_IDS = (2, 3, 4)  # lm-eval's mbpp and the MBPP paper's prompt examples, in this order
 
 
-class MbppTask(LocalFirstTask):
-    """LocalFirstTask that refuses to build without the code-execution opt-in (before generating)."""
-
-    def __init__(self, data_dir=None, cache_dir=None, download_mode=None, config=None):
-        require_code_eval_opt_in()
-        super().__init__(data_dir, cache_dir, download_mode, config=config)
+MbppTask = CodeExecutionTask  # the class nsa_mbpp_3shot.yaml names
 
 
 def fewshot_docs(dataset):

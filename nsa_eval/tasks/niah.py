@@ -29,6 +29,7 @@ with a chat template the template's tokens come on top of `context_length`.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -335,7 +336,12 @@ def load_tokenizer(name_or_tokenizer):
     """A tokenizer object as given, a project short name (e.g. smollm2-135m), a local dir or hub name."""
     if not isinstance(name_or_tokenizer, str):
         return name_or_tokenizer
-    name = name_or_tokenizer
+    return _named_tokenizer(name_or_tokenizer)
+
+
+@functools.lru_cache(maxsize=4)
+def _named_tokenizer(name: str):
+    """Loaded once per process: every NIAH and LongBench cell, and the suite's context check, ask."""
     from transformers import AutoTokenizer
 
     if os.path.exists(name) or "/" in name:
