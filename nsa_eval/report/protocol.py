@@ -127,8 +127,10 @@ def _generation_kwargs(results: dict) -> str:
 
 
 def _prompt_cut(spec: dict) -> str:
-    """The task's own prompt length (LongBench's `longbench_max_length`), else the model's."""
-    from nsa_eval.tasks.longbench import MAX_LENGTH_KEY
+    """The task's own prompt length (a metadata key marked `prompt_length`, e.g. LongBench's), else
+    the model's."""
+    from nsa_eval.tasks.catalog import prompt_length_key
 
-    length = (spec.get("metadata") or {}).get(MAX_LENGTH_KEY)
-    return f"middle, to {length:,} tokens (`{MAX_LENGTH_KEY}`)" if isinstance(length, int) else "by the model"
+    key = prompt_length_key(str(spec.get("task", "")))
+    length = (spec.get("metadata") or {}).get(key) if key else None
+    return f"middle, to {length:,} tokens (`{key}`)" if isinstance(length, int) else "by the model"

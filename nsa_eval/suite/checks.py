@@ -17,8 +17,7 @@ from nsa_eval.models import loading
 from nsa_eval.registry import unknown_name_message
 from nsa_eval.suite.spec import UNBUDGETED, ModelSpec, Suite, TaskSpec
 from nsa_eval.suite.task_index import check_include_path_files, check_shadowed_tasks, suite_task_manager
-from nsa_eval.tasks.catalog import metadata_schema
-from nsa_eval.tasks.longbench import MAX_LENGTH_KEY as LONGBENCH_MAX_LENGTH
+from nsa_eval.tasks.catalog import metadata_schema, prompt_length_key
 from nsa_eval.values import is_int
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
@@ -311,6 +310,7 @@ def check_context_fits(suite: Suite) -> None:
                                  "aliases) and temperature") from None
             is_niah = str(cfg.get("custom_dataset", "")).endswith("nsa_eval.tasks.niah.niah_dataset")
             metadata = {**(cfg.get("metadata") or {}), **task.metadata}
+            length_key = prompt_length_key(str(cfg.get("task", task.task)))
             for model in models:
                 limit, origin = limits[model.label]
                 if answer >= limit:
@@ -321,12 +321,12 @@ def check_context_fits(suite: Suite) -> None:
                 if is_niah:
                     _check_niah_fit(f"{where} on models (entry {model.label!r})", task, model, metadata,
                                     answer, limit, origin)
-                prompt = metadata.get(LONGBENCH_MAX_LENGTH)
+                prompt = metadata.get(length_key) if length_key else None
                 if is_int(prompt) and prompt + answer > limit:  # the model would cut it a second time
-                    raise UsageError(f"{where} on models (entry {model.label!r}): {LONGBENCH_MAX_LENGTH} "
+                    raise UsageError(f"{where} on models (entry {model.label!r}): {length_key} "
                                      f"{prompt} and max_gen_toks {answer} need {prompt + answer} tokens, but "
                                      f"{model.pretrained} takes {limit} ({origin}); expected "
-                                     f"{LONGBENCH_MAX_LENGTH} up to {limit - answer}, or a larger max_length "
+                                     f"{length_key} up to {limit - answer}, or a larger max_length "
                                      "on the model entry if the model runs longer inputs")
 
 

@@ -67,6 +67,11 @@ TASK_METADATA: dict[str, dict[str, MetadataKey]] = {
 }
 
 
+def prompt_length_key(task: str) -> str | None:
+    """The metadata key with which `task` cuts its own prompts (`MetadataKey.prompt_length`), if any."""
+    return next((name for name, key in (metadata_schema(task) or {}).items() if key.prompt_length), None)
+
+
 def metadata_schema(task: str) -> dict[str, MetadataKey] | None:
     """The metadata keys `task` reads: its schema for a project task ({} when it reads none), None
     for any other task (lm-eval's own, or an include_path task), whose metadata is not checked."""

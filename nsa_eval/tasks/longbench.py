@@ -107,7 +107,8 @@ SUBSETS: dict[str, tuple[str, int, str]] = {
 # cut as its pred.py cuts it, counted with the model's tokenizer.
 METADATA: dict[str, MetadataKey] = {
     MAX_LENGTH_KEY: MetadataKey(lambda v: is_int(v) and v > 0,
-                                "a positive integer (prompt tokens; a longer prompt loses its middle)"),
+                                "a positive integer (prompt tokens; a longer prompt loses its middle)",
+                                prompt_length=True),
     "tokenizer": TOKENIZER,
 }
 

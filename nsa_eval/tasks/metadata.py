@@ -25,12 +25,15 @@ class MetadataKey:
         check: a closer look at an accepted value, `check(value, location)`, raising a UsageError
             that starts with `location` (e.g. ``configs/x.yaml: tasks[0].metadata.niah_template``).
         check_here: the same against this machine's files, run by `check_suite` (a folder to read).
+        prompt_length: the task cuts its prompts to this many tokens itself (LongBench's own length):
+            the suite checks that it and the answer fit each model, the report shows it.
     """
 
     accepts: Callable[[Any], bool]
     expected: str
     check: Callable[[Any, str], None] | None = None
     check_here: Callable[[Any, str], None] | None = None
+    prompt_length: bool = False
 
 
 TOKENIZER = MetadataKey(lambda v: isinstance(v, str) and bool(v), "a tokenizer name or directory")
