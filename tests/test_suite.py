@@ -124,7 +124,10 @@ def test_include_path_contents_change_cell_keys(tmp_path):
     edited = include_path_keys(tmp_path, tasks, "edited.yaml")
     assert not set(edited) & set(before)
     (tasks / "extra.txt").write_text("a new file the task may read")
-    assert not set(include_path_keys(tmp_path, tasks, "added.yaml")) & set(edited)
+    added = include_path_keys(tmp_path, tasks, "added.yaml")
+    assert not set(added) & set(edited)
+    (tasks / "sub" / ".hidden" / "hidden_task.yaml").write_text("task: hidden\ndataset_path: json\n")
+    assert not set(include_path_keys(tmp_path, tasks, "hidden.yaml")) & set(added)  # lm-eval indexes it
 
 
 def test_include_path_fingerprint_is_read_once_and_only_with_include_path(tmp_path, monkeypatch):

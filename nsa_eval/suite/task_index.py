@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_eval.errors import UsageError
+from nsa_eval.suite.identity import task_yaml_paths
 from nsa_eval.suite.safe_yaml import (
     MAX_TASK_YAML_BYTES,
     YamlTooLarge,
@@ -92,9 +93,8 @@ def check_include_path_files(suite: Suite) -> list[str]:
     code: list[tuple[Path, list[str]]] = []  # (task file, the functions it names)
     seen: set[Path] = set()
     for root in suite.include_path:
-        for path in sorted(Path(root).glob("**/*.yaml")):
-            if not ({"__pycache__", ".ipynb_checkpoints"} & set(path.parts)) and not path.is_dir():
-                code += _check_task_file(path, suite.path, seen)
+        for path in task_yaml_paths(root):
+            code += _check_task_file(path, suite.path, seen)
     if not code:
         return []
     if len(code) == 1:
