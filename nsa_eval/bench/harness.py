@@ -6,7 +6,9 @@ checkpoint folder the way `nsa-eval run` loads one, and is timed through the cal
 - decode: the time per new token of `_model_generate` at each decode batch, from two generations
   of different lengths (their difference divided by the extra tokens, so the prefill cancels);
 - peak memory: `torch.cuda.max_memory_allocated` over the prefill and the decode;
-- Triton compilations during the timed decode (a compilation after warm-up stalls generation).
+- Triton compilations during the timed decode (a compilation after warm-up stalls generation);
+- nsa only: the GPU time of one decode step, from replays of its CUDA graph back to back (no host
+  work between them), against which the decode's wall time per token shows the host's share.
 
 Rows: `transformers` (lm-eval's stock `hf` model on the same Llama checkpoint, no nsa-eval: the
 adapter's own overhead shows against the `full` row), `full`, `sink_window`, `topk`, `quest`, `h2o`
@@ -68,6 +70,7 @@ class Measurement:
     decode_ms: dict[int, float] = field(default_factory=dict)  # decode batch -> ms per new token
     peak_gib: float | None = None
     compilations: int | None = None  # Triton kernels compiled during the timed decode
+    decode_gpu_ms: dict[int, float] = field(default_factory=dict)  # decode batch -> GPU ms per step (nsa)
     error: str = ""  # "out of memory" where the GPU ran out in the prefill
     decode_errors: dict[int, str] = field(default_factory=dict)  # decode batch -> "out of memory"
 
@@ -173,12 +176,34 @@ def measure(lm, method: str, length: int, *, decode_batches: tuple[int, ...], de
                 long = _timed(lambda ids=ids: _generate(lm, ids, 2 + decode_tokens), device, repeats)
             result.compilations += count[0]
             result.decode_ms[batch] = (long - short) / decode_tokens
+            if method == "nsa" and cuda:
+                result.decode_gpu_ms[batch] = graph_step_ms(lm.model, ids, repeats * decode_tokens)
         except torch.OutOfMemoryError:
             result.decode_errors[batch] = "out of memory"
         _release(cuda)
     if cuda:
         result.peak_gib = torch.cuda.max_memory_allocated() / 2**30
     return result
+
+
+def graph_step_ms(model, ids: torch.Tensor, steps: int) -> float:
+    """GPU ms of one decode step of an NSA model after the prompt `ids` `[B, T]`: its captured graph
+    replayed `steps` times back to back, so the host never holds the GPU up."""
+    from nsa_eval.models.modeling_nsa import CACHE_FIELD
+
+    with torch.no_grad():
+        cache = getattr(model(ids, use_cache=True), CACHE_FIELD)
+        model(ids[:, -1:], cache=cache)  # runs eagerly, then captures the step
+        x = model.get_input_embeddings()(ids[:, -1:])  # [B, 1, C]
+        if cache.decode_graph is None:
+            raise RuntimeError("the NSA model did not capture its decode step")
+        cache.decode_graph(x)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            cache.decode_graph(x)  # each replay writes the next position: within the capacity
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000 / steps
 
 
 def _release(cuda: bool) -> None:
@@ -257,7 +282,8 @@ def markdown_report(rows: list[Measurement], *, shape: ModelShape, budget: int, 
         lines += [f"Command: `{command}`", ""]
     if versions:
         lines += [versions, ""]
-    header = "| method | " + " | ".join(f"{t // 1024}k" if t % 1024 == 0 else str(t) for t in lengths) + " |"
+    labels = " | ".join(f"{t // 1024}k" if t % 1024 == 0 else str(t) for t in lengths)
+    header = f"| method | {labels} |"
     rule = "|---" * (len(lengths) + 1) + "|"
 
     def table(title: str, value: Callable[[Measurement], float | None], digits: int,
@@ -281,6 +307,19 @@ def markdown_report(rows: list[Measurement], *, shape: ModelShape, budget: int, 
     table("Prefill, batch 1 (ms)", lambda r: r.prefill_ms, 1)
     for b in batches:
         table(f"Decode per token, batch {b} (ms)", lambda r, b=b: r.decode_ms.get(b), 2, batch=b)
+    gpu_batches = sorted({b for r in rows for b in r.decode_gpu_ms})
+    if gpu_batches:
+        lines.extend(["## NSA decode: GPU time per step and the wall time's multiple of it", "",
+                      f"| batch | {labels} |", rule])
+        for b in gpu_batches:
+            cells = []
+            for t in lengths:
+                row = by_key.get(("nsa", t))
+                gpu = row.decode_gpu_ms.get(b) if row is not None else None
+                wall = row.decode_ms.get(b) if row is not None else None
+                cells.append("" if gpu is None or wall is None else f"{gpu:.2f} ({wall / gpu:.2f}x)")
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        lines.append("")
     table("Peak GPU memory (GiB)", lambda r: r.peak_gib, 2)
     table("Triton compilations during the timed decode", lambda r: r.compilations, 0)
     return "\n".join(lines)
@@ -293,13 +332,13 @@ def write_outputs(rows: list[Measurement], out_dir: str | Path, **report_kwargs)
     csv_path, md_path = out / "harness.csv", out / "harness.md"
     with csv_path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["method", "length", "prefill_ms", "decode_batch", "decode_ms_per_token", "peak_gib",
-                         "compilations", "error"])
+        writer.writerow(["method", "length", "prefill_ms", "decode_batch", "decode_ms_per_token",
+                         "decode_gpu_ms_per_step", "peak_gib", "compilations", "error"])
         for r in rows:
             decode = [(b, ms, "") for b, ms in r.decode_ms.items()]
             decode += [(b, None, error) for b, error in r.decode_errors.items()]
             for batch, ms, error in decode or [(None, None, "")]:
-                writer.writerow([r.method, r.length, r.prefill_ms, batch, ms, r.peak_gib, r.compilations,
-                                 r.error or error])
+                writer.writerow([r.method, r.length, r.prefill_ms, batch, ms, r.decode_gpu_ms.get(batch),
+                                 r.peak_gib, r.compilations, r.error or error])
     md_path.write_text(markdown_report(rows, versions=software_versions(), **report_kwargs) + "\n")
     return csv_path, md_path

@@ -1,25 +1,37 @@
-"""The generation cache of the NSA model: raw and compressed keys/values, per layer.
+"""The generation cache of the NSA model: raw and compressed keys/values, per layer, in fixed buffers.
 
-Per layer it keeps
-- `k`, `v`        `[B, S, Hkv, Dk]` / `[B, S, Hkv, Dv]`: the selection branch's keys (rotated) and values;
+Per layer it keeps, each with room for `capacity` tokens (`capacity_cmp` compressed blocks):
+- `k`, `v`        `[B, capacity, Hkv, Dk]` / `[.., Dv]`: the selection branch's keys (rotated) and values;
 - `k_swa`, `v_swa` the window branch's, only when branches have separate keys/values (`shared_kv=False`);
-- `k_cmp`, `v_cmp` `[B, Sc, Hkv, D]`: compressed blocks, `Sc = 0 if S < l else (S - l) // d + 1`;
-- `k_tail`, `v_tail`: the compression inputs from token `Sc * d` on, i.e. the raw tokens of blocks
-  not yet complete; when a block completes it is compressed once and appended to `k_cmp`.
+- `k_cmp`, `v_cmp` `[B, capacity_cmp + 1, Hkv, D]`: compressed blocks, block `i` in row `i`; the last
+  row is a spare that a decode step writes when its token completes no block (so the step has no branch);
+- `k_ring`, `v_ring` `[B, block_len, Hkv, D]`: the compression inputs of the last `block_len` tokens,
+  token `p` in row `p % block_len`, from which a decode step compresses the block its token completes.
+
+The buffers are preallocated and written in place, so a decode step is the same launches at the same
+addresses every time: the model replays it from a CUDA graph (`decode_graph.py`). The position of the
+next token lives twice: `length` on the host (shapes, statistics) and `position` `[1]` int64 on the
+device (what a replayed step reads and advances). Capacity grows in steps of `CAPACITY_STEP` tokens;
+growing copies the buffers (and drops any captured graph).
 
 Every row of the batch has the same length: the NSA model does not take padded batches (the lm-eval
-adapter generates row by row instead), so `cache_seqlens` is never needed.
+adapter generates row by row instead).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-# (k_in [B, L, Hkv, Dk], v_in [B, L, Hkv, Dv], first_block) -> (k_cmp [B, n, Hkv, Dk], v_cmp [B, n, Hkv, Dv])
-CompressFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# (k_in [B, L, Hkv, Dk], v_in [B, L, Hkv, Dv], first_block int or int64 [1] tensor)
+#   -> (k_cmp [B, n, Hkv, Dk], v_cmp [B, n, Hkv, Dv])
+CompressFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], tuple[torch.Tensor, torch.Tensor]]
+
+# Capacity is a multiple of this: the Triton decode compiles per capacity (its launch constants follow
+# the buffer sizes), and every token up to it is decoded by the same captured graph.
+CAPACITY_STEP = 4096
 
 
 def num_compressed(length: int, block_len: int, stride: int) -> int:
@@ -27,96 +39,159 @@ def num_compressed(length: int, block_len: int, stride: int) -> int:
     return 0 if length < block_len else (length - block_len) // stride + 1
 
 
-def _cat(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
-    if new is None:
-        return old
-    return new if old is None else torch.cat([old, new], dim=1)  # [B, S + T, H, D]
+def round_capacity(length: int) -> int:
+    """The capacity that holds `length` tokens: the next multiple of `CAPACITY_STEP`."""
+    return max(1, -(-length // CAPACITY_STEP)) * CAPACITY_STEP
 
 
 @dataclass
 class NSALayerCache:
+    """One layer's buffers (see the module docstring); None where the layer has no such tensor."""
+
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     k_swa: torch.Tensor | None = None
     v_swa: torch.Tensor | None = None
     k_cmp: torch.Tensor | None = None
     v_cmp: torch.Tensor | None = None
-    k_tail: torch.Tensor | None = None
-    v_tail: torch.Tensor | None = None
-
-    @property
-    def seq_len(self) -> int:
-        return 0 if self.k is None else self.k.shape[1]
-
-    @property
-    def num_cmp(self) -> int:
-        return 0 if self.k_cmp is None else self.k_cmp.shape[1]
+    k_ring: torch.Tensor | None = None
+    v_ring: torch.Tensor | None = None
 
     def tensors(self) -> list[str]:
-        return [name for name in self.__dataclass_fields__ if getattr(self, name) is not None]
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
 
 
 class NSACache:
     """Raw and compressed keys/values of every layer; what `generate()` passes back to the model.
 
-    `update` appends T new tokens and compresses any block they complete, so after it the cache
-    holds exactly what a prefill over all S tokens would have computed.
+    After a forward over T new tokens the cache holds exactly what a prefill over all tokens would
+    have computed: raw keys/values of every token and every complete compressed block.
     """
 
-    is_compileable = False  # read by transformers' generate(); this cache grows dynamically
+    is_compileable = False  # read by transformers' generate(): this is not transformers' StaticCache
 
     def __init__(self, num_layers: int, block_len: int, stride: int):
         self.layers = [NSALayerCache() for _ in range(num_layers)]
         self.block_len = block_len
         self.stride = stride
+        self.length = 0  # tokens written (after the forward in flight, if any)
+        self.capacity = 0
+        self.position: torch.Tensor | None = None  # int64 [1]: the next token's position, on the device
+        self.decode_graph = None  # the model's captured decode step over these buffers, if any
 
+    # ---- what transformers reads
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].seq_len
+        return self.length
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return -1  # unbounded
+        return -1  # unbounded: it grows
 
     def __len__(self) -> int:
         return len(self.layers)
 
-    def update(
-        self,
-        layer_idx: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cmp_in: torch.Tensor,
-        v_cmp_in: torch.Tensor,
-        compress: CompressFn,
-        k_swa: torch.Tensor | None = None,
-        v_swa: torch.Tensor | None = None,
-    ) -> NSALayerCache:
-        """Append T new tokens to layer `layer_idx` and return the layer's cache.
+    @property
+    def capacity_cmp(self) -> int:
+        return num_compressed(self.capacity, self.block_len, self.stride)
 
-        Args:
-            k, v: new selection keys `[B, T, Hkv, Dk]` (rotated) and values `[B, T, Hkv, Dv]`.
-            k_cmp_in, v_cmp_in: new compression inputs `[B, T, Hkv, D]` (what `compress` expects).
-            compress: maps raw blocks starting at block `first_block` to compressed keys/values.
-            k_swa, v_swa: new window keys/values `[B, T, Hkv, D]` when branches are separate.
-        """
+    @property
+    def num_cmp(self) -> int:
+        """Complete compressed blocks over the tokens written."""
+        return num_compressed(self.length, self.block_len, self.stride)
+
+    # ---- buffers
+    def reserve(self, length: int) -> None:
+        """Make room for `length` tokens (a new, larger set of buffers holds the old contents)."""
+        if length <= self.capacity:
+            return
+        self.capacity = round_capacity(length)
+        self.decode_graph = None  # it captured the old buffers' addresses
+        n_cmp = self.capacity_cmp + 1  # + the spare row
+        for layer in self.layers:
+            for name in ("k", "v", "k_swa", "v_swa"):
+                setattr(layer, name, _grown(getattr(layer, name), self.capacity))
+            for name in ("k_cmp", "v_cmp"):
+                setattr(layer, name, _grown(getattr(layer, name), n_cmp))
+
+    def _allocate(self, layer: NSALayerCache, new: dict[str, torch.Tensor | None]) -> None:
+        """First write to a layer: buffers shaped like the new tensors `[B, T, H, D]`."""
+        for name, x in new.items():
+            if x is None:
+                continue
+            B, _, H, D = x.shape
+            rows = {"k_cmp": self.capacity_cmp + 1, "v_cmp": self.capacity_cmp + 1,
+                    "k_ring": self.block_len, "v_ring": self.block_len}.get(name, self.capacity)
+            # zeros: kernels read whole tiles, and rows past the length must stay finite
+            setattr(layer, name, x.new_zeros(B, rows, H, D))
+
+    # ---- writes
+    def prefill(self, layer_idx: int, new: dict[str, torch.Tensor | None], k_cmp: torch.Tensor,
+                v_cmp: torch.Tensor) -> NSALayerCache:
+        """Write a prompt's T tokens into an empty cache (`new`: k, v, k_swa, v_swa, k_ring, v_ring as
+        `[B, T, H, D]`, the ring ones the compression inputs) and its compressed blocks `[B, Tc, H, D]`."""
         layer = self.layers[layer_idx]
-        layer.k, layer.v = _cat(layer.k, k), _cat(layer.v, v)  # [B, S, Hkv, D]
-        layer.k_swa, layer.v_swa = _cat(layer.k_swa, k_swa), _cat(layer.v_swa, v_swa)
-        layer.k_tail, layer.v_tail = _cat(layer.k_tail, k_cmp_in), _cat(layer.v_tail, v_cmp_in)
-        done = layer.num_cmp
-        tail_start = done * self.stride  # token index of layer.k_tail[:, 0]
-        total = num_compressed(layer.seq_len, self.block_len, self.stride)
-        if total > done:
-            # raw tokens of blocks done..total-1: [done*d, (total-1)*d + l)
-            end = (total - 1) * self.stride + self.block_len - tail_start
-            k_new, v_new = compress(layer.k_tail[:, :end], layer.v_tail[:, :end], done)  # [B, n, Hkv, D]
-            layer.k_cmp, layer.v_cmp = _cat(layer.k_cmp, k_new), _cat(layer.v_cmp, v_new)
-            drop = (total - done) * self.stride  # the next block starts at total * d
-            layer.k_tail, layer.v_tail = layer.k_tail[:, drop:], layer.v_tail[:, drop:]
+        T = new["k"].shape[1]
+        self.reserve(T)
+        ring = {"k_ring": new.pop("k_cmp_in"), "v_ring": new.pop("v_cmp_in")}
+        if layer.k is None:
+            self._allocate(layer, {**new, **ring, "k_cmp": k_cmp, "v_cmp": v_cmp})
+        for name, x in new.items():
+            if x is not None:
+                getattr(layer, name)[:, :T] = x
+        layer.k_cmp[:, : k_cmp.shape[1]] = k_cmp
+        layer.v_cmp[:, : v_cmp.shape[1]] = v_cmp
+        last = torch.arange(max(0, T - self.block_len), T, device=new["k"].device)  # the last l tokens
+        for name, x in ring.items():
+            getattr(layer, name)[:, last % self.block_len] = x[:, last]
         return layer
 
+    def decode(self, layer_idx: int, pos: torch.Tensor, new: dict[str, torch.Tensor | None],
+               compress: CompressFn) -> NSALayerCache:
+        """Write one token at position `pos` (int64 `[1]` on the device; `new` as in `prefill`, T = 1)
+        and, if it completes a compressed block, that block: the same device work at every position."""
+        layer = self.layers[layer_idx]
+        l, d = self.block_len, self.stride
+        ring = {"k_ring": new.pop("k_cmp_in"), "v_ring": new.pop("v_cmp_in")}
+        for name, x in new.items():
+            if x is not None:
+                getattr(layer, name).index_copy_(1, pos, x.to(getattr(layer, name).dtype))
+        for name, x in ring.items():
+            getattr(layer, name).index_copy_(1, pos % l, x.to(getattr(layer, name).dtype))
+        start = pos + 1 - l  # [1] the first token of the block ending here
+        first = torch.div(start.clamp(min=0), d, rounding_mode="floor")  # [1] its block index
+        complete = (start >= 0) & (start % d == 0)  # [1]
+        rows = (start + torch.arange(l, device=pos.device)) % l  # [l] ring rows in token order
+        k_blk, v_blk = compress(layer.k_ring.index_select(1, rows), layer.v_ring.index_select(1, rows), first)
+        row = torch.where(complete, first, self.capacity_cmp)  # [1] the spare row when no block completes
+        layer.k_cmp.index_copy_(1, row, k_blk.to(layer.k_cmp.dtype))
+        layer.v_cmp.index_copy_(1, row, v_blk.to(layer.v_cmp.dtype))
+        return layer
+
+    def begin(self, T: int, device: torch.device) -> None:
+        """Before a forward over T new tokens: room for them, and the device position in place."""
+        self.reserve(self.length + T)
+        if self.position is None or self.position.device != device:
+            self.position = torch.full((1,), self.length, dtype=torch.long, device=device)
+
+    def advance(self, T: int) -> None:
+        """The device half of finishing a forward over T tokens (inside a captured step, so a replay
+        advances too); the host's `length` follows in `end`."""
+        self.position.add_(T)
+
+    def end(self, T: int) -> None:
+        self.length += T
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder every tensor along the batch for beam search."""
+        """Reorder every tensor along the batch for beam search (in place: a captured graph stays valid)."""
         for layer in self.layers:
             for name in layer.tensors():
                 tensor = getattr(layer, name)
-                setattr(layer, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+                tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
+
+
+def _grown(buffer: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """`buffer` `[B, n, H, D]` copied into the first n of `rows` zeroed rows."""
+    if buffer is None or buffer.shape[1] >= rows:
+        return buffer
+    grown = buffer.new_zeros(buffer.shape[0], rows, *buffer.shape[2:])
+    grown[:, : buffer.shape[1]] = buffer
+    return grown

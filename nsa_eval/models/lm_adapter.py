@@ -154,6 +154,9 @@ class NSAEvalLM(HFLM):
             self.accelerator = accelerator
             self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
             self._device = accelerator.device
+        if is_nsa_model(self.model):  # compile the GPU decode for every length now, not mid-generation
+            batch_sizes = {1} | ({batch_size} if isinstance(batch_size, int) else set())
+            self.model.warm_up_decode(batch_sizes=tuple(sorted(batch_sizes)), max_length=self.max_length)
 
     # --- activated tokens ---
 

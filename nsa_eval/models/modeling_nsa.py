@@ -31,8 +31,9 @@ from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTr
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from nsa_eval.kernels import nsa_attention, nsa_decode
-from nsa_eval.models.cache_nsa import NSACache
+from nsa_eval.models.cache_nsa import CAPACITY_STEP, NSACache, num_compressed, round_capacity
 from nsa_eval.models.configuration_nsa import NSAConfig
+from nsa_eval.models.decode_graph import DecodeGraph
 
 try:  # transformers >= 5 initialises through functions that respect already-loaded weights
     from transformers import initialization as init
@@ -105,6 +106,9 @@ class BlockCompressor(nn.Module):
 
 # --- the NSA attention layer ---
 
+# the per-token tensors the cache keeps (the compression inputs only for the last block_len tokens)
+CACHED = ("k", "v", "k_swa", "v_swa", "k_cmp_in", "v_cmp_in")
+
 
 class NSAAttention(nn.Module):
     """GQA attention replaced by NSA: o = g_cmp * o_cmp + g_slc * o_slc + g_swa * o_swa (paper Eq. 5).
@@ -146,11 +150,12 @@ class NSAAttention(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.Dk, self.config.rope_theta, dtype)
 
-    def compress(self, k_in: torch.Tensor, v_in: torch.Tensor, first_block: int):
-        """Inputs `[B, L, Hkv, D]` from block `first_block` on -> k_cmp, v_cmp `[B, Tc, Hkv, D]`."""
+    def compress(self, k_in: torch.Tensor, v_in: torch.Tensor, first_block: int | torch.Tensor):
+        """Inputs `[B, L, Hkv, D]` from block `first_block` (an int, or int64 `[1]` on the device) on
+        -> k_cmp, v_cmp `[B, Tc, Hkv, D]`."""
         k_cmp, v_cmp = self.compress_k(k_in), self.compress_v(v_in)
         if self.config.compression == "mlp":  # rotate compressed key i at its first token, i * stride
-            block_ids = torch.arange(first_block, first_block + k_cmp.shape[1], device=k_cmp.device)
+            block_ids = first_block + torch.arange(k_cmp.shape[1], device=k_cmp.device)
             cos, sin = self.rope(block_ids * self.config.stride, k_cmp.dtype)
             k_cmp = apply_rope(k_cmp, cos, sin)
         return k_cmp, v_cmp
@@ -202,13 +207,10 @@ class NSAAttention(nn.Module):
 
     def prefill(self, p: dict, cache: NSACache | None) -> torch.Tensor:
         """All T queries at once from position 0 (training, scoring, the prompt): `[B, T, Hq, Dv]`."""
-        if cache is not None:
-            layer = cache.update(self.layer_idx, p["k"], p["v"], p["k_cmp_in"], p["v_cmp_in"], self.compress,
-                                 k_swa=p["k_swa"], v_swa=p["v_swa"])
-            k_cmp, v_cmp = self._compressed(layer, p)
-        else:
-            k_cmp, v_cmp = self.compress(p["k_cmp_in"], p["v_cmp_in"], 0)  # [B, Tc, Hkv, D]
+        k_cmp, v_cmp = self.compress(p["k_cmp_in"], p["v_cmp_in"], 0)  # [B, Tc, Hkv, D]
         k_cmp, v_cmp = k_cmp.to(p["v"].dtype), v_cmp.to(p["v"].dtype)  # the MLP compressor may autocast
+        if cache is not None:
+            cache.prefill(self.layer_idx, {name: p[name] for name in CACHED}, k_cmp, v_cmp)
         out = nsa_attention(p["q"], p["k"], p["v"], k_cmp, v_cmp, p["g_cmp"], p["g_slc"], p["g_swa"],
                             k_swa=p["k_swa"], v_swa=p["v_swa"],
                             return_block_indices=self.counts_selected_blocks, **self.kernel_kwargs())
@@ -221,40 +223,49 @@ class NSAAttention(nn.Module):
         return o
 
     def decode(self, p: dict, cache: NSACache) -> torch.Tensor:
-        """T new queries after S cached tokens, one at a time through nsa_decode: `[B, T, Hq, Dv]`."""
+        """T new queries after the cached tokens, one at a time through nsa_decode: `[B, T, Hq, Dv]`.
+
+        On the GPU the kernels read the whole buffers and take the length from the device, so a step
+        is the same launches at every position (a CUDA graph replays it, nothing recompiles); on the
+        CPU the reference reads the written rows only.
+        """
         outputs, counts = [], []
+        B = p["q"].shape[0]
         for t in range(p["q"].shape[1]):
             step = {name: None if x is None else x[:, t : t + 1] for name, x in p.items()}
-            layer = cache.update(self.layer_idx, step["k"], step["v"], step["k_cmp_in"], step["v_cmp_in"],
-                                 self.compress, k_swa=step["k_swa"], v_swa=step["v_swa"])
-            k_cmp, v_cmp = self._compressed(layer, step)
+            position = cache.position + t  # [1] on the device: this token's
+            new = {name: step[name] for name in CACHED}
+            layer = cache.decode(self.layer_idx, position, new, self.compress)
+            if step["q"].is_cuda:
+                rows, rows_cmp = cache.capacity, cache.capacity_cmp
+                lens = (position + 1).to(torch.int32).expand(B)  # [B] tokens incl. this one
+            else:
+                rows = cache.length + t + 1
+                rows_cmp, lens = num_compressed(rows, cache.block_len, cache.stride), None
             # one dtype for the kernel, even if the cache was filled under another autocast setting
-            k, v, k_cmp, v_cmp, k_swa, v_swa = (None if x is None else x.to(step["v"].dtype) for x in (
-                layer.k, layer.v, k_cmp, v_cmp, layer.k_swa, layer.v_swa))
+            k, v, k_cmp, v_cmp, k_swa, v_swa = (
+                None if x is None else x[:, :n].to(step["v"].dtype) for x, n in (
+                    (layer.k, rows), (layer.v, rows), (layer.k_cmp, rows_cmp), (layer.v_cmp, rows_cmp),
+                    (layer.k_swa, rows), (layer.v_swa, rows)))
             out = nsa_decode(step["q"], k, v, k_cmp, v_cmp, step["g_cmp"], step["g_slc"], step["g_swa"],
-                             k_swa=k_swa, v_swa=v_swa, return_block_indices=self.counts_selected_blocks,
-                             **self.kernel_kwargs())  # [B, 1, Hq, Dv]
+                             cache_seqlens=lens, k_swa=k_swa, v_swa=v_swa,
+                             return_block_indices=self.counts_selected_blocks, **self.kernel_kwargs())
             if self.counts_selected_blocks:
                 out, blocks = out  # blocks [B, 1, Hkv, n]
-                position = torch.full((1,), k.shape[1] - 1, device=blocks.device)
                 counts.append(selected_tokens(position, blocks, self.config.select_size))  # [B, 1, Hkv]
             outputs.append(out)
         if counts:
             self.selected_tokens = torch.cat(counts, dim=1)  # [B, T, Hkv]
         return torch.cat(outputs, dim=1)  # [B, T, Hq, Dv]
 
-    def _compressed(self, layer, p: dict):
-        if layer.k_cmp is not None:
-            return layer.k_cmp, layer.v_cmp
-        B, _, Hkv, Dk = p["k"].shape
-        return p["k"].new_zeros(B, 0, Hkv, Dk), p["v"].new_zeros(B, 0, Hkv, self.Dv)  # no block complete yet
-
     def forward(self, x: torch.Tensor, cache: NSACache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
-        positions = torch.arange(past, past + T, device=x.device)
-        p = self.project(x, positions)
-        o = self.prefill(p, cache) if past == 0 else self.decode(p, cache)  # [B, T, Hq, Dv]
+        if cache is None or cache.length == 0:
+            p = self.project(x, torch.arange(T, device=x.device))
+            o = self.prefill(p, cache)  # [B, T, Hq, Dv]
+        else:
+            p = self.project(x, cache.position + torch.arange(T, device=x.device))
+            o = self.decode(p, cache)
         return self.o_proj(o.reshape(B, T, self.Hq * self.Dv))  # [B, T, C]
 
 
@@ -400,6 +411,9 @@ class NSAModel(NSAPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([NSABlock(config, i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Decode steps on the GPU replay a CUDA graph captured over the cache's buffers (set False to
+        # run every step eagerly, e.g. to profile its launches).
+        self.decode_cuda_graph = True
         self.reset_attention_stats()
         self.post_init()
 
@@ -498,6 +512,25 @@ class NSAModel(NSAPreTrainedModel):
                 )
             # right padding sits after every real token of its row: causal attention never reads it
         past = cache.get_seq_length() if cache is not None else 0
+        if cache is not None:
+            cache.begin(T, x.device)
+        if past and T == 1 and self._graph_ready(x):
+            if cache.decode_graph is None:  # this step runs eagerly (it loads the kernels), then is captured
+                hidden, selected = self._layers(x, cache)
+                cache.decode_graph = DecodeGraph(lambda h: self._layers(h, cache), x)
+            else:
+                hidden, selected = cache.decode_graph(x)
+            hidden = hidden.clone()  # the graph's output buffer is overwritten by the next step
+        else:
+            hidden, selected = self._layers(x, cache)
+        if cache is not None:
+            cache.end(T)
+        self._record(real, torch.arange(past, past + T), "prefill" if T > 1 else "decode", selected)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_FIELD: cache})
+
+    def _layers(self, x: torch.Tensor, cache: NSACache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder stack on `x` `[B, T, C]` -> normalised hidden states `[B, T, C]` and, when the
+        layers count their selected blocks, `[layers, B, T, Hkv]` selected tokens (else None)."""
         per_block = self.layers[0].attn.counts_selected_blocks if len(self.layers) else False
         selected = []
         for layer in self.layers:
@@ -505,9 +538,17 @@ class NSAModel(NSAPreTrainedModel):
             if per_block:
                 selected.append(layer.attn.selected_tokens)  # [B, T, Hkv]
                 layer.attn.selected_tokens = None
-        self._record(real, torch.arange(past, past + T), "prefill" if T > 1 else "decode",
-                     torch.stack(selected) if selected else None)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{CACHE_FIELD: cache})
+        if cache is not None:
+            cache.advance(x.shape[1])
+        return self.norm(x), torch.stack(selected) if selected else None
+
+    def _graph_ready(self, x: torch.Tensor) -> bool:
+        """Whether a decode step may run from a CUDA graph: on the GPU through the Triton kernels (the
+        reference reads lengths on the host), outside autograd and autocast, and without the mixture of
+        experts (its routing sizes its launches on the host)."""
+        return (self.decode_cuda_graph and x.is_cuda and self.config.kernel_impl != "reference"
+                and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
+                and not self.config.num_experts)
 
 
 class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
@@ -540,6 +581,32 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
     def attention_stats_paused(self):
         """Context manager: forward passes inside it are not counted."""
         return self.model.attention_stats_paused()
+
+    @torch.no_grad()
+    def warm_up_decode(self, batch_sizes: tuple[int, ...] = (1,), max_length: int | None = None) -> None:
+        """Compile the Triton decode for every cache capacity up to `max_length` tokens (default: the
+        model's context) at each batch size, so no generation stops to compile (a CUDA model only).
+
+        The decode's launch constants follow the cache's capacity (`cache_nsa.CAPACITY_STEP` apart), so
+        one call of the kernels on zero buffers of each capacity compiles all that decode will need.
+        """
+        param = next(self.parameters())
+        if not param.is_cuda or self.config.kernel_impl == "reference":
+            return
+        c = self.config
+        max_length = max_length or c.max_position_embeddings
+        kwargs = self.model.layers[0].attn.kernel_kwargs() if len(self.model.layers) else c.nsa_kwargs()
+        for B in batch_sizes:
+            q = param.new_zeros(B, 1, c.num_attention_heads, c.head_dim)
+            gate = param.new_zeros(B, 1, c.num_attention_heads)
+            for capacity in range(CAPACITY_STEP, round_capacity(max_length) + 1, CAPACITY_STEP):
+                k = param.new_zeros(B, capacity, c.num_key_value_heads, c.head_dim)
+                v = param.new_zeros(B, capacity, c.num_key_value_heads, c.v_head_dim)
+                rows = num_compressed(capacity, c.block_len, c.stride)  # the cache's, and its spare row
+                k_cmp, v_cmp = k.new_zeros(B, rows + 1, *k.shape[2:]), v.new_zeros(B, rows + 1, *v.shape[2:])
+                lens = torch.full((B,), capacity, dtype=torch.int32, device=param.device)
+                nsa_decode(q, k, v, k_cmp[:, :rows], v_cmp[:, :rows], gate, gate, gate, cache_seqlens=lens,
+                           return_block_indices=self.model.layers[0].attn.counts_selected_blocks, **kwargs)
 
     def forward(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nsa_eval.models import cache_nsa
 from nsa_eval.models.cache_nsa import NSACache, num_compressed
 from nsa_eval.models.modeling_nsa import CACHE_FIELD, NSAForCausalLM, activated_tokens, selected_tokens
 from tests.models.conftest import tiny_nsa_config
@@ -54,11 +55,31 @@ def test_cache_holds_what_prefill_computes():
         stepped = getattr(model(ids[:, :5], use_cache=True), CACHE_FIELD)
         for t in range(5, 30):
             model(ids[:, t : t + 1], cache=stepped)
+    assert whole.length == stepped.length == 30 and whole.num_cmp == num_compressed(30, 8, 4) == 6
     for a, b in zip(whole.layers, stepped.layers, strict=True):
-        assert a.k_cmp.shape[1] == num_compressed(30, 8, 4) == 6
-        torch.testing.assert_close(a.k_cmp, b.k_cmp, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(a.v_cmp, b.v_cmp, atol=1e-5, rtol=1e-4)
-        assert a.k_tail.shape[1] == 30 - 6 * 4  # only raw tokens of incomplete blocks stay
+        for name in ("k_cmp", "v_cmp"):
+            torch.testing.assert_close(getattr(a, name)[:, :6], getattr(b, name)[:, :6], atol=1e-5, rtol=1e-4)
+        for name in ("k", "v", "k_ring", "v_ring"):
+            x, y = getattr(a, name)[:, :30], getattr(b, name)[:, :30]
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+        assert not a.k[:, 30:].any()  # rows past the length stay zero
+
+
+@pytest.mark.parametrize("layout", ["paper", "fla"])
+def test_decode_across_cache_growth(layout, monkeypatch):
+    """A cache of 8-token capacity steps grows four times while decoding; logits stay prefill's."""
+    monkeypatch.setattr(cache_nsa, "CAPACITY_STEP", 8)
+    model = build(layout)
+    ids = torch.randint(0, 97, (2, 41))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits  # [B, T, V]
+        out = model(ids[:, :9], use_cache=True)
+        cache, logits = getattr(out, CACHE_FIELD), [out.logits]
+        assert cache.capacity == 16
+        for t in range(9, 41):
+            logits.append(model(ids[:, t : t + 1], cache=cache).logits)
+    assert cache.capacity == 48 and cache.length == 41 and int(cache.position) == 41
+    torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=2e-5, rtol=1e-4)
 
 
 def test_save_reload_identical_logits(tmp_path):

@@ -1,0 +1,35 @@
+"""One decode step of the NSA model, captured as a CUDA graph and replayed for every later token.
+
+A decode step is about a thousand small launches (16 layers of projections, rotary embedding, cache
+writes, compression and the four NSA decode kernels); launched one by one from Python, the host takes
+several times the GPU's time. The cache (`cache_nsa.py`) keeps every buffer at a fixed address and the
+position on the device, and the decode kernels read the length from the device, so one capture serves
+every position up to the cache's capacity. The cache owns its graph: a new cache (a new `generate()`)
+or a larger one captures again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class DecodeGraph:
+    """`step(x)` captured once over a static copy of `x` `[B, 1, C]`; calling it replays the step.
+
+    The step's outputs (the tensors `step` returned at capture) are rewritten by every replay: copy
+    what must outlive the next step. Capture only after the step ran once eagerly (the kernels are
+    compiled and loaded, which capture cannot do).
+    """
+
+    def __init__(self, step: Callable[[torch.Tensor], tuple], x: torch.Tensor):
+        self.x = x.clone()  # [B, 1, C] the captured input
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = step(self.x)
+
+    def __call__(self, x: torch.Tensor) -> tuple:
+        self.x.copy_(x)
+        self.graph.replay()
+        return self.outputs
