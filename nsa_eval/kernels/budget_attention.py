@@ -17,7 +17,8 @@ pass, ties at the threshold to the lower position. The threshold comes from `top
 2. `_collect_kernel`, which computes every candidate's score with the same tile product as the
    attention (same tiles, same `dot`: bit-identical scores), counts those above `hi` and writes those
    within the bracket, with their positions, to a per-row buffer of `cap` slots;
-3. an exact select over that buffer (PyTorch: a stable sort of at most `cap` values a row).
+3. `_select_kernel`, an exact select over that buffer (a bisection over the scores' bits; ties to the
+   lower position, as a stable sort: `select_in_buffer_reference`).
 A row whose bracket misses (fewer than `picks` above `lo`, more above `hi`, or more than `cap` inside)
 is reported `failed`; the caller computes those queries with the reference path.
 
@@ -135,6 +136,69 @@ def _collect_kernel(
         n_in += tl.sum(inside, 1)
     tl.store(N_ABOVE + row, n_above, mask=m_r)
     tl.store(N_IN + row, n_in, mask=m_r)
+
+
+@triton.jit
+def _select_kernel(BUF_S, BUF_P, N_IN, NEED, THR, CUT, R, CAP, BR: tl.constexpr, BC: tl.constexpr):
+    # BR rows of the collect buffers ([R, CAP], the first N_IN slots written) a program: the NEED-th
+    # entry (1-based, NEED in 1..N_IN) in (score descending, slot ascending) order, as its score THR and
+    # position CUT. Scores are mapped to int64 keys ordered like the floats, and a bisection over the
+    # keys finds the largest k with at least NEED entries >= k: 33 counts of the rows, held in registers
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
+    m_r = o_r < R
+    n = tl.load(N_IN + o_r, mask=m_r, other=0)
+    need = tl.load(NEED + o_r, mask=m_r, other=1)
+    o_c = tl.arange(0, BC)
+    m = m_r[:, None] & (o_c[None, :] < n[:, None]) & (o_c < CAP)[None, :]  # [BR, BC]
+    at = o_r[:, None] * CAP + o_c[None, :]
+    x = tl.load(BUF_S + at, mask=m, other=float("-inf"))
+    bits = x.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(bits < 0, -2147483648 - bits, bits)  # negative floats: larger magnitude, lower key
+    key = tl.where(m, key, -4294967296)  # empty slots below every score
+    lo = tl.full([BR], -2147483649, tl.int64)
+    hi = tl.full([BR], 2147483647, tl.int64)
+    for _ in range(33):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((key >= mid[:, None]).to(tl.int32), 1) >= need
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    tied = m & (key == lo[:, None])
+    ties = need - tl.sum((key > lo[:, None]).to(tl.int32), 1)  # entries at the threshold still to take
+    rank = tl.cumsum(tied.to(tl.int32), 1)
+    p = tl.load(BUF_P + at, mask=m, other=-1)
+    tl.store(THR + o_r, tl.max(tl.where(tied, x, float("-inf")), 1), mask=m_r)
+    tl.store(CUT + o_r, tl.max(tl.where(tied & (rank == ties[:, None]), p, -1), 1), mask=m_r)
+
+
+def select_in_buffer(buf_s, buf_p, n_in, need):
+    """The `need`-th of each row's collected candidates, in (score descending, position ascending) order.
+
+    buf_s `[..., cap]` float32, buf_p `[..., cap]` int32 (`collect`'s, slots in key order), n_in and need
+    `[...]` int (1 <= need <= n_in <= cap where used; other rows get garbage) -> thr `[...]` float32, cut
+    `[...]` int32. `select_in_buffer_reference` is the same by a stable sort.
+    """
+    cap = buf_s.shape[-1]
+    rows = buf_s.numel() // cap
+    thr = torch.empty(buf_s.shape[:-1], device=buf_s.device, dtype=torch.float32)
+    cut = torch.empty(buf_s.shape[:-1], device=buf_s.device, dtype=torch.int32)
+    if rows:
+        need = need.clamp(1, cap).int().contiguous()
+        BC = pow2(cap)
+        BR = 64 if interpreting() else max(1, 4096 // BC)  # ~4,096 slots a program, in registers
+        launcher(_select_kernel)[(cdiv(rows, BR),)](buf_s, buf_p, n_in.int().contiguous(), need, thr, cut,
+                                                    rows, cap, BR=BR, BC=BC, num_warps=4)
+    return thr, cut
+
+
+def select_in_buffer_reference(buf_s, buf_p, n_in, need):
+    """`select_in_buffer` by a stable sort (the buffer's slots are in key order, so ties go to the lower
+    position)."""
+    width = max(1, int(n_in.clamp(max=buf_s.shape[-1]).max()))
+    slots = torch.arange(width, device=buf_s.device)
+    vals = buf_s[..., :width].masked_fill(slots >= n_in[..., None], -math.inf)
+    ordered, perm = vals.sort(dim=-1, descending=True, stable=True)
+    j = (need - 1).clamp(0, width - 1).long()[..., None]
+    return ordered.gather(-1, j)[..., 0], buf_p[..., :width].gather(-1, perm.gather(-1, j))[..., 0]
 
 
 @triton.jit
@@ -365,14 +429,7 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 2
                                               budget=budget, cap=cap)
         need = picks - n_above  # [B, Hq, Tc] picks still to take from within the bracket
         ok = (need >= 0) & (need <= n_in) & (n_in <= cap)
-        width = max(1, int(n_in.clamp(max=cap).max()))
-        slots = torch.arange(width, device=q.device)
-        vals = buf_s[..., :width].masked_fill(slots >= n_in[..., None], -math.inf)
-        # stable: among equal scores the buffer's (key) order, so the lower position wins a tie
-        ordered, perm = vals.sort(dim=-1, descending=True, stable=True)
-        j = (need - 1).clamp(0, width - 1).long()[..., None]
-        t_thr = ordered.gather(-1, j)[..., 0]
-        t_cut = buf_p[..., :width].gather(-1, perm.gather(-1, j))[..., 0]
+        t_thr, t_cut = select_in_buffer(buf_s, buf_p, n_in, need)
         none = need == 0  # every pick lies above hi
         held = torch.arange(S - T + t0, S - T + t0 + Tc, device=q.device) + 1 > budget  # [Tc]
         thr[:, :, t0:t0 + Tc] = torch.where(held, torch.where(none, hi, t_thr), -math.inf)

@@ -262,3 +262,18 @@ def test_gpu_timing_against_full_attention(T):
     at = timed(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512, thr=thr, cut=cut))
     print(f"T={T}: full {full:.2f} ms, sink_window {sw:.2f} ms ({sw / full:.2f}x), topk thresholds "
           f"{th:.2f} + attention {at:.2f} ms ({(th + at) / full:.2f}x)")
+
+
+@interpreter_only
+def test_the_buffer_select_is_a_stable_sort():
+    """Random buffers with repeated scores (ties), negative and positive, every `need` from 1 to n_in."""
+    g = torch.Generator().manual_seed(4)
+    rows, cap = 24, 32
+    buf_s = torch.randint(-6, 6, (rows, cap), generator=g).float() * 0.75
+    buf_s[::3] = torch.randn(8, cap, generator=g)
+    buf_p = torch.arange(cap, dtype=torch.int32).expand(rows, cap) * 3 + 5
+    n_in = torch.randint(1, cap + 1, (rows,), generator=g)
+    need = (torch.rand(rows, generator=g) * n_in).long() + 1
+    thr, cut = ba.select_in_buffer(buf_s, buf_p.contiguous(), n_in, need)
+    thr_ref, cut_ref = ba.select_in_buffer_reference(buf_s, buf_p, n_in, need)
+    assert torch.equal(thr, thr_ref) and torch.equal(cut, cut_ref)
