@@ -11,7 +11,8 @@
 - caches: only a plain `DynamicCache` of full-attention layers (`check_cache`), whose keys are the
   sequence so far with the new ones last.
 - chunking over queries: scores are materialised for at most `query_chunk` queries at a time
-  (`[B, Hq, Tc, S]`), never `T x T`.
+  (`[B, Hq, Tc, S]`), never `T x T`. A held, unpadded prefill on a GPU by a method with a
+  `fast_prefill` rule takes the Triton kernels of kernels/budget_attention.py instead (`_fast_prefill`).
 - state: per-layer method state (H2O's accumulated attention mass) lives on the KV cache object
   (`cache.nsa_eval_state[layer_idx]`), so it follows `generate()` and is fresh for every new cache.
 - statistics: keys attended per query, per layer and phase (prefill/decode), always on (stats.py), and
