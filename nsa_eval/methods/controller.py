@@ -11,7 +11,8 @@
 - caches: only a plain `DynamicCache` of full-attention layers (`check_cache`), whose keys are the
   sequence so far with the new ones last.
 - chunking over queries: scores are materialised for at most `query_chunk` queries at a time
-  (`[B, Hq, Tc, S]`), never `T x T`.
+  (`[B, Hq, Tc, S]`), never `T x T`. A held, unpadded prefill on a GPU by a method with a
+  `fast_prefill` rule takes the Triton kernels of kernels/budget_attention.py instead (`_fast_prefill`).
 - state: per-layer method state (H2O's accumulated attention mass) lives on the KV cache object
   (`cache.nsa_eval_state[layer_idx]`), so it follows `generate()` and is fresh for every new cache.
 - statistics: keys attended per query, per layer and phase (prefill/decode), always on (stats.py), and
@@ -132,6 +133,8 @@ class AttentionController:
             return self._dense(
                 module, query, key, value, attention_mask, scaling, kwargs, allowed, qpos, tally
             )
+        if self._takes_fast_prefill(query, allowed, held):
+            return self._fast_prefill(query, key, value, scaling, kpos, qpos, tally, layer)
 
         out = query.new_empty(B, Hq, T, value.shape[-1])  # [B, Hq, T, Dv]
         prepared = method.prepare(key, kpos) if held and method.selects else None
@@ -199,6 +202,56 @@ class AttentionController:
             phase = "decode" if T == 1 else "prefill"
             self.capture.append((int(module.layer_idx), phase, 0, visible[:, None].expand(B, Hq, -1, -1)))
         return out
+
+    def _takes_fast_prefill(self, query: Tensor, allowed: Tensor | None, held: bool) -> bool:
+        """Whether this call takes the Triton prefill (`_fast_prefill`): a held prefill of an unpadded batch
+        on a GPU, by a method with a fast rule (`fast_prefill`) and per-head selection, no test capture."""
+        method = self.method
+        return (query.is_cuda and query.shape[2] > 1 and held and allowed is None and self.capture is None
+                and method.fast_prefill is not None and not method.group_shared and not method.stateful)
+
+    def _fast_prefill(self, query, key, value, scaling, kpos, qpos, tally, layer) -> Tensor:
+        """The same keys, outputs and counts as the chunked path, from `kernels/budget_attention.py`:
+        query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]` (unpadded) -> `[B, T, Hq, Dv]`. A top-k row whose
+        threshold bracket missed (`topk_thresholds`' `failed`) is computed by `_reference_rows`."""
+        from nsa_eval.kernels import _validate
+        from nsa_eval.kernels import budget_attention as ba
+
+        _validate.check_installed_triton()
+        cfg = self.config
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+        thr = cut = None
+        if self.method.fast_prefill == "topk":
+            thr, cut, failed = ba.topk_thresholds(q, k, sink=cfg.sink, local=cfg.local, budget=cfg.budget)
+        out, counts, kv_read = ba.budget_attention(q, k, v, scale=scaling, sink=cfg.sink, local=cfg.local,
+                                                   thr=thr, cut=cut)
+        if thr is not None:
+            redo = failed.flatten(0, 1).any(0).nonzero()[:, 0]  # [n] query indices some head missed
+            if redo.numel():
+                self._reference_rows(query, key, value, scaling, kpos, qpos, redo, out, counts, kv_read)
+        self._record_counts(tally, counts, kv_read, query.shape[1], qpos, True, layer)
+        return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
+
+    def _reference_rows(self, query, key, value, scaling, kpos, qpos, rows, out, counts, kv_read) -> None:
+        """The chunked path's `_select` and SDPA for the queries `rows` `[n]` (ascending indices into T)
+        of an unpadded batch, written into out `[B, Hq, T, Dv]`, counts `[B, Hq, T]` and kv_read
+        `[B, Hkv, T]`."""
+        B, Hq, T, _ = query.shape
+        Hkv, S = key.shape[1], key.shape[2]
+        prepared = self.method.prepare(key, kpos) if self.method.selects else None
+        step = self._chunk_len(B, Hq, rows.numel(), S)
+        for i in range(0, rows.numel(), step):
+            t = rows[i:i + step]  # [n]
+            Sc = S - T + int(t[-1]) + 1  # keys up to the last of these queries
+            kp, qp = kpos[:, :Sc], qpos[:, t]  # [B, Sc], [B, n]
+            chunk = Chunk(query[:, :, t], key[:, :, :Sc], scaling, qp, kp, kp[:, None, :] <= qp[:, :, None],
+                          prepared)
+            keep = self._select(chunk)  # [B, 1|Hq, n, Sc]
+            out[:, :, t] = F.scaled_dot_product_attention(chunk.query, chunk.key, value[:, :, :Sc],
+                                                          attn_mask=keep, scale=scaling, enable_gqa=True)
+            activated, read = _keep_counts(keep, Hkv)
+            counts[:, :, t] = activated.to(counts.dtype)
+            kv_read[:, :, t] = read.to(kv_read.dtype)
 
     def _chunk_len(self, B: int, Hq: int, T: int, S: int) -> int:
         return max(1, min(T, self.method.query_chunk))
@@ -306,12 +359,15 @@ class AttentionController:
         self, tally: Tally, keep: Tensor, Hq: int, Hkv: int, qpos: Tensor, held: bool, layer: int
     ) -> None:
         """Count keys per query (`keep` `[B, 1|Hq, Tc, Sc]`); fail if a held query is over budget."""
-        B, H, Tc, Sc = keep.shape
-        activated = keep.sum(-1, dtype=torch.int32)  # [B, 1|Hq, Tc]
-        if H == 1:  # shared by every head
-            kv_read = activated.expand(B, Hkv, Tc)  # [B, Hkv, Tc]
-        else:
-            kv_read = keep.view(B, Hkv, H // Hkv, Tc, Sc).any(2).sum(-1, dtype=torch.int32)  # [B, Hkv, Tc]
+        activated, kv_read = _keep_counts(keep, Hkv)
+        self._record_counts(tally, activated, kv_read, Hq, qpos, held, layer)
+
+    def _record_counts(
+        self, tally: Tally, activated: Tensor, kv_read: Tensor, Hq: int, qpos: Tensor, held: bool, layer: int
+    ) -> None:
+        """`_record` from the counts: activated `[B, 1|Hq, Tc]`, kv_read `[B, Hkv, Tc]` (int), qpos
+        `[B, Tc]`."""
+        B, Tc = qpos.shape
         real = qpos >= 0  # [B, Tc]
         top = activated.masked_fill(~real[:, None], 0).amax() if activated.numel() else activated.sum()
         if held and self.method.selects:  # sink and local alone stay within the budget by construction
@@ -401,6 +457,16 @@ def _positions(allowed: Tensor | None, B: int, T: int, S: int, device) -> tuple[
         kpos = torch.where(real, real.long().cumsum(-1) - 1, -1)  # [B, S]
     qpos = kpos[:, S - T :]  # [B, T]
     return kpos, qpos
+
+
+def _keep_counts(keep: Tensor, Hkv: int) -> tuple[Tensor, Tensor]:
+    """keep `[B, 1|Hq, Tc, Sc]` bool -> keys kept per query `[B, 1|Hq, Tc]` and per (query, KV head), the
+    union over the KV head's query heads, `[B, Hkv, Tc]` (int32)."""
+    B, H, Tc, Sc = keep.shape
+    activated = keep.sum(-1, dtype=torch.int32)  # [B, 1|Hq, Tc]
+    if H == 1:  # shared by every head
+        return activated, activated.expand(B, Hkv, Tc)
+    return activated, keep.view(B, Hkv, H // Hkv, Tc, Sc).any(2).sum(-1, dtype=torch.int32)
 
 
 def _grouped_apply(p: Tensor, v: Tensor) -> Tensor:

@@ -17,4 +17,5 @@ class SinkWindow(AttentionMethod):
     """
 
     name = "sink_window"
+    fast_prefill = "sink_window"
     selects = False

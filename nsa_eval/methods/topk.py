@@ -19,6 +19,7 @@ class TopK(AttentionMethod):
     """
 
     name = "topk"
+    fast_prefill = "topk"
 
     def score(self, chunk: Chunk) -> Tensor:
         return chunk.logits  # [B, Hq, Tc, S]

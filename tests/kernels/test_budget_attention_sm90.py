@@ -1,0 +1,43 @@
+"""The budgeted prefill's kernels (kernels/budget_attention.py) compiled for sm_90 without a GPU, as they
+launch at Llama-3.2-1B's attention (G = 4, head dim 64) and at head dim 128, in bf16 and float32: each
+compiles (the interpreter tests cannot show a GPU-only compile error) and fits the H200's shared memory."""
+
+from __future__ import annotations
+
+from tests.kernels.sm90 import H200_SHARED_LIMIT, json_from_fresh_python
+
+COMPILE = r"""
+import json
+import torch
+from nsa_eval.kernels import budget_attention as ba
+from nsa_eval.kernels._triton_utils import pow2
+from tests.kernels.sm90 import shared_bytes as shared
+
+out = {}
+for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+    for G, D in ((4, 64), (1, 128)):
+        cfg = ba._config(G, dtype)
+        options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        tiles = dict(GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], UPCAST=False)
+        p = "*" + name
+        for selects in (False, True):
+            consts = dict(D=D, DV=D, BD=pow2(D), BDV=pow2(D), SELECTS=selects, **tiles)
+            pointers = [p] * 4 + ["*fp32", "*i32", "*i32", "*i32"]
+            out[f"fwd selects={selects} G={G} D={D} {name}"] = shared(ba._budget_fwd_kernel, pointers, consts,
+                                                                      options)
+        pointers = [p, p, "*fp32", "*fp32", "*i32", "*i32", "*fp32", "*i32"]
+        consts = dict(D=D, BD=pow2(D), **tiles)
+        out[f"collect G={G} D={D} {name}"] = shared(ba._collect_kernel, pointers, consts, options)
+for cap in (256, 4096):
+    pointers = ["*fp32", "*i32", "*i32", "*i32", "*fp32", "*i32"]
+    out[f"select cap={cap}"] = shared(ba._select_kernel, pointers, dict(BR=max(1, 4096 // cap), BC=cap),
+                                      dict(num_warps=4))
+print(json.dumps(out))
+"""
+
+
+def test_budget_kernels_compile_and_fit_h200_shared_memory():
+    shared = json_from_fresh_python(COMPILE)
+    assert len(shared) == 14
+    too_big = {k: v for k, v in shared.items() if v > H200_SHARED_LIMIT}
+    assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"

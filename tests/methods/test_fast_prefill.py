@@ -1,0 +1,279 @@
+"""The Triton prefill of sink_window and topk (kernels/budget_attention.py) against the readable references
+and the controller's chunked path: the same kept keys (ties at the cut to the lower position), outputs
+and statistics. On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
+triton is imported, as tests/kernels/conftest.py does); the `gpu` tests run them at scale on CUDA."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nsa_eval.kernels import budget_attention as ba  # noqa: E402
+from nsa_eval.methods import METHODS  # noqa: E402
+from nsa_eval.methods.base import BudgetConfig, grouped_scores  # noqa: E402
+from nsa_eval.methods.controller import AttentionController  # noqa: E402
+from tests.methods.conftest import fake_module  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+interpreter_only = pytest.mark.skipif(not INTERPRET,
+                                      reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+
+def qkv(B, Hq, Hkv, T, S, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, Hq, T, D, generator=g) * 2).to(dtype)
+    k = (torch.randn(B, Hkv, S, D, generator=g) * 2).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    return q, k, v
+
+
+CASES = [  # (B, Hq, Hkv, T, S, D, dtype, sink, local, budget)
+    (1, 4, 4, 96, 96, 16, torch.float32, 4, 8, 40),  # G = 1
+    (2, 8, 2, 80, 100, 32, torch.bfloat16, 4, 8, 36),  # G = 4, 20 cached keys before the queries
+    (1, 3, 1, 70, 70, 16, torch.float32, 0, 5, 30),  # G = 3 (padded to 4 rows), no sink
+    (1, 4, 2, 64, 64, 16, torch.bfloat16, 16, 16, 50),  # sink and local whole tiles
+]
+IDS = [f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-T{c[3]}-S{c[4]}-{str(c[6])[6:]}-{c[7]}+{c[8]}of{c[9]}" for c in CASES]
+
+
+def tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+
+
+@interpreter_only
+@pytest.mark.parametrize("method", ["sink_window", "topk"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_kernel_matches_the_reference(case, method):
+    B, Hq, Hkv, T, S, D, dtype, sink, local, budget = case
+    q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype)
+    scale = D**-0.5
+    thr = cut = None
+    if method == "topk":
+        thr, cut, failed = ba.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
+        assert not failed.any()  # the default bracket holds every row of these small inputs
+    o, counts, kv_read = ba.budget_attention(q, k, v, scale=scale, sink=sink, local=local, thr=thr, cut=cut)
+    keep = ba.reference_keep(q, k, sink=sink, local=local, budget=budget if method == "topk" else None)
+    o_ref, counts_ref, kv_ref = ba.budget_attention_reference(q, k, v, keep, scale=scale)
+    assert torch.equal(counts, counts_ref)
+    assert torch.equal(kv_read, kv_ref)  # the union over the group: sensitive to which keys each head kept
+    torch.testing.assert_close(o.float(), o_ref, **tol(dtype))
+    p = torch.arange(S - T, S)
+    limit = budget if method == "topk" else sink + local
+    assert torch.equal(counts[0, 0], torch.minimum(p + 1, torch.tensor(limit)).int())  # exactly the budget
+
+
+def controller(method, budget, sink, local, **params):
+    return AttentionController(METHODS.get(method)(**params), BudgetConfig(budget, sink, local))
+
+
+def reference_attend(method, q, k, v, budget, sink, local):
+    """The chunked path (a test capture keeps the controller off the fast path): out, keep, tally counts."""
+    ctrl = controller(method, budget, sink, local, query_chunk=32)
+    ctrl.capture = []
+    out = ctrl.attend(fake_module(groups=q.shape[1] // k.shape[1]), q, k, v, None, None)
+    keep = torch.cat([c[3] for c in ctrl.capture], dim=2)  # [B, Hq, T, S]
+    return out, keep, ctrl.stats.tally(0, "prefill", True).counts()
+
+
+def fast_attend(method, q, k, v, budget, sink, local):
+    """The controller's fast prefill called directly (its dispatch takes it on CUDA tensors only)."""
+    ctrl = controller(method, budget, sink, local, query_chunk=32)
+    B, _, T, _ = q.shape
+    S = k.shape[2]
+    kpos = torch.arange(S).expand(B, S)
+    tally = ctrl.stats.tally(0, "prefill", True)
+    out = ctrl._fast_prefill(q, k, v, q.shape[-1] ** -0.5, kpos, kpos[:, S - T:], tally, 0)
+    return out, tally.counts()
+
+
+@interpreter_only
+@pytest.mark.parametrize("method", ["sink_window", "topk"])
+@pytest.mark.parametrize("case", CASES[1:3], ids=IDS[1:3])
+def test_controller_fast_prefill_matches_its_chunked_path(case, method):
+    B, Hq, Hkv, T, S, D, dtype, sink, local, budget = case
+    q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=1)
+    out, keep, counts = reference_attend(method, q, k, v, budget, sink, local)
+    fast, fast_counts = fast_attend(method, q, k, v, budget, sink, local)
+    assert fast_counts == counts  # queries, keys attended (sum, max), KV tokens read
+    torch.testing.assert_close(fast.float(), out.float(), **tol(dtype))
+    if method == "topk":  # the kernel's rule, applied to the controller's own scores, keeps its keys
+        thr, cut, _ = ba.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
+        s = grouped_scores(q.float(), k.float())  # [B, Hq, T, S]
+        j = torch.arange(S)
+        p = torch.arange(S - T, S)[:, None]
+        forced = (j <= p) & ((j < sink) | (j > p - local))
+        rule = forced | ((j <= p) & ((s > thr[..., None]) | ((s == thr[..., None]) & (j <= cut[..., None]))))
+        rule = torch.where(p + 1 > budget, rule, j <= p)
+        # they differ only at the threshold, where the two products round differently (the key at the
+        # cut itself, or a near-tied pair): at most two keys a row, each within float32 rounding of thr
+        differ = rule != keep
+        near = (s - thr[..., None]).abs() <= 1e-5 * thr.abs()[..., None].clamp_min(1)
+        assert near[differ].all() and differ.sum(-1).max() <= 2
+
+
+@interpreter_only
+def test_ties_at_the_cut_go_to_the_lower_position():
+    """Keys 30..39 repeat keys 20..29 (values differ): equal scores, bit for bit, in every product. Where
+    the cut falls among them, the lower positions are kept, as the reference's stable sort does."""
+    q, k, v = qkv(1, 4, 2, 64, 64, 16, torch.float32, seed=2)
+    k[:, :, 30:40] = k[:, :, 20:30]
+    q[:, :, :, :] = q[:, :, :1, :]  # one query vector: every row ranks the keys alike
+    sink, local, budget = 4, 8, 24
+    thr, cut, failed = ba.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
+    assert not failed.any()
+    o, counts, kv_read = ba.budget_attention(q, k, v, scale=0.25, sink=sink, local=local, thr=thr, cut=cut)
+    keep = ba.reference_keep(q, k, sink=sink, local=local, budget=budget)
+    o_ref, counts_ref, kv_ref = ba.budget_attention_reference(q, k, v, keep, scale=0.25)
+    held = torch.arange(64) + 1 > budget
+    tied = (cut[0, 0, held] < 1 << 30) & (cut[0, 0, held] >= 20)  # rows whose cut falls on a repeated key
+    assert tied.any()
+    assert torch.equal(counts, counts_ref) and torch.equal(kv_read, kv_ref)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+
+
+@interpreter_only
+def test_rows_whose_bracket_misses_take_the_reference_path(monkeypatch):
+    """A bracket above every score leaves all picks outside it: every held row fails, and the controller
+    computes them with its chunked path (same output and counts)."""
+    q, k, v = qkv(1, 8, 2, 80, 100, 32, torch.float32, seed=3)
+    sink, local, budget = 4, 8, 36
+
+    def nowhere(q, k, *, t_base, Tc, **_):
+        inf = torch.full((q.shape[0], q.shape[1], Tc), math.inf)
+        return inf, inf, 1
+
+    monkeypatch.setattr(ba, "sample_brackets", nowhere)
+    thr, cut, failed = ba.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
+    held = torch.arange(20, 100) + 1 > budget
+    assert failed[..., held].all() and not failed[..., ~held].any()
+    out, _, counts = reference_attend("topk", q, k, v, budget, sink, local)
+    fast, fast_counts = fast_attend("topk", q, k, v, budget, sink, local)
+    assert fast_counts == counts
+    torch.testing.assert_close(fast, out, atol=1e-5, rtol=1e-5)
+
+
+@interpreter_only
+def test_a_small_cap_fails_rows_it_cannot_hold():
+    q, k, _ = qkv(1, 4, 4, 96, 96, 16, torch.float32)
+    thr, cut, failed = ba.topk_thresholds(q, k, sink=4, local=8, budget=40, sample=8, cap=4)
+    assert failed.any()  # a stride-10 sample brackets more than 4 keys a row
+    keep = ba.reference_keep(q, k, sink=4, local=8, budget=40)
+    _, counts, _ = ba.budget_attention(q, k, q.new_zeros(1, 4, 96, 16), scale=0.25, sink=4, local=8,
+                                       thr=thr, cut=cut)
+    assert torch.equal(counts[~failed], keep.sum(-1, dtype=torch.int32)[~failed])
+
+
+def test_the_chunked_path_is_kept_where_the_kernels_do_not_apply():
+    """CPU tensors, a test capture, padding, group_shared and methods without a fast rule never take it."""
+    q = torch.zeros(1, 4, 8, 16)
+    assert not controller("topk", 6, 1, 2)._takes_fast_prefill(q, None, True)  # on the CPU
+    assert METHODS.get("topk").fast_prefill == "topk" and METHODS.get("sink_window").fast_prefill
+    assert METHODS.get("quest").fast_prefill is None and METHODS.get("h2o").fast_prefill is None
+    if torch.cuda.is_available():
+        q = q.cuda()
+        assert controller("topk", 6, 1, 2)._takes_fast_prefill(q, None, True)
+        assert not controller("topk", 6, 1, 2)._takes_fast_prefill(q, torch.ones(1, 8, 8, dtype=bool), True)
+        assert not controller("topk", 6, 1, 2, group_shared=True)._takes_fast_prefill(q, None, True)
+        assert not controller("topk", 6, 1, 2)._takes_fast_prefill(q[:, :, :1], None, True)  # decode
+        assert not controller("topk", 6, 1, 2)._takes_fast_prefill(q, None, False)  # not held
+        ctrl = controller("topk", 6, 1, 2)
+        ctrl.capture = []
+        assert not ctrl._takes_fast_prefill(q, None, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU, at scale (Llama-3.2-1B's attention: 32 query heads, 8 KV heads, head dim 64, bf16)
+# ---------------------------------------------------------------------------------------------
+def gpu_layer(T, method, budget=2560, sink=128, local=512, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, 32, T, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, 8, T, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, T, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    return q, k, v, controller(method, budget, sink, local)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["sink_window", "topk"])
+def test_gpu_fast_prefill_matches_the_chunked_path_at_8k(method):
+    q, k, v, ctrl = gpu_layer(8192, method)
+    module = fake_module(groups=4)
+    fast = ctrl.attend(module, q, k, v, None, None)  # the fast path: CUDA, unpadded, no capture
+    fast_counts = ctrl.stats.tally(0, "prefill", True).counts()
+    ref = controller(method, 2560, 128, 512)
+    ref.capture = []  # keeps it on the chunked path
+    out = ref.attend(module, q, k, v, None, None)
+    counts = ref.stats.tally(0, "prefill", True).counts()
+    assert fast_counts[:3] == counts[:3]  # queries, keys attended (sum, max): exactly the budget
+    # KV tokens read: equal up to near-ties (bf16 products in the kernel, float32 in the reference)
+    assert abs(fast_counts[4] - counts[4]) <= 1e-4 * counts[4]
+    err = (fast.float() - out.float()).pow(2).mean().sqrt() / out.float().pow(2).mean().sqrt()
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+def test_gpu_topk_brackets_hold_and_memory_stays_low_at_64k():
+    T = 65536
+    q, k, v, ctrl = gpu_layer(T, "topk")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    thr, cut, failed = ba.topk_thresholds(q, k, sink=128, local=512, budget=2560)
+    o, counts, _ = ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512, thr=thr, cut=cut)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    print(f"64k topk: failed rows {int(failed.sum())} of {failed.numel()}, "
+          f"extra peak {extra / 2**30:.2f} GiB")
+    assert failed.float().mean() < 1e-3
+    assert extra < 2 * 2**30  # the chunked path holds [Hq, 512, S] float32 scores: 4 GiB at 64k
+    held = torch.arange(T, device="cuda") + 1 > 2560
+    assert (counts[..., held][~failed[..., held]] == 2560).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [8192, 32768])
+def test_gpu_timing_against_full_attention(T):
+    """Prints one layer's prefill time of each fast path beside SDPA's causal attention (no assertion: the
+    harness measures the model; this shows where a layer's time goes)."""
+    import torch.nn.functional as F
+
+    q, k, v, _ = gpu_layer(T, "topk")
+
+    def timed(fn, n=3):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    full = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    sw = timed(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512))
+    th = timed(lambda: ba.topk_thresholds(q, k, sink=128, local=512, budget=2560))
+    thr, cut, _ = ba.topk_thresholds(q, k, sink=128, local=512, budget=2560)
+    at = timed(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512, thr=thr, cut=cut))
+    print(f"T={T}: full {full:.2f} ms, sink_window {sw:.2f} ms ({sw / full:.2f}x), topk thresholds "
+          f"{th:.2f} + attention {at:.2f} ms ({(th + at) / full:.2f}x)")
+
+
+@interpreter_only
+def test_the_buffer_select_is_a_stable_sort():
+    """Random buffers with repeated scores (ties), negative and positive, every `need` from 1 to n_in."""
+    g = torch.Generator().manual_seed(4)
+    rows, cap = 24, 32
+    buf_s = torch.randint(-6, 6, (rows, cap), generator=g).float() * 0.75
+    buf_s[::3] = torch.randn(8, cap, generator=g)
+    buf_p = torch.arange(cap, dtype=torch.int32).expand(rows, cap) * 3 + 5
+    n_in = torch.randint(1, cap + 1, (rows,), generator=g)
+    need = (torch.rand(rows, generator=g) * n_in).long() + 1
+    thr, cut = ba.select_in_buffer(buf_s, buf_p.contiguous(), n_in, need)
+    thr_ref, cut_ref = ba.select_in_buffer_reference(buf_s, buf_p, n_in, need)
+    assert torch.equal(thr, thr_ref) and torch.equal(cut, cut_ref)
