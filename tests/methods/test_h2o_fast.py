@@ -205,6 +205,31 @@ def test_fallbacks_keep_the_reference():
     assert keep.shape == (2, 4, 64, 64)
 
 
+COMPILE = """
+import json
+from tests.kernels.sm90 import compile_sm90
+from nsa_eval.kernels.h2o_prefill import BLOCK_KEYS, BLOCK_QUERIES, NUM_WARPS, _h2o_prefill_kernel
+out = {}
+for dtype in ("bf16", "fp32"):
+    consts = dict(SINK=128, LOCAL=512, BUDGET=2560, NS=4096, BT=BLOCK_QUERIES, BN=BLOCK_KEYS, D=64, DV=64,
+                  BD=64, BDV=64, UPCAST=False)
+    types = ["*" + dtype] * 4 + ["*fp32", "*i32", "*fp32", "*i32"] + ["i32"] * 15 + ["fp32"]
+    kernel = compile_sm90(_h2o_prefill_kernel, types, consts, dict(num_warps=NUM_WARPS))
+    out[dtype] = kernel.metadata.shared
+print(json.dumps(out))
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """The kernel at the paper's budget and a 1B Llama's head dim compiles for sm_90 (no GPU needed),
+    within the H200's shared memory."""
+    from tests.kernels.sm90 import H200_SHARED_LIMIT, json_from_fresh_python
+
+    shared = json_from_fresh_python(COMPILE)
+    assert set(shared) == {"bf16", "fp32"}
+    assert max(shared.values()) <= H200_SHARED_LIMIT
+
+
 # ----------------------------------------------------------------------------------------------------------
 # At scale, on a GPU: a Llama-3.2-1B layer (32/8 heads, d = 64), the paper's 2,560 = 128 + 512 + 1,920
 # ----------------------------------------------------------------------------------------------------------
