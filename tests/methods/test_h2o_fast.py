@@ -121,6 +121,17 @@ def test_kernel_matches_walk(case, dtype):
     torch.testing.assert_close(out.float(), out_ref.float(), rtol=tol, atol=tol)
 
 
+def test_kernel_default_launch():
+    """The default blocks (64 queries, 64 slots per tile), several blocks and a partial last one."""
+    budget, sink, local = 100, 4, 32
+    q, k, v = qkv((1, 4, 1, 300, 16), torch.float32, seed=11, device=DEVICE)
+    out_ref, ev_ref, mass_ref = walk(h2o_sparse_prefill_reference, q, k, v, budget, sink, local)
+    out, ev, mass = walk(h2o_sparse_prefill, q, k, v, budget, sink, local)
+    assert torch.equal(ev, ev_ref)
+    torch.testing.assert_close(mass, mass_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+
+
 def test_ties_evict_the_oldest():
     """Keys no query attends to (probability exactly 0) tie at mass 0: the walk, kernel and PyTorch
     alike, evicts them oldest first, which `torch.topk` in the reference does not promise."""
