@@ -74,6 +74,9 @@ class AttentionController:
         self.hook_handle = None
         # Tests set a list here to receive (layer, phase, first query, keep [B, Hq, Tc, S]) per chunk.
         self.capture: list | None = None
+        # H2O's prefill through the Triton walk (`_stateful_prefill`): None on CUDA tensors, True also
+        # on the CPU (tests, under TRITON_INTERPRET=1), False never.
+        self.stateful_kernel: bool | None = None
 
     # ---- forward pre-hook on the decoder stack: find (or make) the cache, point at its state
     def begin_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -128,6 +131,8 @@ class AttentionController:
         stateful = method.stateful and method.sparse and layer >= cfg.dense_layers
         state = self._layer_state(layer, B, Hq, S, T, query.device) if stateful else None
         tally = self.stats.tally(layer, phase, held)
+        if stateful and held and self._stateful_kernel_applies(query, allowed, S, T):
+            return self._stateful_prefill(query, key, value, scaling, qpos, state, tally, layer)
 
         if not held and not stateful:
             return self._dense(
@@ -354,6 +359,44 @@ class AttentionController:
             probs[:, :, t] = p = _masked_softmax(logits[:, :, t].contiguous(), row)  # [B, Hq, Sc]
             method.update_state(tensors, p[:, :, None], row[:, :, None])
         return keep, probs
+
+    def _stateful_kernel_applies(self, query: Tensor, allowed: Tensor | None, S: int, T: int) -> bool:
+        """Whether this layer call's H2O prefill takes the walk of kernels/h2o_prefill.py: an unpadded
+        prompt (no mask) with no cached keys before it and queries past the budget, per-head selection,
+        on CUDA tensors (or where `stateful_kernel` says), and no capture of each query's keys."""
+        from nsa_eval.methods.h2o import H2O
+
+        use = query.is_cuda if self.stateful_kernel is None else self.stateful_kernel
+        return (use and isinstance(self.method, H2O) and not self.method.group_shared and allowed is None
+                and self.capture is None and S == T > self.config.budget)
+
+    def _stateful_prefill(self, query: Tensor, key: Tensor, value: Tensor, scaling: float, qpos: Tensor,
+                          state: LayerState, tally: Tally, layer: int) -> Tensor:
+        """H2O's prefill of an unpadded prompt: the `budget` leading queries attend densely in chunks as
+        in `attend`, the rest in one Triton walk (`h2o_sparse_prefill`); the same output `[B, T, Hq, Dv]`,
+        mass state and counts as the chunked path (up to rounding, and the walk's tie rule)."""
+        from nsa_eval.kernels.h2o_prefill import h2o_sparse_prefill, kv_read_from_evictions
+
+        B, Hq, T, _ = query.shape
+        Hkv, budget = key.shape[1], self.config.budget
+        mass = state.tensors["mass"]  # [B, Hq, T], updated in place
+        out = query.new_empty(B, Hq, T, value.shape[-1])  # [B, Hq, T, Dv]
+        chunk_len = self._chunk_len(B, Hq, T, T)
+        for t0 in range(0, budget, chunk_len):
+            t1 = min(budget, t0 + chunk_len)
+            kp = torch.arange(t1, device=query.device).expand(B, t1)  # [B, t1]
+            visible = kp[:, None, :] <= qpos[:, t0:t1, None]  # [B, Tc, t1]
+            chunk = Chunk(query[:, :, t0:t1], key[:, :, :t1], scaling, qpos[:, t0:t1], kp, visible)
+            keep, probs = self._select_stateful(chunk, {"mass": mass[..., :t1]}, True)  # all dense
+            out[:, :, t0:t1] = _grouped_apply(probs, value[:, :, :t1].float())
+            self._record(tally, keep, Hq, Hkv, qpos[:, t0:t1], True, layer)
+        cfg = self.config
+        evictions = h2o_sparse_prefill(query, key, value, mass, out, scaling, cfg.sink, cfg.local, budget)
+        activated = torch.full((1, 1, 1), budget, device=query.device).expand(B, Hq, T - budget)
+        kv_read = kv_read_from_evictions(evictions, Hq // Hkv, cfg.sink, cfg.local, budget)  # [B, Hkv, n]
+        tally.add(activated, kv_read, qpos[:, budget:] >= 0)
+        state.length = T
+        return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
 
     def _record(
         self, tally: Tally, keep: Tensor, Hq: int, Hkv: int, qpos: Tensor, held: bool, layer: int

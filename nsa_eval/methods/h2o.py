@@ -22,7 +22,8 @@ class H2O(AttentionMethod):
     so an evicted key never comes back. Queries that see at most `budget` keys attend densely and add
     their whole rows. The mass is `[B, Hq, S]` float32 on the cache (`LayerState.tensors["mass"]`) and
     grows by one key per decode step. Selection is sequential over queries (one step per query past
-    the budget), the costliest method at prefill.
+    the budget), the costliest method at prefill; on CUDA an unpadded prompt's queries past the budget
+    take the O(budget)-per-query walk of `nsa_eval/kernels/h2o_prefill.py` (docs/methods.md).
 
     GQA: mass and selection are per query head, as in H2O's code (after `repeat_kv`), so a KV head
     serves the union of its G heads' heavy hitters.

@@ -1,0 +1,324 @@
+"""H2O's fast prefill (nsa_eval/kernels/h2o_prefill.py) against the controller's chunked reference.
+
+Three implementations of one rule: the controller's reference (`_select_stateful`, a top-k over every
+key per query), the walk over a pool of `budget` keys in PyTorch (`h2o_sparse_prefill_reference`) and
+its Triton kernel (`h2o_sparse_prefill`; on the CPU through Triton's interpreter, on CUDA compiled).
+On inputs without tied masses they keep the same keys; outputs and masses agree to rounding.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the kernel module is imported: its kernel is then interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nsa_eval.kernels.h2o_prefill import (  # noqa: E402
+    h2o_sparse_prefill,
+    h2o_sparse_prefill_reference,
+    keep_from_evictions,
+    kv_read_from_evictions,
+)
+from nsa_eval.methods import apply_attention, attention_stats  # noqa: E402
+from nsa_eval.methods.base import BudgetConfig, grouped_scores  # noqa: E402
+from nsa_eval.methods.controller import (  # noqa: E402
+    MODULE_ATTRIBUTE,
+    AttentionController,
+    _grouped_apply,
+    _masked_softmax,
+)
+from nsa_eval.methods.h2o import H2O  # noqa: E402
+from tests.methods.conftest import fake_module, random_qkv, run_attend, tiny_llama  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (B, Hq, Hkv, T, D, budget, sink, local): G = 1, 2 and 4; T a block or more past the budget
+CASES = [
+    (2, 4, 2, 64, 16, 20, 2, 6),
+    (1, 4, 1, 100, 16, 40, 4, 16),
+    (1, 2, 2, 90, 16, 24, 2, 8),
+    (1, 4, 4, 130, 32, 33, 3, 10),
+    (1, 8, 2, 120, 16, 48, 0, 16),  # no sink
+    (1, 2, 1, 80, 16, 24, 4, 20),  # picks = 0: every candidate goes at once
+]
+IDS = [f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-T{c[3]}-budget{c[5]}-{c[6]}+{c[7]}" for c in CASES]
+
+
+def qkv(case, dtype, seed, device="cpu"):
+    B, Hq, Hkv, T, D = case[:5]
+    q, k, v = random_qkv(B, Hq, Hkv, T, D, seed=seed)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+def dense_start(q, k, v, budget, scaling):
+    """What the `budget` dense queries leave: mass `[B, Hq, T]` and output rows `[B, Hq, T, Dv]`."""
+    B, Hq, T, _ = q.shape
+    logits = grouped_scores(q[:, :, :budget].float(), k[:, :, :budget].float()) * scaling
+    p = _masked_softmax(logits, torch.ones(budget, budget, dtype=torch.bool, device=q.device).tril())
+    mass = torch.zeros(B, Hq, T, device=q.device)
+    mass[..., :budget] = p.sum(2)
+    out = torch.zeros(B, Hq, T, v.shape[-1], dtype=q.dtype, device=q.device)
+    out[:, :, :budget] = _grouped_apply(p, v[:, :, :budget].float()).to(q.dtype)
+    return mass, out
+
+
+def controller_reference(q, k, v, budget, sink, local):
+    """The chunked reference on one layer call: out `[B, Hq, T, Dv]`, keep `[B, Hq, T, T]` and the mass
+    state `[B, Hq, T]`."""
+    controller = AttentionController(H2O(query_chunk=32), BudgetConfig(budget, sink, local))
+    controller.capture = []
+    controller.states = {}
+    out = controller.attend(fake_module(groups=q.shape[1] // k.shape[1]), q, k, v, None, None)
+    keep = torch.cat([c[3] for c in controller.capture], dim=2)
+    return out.transpose(1, 2), keep, controller.states[0].tensors["mass"]
+
+
+def walk(fn, q, k, v, budget, sink, local, **options):
+    scaling = q.shape[-1] ** -0.5
+    mass, out = dense_start(q, k, v, budget, scaling)
+    evictions = fn(q, k, v, mass, out, scaling, sink, local, budget, **options)
+    return out, evictions, mass
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_walk_matches_controller_reference(case, dtype):
+    """The PyTorch walk keeps the reference's keys, its outputs and its final mass."""
+    budget, sink, local = case[5:]
+    q, k, v = qkv(case, dtype, seed=sum(case))
+    out_ref, keep_ref, mass_ref = controller_reference(q, k, v, budget, sink, local)
+    out, evictions, mass = walk(h2o_sparse_prefill_reference, q, k, v, budget, sink, local)
+    assert torch.equal(keep_from_evictions(evictions, sink, local, budget), keep_ref)
+    assert torch.equal(mass == 0, mass_ref == 0)  # the evicted keys, exactly
+    torch.testing.assert_close(mass, mass_ref, rtol=1e-5, atol=1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=tol, atol=tol)
+    G = q.shape[1] // k.shape[1]
+    kv_ref = keep_ref.view(q.shape[0], k.shape[1], G, *keep_ref.shape[2:]).any(2).sum(-1)[..., budget:]
+    assert torch.equal(kv_read_from_evictions(evictions, G, sink, local, budget), kv_ref.int())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_kernel_matches_walk(case, dtype):
+    """The Triton walk evicts the same keys at the same queries as the PyTorch walk."""
+    budget, sink, local = case[5:]
+    q, k, v = qkv(case, dtype, seed=sum(case), device=DEVICE)
+    out_ref, ev_ref, mass_ref = walk(h2o_sparse_prefill_reference, q, k, v, budget, sink, local)
+    out, ev, mass = walk(h2o_sparse_prefill, q, k, v, budget, sink, local, block_queries=16, block_keys=16,
+                         num_warps=4)
+    assert torch.equal(ev, ev_ref)
+    assert (ev < q.shape[2]).sum() > 0  # something was evicted
+    assert torch.equal(mass == 0, mass_ref == 0)
+    torch.testing.assert_close(mass, mass_ref, rtol=1e-5, atol=1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=tol, atol=tol)
+
+
+def test_kernel_default_launch():
+    """The default blocks (64 queries, 64 slots per tile), several blocks and a partial last one."""
+    budget, sink, local = 100, 4, 32
+    q, k, v = qkv((1, 4, 1, 300, 16), torch.float32, seed=11, device=DEVICE)
+    out_ref, ev_ref, mass_ref = walk(h2o_sparse_prefill_reference, q, k, v, budget, sink, local)
+    out, ev, mass = walk(h2o_sparse_prefill, q, k, v, budget, sink, local)
+    assert torch.equal(ev, ev_ref)
+    torch.testing.assert_close(mass, mass_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_ties_evict_the_oldest():
+    """Keys no query attends to (probability exactly 0) tie at mass 0: the walk, kernel and PyTorch
+    alike, evicts them oldest first, which `torch.topk` in the reference does not promise."""
+    B, Hq, T, D, budget, sink, local = 1, 2, 80, 16, 24, 2, 6
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(D, generator=g)
+    q = (u * 4).expand(B, Hq, T, D).clone()
+    sign = torch.where(torch.arange(T) % 3 == 0, -1.0, 1.0)  # every third key: logit far below the rest
+    k = (sign[:, None] * u * 4 + 0.1 * torch.randn(T, D, generator=g)).expand(B, 1, T, D).clone()
+    v = torch.randn(B, 1, T, D, generator=g)
+    q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    _, ev_ref, mass_ref = walk(h2o_sparse_prefill_reference, q, k, v, budget, sink, local)
+    _, ev, _ = walk(h2o_sparse_prefill, q, k, v, budget, sink, local, block_queries=16, block_keys=16,
+                    num_warps=4)
+    assert torch.equal(ev, ev_ref)
+    dead = (torch.arange(T, device=DEVICE) % 3 == 0) & (torch.arange(T, device=DEVICE) >= sink)
+    order = ev[0, 0][dead & (ev[0, 0] < T)]
+    assert order.numel() > 3 and torch.equal(order, order.sort().values)  # oldest first
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_controller_fast_path(G):
+    """One layer call through the controller: the kernel's path gives the chunked path's output, mass
+    state and activated-token counts."""
+    budget, sink, local = 40, 4, 12
+    q, k, v = random_qkv(B=2, Hq=4, Hkv=4 // G, T=100, D=16, seed=G)
+    q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    results = []
+    for kernel in (False, True):
+        controller = AttentionController(H2O(query_chunk=16), BudgetConfig(budget, sink, local))
+        controller.stateful_kernel = kernel
+        controller.states = {}
+        out = controller.attend(fake_module(groups=G), q, k, v, None, None)
+        results.append((out, controller.states[0].tensors["mass"], controller.stats.summary()))
+    (out_ref, mass_ref, stats_ref), (out, mass, stats) = results
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(mass == 0, mass_ref == 0)
+    torch.testing.assert_close(mass, mass_ref, rtol=1e-5, atol=1e-6)
+    assert stats == stats_ref
+    assert stats["phases"]["prefill"]["max"] == budget
+
+
+def test_model_prefill_then_decode():
+    """A tiny Llama: prefill through the kernel's path, then decode steps from the mass it left, give
+    the chunked path's logits and statistics."""
+    ids = torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    runs = []
+    for kernel in (False, True):
+        model = tiny_llama().to(DEVICE)
+        apply_attention(model, "h2o", budget=24, sink=2, local=8)
+        getattr(model.model.layers[0].self_attn, MODULE_ATTRIBUTE).stateful_kernel = kernel
+        with torch.no_grad():
+            out = model(ids[:, :60], use_cache=True)
+            logits = [out.logits]
+            for t in range(60, 70):
+                out = model(ids[:, t:t + 1], cache=out.past_key_values, use_cache=True)
+                logits.append(out.logits)
+        runs.append((torch.cat(logits, 1), attention_stats(model)))
+    (logits_ref, stats_ref), (logits, stats) = runs
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
+    assert stats == stats_ref
+
+
+def test_fallbacks_keep_the_reference():
+    """Padding (a mask), cached keys, a capture or group_shared take the chunked path even when the
+    kernel is asked for."""
+    q, k, v = random_qkv(T=64, seed=9)
+
+    def applies(mask=None, S=64, T=64, capture=None, **params):
+        controller = AttentionController(H2O(**params), BudgetConfig(20, 2, 6))
+        controller.stateful_kernel = True
+        controller.capture = capture
+        return controller._stateful_kernel_applies(q, mask, S, T)
+
+    assert applies()
+    assert not applies(mask=torch.ones(2, 64, 64, dtype=torch.bool))
+    assert not applies(S=65)  # cached keys before the prompt
+    assert not applies(S=20, T=20)  # within the budget: all dense
+    assert not applies(capture=[])
+    assert not applies(group_shared=True)
+    _, keep = run_attend("h2o", q, k, v, budget=20, sink=2, local=6)  # capture set: the reference runs
+    assert keep.shape == (2, 4, 64, 64)
+
+
+COMPILE = """
+import json
+from tests.kernels.sm90 import compile_sm90
+from nsa_eval.kernels.h2o_prefill import BLOCK_KEYS, BLOCK_QUERIES, NUM_WARPS, _h2o_prefill_kernel
+out = {}
+for dtype in ("bf16", "fp32"):
+    consts = dict(SINK=128, LOCAL=512, BUDGET=2560, NS=4096, BT=BLOCK_QUERIES, BN=BLOCK_KEYS, D=64, DV=64,
+                  BD=64, BDV=64, UPCAST=False)
+    types = ["*" + dtype] * 4 + ["*fp32", "*i32", "*fp32", "*i32"] + ["i32"] * 15 + ["fp32"]
+    kernel = compile_sm90(_h2o_prefill_kernel, types, consts, dict(num_warps=NUM_WARPS))
+    out[dtype] = kernel.metadata.shared
+print(json.dumps(out))
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """The kernel at the paper's budget and a 1B Llama's head dim compiles for sm_90 (no GPU needed),
+    within the H200's shared memory."""
+    from tests.kernels.sm90 import H200_SHARED_LIMIT, json_from_fresh_python
+
+    shared = json_from_fresh_python(COMPILE)
+    assert set(shared) == {"bf16", "fp32"}
+    assert max(shared.values()) <= H200_SHARED_LIMIT
+
+
+# ----------------------------------------------------------------------------------------------------------
+# At scale, on a GPU: a Llama-3.2-1B layer (32/8 heads, d = 64), the paper's 2,560 = 128 + 512 + 1,920
+# ----------------------------------------------------------------------------------------------------------
+
+
+def llama_layer_qkv(T, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, 32, T, 64, generator=g, device="cuda").mul(2).to(dtype)
+    k = torch.randn(1, 8, T, 64, generator=g, device="cuda").mul(2).to(dtype)
+    v = torch.randn(1, 8, T, 64, generator=g, device="cuda").to(dtype)
+    return q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [4096, 8192])
+def test_gpu_kernel_matches_reference_at_scale(T):
+    """Against the controller's reference (one layer call): nearly every row keeps the same keys
+    (rounding flips near-tied masses, and a flip changes later choices a little), the outputs agree,
+    and the statistics match to a fraction of a percent."""
+    budget, sink, local = 2560, 128, 512
+    q, k, v = llama_layer_qkv(T)
+    results = []
+    for kernel in (False, True):
+        controller = AttentionController(H2O(), BudgetConfig(budget, sink, local))
+        controller.stateful_kernel = kernel
+        controller.states = {}
+        out = controller.attend(fake_module(groups=4), q, k, v, None, None)
+        results.append((out, controller.states[0].tensors["mass"], controller.stats.summary()))
+    (out_ref, mass_ref, stats_ref), (out, mass, stats) = results
+    assert rel_rms(out, out_ref) < 1e-2
+    assert stats["mean"] == stats_ref["mean"] and stats["max"] == stats_ref["max"] == budget
+    assert abs(stats["kv_read_mean"] - stats_ref["kv_read_mean"]) < 1e-3 * stats_ref["kv_read_mean"]
+    live, live_ref = mass > 0, mass_ref > 0
+    assert live.sum(-1).eq(budget).all()  # the pool: budget keys per head
+    assert (live & live_ref).sum() >= 0.99 * live_ref.sum()
+    assert rel_rms(mass[live & live_ref], mass_ref[live & live_ref]) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_matches_walk_float32():
+    """float32 at 4k: the kernel and the PyTorch walk, both on the GPU, evict nearly the same keys."""
+    budget, sink, local = 2560, 128, 512
+    q, k, v = llama_layer_qkv(4096, dtype=torch.float32)
+    out_ref, ev_ref, _ = walk(h2o_sparse_prefill_reference, q, k, v, budget, sink, local)
+    out, ev, _ = walk(h2o_sparse_prefill, q, k, v, budget, sink, local)
+    assert (ev == ev_ref).float().mean() > 0.99
+    assert rel_rms(out[:, :, budget:], out_ref[:, :, budget:]) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_launch_sweep():
+    """Prints the kernel's time per layer call at 8k and 32k for a few launch settings, beside SDPA."""
+    import functools
+    import time
+
+    import torch.nn.functional as F
+
+    budget, sink, local = 2560, 128, 512
+
+    def timed(fn, reps=3):
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / reps * 1e3
+
+    for T in (8192, 32768):
+        q, k, v = llama_layer_qkv(T)
+        mass = torch.zeros(1, 32, T, device="cuda")
+        out = torch.empty_like(q)
+        sdpa = timed(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True,
+                                       enable_gqa=True))
+        print(f"\nT={T}: SDPA causal {sdpa:.2f} ms per layer call")
+        for bt, bn, warps in ((64, 64, 4), (64, 64, 8), (64, 128, 8), (32, 64, 8), (128, 64, 8),
+                              (64, 64, 16)):
+            ms = timed(functools.partial(h2o_sparse_prefill, q, k, v, mass, out, 0.125, sink, local, budget,
+                                         block_queries=bt, block_keys=bn, num_warps=warps))
+            rate = (T - budget) / ms
+            print(f"  h2o walk BT={bt} BN={bn} warps={warps}: {ms:.2f} ms, {rate:.0f} queries/ms")
