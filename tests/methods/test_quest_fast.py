@@ -1,0 +1,262 @@
+"""Quest's Triton prefill (kernels/budget_attention.py: `quest_page_select` + `_quest_fwd_kernel`) against
+the controller's chunked path: the same kept keys (ties between equal page bounds to the lower page, the
+cut page's earliest candidates), outputs and statistics. On the CPU the kernel runs in Triton's
+interpreter (TRITON_INTERPRET=1, set before triton is imported, as test_fast_prefill.py does); the `gpu`
+tests run it at scale on CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nsa_eval.kernels import budget_attention as ba  # noqa: E402
+from nsa_eval.methods import METHODS  # noqa: E402
+from nsa_eval.methods.base import BudgetConfig  # noqa: E402
+from nsa_eval.methods.controller import AttentionController  # noqa: E402
+from tests.methods.conftest import fake_module  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+interpreter_only = pytest.mark.skipif(not INTERPRET,
+                                      reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+
+def qkv(B, Hq, Hkv, T, S, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, Hq, T, D, generator=g) * 2).to(dtype)
+    k = (torch.randn(B, Hkv, S, D, generator=g) * 2).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    return q, k, v
+
+
+CASES = [  # (B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page_size)
+    (1, 4, 4, 96, 96, 16, torch.float32, 4, 16, 48, 8),  # G = 1
+    (2, 8, 2, 80, 100, 32, torch.bfloat16, 4, 8, 40, 4),  # G = 4, 20 cached keys before the queries
+    (1, 4, 1, 70, 70, 16, torch.float32, 0, 4, 36, 8),  # local < page: the own page reaches past local
+    (1, 8, 2, 128, 128, 16, torch.bfloat16, 16, 16, 64, 16),  # page 16, sink and local whole pages
+    (1, 4, 2, 72, 72, 16, torch.float32, 3, 5, 31, 4),  # pages cut by sink and local on both sides
+    (1, 4, 2, 64, 64, 16, torch.float32, 8, 16, 24, 8),  # budget = sink + local: no picks
+]
+IDS = [f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-T{c[3]}-S{c[4]}-{str(c[6])[6:]}-{c[7]}+{c[8]}of{c[9]}-page{c[10]}"
+       for c in CASES]
+
+
+def tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+
+
+def controller(budget, sink, local, **params):
+    return AttentionController(METHODS.get("quest")(**params), BudgetConfig(budget, sink, local))
+
+
+def reference_attend(q, k, v, budget, sink, local, page_size, query_chunk=32):
+    """The chunked path (a test capture keeps the controller off the fast path): out, keep, tally counts."""
+    ctrl = controller(budget, sink, local, page_size=page_size, query_chunk=query_chunk)
+    ctrl.capture = []
+    out = ctrl.attend(fake_module(groups=q.shape[1] // k.shape[1]), q, k, v, None, None)
+    keep = torch.cat([c[3] for c in ctrl.capture], dim=2)  # [B, Hq, T, S]
+    return out, keep, ctrl.stats.tally(0, "prefill", True).counts()
+
+
+def fast_attend(q, k, v, budget, sink, local, page_size):
+    """The controller's fast prefill called directly (its dispatch takes it on CUDA tensors only)."""
+    ctrl = controller(budget, sink, local, page_size=page_size, query_chunk=32)
+    B, _, T, _ = q.shape
+    S = k.shape[2]
+    kpos = torch.arange(S).expand(B, S)
+    tally = ctrl.stats.tally(0, "prefill", True)
+    out = ctrl._fast_prefill(q, k, v, q.shape[-1] ** -0.5, kpos, kpos[:, S - T:], tally, 0)
+    return out, tally.counts()
+
+
+def selected_keep(q, k, *, sink, local, budget, page_size, step=None):
+    """The keys `quest_page_select`'s masks keep `[B, Hq, T, S]`, in selection steps of `step` queries."""
+    T, S = q.shape[2], k.shape[2]
+    key_min, key_max = ba.quest_summaries(k, page_size)
+    W = ba.cdiv(ba.cdiv(S, page_size), 32)
+    step = step or T
+    parts = []
+    for t0 in range(0, T, step):
+        n = min(step, T - t0)
+        bits, cut = ba.quest_page_select(q, key_min, key_max, t_base=t0, Tc=n, T=T, S=S, sink=sink,
+                                         local=local, budget=budget, page_size=page_size, W=W)
+        parts.append(ba.quest_keep_from_masks(bits, cut, t_base=t0, T=T, S=S, sink=sink, local=local,
+                                              page_size=page_size))
+    return torch.cat(parts, 2)
+
+
+def test_summaries_are_quests_own():
+    from nsa_eval.methods.quest import Quest
+
+    _, k, _ = qkv(2, 4, 2, 8, 70, 16, torch.bfloat16)
+    page, key_min, key_max = Quest(page_size=16).prepare(k, torch.arange(70).expand(2, 70))
+    mn, mx = ba.quest_summaries(k, 16)
+    assert torch.equal(mn, key_min) and torch.equal(mx, key_max)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("step", [None, 7])
+def test_page_select_keeps_the_chunked_paths_keys(case, step):
+    """The masks' rule (read in PyTorch) keeps exactly the chunked path's keys, whatever the steps."""
+    B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page = case
+    q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=1)
+    _, keep, _ = reference_attend(q, k, v, budget, sink, local, page)
+    got = selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page, step=step)
+    assert torch.equal(got, keep)
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_controller_fast_prefill_matches_its_chunked_path(case):
+    B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page = case
+    q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=1)
+    out, keep, counts = reference_attend(q, k, v, budget, sink, local, page)
+    fast, fast_counts = fast_attend(q, k, v, budget, sink, local, page)
+    assert fast_counts == counts  # queries, keys attended (sum, max), KV tokens read (the group's union)
+    torch.testing.assert_close(fast.float(), out.float(), **tol(dtype))
+    p = torch.arange(S - T, S)
+    assert (keep.sum(-1)[0, 0] == torch.minimum(p + 1, torch.tensor(budget))).all()  # exactly the budget
+
+
+@interpreter_only
+@pytest.mark.parametrize("one_word", [True, False])
+@pytest.mark.parametrize("skip", [False, True])
+def test_kernel_counts_and_outputs_against_the_masks(one_word, skip, monkeypatch):
+    """The kernel applies the masks' rule (both ways of reading the mask; with and without skipping the
+    tiles no row keeps), over several launches and selection steps."""
+    B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page = CASES[1]
+    q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=2)
+    if not one_word:  # the word-per-key reading, which GPU tiles take for pages under BN / 32 keys
+        tiles = dict(BT=4, GP=4, BN=256, num_warps=4, num_stages=1)  # 256 keys: 64 pages of 4, 2 words
+        monkeypatch.setattr(ba, "_config", lambda G, dtype: tiles)
+    o, counts, kv_read = ba.quest_attention(q, k, v, scale=D**-0.5, sink=sink, local=local, budget=budget,
+                                            page_size=page, bound_elems=B * Hq * 9 * 30,
+                                            bits_bytes=B * Hq * 1 * 4 * 24, skip=skip)
+    keep = selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page)
+    o_ref, counts_ref, kv_ref = ba.budget_attention_reference(q, k, v, keep, scale=D**-0.5)
+    assert torch.equal(counts, counts_ref) and torch.equal(kv_read, kv_ref)
+    torch.testing.assert_close(o.float(), o_ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("page", [4, 8])
+def test_equal_bounds_go_to_the_lower_page(page):
+    """Every page holds the same keys (in a different order), so every page bound is equal, bit for bit:
+    the chunked path's stable sort keeps the earliest candidates, and so do the masks. Then half the
+    pages are made distinct, leaving ties among the rest at the cut."""
+    B, Hq, Hkv, T, S, D, dtype, sink, local, budget = 1, 4, 2, 96, 96, 16, torch.float32, 4, 8, 40
+    q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=3)
+    base = k[:, :, :page]
+    for p0 in range(0, S, page):
+        k[:, :, p0:p0 + page] = base.roll(p0 // page, dims=2)
+    _, keep, counts = reference_attend(q, k, v, budget, sink, local, page)
+    got = selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page)
+    assert torch.equal(got, keep)
+    pos = torch.arange(S)[None, :]
+    p = torch.arange(S - T, S)[:, None]
+    lowest = pos < budget - local  # sink, then the earliest candidates (the own page lies in local)
+    assert torch.equal(keep[0, 0, budget:], ((lowest | (pos > p - local)) & (pos <= p))[budget:])
+    k2 = k.clone()
+    k2[:, :, 3 * page::2 * page] += 5  # lift the first key of every other page from the fourth on
+    _, keep2, _ = reference_attend(q, k2, v, budget, sink, local, page)
+    assert torch.equal(selected_keep(q, k2, sink=sink, local=local, budget=budget, page_size=page), keep2)
+    if INTERPRET:
+        fast, fast_counts = fast_attend(q, k, v, budget, sink, local, page)
+        assert fast_counts == counts
+
+
+def test_quest_takes_the_fast_prefill():
+    assert METHODS.get("quest").fast_prefill == "quest"
+    q = torch.zeros(1, 4, 8, 16)
+    assert not controller(6, 1, 2, page_size=4)._takes_fast_prefill(q, None, True)  # on the CPU
+    if torch.cuda.is_available():
+        q = q.cuda()
+        assert controller(6, 1, 2, page_size=4)._takes_fast_prefill(q, None, True)
+        assert not controller(6, 1, 2, page_size=4, group_shared=True)._takes_fast_prefill(q, None, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU, at scale (Llama-3.2-1B's attention: 32 query heads, 8 KV heads, head dim 64, bf16)
+# ---------------------------------------------------------------------------------------------
+def gpu_layer(T, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, 32, T, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, 8, T, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, T, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    return q, k, v
+
+
+@pytest.mark.gpu
+def test_gpu_quest_fast_prefill_matches_the_chunked_path_at_8k():
+    q, k, v = gpu_layer(8192)
+    module = fake_module(groups=4)
+    ctrl = controller(2560, 128, 512)
+    fast = ctrl.attend(module, q, k, v, None, None)  # the fast path: CUDA, unpadded, no capture
+    fast_counts = ctrl.stats.tally(0, "prefill", True).counts()
+    ref = controller(2560, 128, 512)
+    ref.capture = []  # keeps it on the chunked path
+    out = ref.attend(module, q, k, v, None, None)
+    counts = ref.stats.tally(0, "prefill", True).counts()
+    print(f"8k quest: counts fast {fast_counts} chunked {counts}")
+    assert fast_counts[:3] == counts[:3]  # queries, keys attended (sum, max): exactly the budget
+    # KV tokens read: equal up to near-ties of page bounds (cuBLAS may round a bound differently at
+    # another chunk shape)
+    assert abs(fast_counts[4] - counts[4]) <= 1e-4 * counts[4]
+    err = (fast.float() - out.float()).pow(2).mean().sqrt() / out.float().pow(2).mean().sqrt()
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+def test_gpu_quest_memory_stays_low_at_64k():
+    T = 65536
+    q, k, v = gpu_layer(T)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o, counts, _ = ba.quest_attention(q, k, v, scale=0.125, sink=128, local=512, budget=2560, page_size=16)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    print(f"64k quest: extra peak {extra / 2**30:.2f} GiB")
+    assert extra < 2 * 2**30  # the chunked path held 47 GiB at 64k
+    held = torch.arange(T, device="cuda") + 1 > 2560
+    assert (counts[..., held] == 2560).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [8192, 32768, 65536])
+def test_gpu_quest_timing_against_full_attention(T):
+    """Prints one layer's Quest prefill (selection and attention apart, with and without tile skipping)
+    beside SDPA's causal attention (no assertion)."""
+    import torch.nn.functional as F
+
+    q, k, v = gpu_layer(T)
+
+    def timed(fn, n=3):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    full = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    args = dict(scale=0.125, sink=128, local=512, budget=2560, page_size=16)
+    total = timed(lambda: ba.quest_attention(q, k, v, **args))
+    skip = timed(lambda: ba.quest_attention(q, k, v, skip=True, **args))
+    key_min, key_max = ba.quest_summaries(k, 16)
+    W = ba.cdiv(ba.cdiv(T, 16), 32)
+
+    def select_all():
+        for t0, n in ba.quest_steps(32, T, T, 16, 0, T, ba.QUEST_BOUND_ELEMS):
+            ba.quest_page_select(q, key_min, key_max, t_base=t0, Tc=n, T=T, S=T, sink=128, local=512,
+                                 budget=2560, page_size=16, W=W)
+
+    sel = timed(select_all, n=1)
+    print(f"T={T}: full {full:.2f} ms, quest {total:.2f} ms ({total / full:.2f}x; selection ~{sel:.2f} ms), "
+          f"with tile skipping {skip:.2f} ms ({skip / full:.2f}x)")
