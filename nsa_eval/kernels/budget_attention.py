@@ -478,3 +478,255 @@ def budget_attention_reference(q, k, v, keep, *, scale: float):
     counts = keep.sum(-1, dtype=torch.int32)
     kv_read = keep.view(B, HKV, HQ // HKV, T, S).any(2).sum(-1, dtype=torch.int32)
     return o, counts, kv_read
+
+
+# ---------------------------------------------------------------------------------------------
+# Quest: pages ranked by their bound, kept through a per-row page bitmask
+# ---------------------------------------------------------------------------------------------
+# Quest's rule (methods/quest.py, the controller's `_select`): query `p` held to the budget keeps sink,
+# local and its own page, and `picks = budget - forced` candidates (the visible keys outside those)
+# first in (page bound descending, position ascending) order. Every key of a page carries the page's
+# bound, so the kept candidates are whole pages in (bound descending, page ascending) order, the last
+# one cut to its earliest candidates. `quest_page_select` finds them per row from the bounds in
+# PyTorch (`page_bounds`, the chunked path's own function, float32) and hands the attention a bitmask
+# of the kept pages `[B, Hq, Tc, W]` (int32 words, W = cdiv(pages, 32); bit i of word w: page
+# 32 w + i) and `cut`, the last kept position of the cut page: key j of a marked page is kept unless
+# its page is the cut page (`cut // page_size`) and j > cut. Rows not held get every bit and cut
+# INT_MAX. The bounds are computed once, so the selection and the kernel's keep test cannot disagree.
+
+# PyTorch's working set of the selection: float32 bounds of at most this many (row, page) pairs a step
+# (256 MiB; a few temporaries of the same shape, bool and int32, come and go beside them)
+QUEST_BOUND_ELEMS = 64 << 20
+# the page bitmask of one attention launch: at most this many bytes (longer prompts take several
+# launches over consecutive query ranges)
+QUEST_BITS_BYTES = 256 << 20
+
+
+@triton.jit
+def _kept_tile(q, k_base, v_base, sk_t, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr, scale_log2,
+               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr,
+               GP: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr):
+    # the key tile [k0, k0 + BN) joins the online softmax and the counts of the rows that keep its keys
+    s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
+    o_dv = tl.arange(0, BDV)
+    v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
+                mask=(o_k < S)[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
+    if UPCAST:
+        v = v.to(tl.float32)
+    m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
+    k32 = keep.to(tl.int32)
+    cnt += tl.sum(k32, 1)
+    kvr += tl.sum(tl.max(tl.reshape(k32, [BT, GP, BN]), 1), 1)  # the union over the group's heads
+    return m_i, l_i, acc, cnt, kvr
+
+
+@triton.jit
+def _quest_fwd_kernel(
+    Q, K, V, O, BITS, CUT, CNT, KVR,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
+    T, S, HQ, G, sink, local, W, scale_log2,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr, ONE_WORD: tl.constexpr, SKIP: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # Grid (cdiv(T, BT), B * Hkv), as `_budget_fwd_kernel`. BITS `[B, Hq, T, W]` int32 and CUT `[B, Hq,
+    # T]` int32 (contiguous): `quest_page_select`'s. ONE_WORD: a key tile's pages lie in one word of
+    # the mask (BN divides 32 * PS), read once a row. SKIP: a tile no row keeps is not multiplied.
+    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
+    q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, 0, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
+    pos = S - T + r_t  # [M]
+    row = (i_b * HQ + i_h) * T + r_t  # [M]
+    cut = tl.load(CUT + row, mask=m_r, other=INT_MAX)
+    cut_pg = cut // PS
+    own = pos // PS
+    m_i, l_i, acc = softmax_start(BT * GP, BDV)
+    cnt = tl.zeros([BT * GP], tl.int32)
+    kvr = tl.zeros([BT], tl.int32)
+    k_base = K + i_b * sk_b + i_hk * sk_h
+    v_base = V + i_b * sv_b + i_hk * sv_h
+    bits_row = BITS + row.to(tl.int64) * W  # [M]
+    last = S - T + tl.minimum(t0 + BT, T) - 1
+    o_dv = tl.arange(0, BDV)
+    for k0 in range(0, last + 1, BN):
+        o_k = k0 + tl.arange(0, BN)
+        pg = o_k // PS  # [BN]
+        visible = m_r[:, None] & (o_k[None, :] <= pos[:, None])
+        if ONE_WORD:
+            word = tl.load(bits_row + k0 // (32 * PS), mask=m_r, other=0)  # [M]
+            bit = (word[:, None] >> (pg % 32)[None, :]) & 1
+        else:
+            word = tl.load(bits_row[:, None] + (pg // 32)[None, :], mask=visible, other=0)  # [M, BN]
+            bit = (word >> (pg % 32)[None, :]) & 1
+        chosen = (bit != 0) & ((pg[None, :] != cut_pg[:, None]) | (o_k[None, :] <= cut[:, None]))
+        forced = (o_k < sink)[None, :] | (o_k[None, :] > pos[:, None] - local) | (pg[None, :] == own[:, None])
+        keep = visible & (forced | chosen)
+        if SKIP:
+            if tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0:
+                m_i, l_i, acc, cnt, kvr = _kept_tile(q, k_base, v_base, sk_t, sv_t, k0, S, keep, m_i, l_i,
+                                                     acc, cnt, kvr, scale_log2, D, DV, BD, BDV, BT, GP, BN,
+                                                     UPCAST)
+        else:
+            m_i, l_i, acc, cnt, kvr = _kept_tile(q, k_base, v_base, sk_t, sv_t, k0, S, keep, m_i, l_i, acc,
+                                                 cnt, kvr, scale_log2, D, DV, BD, BDV, BT, GP, BN, UPCAST)
+    o, _ = softmax_result(m_i, l_i, acc)
+    o_ptrs = O + i_b * so_b + i_h.to(tl.int64) * so_h + r_t.to(tl.int64) * so_t
+    tl.store(o_ptrs[:, None] + o_dv[None, :], o.to(O.dtype.element_ty),
+             mask=m_r[:, None] & (o_dv < DV)[None, :])
+    tl.store(CNT + row, cnt, mask=m_r)
+    o_t = t0 + tl.arange(0, BT)
+    HKV = HQ // G
+    tl.store(KVR + (i_b * HKV + i_hk) * T + o_t, kvr, mask=o_t < T)
+
+
+def quest_summaries(k, page_size: int):
+    """Per-page per-channel min and max of unpadded keys `[B, Hkv, S, D]` -> key_min, key_max `[B, Hkv,
+    P, D]` float32 (P = cdiv(S, page_size)): `Quest.prepare`'s values, without its scatter."""
+    B, HKV, S, D = k.shape
+    P = cdiv(S, page_size)
+    kf = k.float()
+    pad = P * page_size - S
+    lo = kf if not pad else torch.cat([kf, kf.new_full((B, HKV, pad, D), math.inf)], 2)
+    hi = kf if not pad else torch.cat([kf, kf.new_full((B, HKV, pad, D), -math.inf)], 2)
+    return lo.view(B, HKV, P, page_size, D).amin(3), hi.view(B, HKV, P, page_size, D).amax(3)
+
+
+def _pack_bits(keep_pg, W: int):
+    """`[..., Pc]` bool -> `[..., W]` int32 words (bit i of word w: page 32 w + i)."""
+    Pc = keep_pg.shape[-1]
+    x = torch.nn.functional.pad(keep_pg.to(torch.int32), (0, W * 32 - Pc))  # [..., W * 32]
+    weights = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=x.device)
+    return (x.view(*x.shape[:-1], W, 32) * weights).sum(-1, dtype=torch.int32)
+
+
+def quest_page_select(q, key_min, key_max, *, t_base: int, Tc: int, T: int, S: int, sink: int, local: int,
+                      budget: int, page_size: int, W: int):
+    """Quest's kept pages for the queries `t_base .. t_base + Tc` of q `[B, Hq, T, D]` (S keys, the last T
+    being the queries; key_min/key_max `[B, Hkv, >= P, D]` float32, `quest_summaries`).
+
+    Returns bits `[B, Hq, Tc, W]` int32 (the kept pages, above) and cut `[B, Hq, Tc]` int32 (the last kept
+    position of the cut page; INT_MAX for rows not held). Order: (bound descending, page ascending),
+    the stable sort of the chunked path; the bounds are `page_bounds` of the chunk's float32 queries
+    against the pages up to its last query.
+    """
+    from nsa_eval.methods.quest import page_bounds
+
+    B, HQ, _, _ = q.shape
+    ps, dev = page_size, q.device
+    p = torch.arange(S - T + t_base, S - T + t_base + Tc, device=dev)  # [Tc]
+    bits = torch.full((B, HQ, Tc, W), -1, device=dev, dtype=torch.int32)
+    cut = torch.full((B, HQ, Tc), INT_MAX, device=dev, dtype=torch.int32)
+    h0 = max(0, min(Tc, budget - (S - T + t_base)))  # the chunk's first row held to the budget
+    if h0 == Tc:
+        return bits, cut
+    ph = p[h0:]  # [n]
+    n = ph.numel()
+    Pc = (S - T + t_base + Tc - 1) // ps + 1  # pages up to the last query
+    # the candidates of row p are the interval [sink, min(p - local, own page start - 1)]
+    hi_c = torch.minimum(ph - local, ph // ps * ps - 1)  # [n]
+    picks = budget - (ph + 1 - (hi_c - sink + 1).clamp(min=0))  # [n] budget - forced
+    start = torch.arange(Pc, device=dev) * ps  # [Pc]
+    c = (torch.minimum(start + ps - 1, hi_c[:, None]) - start.clamp(min=sink)[None, :] + 1).clamp(min=0)
+    c = c.to(torch.int32)  # [n, Pc] candidates of each page
+    b = page_bounds(q[:, :, t_base + h0:t_base + Tc].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
+    b.masked_fill_(c == 0, -math.inf)  # [B, Hq, n, Pc]
+    K = min(Pc, cdiv(max(1, int(picks.max())), ps) + 2)  # pages enough to hold picks: <= 2 partial ones
+    top_v, top_i = b.topk(K, dim=-1)  # [B, Hq, n, K] descending (any order among equal bounds)
+    top_c = c.expand(B, HQ, n, Pc).gather(-1, top_i)  # [B, Hq, n, K]
+    cum = top_c.cumsum(-1)
+    i = (cum < picks[:, None]).sum(-1, keepdim=True).clamp(max=K - 1)  # the entry where picks are reached
+    thr = top_v.gather(-1, i)  # [B, Hq, n, 1] the cut page's bound
+    above = top_v > thr  # every page above thr is in the list, before i
+    need = picks - (top_c * above).sum(-1)  # [B, Hq, n] candidates still to take at thr, >= 1
+    eq = b == thr  # [B, Hq, n, Pc]
+    if int(eq.sum(-1).max()) > 1:  # ties at thr: pages in ascending order, the rows' exact rule
+        ceq = torch.where(eq, c, 0).cumsum(-1, dtype=torch.int32)  # [B, Hq, n, Pc]
+        cut_pg = (ceq < need[..., None]).sum(-1)  # [B, Hq, n]
+        before = ceq.gather(-1, (cut_pg - 1).clamp(min=0)[..., None])[..., 0] * (cut_pg > 0)
+        keep_pg = (b > thr) | (eq & (torch.arange(Pc, device=dev) <= cut_pg[..., None]))
+        words = _pack_bits(keep_pg, W)
+    else:  # one page at thr: the list's first i + 1 entries
+        cut_pg = top_i.gather(-1, i)[..., 0]
+        before = torch.zeros_like(cut_pg)
+        one = torch.pow(2, top_i % 32)  # [B, Hq, n, K] int64: the page's bit in its word
+        one = torch.where(one >= 1 << 31, one - (1 << 32), one).to(torch.int32)
+        taken = torch.arange(K, device=dev) <= i
+        words = torch.zeros(B, HQ, n, W, device=dev, dtype=torch.int32)
+        words.scatter_add_(-1, top_i // 32, one * taken)
+    cut_pos = (cut_pg * ps).clamp(min=sink) + (need - before) - 1  # [B, Hq, n]
+    none = picks <= 0  # [n] rows that pick nothing (budget = sink + local)
+    bits[:, :, h0:] = torch.where(none[:, None], 0, words)
+    cut[:, :, h0:] = torch.where(none, INT_MAX, cut_pos.to(torch.int32))
+    return bits, cut
+
+
+def quest_steps(rows: int, T: int, S: int, page_size: int, t_lo: int, t_hi: int, bound_elems: int):
+    """The selection steps `(t0, n)` over the queries `t_lo .. t_hi` of T: each of at most `bound_elems`
+    bounds, `rows` (B * Hq) x n queries x the pages up to its last query."""
+    t0 = t_lo
+    while t0 < t_hi:
+        n = max(1, bound_elems // (rows * ((S - T + t0) // page_size + 1)))
+        while n > 1 and rows * n * ((S - T + t0 + n - 1) // page_size + 1) > bound_elems:
+            n = max(1, n * 3 // 4)
+        n = min(n, t_hi - t0)
+        yield t0, n
+        t0 += n
+
+
+def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int, page_size: int,
+                    bound_elems: int | None = None, bits_bytes: int | None = None, skip: bool = False):
+    """Quest's budgeted attention over unpadded keys: `budget_attention`'s shapes and returns (o, counts
+    `[B, Hq, T]`, kv_read `[B, Hkv, T]`), with the keys of `quest_page_select`'s pages. The queries go in
+    launches of at most `bits_bytes` of page mask, each filled by selection steps of at most
+    `bound_elems` bounds; `skip`: the kernel multiplies only key tiles some row of its program keeps."""
+    bound_elems = QUEST_BOUND_ELEMS if bound_elems is None else bound_elems
+    bits_bytes = QUEST_BITS_BYTES if bits_bytes is None else bits_bytes
+    B, HQ, T, D = q.shape
+    HKV, S, DV = k.shape[1], k.shape[2], v.shape[3]
+    G = HQ // HKV
+    ps = page_size
+    P = cdiv(S, ps)
+    W = cdiv(P, 32)
+    cfg = _config(G, q.dtype)
+    key_min, key_max = quest_summaries(k, ps)
+    o = torch.empty(B, HQ, T, DV, device=q.device, dtype=q.dtype)
+    counts = torch.empty(B, HQ, T, device=q.device, dtype=torch.int32)
+    kv_read = torch.empty(B, HKV, T, device=q.device, dtype=torch.int32)
+    rows = max(cfg["BT"], bits_bytes // (B * HQ * W * 4) // cfg["BT"] * cfg["BT"])
+    for l0 in range(0, T, rows):
+        L = min(rows, T - l0)
+        bits = torch.empty(B, HQ, L, W, device=q.device, dtype=torch.int32)
+        cut = torch.empty(B, HQ, L, device=q.device, dtype=torch.int32)
+        for t0, n in quest_steps(B * HQ, T, S, ps, l0, l0 + L, bound_elems):
+            bits[:, :, t0 - l0:t0 - l0 + n], cut[:, :, t0 - l0:t0 - l0 + n] = quest_page_select(
+                q, key_min, key_max, t_base=t0, Tc=n, T=T, S=S, sink=sink, local=local, budget=budget,
+                page_size=ps, W=W)
+        Sl = S - T + l0 + L  # keys up to the launch's last query: its queries are their last L
+        cnt = torch.empty(B, HQ, L, device=q.device, dtype=torch.int32)
+        kvr = torch.empty(B, HKV, L, device=q.device, dtype=torch.int32)
+        qs, os_ = q[:, :, l0:l0 + L], o[:, :, l0:l0 + L]
+        grid = (cdiv(L, cfg["BT"]), B * HKV)
+        launcher(_quest_fwd_kernel)[grid](
+            qs, k, v, os_, bits, cut, cnt, kvr,
+            *_s(qs), *_s(k), *_s(v), *_s(os_), L, Sl, HQ, G, sink, local, W, scale * LOG2E,
+            D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], PS=ps,
+            ONE_WORD=(32 * ps) % cfg["BN"] == 0, SKIP=skip, UPCAST=interpreting(),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        counts[:, :, l0:l0 + L] = cnt
+        kv_read[:, :, l0:l0 + L] = kvr
+    return o, counts, kv_read
+
+
+def quest_keep_from_masks(bits, cut, *, t_base: int, T: int, S: int, sink: int, local: int, page_size: int):
+    """The kept keys `[B, Hq, Tc, S]` bool that `_quest_fwd_kernel` applies for `quest_page_select`'s bits
+    and cut of the queries `t_base .. t_base + Tc` (a PyTorch reading of the rule, for tests)."""
+    Tc = bits.shape[2]
+    p = torch.arange(S - T + t_base, S - T + t_base + Tc, device=bits.device)[:, None]  # [Tc, 1]
+    j = torch.arange(S, device=bits.device)  # [S]
+    pg = j // page_size
+    word = bits.gather(-1, (pg // 32).expand(*bits.shape[:3], S))  # [B, Hq, Tc, S]
+    bit = ((word >> (pg % 32)) & 1) != 0
+    cut = cut[..., None].long()
+    chosen = bit & ((pg != cut // page_size) | (j <= cut))
+    forced = (j < sink) | (j > p - local) | (pg == p // page_size)
+    return (j <= p) & (forced | chosen)

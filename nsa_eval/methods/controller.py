@@ -218,7 +218,8 @@ class AttentionController:
     def _fast_prefill(self, query, key, value, scaling, kpos, qpos, tally, layer) -> Tensor:
         """The same keys, outputs and counts as the chunked path, from `kernels/budget_attention.py`:
         query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]` (unpadded) -> `[B, T, Hq, Dv]`. A top-k row whose
-        threshold bracket missed (`topk_thresholds`' `failed`) is computed by `_reference_rows`."""
+        threshold bracket missed (`topk_thresholds`' `failed`) is computed by `_reference_rows`; Quest
+        (`quest_attention`) has no such rows."""
         from nsa_eval.kernels import _validate
         from nsa_eval.kernels import budget_attention as ba
 
@@ -228,8 +229,12 @@ class AttentionController:
         thr = cut = None
         if self.method.fast_prefill == "topk":
             thr, cut, failed = ba.topk_thresholds(q, k, sink=cfg.sink, local=cfg.local, budget=cfg.budget)
-        out, counts, kv_read = ba.budget_attention(q, k, v, scale=scaling, sink=cfg.sink, local=cfg.local,
-                                                   thr=thr, cut=cut)
+        if self.method.fast_prefill == "quest":
+            out, counts, kv_read = ba.quest_attention(q, k, v, scale=scaling, sink=cfg.sink, local=cfg.local,
+                                                      budget=cfg.budget, page_size=self.method.page_size)
+        else:
+            out, counts, kv_read = ba.budget_attention(q, k, v, scale=scaling, sink=cfg.sink,
+                                                       local=cfg.local, thr=thr, cut=cut)
         if thr is not None:
             redo = failed.flatten(0, 1).any(0).nonzero()[:, 0]  # [n] query indices some head missed
             if redo.numel():

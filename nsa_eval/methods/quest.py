@@ -62,6 +62,7 @@ class Quest(AttentionMethod):
 
     name = "quest"
     stable_ties = True
+    fast_prefill = "quest"
 
     page_size: int = 16
 
