@@ -536,7 +536,7 @@ def _quest_fwd_kernel(
     q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, 0, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
     pos = S - T + r_t  # [M]
     row = (i_b * HQ + i_h) * T + r_t  # [M]
-    cut = tl.load(CUT + row, mask=m_r, other=INT_MAX)
+    cut = tl.load(CUT + row, mask=m_r, other=2147483647)  # INT_MAX: rows not held keep every marked page
     cut_pg = cut // PS
     own = pos // PS
     m_i, l_i, acc = softmax_start(BT * GP, BDV)
