@@ -578,6 +578,72 @@ def _quest_fwd_kernel(
     tl.store(KVR + (i_b * HKV + i_hk) * T + o_t, kvr, mask=o_t < T)
 
 
+@triton.jit
+def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, budget,
+                        PS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    # `quest_page_select` in one pass over the bounds: BR rows a program of BND `[B * Hq, n, Pc]` float32
+    # (`page_bounds` of n queries at positions p0 .., their pages up to the last one). Row r = (bh, t)
+    # writes its page mask to BITS `[B * Hq, L, W]` row (bh, t_off + t) (words past BC // 32 untouched:
+    # the caller zeroes them) and its cut to CUT `[B * Hq, L]`. The picks-th candidate in (bound
+    # descending, page ascending) order: a bisection over the bounds' bits (ordered int keys) for the
+    # largest key with at least `picks` candidates at or above it, weighted by each page's candidates.
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
+    m_r = o_r < R
+    t = o_r % n
+    p = p0 + t  # [BR] query positions
+    o_c = tl.arange(0, BC)  # [BC] pages
+    hi_c = tl.minimum(p - local, p // PS * PS - 1)  # candidates: [sink, hi_c]
+    picks = budget - (p + 1 - tl.maximum(hi_c - sink + 1, 0))  # [BR]
+    start = o_c * PS
+    c = tl.minimum(start[None, :] + PS - 1, hi_c[:, None]) - tl.maximum(start, sink)[None, :] + 1
+    c = tl.maximum(c, 0).to(tl.int32)  # [BR, BC] candidates of each page
+    valid = m_r[:, None] & (o_c < Pc)[None, :] & (c > 0)
+    x = tl.load(BND + o_r[:, None] * Pc + o_c[None, :], mask=valid, other=float("-inf"))
+    bits = x.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(bits < 0, -2147483648 - bits, bits)  # ordered like the floats
+    key = tl.where(valid, key, -4294967296)  # pages without candidates below every bound
+    lo = tl.full([BR], -2147483649, tl.int64)
+    hi = tl.full([BR], 2147483647, tl.int64)
+    for _ in range(33):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum(tl.where(key >= mid[:, None], c, 0), 1) >= picks
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = valid & (key > lo[:, None])
+    need = picks - tl.sum(tl.where(above, c, 0), 1)  # candidates still to take at the threshold
+    tied = valid & (key == lo[:, None])
+    ceq = tl.cumsum(tl.where(tied, c, 0), 1)  # [BR, BC] nondecreasing
+    short = ceq < need[:, None]
+    cut_pg = tl.sum(short.to(tl.int32), 1)  # the first page where the tied pages reach need
+    before = tl.max(tl.where(short, ceq, 0), 1)
+    cut = tl.maximum(cut_pg * PS, sink) + need - before - 1
+    keep = above | (tied & (o_c[None, :] <= cut_pg[:, None]))
+    held = p + 1 > budget
+    keep = tl.where(held[:, None], keep & (picks > 0)[:, None], (start[None, :] <= p[:, None]))
+    cut = tl.where(held & (picks > 0), cut, 2147483647)
+    lane = (o_c % 32)[None, :]
+    words = tl.sum(tl.reshape(keep.to(tl.int32) << lane, [BR, BC // 32, 32]), 2)  # [BR, BC // 32]
+    o_w = tl.arange(0, BC // 32)
+    out = o_r // n * L + t_off + t  # [BR] the row in the launch's buffers
+    tl.store(BITS + out[:, None] * W + o_w[None, :], words, mask=m_r[:, None] & (o_w < W)[None, :])
+    tl.store(CUT + out, cut.to(tl.int32), mask=m_r)
+
+
+def page_select_into(bounds, bits, cut, *, t_off: int, p0: int, sink: int, local: int, budget: int,
+                     page_size: int) -> None:
+    """`quest_page_select` by `_page_select_kernel`: bounds `[B, Hq, n, Pc]` float32 of the queries at
+    positions `p0 ..` (contiguous) -> their rows `t_off ..` of bits `[B, Hq, L, W]` (zero past the
+    words of Pc pages) and cut `[B, Hq, L]`."""
+    B, HQ, n, Pc = bounds.shape
+    L, W = bits.shape[2], bits.shape[3]
+    BC = pow2(Pc, 32)
+    BR = 16 if interpreting() else max(1, 4096 // BC)
+    R = B * HQ * n
+    launcher(_page_select_kernel)[(cdiv(R, BR),)](bounds, bits, cut, R, n, Pc, W, L, t_off, p0, sink, local,
+                                                  budget, PS=page_size, BR=BR, BC=BC,
+                                                  num_warps=4 if BC <= 4096 else 8)
+
+
 def quest_summaries(k, page_size: int):
     """Per-page per-channel min and max of unpadded keys `[B, Hkv, S, D]` -> key_min, key_max `[B, Hkv,
     P, D]` float32 (P = cdiv(S, page_size)): `Quest.prepare`'s values, without its scatter."""
@@ -673,11 +739,16 @@ def quest_steps(rows: int, T: int, S: int, page_size: int, t_lo: int, t_hi: int,
 
 
 def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int, page_size: int,
-                    bound_elems: int | None = None, bits_bytes: int | None = None, skip: bool = False):
+                    bound_elems: int | None = None, bits_bytes: int | None = None, skip: bool = False,
+                    select: str = "triton"):
     """Quest's budgeted attention over unpadded keys: `budget_attention`'s shapes and returns (o, counts
     `[B, Hq, T]`, kv_read `[B, Hkv, T]`), with the keys of `quest_page_select`'s pages. The queries go in
     launches of at most `bits_bytes` of page mask, each filled by selection steps of at most
-    `bound_elems` bounds; `skip`: the kernel multiplies only key tiles some row of its program keeps."""
+    `bound_elems` bounds (`page_bounds`, PyTorch), the kept pages found by `_page_select_kernel` (select
+    "triton") or `quest_page_select` (select "torch", the readable reference); `skip`: the kernel
+    multiplies only key tiles some row of its program keeps."""
+    from nsa_eval.methods.quest import page_bounds
+
     bound_elems = QUEST_BOUND_ELEMS if bound_elems is None else bound_elems
     bits_bytes = QUEST_BITS_BYTES if bits_bytes is None else bits_bytes
     B, HQ, T, D = q.shape
@@ -694,12 +765,18 @@ def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int
     rows = max(cfg["BT"], bits_bytes // (B * HQ * W * 4) // cfg["BT"] * cfg["BT"])
     for l0 in range(0, T, rows):
         L = min(rows, T - l0)
-        bits = torch.empty(B, HQ, L, W, device=q.device, dtype=torch.int32)
+        bits = torch.zeros(B, HQ, L, W, device=q.device, dtype=torch.int32)
         cut = torch.empty(B, HQ, L, device=q.device, dtype=torch.int32)
         for t0, n in quest_steps(B * HQ, T, S, ps, l0, l0 + L, bound_elems):
-            bits[:, :, t0 - l0:t0 - l0 + n], cut[:, :, t0 - l0:t0 - l0 + n] = quest_page_select(
-                q, key_min, key_max, t_base=t0, Tc=n, T=T, S=S, sink=sink, local=local, budget=budget,
-                page_size=ps, W=W)
+            if select == "torch":
+                bits[:, :, t0 - l0:t0 - l0 + n], cut[:, :, t0 - l0:t0 - l0 + n] = quest_page_select(
+                    q, key_min, key_max, t_base=t0, Tc=n, T=T, S=S, sink=sink, local=local, budget=budget,
+                    page_size=ps, W=W)
+                continue
+            Pc = (S - T + t0 + n - 1) // ps + 1
+            bounds = page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
+            page_select_into(bounds, bits, cut, t_off=t0 - l0, p0=S - T + t0, sink=sink, local=local,
+                             budget=budget, page_size=ps)
         Sl = S - T + l0 + L  # keys up to the launch's last query: its queries are their last L
         cnt = torch.empty(B, HQ, L, device=q.device, dtype=torch.int32)
         kvr = torch.empty(B, HKV, L, device=q.device, dtype=torch.int32)

@@ -109,6 +109,65 @@ def test_page_select_keeps_the_chunked_paths_keys(case, step):
     assert torch.equal(got, keep)
 
 
+def kernel_select(q, k, *, sink, local, budget, page_size, step, L=None):
+    """bits and cut of every query from `_page_select_kernel` (`page_select_into`), in selection steps of
+    `step` queries written into launch buffers of `L` rows."""
+    from nsa_eval.methods.quest import page_bounds
+
+    B, Hq, T, _ = q.shape
+    S = k.shape[2]
+    key_min, key_max = ba.quest_summaries(k, page_size)
+    W = ba.cdiv(ba.cdiv(S, page_size), 32)
+    L = L or T
+    bits, cut = [], []
+    for l0 in range(0, T, L):
+        n_l = min(L, T - l0)
+        b = torch.zeros(B, Hq, n_l, W, dtype=torch.int32)
+        c = torch.empty(B, Hq, n_l, dtype=torch.int32)
+        for t0 in range(l0, l0 + n_l, step):
+            n = min(step, l0 + n_l - t0)
+            Pc = (S - T + t0 + n - 1) // page_size + 1
+            bounds = page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
+            ba.page_select_into(bounds, b, c, t_off=t0 - l0, p0=S - T + t0, sink=sink, local=local,
+                                budget=budget, page_size=page_size)
+        bits.append(b)
+        cut.append(c)
+    return torch.cat(bits, 2), torch.cat(cut, 2)
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_the_select_kernel_keeps_the_reference_selections_keys(case):
+    """`_page_select_kernel` (a weighted bisection over the bounds' bits) keeps the keys of
+    `quest_page_select` (topk over pages, in PyTorch), in steps of 11 queries and launches of 24."""
+    B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page = case
+    q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=1)
+    bits, cut = kernel_select(q, k, sink=sink, local=local, budget=budget, page_size=page, step=11, L=24)
+    got = ba.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local, page_size=page)
+    assert torch.equal(got, selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page))
+
+
+@interpreter_only
+@pytest.mark.parametrize("case", CASES[:4], ids=IDS[:4])
+def test_integer_data_ties_everywhere(case):
+    """Queries and keys in -2..2: exact integer bounds, ties between pages at most cuts. The torch and
+    kernel selections (in steps) keep the chunked path's keys, and the fast prefill its counts."""
+    B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page = case
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-2, 3, (B, Hq, T, D), generator=g).to(dtype)
+    k = torch.randint(-2, 3, (B, Hkv, S, D), generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    out, keep, counts = reference_attend(q, k, v, budget, sink, local, page)
+    torch_keep = selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page, step=9)
+    assert torch.equal(torch_keep, keep)
+    bits, cut = kernel_select(q, k, sink=sink, local=local, budget=budget, page_size=page, step=9, L=20)
+    got = ba.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local, page_size=page)
+    assert torch.equal(got, keep)
+    fast, fast_counts = fast_attend(q, k, v, budget, sink, local, page)
+    assert fast_counts == counts
+    torch.testing.assert_close(fast.float(), out.float(), **tol(dtype))
+
+
 @interpreter_only
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_controller_fast_prefill_matches_its_chunked_path(case):
@@ -123,9 +182,10 @@ def test_controller_fast_prefill_matches_its_chunked_path(case):
 
 
 @interpreter_only
+@pytest.mark.parametrize("select", ["triton", "torch"])
 @pytest.mark.parametrize("one_word", [True, False])
 @pytest.mark.parametrize("skip", [False, True])
-def test_kernel_counts_and_outputs_against_the_masks(one_word, skip, monkeypatch):
+def test_kernel_counts_and_outputs_against_the_masks(one_word, skip, select, monkeypatch):
     """The kernel applies the masks' rule (both ways of reading the mask; with and without skipping the
     tiles no row keeps), over several launches and selection steps."""
     B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page = CASES[1]
@@ -135,7 +195,7 @@ def test_kernel_counts_and_outputs_against_the_masks(one_word, skip, monkeypatch
         monkeypatch.setattr(ba, "_config", lambda G, dtype: tiles)
     o, counts, kv_read = ba.quest_attention(q, k, v, scale=D**-0.5, sink=sink, local=local, budget=budget,
                                             page_size=page, bound_elems=B * Hq * 9 * 30,
-                                            bits_bytes=B * Hq * 1 * 4 * 24, skip=skip)
+                                            bits_bytes=B * Hq * 1 * 4 * 24, skip=skip, select=select)
     keep = selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page)
     o_ref, counts_ref, kv_ref = ba.budget_attention_reference(q, k, v, keep, scale=D**-0.5)
     assert torch.equal(counts, counts_ref) and torch.equal(kv_read, kv_ref)
@@ -144,11 +204,16 @@ def test_kernel_counts_and_outputs_against_the_masks(one_word, skip, monkeypatch
 
 @pytest.mark.parametrize("page", [4, 8])
 def test_equal_bounds_go_to_the_lower_page(page):
-    """Every page holds the same keys (in a different order), so every page bound is equal, bit for bit:
-    the chunked path's stable sort keeps the earliest candidates, and so do the masks. Then half the
-    pages are made distinct, leaving ties among the rest at the cut."""
-    B, Hq, Hkv, T, S, D, dtype, sink, local, budget = 1, 4, 2, 96, 96, 16, torch.float32, 4, 8, 40
-    q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=3)
+    """Small integer queries and keys make every bound an exact integer, whatever the product's order or
+    shape (a float bound may round differently at another step's shape). Every page holds the same keys
+    (in a different order), so every page bound is equal: the chunked path's stable sort keeps the
+    earliest candidates, and so do the masks. Then some pages are lifted, leaving ties among the rest
+    at the cut."""
+    B, Hq, Hkv, T, S, D, sink, local, budget = 1, 4, 2, 96, 96, 16, 4, 8, 40
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-3, 4, (B, Hq, T, D), generator=g).float()
+    k = torch.randint(-3, 4, (B, Hkv, S, D), generator=g).float()
+    v = torch.randn(B, Hkv, S, D, generator=g)
     base = k[:, :, :page]
     for p0 in range(0, S, page):
         k[:, :, p0:p0 + page] = base.roll(p0 // page, dims=2)
@@ -160,12 +225,17 @@ def test_equal_bounds_go_to_the_lower_page(page):
     lowest = pos < budget - local  # sink, then the earliest candidates (the own page lies in local)
     assert torch.equal(keep[0, 0, budget:], ((lowest | (pos > p - local)) & (pos <= p))[budget:])
     k2 = k.clone()
-    k2[:, :, 3 * page::2 * page] += 5  # lift the first key of every other page from the fourth on
+    k2[:, :, 3 * page::2 * page] += 1  # lift the first key of every other page from the fourth on
     _, keep2, _ = reference_attend(q, k2, v, budget, sink, local, page)
     assert torch.equal(selected_keep(q, k2, sink=sink, local=local, budget=budget, page_size=page), keep2)
     if INTERPRET:
         fast, fast_counts = fast_attend(q, k, v, budget, sink, local, page)
         assert fast_counts == counts
+        for kk, expected in ((k, keep), (k2, keep2)):
+            bits, cut = kernel_select(q, kk, sink=sink, local=local, budget=budget, page_size=page, step=13)
+            got = ba.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local,
+                                           page_size=page)
+            assert torch.equal(got, expected)
 
 
 def test_quest_takes_the_fast_prefill():
