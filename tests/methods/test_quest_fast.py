@@ -298,9 +298,12 @@ def test_gpu_quest_memory_stays_low_at_64k():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [8192, 32768, 65536])
 def test_gpu_quest_timing_against_full_attention(T):
-    """Prints one layer's Quest prefill (selection and attention apart, with and without tile skipping)
-    beside SDPA's causal attention (no assertion)."""
+    """Prints one layer's Quest prefill beside SDPA's causal attention (no assertion): the whole of
+    `quest_attention`, its selection alone (bounds in PyTorch, then the Triton select), and the variants
+    (tile skipping in the attention; the PyTorch select)."""
     import torch.nn.functional as F
+
+    from nsa_eval.methods.quest import page_bounds
 
     q, k, v = gpu_layer(T)
 
@@ -319,14 +322,22 @@ def test_gpu_quest_timing_against_full_attention(T):
     args = dict(scale=0.125, sink=128, local=512, budget=2560, page_size=16)
     total = timed(lambda: ba.quest_attention(q, k, v, **args))
     skip = timed(lambda: ba.quest_attention(q, k, v, skip=True, **args))
-    key_min, key_max = ba.quest_summaries(k, 16)
+    torch_select = timed(lambda: ba.quest_attention(q, k, v, select="torch", **args), n=1)
     W = ba.cdiv(ba.cdiv(T, 16), 32)
+    bits = torch.zeros(1, 32, T, W, device="cuda", dtype=torch.int32)
+    cut = torch.empty(1, 32, T, device="cuda", dtype=torch.int32)
 
-    def select_all():
+    def selection(bounds_only=False):
+        key_min, key_max = ba.quest_summaries(k, 16)
         for t0, n in ba.quest_steps(32, T, T, 16, 0, T, ba.QUEST_BOUND_ELEMS):
-            ba.quest_page_select(q, key_min, key_max, t_base=t0, Tc=n, T=T, S=T, sink=128, local=512,
-                                 budget=2560, page_size=16, W=W)
+            Pc = (t0 + n - 1) // 16 + 1
+            bounds = page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
+            if not bounds_only:
+                ba.page_select_into(bounds, bits, cut, t_off=t0, p0=t0, sink=128, local=512, budget=2560,
+                                    page_size=16)
 
-    sel = timed(select_all, n=1)
-    print(f"T={T}: full {full:.2f} ms, quest {total:.2f} ms ({total / full:.2f}x; selection ~{sel:.2f} ms), "
-          f"with tile skipping {skip:.2f} ms ({skip / full:.2f}x)")
+    bounds = timed(lambda: selection(bounds_only=True))
+    sel = timed(selection)
+    print(f"T={T}: full {full:.2f} ms, quest {total:.2f} ms ({total / full:.2f}x: bounds {bounds:.2f} ms, "
+          f"select {sel - bounds:.2f} ms, attention ~{total - sel:.2f} ms); with tile skipping {skip:.2f} ms "
+          f"({skip / full:.2f}x); with the PyTorch select {torch_select:.2f} ms ({torch_select / full:.2f}x)")
