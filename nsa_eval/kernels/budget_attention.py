@@ -725,6 +725,16 @@ def quest_page_select(q, key_min, key_max, *, t_base: int, Tc: int, T: int, S: i
     return bits, cut
 
 
+def _page_bounds(q, key_min, key_max):
+    """`quest.page_bounds` bit for bit (the same two products and one float32 sum), holding one
+    `[B, Hq, Tc, P]` temporary fewer."""
+    from nsa_eval.methods.base import grouped_scores
+
+    bounds = grouped_scores(q.clamp(min=0), key_max)  # [B, Hq, Tc, P]
+    bounds += grouped_scores(q.clamp(max=0), key_min)
+    return bounds
+
+
 def quest_steps(rows: int, T: int, S: int, page_size: int, t_lo: int, t_hi: int, bound_elems: int):
     """The selection steps `(t0, n)` over the queries `t_lo .. t_hi` of T: each of at most `bound_elems`
     bounds, `rows` (B * Hq) x n queries x the pages up to its last query."""
@@ -747,8 +757,6 @@ def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int
     `bound_elems` bounds (`page_bounds`, PyTorch), the kept pages found by `_page_select_kernel` (select
     "triton") or `quest_page_select` (select "torch", the readable reference); `skip`: the kernel
     multiplies only key tiles some row of its program keeps."""
-    from nsa_eval.methods.quest import page_bounds
-
     bound_elems = QUEST_BOUND_ELEMS if bound_elems is None else bound_elems
     bits_bytes = QUEST_BITS_BYTES if bits_bytes is None else bits_bytes
     B, HQ, T, D = q.shape
@@ -774,7 +782,7 @@ def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int
                     page_size=ps, W=W)
                 continue
             Pc = (S - T + t0 + n - 1) // ps + 1
-            bounds = page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
+            bounds = _page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
             page_select_into(bounds, bits, cut, t_off=t0 - l0, p0=S - T + t0, sink=sink, local=local,
                              budget=budget, page_size=ps)
         Sl = S - T + l0 + L  # keys up to the launch's last query: its queries are their last L

@@ -89,6 +89,14 @@ def selected_keep(q, k, *, sink, local, budget, page_size, step=None):
     return torch.cat(parts, 2)
 
 
+def test_bounds_are_quests_own():
+    from nsa_eval.methods.quest import page_bounds
+
+    q, k, _ = qkv(2, 8, 2, 40, 70, 16, torch.bfloat16)
+    key_min, key_max = ba.quest_summaries(k, 16)
+    assert torch.equal(ba._page_bounds(q.float(), key_min, key_max), page_bounds(q.float(), key_min, key_max))
+
+
 def test_summaries_are_quests_own():
     from nsa_eval.methods.quest import Quest
 
@@ -303,8 +311,6 @@ def test_gpu_quest_timing_against_full_attention(T):
     (tile skipping in the attention; the PyTorch select)."""
     import torch.nn.functional as F
 
-    from nsa_eval.methods.quest import page_bounds
-
     q, k, v = gpu_layer(T)
 
     def timed(fn, n=3):
@@ -331,7 +337,7 @@ def test_gpu_quest_timing_against_full_attention(T):
         key_min, key_max = ba.quest_summaries(k, 16)
         for t0, n in ba.quest_steps(32, T, T, 16, 0, T, ba.QUEST_BOUND_ELEMS):
             Pc = (t0 + n - 1) // 16 + 1
-            bounds = page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
+            bounds = ba._page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
             if not bounds_only:
                 ba.page_select_into(bounds, bits, cut, t_off=t0, p0=t0, sink=128, local=512, budget=2560,
                                     page_size=16)
