@@ -1,4 +1,5 @@
-"""Budgeted causal attention for the training-free baselines' prefill (`sink_window`, `topk`), in Triton.
+"""Budgeted causal attention for the training-free baselines' prefill (`sink_window`, `topk`, `quest`), in
+Triton. Quest's page selection and kernel have their own section below (`quest_attention`).
 
 Shapes (the controller's, transformers' attention interface): q `[B, Hq, T, D]`, k and v
 `[B, Hkv, S, Dv|D]` with `Hq = G * Hkv` (query head `h` reads KV head `h // G`); the T queries are the
