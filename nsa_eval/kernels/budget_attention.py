@@ -586,8 +586,9 @@ def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, 
     # (`page_bounds` of n queries at positions p0 .., their pages up to the last one). Row r = (bh, t)
     # writes its page mask to BITS `[B * Hq, L, W]` row (bh, t_off + t) (words past BC // 32 untouched:
     # the caller zeroes them) and its cut to CUT `[B * Hq, L]`. The picks-th candidate in (bound
-    # descending, page ascending) order: a bisection over the bounds' bits (ordered int keys) for the
-    # largest key with at least `picks` candidates at or above it, weighted by each page's candidates.
+    # descending, page ascending) order: a bisection over the bounds' bits (uint32 keys ordered like the
+    # floats, 32 steps from the top bit) for the largest key with at least `picks` candidates at or above
+    # it, each page weighted by its candidates.
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
     m_r = o_r < R
     t = o_r % n
@@ -599,20 +600,19 @@ def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, 
     c = tl.minimum(start[None, :] + PS - 1, hi_c[:, None]) - tl.maximum(start, sink)[None, :] + 1
     c = tl.maximum(c, 0).to(tl.int32)  # [BR, BC] candidates of each page
     valid = m_r[:, None] & (o_c < Pc)[None, :] & (c > 0)
-    x = tl.load(BND + o_r[:, None] * Pc + o_c[None, :], mask=valid, other=float("-inf"))
-    bits = x.to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where(bits < 0, -2147483648 - bits, bits)  # ordered like the floats
-    key = tl.where(valid, key, -4294967296)  # pages without candidates below every bound
-    lo = tl.full([BR], -2147483649, tl.int64)
-    hi = tl.full([BR], 2147483647, tl.int64)
-    for _ in range(33):
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum(tl.where(key >= mid[:, None], c, 0), 1) >= picks
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    above = valid & (key > lo[:, None])
+    c = tl.where(valid, c, 0)
+    x = tl.load(BND + o_r[:, None] * Pc + o_c[None, :], mask=valid, other=float("-inf")) + 0.0  # -0 -> +0
+    bits = x.to(tl.int32, bitcast=True)
+    # uint32 keys ordered like the floats: negative floats' magnitude bits flipped, then the sign bit
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
+    thr = tl.zeros([BR], tl.uint32)
+    for i in range(32):  # the largest key with at least `picks` candidates at or above it, bit by bit
+        trial = thr | (tl.full([BR], 1, tl.uint32) << (31 - i))
+        enough = tl.sum(tl.where(key >= trial[:, None], c, 0), 1) >= picks
+        thr = tl.where(enough, trial, thr)
+    above = valid & (key > thr[:, None])
     need = picks - tl.sum(tl.where(above, c, 0), 1)  # candidates still to take at the threshold
-    tied = valid & (key == lo[:, None])
+    tied = valid & (key == thr[:, None])
     ceq = tl.cumsum(tl.where(tied, c, 0), 1)  # [BR, BC] nondecreasing
     short = ceq < need[:, None]
     cut_pg = tl.sum(short.to(tl.int32), 1)  # the first page where the tied pages reach need
