@@ -504,11 +504,29 @@ QUEST_BITS_BYTES = 256 << 20
 
 
 @triton.jit
-def _kept_tile(q, k_base, v_base, sk_t, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr, scale_log2,
-               D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr,
-               GP: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr):
-    # the key tile [k0, k0 + BN) joins the online softmax and the counts of the rows that keep its keys
-    s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
+def _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN: tl.constexpr, PS: tl.constexpr,
+                ONE_WORD: tl.constexpr):
+    # [M, BN] the keys of tile [k0, k0 + BN) each row keeps: visible, and sink, local or own page (j >
+    # near), or in a marked page and not past the cut within the cut page (cut < j < cut_end)
+    o_k = k0 + tl.arange(0, BN)
+    pg = o_k // PS  # [BN]
+    visible = m_r[:, None] & (o_k[None, :] <= pos[:, None])
+    if ONE_WORD:  # the tile's pages, shifted to the low bits of the row's word, against constant masks
+        word = tl.load(bits_row + k0 // (32 * PS), mask=m_r, other=0) >> (k0 // PS % 32)  # [M]
+        bit = word[:, None] & (1 << (tl.arange(0, BN) // PS))[None, :]
+    else:
+        word = tl.load(bits_row[:, None] + (pg // 32)[None, :], mask=visible, other=0)  # [M, BN]
+        bit = (word >> (pg % 32)[None, :]) & 1
+    chosen = (bit != 0) & ((o_k[None, :] <= cut[:, None]) | (o_k[None, :] >= cut_end[:, None]))
+    return visible & ((o_k < sink)[None, :] | (o_k[None, :] > near[:, None]) | chosen)
+
+
+@triton.jit
+def _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr, scale_log2, DV: tl.constexpr,
+               BDV: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr):
+    # the key tile [k0, k0 + BN) (scores s [M, BN]) joins the online softmax and the counts of the rows
+    # that keep its keys
+    o_k = k0 + tl.arange(0, BN)
     o_dv = tl.arange(0, BDV)
     v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
                 mask=(o_k < S)[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
@@ -538,8 +556,8 @@ def _quest_fwd_kernel(
     pos = S - T + r_t  # [M]
     row = (i_b * HQ + i_h) * T + r_t  # [M]
     cut = tl.load(CUT + row, mask=m_r, other=2147483647)  # INT_MAX: rows not held keep every marked page
-    cut_pg = cut // PS
-    own = pos // PS
+    cut_end = (cut // PS + 1) * PS  # keys cut < j < cut_end: the cut page's candidates past the cut
+    near = tl.minimum(pos - local, pos // PS * PS - 1)  # keys j > near: local, or the query's own page
     m_i, l_i, acc = softmax_start(BT * GP, BDV)
     cnt = tl.zeros([BT * GP], tl.int32)
     kvr = tl.zeros([BT], tl.int32)
@@ -549,26 +567,17 @@ def _quest_fwd_kernel(
     last = S - T + tl.minimum(t0 + BT, T) - 1
     o_dv = tl.arange(0, BDV)
     for k0 in range(0, last + 1, BN):
-        o_k = k0 + tl.arange(0, BN)
-        pg = o_k // PS  # [BN]
-        visible = m_r[:, None] & (o_k[None, :] <= pos[:, None])
-        if ONE_WORD:
-            word = tl.load(bits_row + k0 // (32 * PS), mask=m_r, other=0)  # [M]
-            bit = (word[:, None] >> (pg % 32)[None, :]) & 1
-        else:
-            word = tl.load(bits_row[:, None] + (pg // 32)[None, :], mask=visible, other=0)  # [M, BN]
-            bit = (word >> (pg % 32)[None, :]) & 1
-        chosen = (bit != 0) & ((pg[None, :] != cut_pg[:, None]) | (o_k[None, :] <= cut[:, None]))
-        forced = (o_k < sink)[None, :] | (o_k[None, :] > pos[:, None] - local) | (pg[None, :] == own[:, None])
-        keep = visible & (forced | chosen)
         if SKIP:
+            keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
             if tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0:
-                m_i, l_i, acc, cnt, kvr = _kept_tile(q, k_base, v_base, sk_t, sv_t, k0, S, keep, m_i, l_i,
-                                                     acc, cnt, kvr, scale_log2, D, DV, BD, BDV, BT, GP, BN,
-                                                     UPCAST)
-        else:
-            m_i, l_i, acc, cnt, kvr = _kept_tile(q, k_base, v_base, sk_t, sv_t, k0, S, keep, m_i, l_i, acc,
-                                                 cnt, kvr, scale_log2, D, DV, BD, BDV, BT, GP, BN, UPCAST)
+                s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
+                m_i, l_i, acc, cnt, kvr = _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr,
+                                                     scale_log2, DV, BDV, BT, GP, BN, UPCAST)
+        else:  # the mask's test after the product: its [M, BN] temporaries do not live across the dot
+            s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
+            keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
+            m_i, l_i, acc, cnt, kvr = _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr,
+                                                 scale_log2, DV, BDV, BT, GP, BN, UPCAST)
     o, _ = softmax_result(m_i, l_i, acc)
     o_ptrs = O + i_b * so_b + i_h.to(tl.int64) * so_h + r_t.to(tl.int64) * so_t
     tl.store(o_ptrs[:, None] + o_dv[None, :], o.to(O.dtype.element_ty),
