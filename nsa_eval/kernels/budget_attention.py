@@ -501,6 +501,11 @@ QUEST_BOUND_ELEMS = 64 << 20
 # the page bitmask of one attention launch: at most this many bytes (longer prompts take several
 # launches over consecutive query ranges)
 QUEST_BITS_BYTES = 256 << 20
+# `_quest_fwd_kernel`'s launch beside `BUDGET_CONFIG` (rows as there): compiled for sm_90 at G = 4,
+# d = 64, bf16, 4 warps over 64 x 64 tiles need 255 registers and spill 260 bytes (the sink + local test
+# alone takes 252); 8 warps spill 36 bytes, 64 x 32 tiles none (243 registers). Not yet measured on a
+# GPU: `test_gpu_quest_timing_against_full_attention` times the three.
+QUEST_CONFIG = dict(BN=64, num_warps=8, num_stages=2)
 
 
 @triton.jit
@@ -654,6 +659,17 @@ def page_select_into(bounds, bits, cut, *, t_off: int, p0: int, sink: int, local
                                                   num_warps=4 if BC <= 4096 else 8)
 
 
+def _quest_config(G: int, dtype: torch.dtype, tiles: dict | None = None) -> dict:
+    """`_config`'s rows with `QUEST_CONFIG`'s (or `tiles`') key tile, warps and stages (not under the
+    interpreter, whose small tiles stay)."""
+    cfg = _config(G, dtype)
+    if not interpreting():
+        cfg.update(QUEST_CONFIG if tiles is None else tiles)
+        if dtype == torch.float32:
+            cfg["num_stages"] = 1
+    return cfg
+
+
 def quest_summaries(k, page_size: int):
     """Per-page per-channel min and max of unpadded keys `[B, Hkv, S, D]` -> key_min, key_max `[B, Hkv,
     P, D]` float32 (P = cdiv(S, page_size)): `Quest.prepare`'s values, without its scatter."""
@@ -760,13 +776,13 @@ def quest_steps(rows: int, T: int, S: int, page_size: int, t_lo: int, t_hi: int,
 
 def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int, page_size: int,
                     bound_elems: int | None = None, bits_bytes: int | None = None, skip: bool = False,
-                    select: str = "triton"):
+                    select: str = "triton", tiles: dict | None = None):
     """Quest's budgeted attention over unpadded keys: `budget_attention`'s shapes and returns (o, counts
     `[B, Hq, T]`, kv_read `[B, Hkv, T]`), with the keys of `quest_page_select`'s pages. The queries go in
     launches of at most `bits_bytes` of page mask, each filled by selection steps of at most
     `bound_elems` bounds (`page_bounds`, PyTorch), the kept pages found by `_page_select_kernel` (select
     "triton") or `quest_page_select` (select "torch", the readable reference); `skip`: the kernel
-    multiplies only key tiles some row of its program keeps."""
+    multiplies only key tiles some row of its program keeps; `tiles` overrides `QUEST_CONFIG`."""
     bound_elems = QUEST_BOUND_ELEMS if bound_elems is None else bound_elems
     bits_bytes = QUEST_BITS_BYTES if bits_bytes is None else bits_bytes
     B, HQ, T, D = q.shape
@@ -775,7 +791,7 @@ def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int
     ps = page_size
     P = cdiv(S, ps)
     W = cdiv(P, 32)
-    cfg = _config(G, q.dtype)
+    cfg = _quest_config(G, q.dtype, tiles)
     key_min, key_max = quest_summaries(k, ps)
     o = torch.empty(B, HQ, T, DV, device=q.device, dtype=q.dtype)
     counts = torch.empty(B, HQ, T, device=q.device, dtype=torch.int32)

@@ -29,13 +29,16 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         pointers = [p, p, "*fp32", "*fp32", "*i32", "*i32", "*fp32", "*i32"]
         consts = dict(D=D, BD=pow2(D), **tiles)
         out[f"collect G={G} D={D} {name}"] = shared(ba._collect_kernel, pointers, consts, options)
+        qcfg = ba._quest_config(G, dtype)
+        qoptions = dict(num_warps=qcfg["num_warps"], num_stages=qcfg["num_stages"])
+        qtiles = dict(GP=qcfg["GP"], BT=qcfg["BT"], BN=qcfg["BN"], UPCAST=False)
         pages = [(16, False), (16, True)] + ([(1, False)] if (G, name) == (4, "bf16") else [])
         for PS, skip in pages:  # page 1: a key tile spans two mask words (the word-per-key reading)
-            consts = dict(D=D, DV=D, BD=pow2(D), BDV=pow2(D), PS=PS, ONE_WORD=(32 * PS) % cfg["BN"] == 0,
-                          SKIP=skip, **tiles)
+            consts = dict(D=D, DV=D, BD=pow2(D), BDV=pow2(D), PS=PS, ONE_WORD=(32 * PS) % qcfg["BN"] == 0,
+                          SKIP=skip, **qtiles)
             pointers = [p] * 4 + ["*i32"] * 4
             out[f"quest PS={PS} skip={skip} G={G} D={D} {name}"] = shared(ba._quest_fwd_kernel, pointers,
-                                                                          consts, options)
+                                                                          consts, qoptions)
 for cap in (256, 4096):
     pointers = ["*fp32", "*i32", "*i32", "*i32", "*fp32", "*i32"]
     out[f"select cap={cap}"] = shared(ba._select_kernel, pointers, dict(BR=max(1, 4096 // cap), BC=cap),

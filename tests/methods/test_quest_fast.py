@@ -329,6 +329,11 @@ def test_gpu_quest_timing_against_full_attention(T):
     total = timed(lambda: ba.quest_attention(q, k, v, **args))
     skip = timed(lambda: ba.quest_attention(q, k, v, skip=True, **args))
     torch_select = timed(lambda: ba.quest_attention(q, k, v, select="torch", **args), n=1)
+    variants = {}
+    for t in (dict(BN=64, num_warps=4, num_stages=2), dict(BN=64, num_warps=8, num_stages=2),
+              dict(BN=32, num_warps=4, num_stages=2), dict(BN=32, num_warps=4, num_stages=3)):
+        name = "BN={BN} warps={num_warps} stages={num_stages}".format(**t)
+        variants[name] = timed(lambda t=t: ba.quest_attention(q, k, v, tiles=t, **args))
     W = ba.cdiv(ba.cdiv(T, 16), 32)
     bits = torch.zeros(1, 32, T, W, device="cuda", dtype=torch.int32)
     cut = torch.empty(1, 32, T, device="cuda", dtype=torch.int32)
@@ -346,4 +351,6 @@ def test_gpu_quest_timing_against_full_attention(T):
     sel = timed(selection)
     print(f"T={T}: full {full:.2f} ms, quest {total:.2f} ms ({total / full:.2f}x: bounds {bounds:.2f} ms, "
           f"select {sel - bounds:.2f} ms, attention ~{total - sel:.2f} ms); with tile skipping {skip:.2f} ms "
-          f"({skip / full:.2f}x); with the PyTorch select {torch_select:.2f} ms ({torch_select / full:.2f}x)")
+          f"({skip / full:.2f}x); with the PyTorch select {torch_select:.2f} ms "
+          f"({torch_select / full:.2f}x); tiles (default {ba.QUEST_CONFIG}): "
+          + ", ".join(f"{n} {t:.2f} ms" for n, t in variants.items()))
