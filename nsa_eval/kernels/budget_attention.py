@@ -807,6 +807,10 @@ def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int
                     q, key_min, key_max, t_base=t0, Tc=n, T=T, S=S, sink=sink, local=local, budget=budget,
                     page_size=ps, W=W)
                 continue
+            if S - T + t0 + n <= budget:  # no query of the step is held: every key it sees
+                bits[:, :, t0 - l0:t0 - l0 + n] = -1
+                cut[:, :, t0 - l0:t0 - l0 + n] = INT_MAX
+                continue
             Pc = (S - T + t0 + n - 1) // ps + 1
             bounds = _page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
             page_select_into(bounds, bits, cut, t_off=t0 - l0, p0=S - T + t0, sink=sink, local=local,
