@@ -315,6 +315,14 @@ def budget_attention(q, k, v, *, scale: float, sink: int, local: int, thr=None, 
     return o, counts, kv_read
 
 
+def _grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q `[B, Hq, T, D]`, k `[B, Hkv, S, D]` -> `q . k` `[B, Hq, T, S]`, k not repeated per group (the
+    references' product; the methods layer above has its own, which kernels may not import)."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    return (q.reshape(B, Hkv, (Hq // Hkv) * T, D) @ k.transpose(-1, -2)).view(B, Hq, T, S)
+
+
 def _s(x):
     return x.stride(0), x.stride(1), x.stride(2)
 
@@ -356,8 +364,6 @@ def sample_brackets(q, k, *, t_base: int, Tc: int, sink: int, local: int, budget
     the sample's ranks `r -/+ (z * sqrt(r (1 - picks / C)) + 2)` (binomial spread, and rounding). Returns
     lo, hi `[B, Hq, Tc]` float32 (-inf / +inf where a rank falls off the sample) and the stride.
     """
-    from nsa_eval.methods.base import grouped_scores
-
     B, HQ, T, _ = q.shape
     S = k.shape[2]
     picks = budget - sink - local
@@ -370,7 +376,7 @@ def sample_brackets(q, k, *, t_base: int, Tc: int, sink: int, local: int, budget
     over = pos + 1 > budget  # [Tc]
     if not bool(over.any()):
         return lo, hi, stride
-    scores = grouped_scores(q[:, :, t_base:t_base + Tc].float(), k[:, :, cols].float())  # [B, Hq, Tc, n]
+    scores = _grouped_scores(q[:, :, t_base:t_base + Tc].float(), k[:, :, cols].float())  # [B, Hq, Tc, n]
     valid = cols[None, :] <= (pos - local)[:, None]  # [Tc, n]
     scores = scores.masked_fill(~valid, -math.inf)
     n = valid.sum(-1).double()  # [Tc]
@@ -447,8 +453,6 @@ def reference_keep(q, k, *, sink: int, local: int, budget: int | None):
 
     Ties at the last pick go to the lower position (a stable sort). Scores are float32 `q . k`.
     """
-    from nsa_eval.methods.base import grouped_scores
-
     B, HQ, T, _ = q.shape
     S = k.shape[2]
     p = torch.arange(S - T, S, device=q.device)[:, None]  # [T, 1]
@@ -458,7 +462,7 @@ def reference_keep(q, k, *, sink: int, local: int, budget: int | None):
     if budget is None:
         return forced.expand(B, HQ, T, S)
     candidates = visible & ~forced
-    s = grouped_scores(q.float(), k.float()).masked_fill(~candidates, -math.inf)  # [B, Hq, T, S]
+    s = _grouped_scores(q.float(), k.float()).masked_fill(~candidates, -math.inf)  # [B, Hq, T, S]
     order = s.sort(dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(S, device=q.device).expand_as(order))
     chosen = candidates & (rank < budget - sink - local)
@@ -469,11 +473,9 @@ def reference_keep(q, k, *, sink: int, local: int, budget: int | None):
 def budget_attention_reference(q, k, v, keep, *, scale: float):
     """o `[B, Hq, T, Dv]` float32 of attention over `keep` `[B, Hq, T, S]`, counts `[B, Hq, T]` and
     kv_read `[B, Hkv, T]` (int32) as `budget_attention` returns them."""
-    from nsa_eval.methods.base import grouped_scores
-
     B, HQ, T, _ = q.shape
     HKV, S = k.shape[1], k.shape[2]
-    s = (grouped_scores(q.float(), k.float()) * scale).masked_fill(~keep, -math.inf)
+    s = (_grouped_scores(q.float(), k.float()) * scale).masked_fill(~keep, -math.inf)
     p = torch.softmax(s, -1).nan_to_num(0.0)
     o = (p.reshape(B, HKV, -1, S) @ v.float()).view(B, HQ, T, -1)
     counts = keep.sum(-1, dtype=torch.int32)

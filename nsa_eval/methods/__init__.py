@@ -178,6 +178,7 @@ def attention_stats(model) -> dict[str, Any]:
             forward pass that did it).
     """
     controller = _controller(model)
+    controller.check_budget()  # decode steps leave their budget check to a read of the statistics
     summary = controller.stats.summary()
     cfg = controller.config
     if controller.method.sparse and summary["held"]["max"] > cfg.budget:

@@ -7,7 +7,10 @@ write only `score()`:
 - `score(chunk)`: higher = keep; the controller keeps the best `budget - sink - local` keys outside
   the sink and local windows (`topk`: `q . k`; `quest`: its page bound);
 - `forced(chunk)`: keys always kept besides sink and local, counted in the budget (Quest's own page);
-- `prepare(key, kpos)`: per-layer-call precomputation over all keys (Quest's page summaries);
+- `prepare(key, kpos, num_positions)`: per-layer-call precomputation over all keys (Quest's page
+  summaries);
+- `forced_start(position)`: where `forced()` starts for an unpadded query, as a host int, so that a
+  decode step needs no read of the device (controller.py's `_decode_plan`);
 - a stateful method (`stateful = True`, H2O) is selected query by query from a state the earlier
   queries left: `grow_state`, `state_score`, `update_state`.
 
@@ -111,8 +114,9 @@ class AttentionMethod:
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def prepare(self, key: Tensor, kpos: Tensor) -> Any:
-        """Per-layer-call precomputation from key `[B, Hkv, S, D]` and kpos `[B, S]` (e.g. page summaries)."""
+    def prepare(self, key: Tensor, kpos: Tensor, num_positions: int | None = None) -> Any:
+        """Per-layer-call precomputation from key `[B, Hkv, S, D]` and kpos `[B, S]` (e.g. page summaries).
+        `num_positions`: `kpos.max() + 1` where the host knows it (an unpadded batch: S), else None."""
         return None
 
     def score(self, chunk: Chunk) -> Tensor:
@@ -124,6 +128,12 @@ class AttentionMethod:
     def forced(self, chunk: Chunk) -> Tensor | None:
         """`[B, Tc, S]` bool: keys kept besides sink and local, counted in the budget; None for none."""
         return None
+
+    def forced_start(self, position: int) -> int | None:
+        """For an unpadded query at `position` (every key before it visible): `forced()` keeps exactly the
+        keys at positions `forced_start(position) .. position` (`position + 1`: none). None when `forced()`
+        is not of that form (then a decode step reads its keys off the device)."""
+        return position + 1 if type(self).forced is AttentionMethod.forced else None
 
     def check(self, config: BudgetConfig) -> None:
         """Raise UsageError if this method cannot work with these budget settings."""

@@ -63,6 +63,27 @@ class LayerState:
     tensors: dict[str, Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """What `_select` and `_top_keys` would read off the device for an unpadded decode query at position
+    `S - 1`, from shapes and the budget alone (`AttentionController._decode_plan`).
+
+    Attributes:
+        S: keys (the query's position + 1).
+        held: the query sees more keys than its limit (`_over_budget`).
+        low: forced keys are the sink `[0, sink)` and `[low, S)` (local window and the method's own).
+        k: keys `_top_keys` takes (`picks` clamped to `[0, S]`; every row the same), from the candidates
+            `[sink, low)`.
+        empty: no candidate is chosen (k == 0 or no candidates, or a method that does not select).
+    """
+
+    S: int
+    held: bool
+    low: int
+    k: int
+    empty: bool
+
+
 class AttentionController:
     """The method applied to one model: budget, statistics and the per-forward layer states."""
 
@@ -77,6 +98,8 @@ class AttentionController:
         # H2O's prefill through the Triton walk (`_stateful_prefill`): None on CUDA tensors, True also
         # on the CPU (tests, under TRITON_INTERPRET=1), False never.
         self.stateful_kernel: bool | None = None
+        # decode steps' tallies whose budget check waits for `check_budget`: id -> (layer, tally)
+        self._unchecked: dict[int, tuple[int, Tally]] = {}
 
     # ---- forward pre-hook on the decoder stack: find (or make) the cache, point at its state
     def begin_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -140,9 +163,14 @@ class AttentionController:
             )
         if self._takes_fast_prefill(query, allowed, held):
             return self._fast_prefill(query, key, value, scaling, kpos, qpos, tally, layer)
+        if T == 1 and held and allowed is None:
+            plan = self._decode_plan(S)
+            if plan is not None:
+                return self._decode(query, key, value, scaling, plan, state, tally, layer)
 
         out = query.new_empty(B, Hq, T, value.shape[-1])  # [B, Hq, T, Dv]
-        prepared = method.prepare(key, kpos) if held and method.selects else None
+        num_positions = S if allowed is None else None  # unpadded: the positions are 0 .. S - 1
+        prepared = method.prepare(key, kpos, num_positions) if held and method.selects else None
         chunk_len = self._chunk_len(B, Hq, T, S)
         # keys by position alone on an unpadded batch: each chunk reads only its sink and local keys
         by_position = allowed is None and not method.selects and not stateful
@@ -166,10 +194,10 @@ class AttentionController:
             chunk = Chunk(q, k, scaling, qpos[:, t0:t1], kp, visible, prepared)
             if stateful:
                 tensors = {name: t[..., :Sc] for name, t in state.tensors.items()}  # views: updates land
-                keep, probs = self._select_stateful(chunk, tensors, held)  # [B, Hq, Tc, Sc] each
+                keep, probs = self._select_stateful(chunk, tensors, held, allowed is None)  # [B, Hq, Tc, Sc]
                 o = _grouped_apply(probs, v.float())  # [B, Hq, Tc, Dv]
             else:
-                keep = self._select(chunk)  # [B, 1|Hq, Tc, Sc]
+                keep = self._select(chunk, allowed is None)  # [B, 1|Hq, Tc, Sc]
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scaling, enable_gqa=True)
             out[:, :, t0:t1] = o.nan_to_num(0.0)  # a padding query (nothing visible) gets zeros
             self._record(tally, keep, Hq, Hkv, qpos[:, t0:t1], held, layer)
@@ -276,18 +304,25 @@ class AttentionController:
             forced |= extra
         return forced & chunk.visible
 
+    def _limit(self) -> int:
+        """Keys a query may attend to: more visible keys than this, and it is held to the budget."""
+        cfg = self.config
+        return cfg.budget if self.method.selects else min(cfg.budget, cfg.sink + cfg.local)
+
     def _over_budget(self, chunk: Chunk) -> Tensor:
         """`[B, Tc]` bool: queries that see more keys than they may attend to."""
-        cfg = self.config
-        limit = cfg.budget if self.method.selects else min(cfg.budget, cfg.sink + cfg.local)
-        return chunk.visible.sum(-1, dtype=torch.int32) > limit  # [B, Tc]
+        return chunk.visible.sum(-1, dtype=torch.int32) > self._limit()  # [B, Tc]
 
-    def _select(self, chunk: Chunk) -> Tensor:
+    def _select(self, chunk: Chunk, unpadded: bool = False) -> Tensor:
         """Keys to attend, `[B, 1, Tc, Sc]` when shared by all heads, else `[B, Hq, Tc, Sc]` bool:
-        all visible keys, or sink + local (+ forced) + the method's best."""
+        all visible keys, or sink + local (+ forced) + the method's best. `unpadded`: the chunk's queries
+        are the last of `Sc` unpadded keys (no mask), so whether one is over the budget is known on the
+        host (the last sees all `Sc` keys)."""
         visible = chunk.visible[:, None]  # [B, 1, Tc, Sc]
         over = self._over_budget(chunk)[:, None, :, None]  # [B, 1, Tc, 1]
-        if not over.any():
+        if unpadded and chunk.key.shape[2] <= self._limit():
+            return visible
+        if not unpadded and not over.any():  # waits for the device: a padded batch only
             return visible
         forced = self._forced(chunk)[:, None]  # [B, 1, Tc, Sc]
         if not self.method.selects:
@@ -329,10 +364,125 @@ class AttentionController:
                                            enable_gqa=True)  # [B, Hq, Tc, Dv]
         return keep, o, columns
 
-    def _select_stateful(self, chunk: Chunk, tensors: dict[str, Tensor], held: bool) -> tuple[Tensor, Tensor]:
+    def _decode_plan(self, S: int) -> DecodePlan | None:
+        """The keys of an unpadded query at position `S - 1` (it sees all S keys), on the host: None where
+        the method's forced keys are not known there (`AttentionMethod.forced_start`)."""
+        cfg, method, p = self.config, self.method, S - 1
+        start = method.forced_start(p) if method.selects else p + 1
+        if start is None:
+            return None
+        held = S > self._limit()
+        low = max(0, min(p - cfg.local + 1, start))  # forced: [0, sink) and [low, S)
+        forced = S if low <= cfg.sink else cfg.sink + S - low
+        picks = cfg.budget - forced  # `_select`'s picks, the same for every row
+        # `_top_keys`' k: picks clamped to [0, S]. A held query's candidates [sink, low) number S - forced
+        # > picks, so `_top_keys` neither widens its column slice nor sorts (every row takes k).
+        k = max(0, min(picks, S))
+        empty = k == 0 or low <= cfg.sink or not method.selects  # `_top_keys` chooses nothing
+        return DecodePlan(S, held, low, k, empty)
+
+    def _decode(self, query: Tensor, key: Tensor, value: Tensor, scaling: float, plan: DecodePlan,
+                state: LayerState | None, tally: Tally, layer: int) -> Tensor:
+        """A held decode step of an unpadded batch (T == 1, no mask): the chunked path's keys, output,
+        state and counts, with every size and column range from `plan` (host integers), so it never
+        waits for the device. Returns `[B, 1, Hq, Dv]`.
+
+        The budget check of its counts waits until the next call that reads the device anyway, or the
+        statistics are read (`check_budget`)."""
+        B, Hq, _, _ = query.shape
+        Hkv, S = key.shape[1], key.shape[2]
+        cfg, method, dev = self.config, self.method, query.device
+        if not method.selects:  # sink_window: the sink and local keys, all kept (`_sink_and_local`)
+            if S - cfg.local > cfg.sink:
+                n = cfg.sink + cfg.local
+                k = torch.cat([key[:, :, :cfg.sink], key[:, :, S - cfg.local:]], dim=2)  # [B, Hkv, n, D]
+                v = torch.cat([value[:, :, :cfg.sink], value[:, :, S - cfg.local:]], dim=2)
+            else:  # every key is a sink or local key
+                n, k, v = S, key, value
+            keep = torch.ones(1, 1, 1, n, dtype=torch.bool, device=dev)  # [1, 1, 1, n]
+            o = F.scaled_dot_product_attention(query, k, v, attn_mask=keep, scale=scaling, enable_gqa=True)
+            tally.add_host(B * Hq, B * Hq * n, n, B * Hkv, B * Hkv * n)
+            if self.capture is not None:
+                full = torch.zeros(B, Hq, 1, S, dtype=torch.bool, device=dev)  # [B, Hq, 1, S]
+                full[..., :cfg.sink] = True
+                full[..., S - n + min(cfg.sink, n):] = True
+                self.capture.append((layer, "decode", 0, full))
+            return o.transpose(1, 2).contiguous()  # [B, 1, Hq, Dv]
+        kpos = torch.arange(S, device=dev).expand(B, S)  # [B, S]
+        qpos = kpos[:, S - 1:]  # [B, 1]
+        visible = torch.ones((), dtype=torch.bool, device=dev).expand(B, 1, S)  # [B, 1, S]
+        if method.stateful:
+            chunk = Chunk(query, key, scaling, qpos, kpos, visible)
+            keep, probs = self._decode_stateful(chunk, state.tensors, plan)  # [B, Hq, 1, S] each
+            o = _grouped_apply(probs, value.float())  # [B, Hq, 1, Dv]
+            state.length = S
+        else:
+            if plan.held:
+                prepared = method.prepare(key, kpos, S)
+                chunk = Chunk(query, key, scaling, qpos, kpos, visible, prepared)
+                score = method.score(chunk)  # [B, Hq, 1, S]
+                if method.group_shared:
+                    score = _group_sum(_masked_softmax(score, None), Hkv)  # [B, Hkv, 1, S]
+                keep = self._decode_keep(score, plan, Hq)  # [B, Hq, 1, S]
+            else:
+                keep = torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev)  # all visible keys
+            o = F.scaled_dot_product_attention(query, key, value, attn_mask=keep, scale=scaling,
+                                               enable_gqa=True)
+        activated, kv_read = _keep_counts(keep, Hkv)  # [B, 1|Hq, 1], [B, Hkv, 1]
+        tally.add_unpadded(activated.expand(B, Hq, 1), kv_read)
+        self._unchecked[id(tally)] = (layer, tally)
+        if self.capture is not None:
+            self.capture.append((layer, "decode", 0, keep.expand(B, Hq, 1, S).clone()))
+        return o.nan_to_num(0.0).to(query.dtype).transpose(1, 2).contiguous()  # [B, 1, Hq, Dv]
+
+    def _decode_keep(self, score: Tensor, plan: DecodePlan, Hq: int) -> Tensor:
+        """`_select`'s keys for a held decode query: score `[B, Hq|Hkv, 1|, S]` -> keep `[B, Hq, 1|, S]`:
+        the sink, the keys from `plan.low` on, and the best `plan.k` candidates `[sink, low)` (`_top_keys`
+        on that slice: no `masked_fill`, all are candidates; topk unsorted as every row takes k)."""
+        cfg = self.config
+        chosen = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+        if not plan.empty:
+            masked = score[..., cfg.sink:plan.low].float().contiguous()  # [..., n] all candidates, n > k
+            if self.method.stable_ties:
+                top = masked.sort(dim=-1, descending=True, stable=True).indices[..., :plan.k]  # [..., k]
+            else:
+                top = masked.topk(plan.k, dim=-1, sorted=False).indices  # [..., k]
+            chosen.scatter_(-1, top + cfg.sink, True)  # every rank is within picks (picks == k)
+        if chosen.shape[1] != Hq:  # one selection per KV head: each of its G query heads keeps it
+            B, Hkv = chosen.shape[:2]
+            chosen = chosen[:, :, None].expand(B, Hkv, Hq // Hkv, *chosen.shape[2:]).reshape(
+                B, Hq, *chosen.shape[2:])
+        # forced | best: the forced keys are the sink and [low, S); best lies among the candidates
+        chosen[..., :cfg.sink] = True
+        chosen[..., plan.low:] = True
+        return chosen
+
+    def _decode_stateful(self, chunk: Chunk, tensors: dict[str, Tensor], plan: DecodePlan
+                         ) -> tuple[Tensor, Tensor]:
+        """`_select_stateful` for a held decode query of an unpadded batch (`_decode`): keep and probs
+        `[B, Hq, 1, S]`; updates the state `tensors` in place."""
+        logits = chunk.logits  # [B, Hq, 1, S]
+        B, Hq, _, S = logits.shape
+        method = self.method
+        if not plan.held:  # attends densely
+            keep = torch.ones(B, Hq, 1, S, dtype=torch.bool, device=logits.device)
+            probs = _masked_softmax(logits, None)  # [B, Hq, 1, S]
+            method.update_state(tensors, probs, keep)
+            return keep, probs
+        score = method.state_score(tensors)  # [B, Hq, S]
+        if method.group_shared:
+            score = _group_sum(score[:, :, None], chunk.key.shape[1])[:, :, 0]  # [B, Hkv, S]
+        row = self._decode_keep(score, plan, Hq)  # [B, Hq, S]
+        p = _masked_softmax(logits[:, :, 0], row)  # [B, Hq, S]
+        method.update_state(tensors, p[:, :, None], row[:, :, None])
+        return row[:, :, None], p[:, :, None]
+
+    def _select_stateful(self, chunk: Chunk, tensors: dict[str, Tensor], held: bool,
+                         unpadded: bool = False) -> tuple[Tensor, Tensor]:
         """Select query by query, each from the state left by the queries before it (H2O).
 
         Returns keep and probs (float32), both `[B, Hq, Tc, Sc]`; updates the state `tensors` in place.
+        `unpadded`: as in `_select` (the query at position p sees p + 1 keys: counted on the host).
         """
         logits = chunk.logits  # [B, Hq, Tc, Sc]
         B, Hq, Tc, Sc = logits.shape
@@ -340,7 +490,10 @@ class AttentionController:
         visible = chunk.visible[:, None]  # [B, 1, Tc, Sc]
         over = self._over_budget(chunk) & held  # [B, Tc]
         # Leading queries that attend densely in every sequence need no selection: one batched step.
-        n_dense = int(over.any(0).int().argmax()) if over.any() else Tc
+        if unpadded:  # the chunk's queries sit at positions Sc - Tc .. Sc - 1
+            n_dense = min(Tc, max(0, self.config.budget - (Sc - Tc))) if held else Tc
+        else:  # waits for the device
+            n_dense = int(over.any(0).int().argmax()) if over.any() else Tc
         keep = visible.expand(B, Hq, Tc, Sc).clone()  # [B, Hq, Tc, Sc]
         probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [B, Hq, Tc, Sc]
         if n_dense:  # the rows after them get their softmax in the loop below
@@ -392,7 +545,7 @@ class AttentionController:
             kp = torch.arange(t1, device=query.device).expand(B, t1)  # [B, t1]
             visible = kp[:, None, :] <= qpos[:, t0:t1, None]  # [B, Tc, t1]
             chunk = Chunk(query[:, :, t0:t1], key[:, :, :t1], scaling, qpos[:, t0:t1], kp, visible)
-            keep, probs = self._select_stateful(chunk, {"mass": mass[..., :t1]}, True)  # all dense
+            keep, probs = self._select_stateful(chunk, {"mass": mass[..., :t1]}, True, True)  # all dense
             out[:, :, t0:t1] = _grouped_apply(probs, value[:, :, :t1].float())
             self._record(tally, keep, Hq, Hkv, qpos[:, t0:t1], True, layer)
         cfg = self.config
@@ -419,6 +572,7 @@ class AttentionController:
         real = qpos >= 0  # [B, Tc]
         top = activated.masked_fill(~real[:, None], 0).amax() if activated.numel() else activated.sum()
         if held and self.method.selects:  # sink and local alone stay within the budget by construction
+            self.check_budget()  # the decode steps' counts since the last check
             worst = int(top)  # waits for the device: only where a selection could overrun
             if worst > self.config.budget:
                 raise BudgetExceededError(
@@ -426,6 +580,21 @@ class AttentionController:
                     f"{self.config.budget} (method {self.method.name})"
                 )
         tally.add(activated.expand(B, Hq, Tc), kv_read, real, top=top)
+
+    def check_budget(self) -> None:
+        """BudgetExceededError if a decode step held to the budget attended to more keys since the last
+        check. `_decode` leaves its counts' check to here (a read of the device): called by the next
+        held call of a selecting method that reads the device anyway, and by `attention_stats`."""
+        if not self._unchecked:
+            return
+        pending, self._unchecked = list(self._unchecked.values()), {}
+        tops = torch.stack([tally.top for _, tally in pending]).tolist()  # one wait for the device
+        for (layer, _), worst in zip(pending, tops, strict=True):
+            if worst > self.config.budget:
+                raise BudgetExceededError(
+                    f"layer {layer}: a query attended to {worst} keys, over the budget of "
+                    f"{self.config.budget} (method {self.method.name})"
+                )
 
     def _layer_state(self, layer: int, B: int, Hq: int, S: int, T: int, device) -> LayerState:
         """The layer's state, grown to cover `S` keys; a fresh one when the cache holds no past."""
@@ -525,13 +694,14 @@ def _grouped_apply(p: Tensor, v: Tensor) -> Tensor:
     return (pg @ v).view(B, Hq, Tc, Dv)  # [B, Hq, Tc, Dv]
 
 
-def _masked_softmax(logits: Tensor, keep: Tensor) -> Tensor:
-    """Softmax over kept keys (float32); a row with nothing kept (a padding query) is all zeros.
+def _masked_softmax(logits: Tensor, keep: Tensor | None) -> Tensor:
+    """Softmax over kept keys (float32; None: all of them); a row with nothing kept (a padding query) is
+    all zeros.
 
     Written out rather than `torch.softmax`: on a busy CPU, softmax's thread pool made each of H2O's
     small per-query calls cost milliseconds; these element-wise ops stay on one thread when small.
     """
-    x = logits.float().masked_fill(~keep, -math.inf)
+    x = logits.float() if keep is None else logits.float().masked_fill(~keep, -math.inf)
     top = x.amax(-1, keepdim=True)
     e = (x - top.masked_fill(top == -math.inf, 0.0)).exp()  # [..., S]
     return (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)

@@ -9,6 +9,8 @@ from torch import Tensor
 
 from nsa_eval.methods.base import AttentionMethod
 
+GROWTH = 1024  # keys the mass buffer makes room for at once (decode: one copy per GROWTH steps)
+
 
 @dataclass
 class H2O(AttentionMethod):
@@ -21,8 +23,9 @@ class H2O(AttentionMethod):
     H2O's causal mask simulation (`local_heavy_hitter_mask`) and its KV eviction (`H2OKVCache_LayerWise`),
     so an evicted key never comes back. Queries that see at most `budget` keys attend densely and add
     their whole rows. The mass is `[B, Hq, S]` float32 on the cache (`LayerState.tensors["mass"]`) and
-    grows by one key per decode step. Selection is sequential over queries (one step per query past
-    the budget), the costliest method at prefill; on CUDA an unpadded prompt's queries past the budget
+    grows by one key per decode step (a view onto a buffer with room for `GROWTH` more keys).
+    Selection is sequential over queries (one step per query past the budget), the costliest method at
+    prefill; on CUDA an unpadded prompt's queries past the budget
     take the O(budget)-per-query walk of `nsa_eval/kernels/h2o_prefill.py` (docs/methods.md).
 
     GQA: mass and selection are per query head, as in H2O's code (after `repeat_kv`), so a KV head
@@ -34,12 +37,22 @@ class H2O(AttentionMethod):
 
     def grow_state(self, tensors: dict[str, Tensor], B: int, Hq: int, S: int, device) -> None:
         mass = tensors.get("mass")
-        if mass is None:
-            mass = torch.zeros(B, Hq, 0, device=device)
+        if mass is None:  # exactly S keys, contiguous (the prefill walk writes it in place)
+            tensors["mass"] = torch.zeros(B, Hq, S, device=device)
+            return
         if mass.shape[:2] != (B, Hq):
             raise RuntimeError(f"h2o state is for batch {tuple(mass.shape[:2])}, got {(B, Hq)}")
-        new = torch.zeros(B, Hq, S - mass.shape[-1], device=device)  # [B, Hq, S - old]
-        tensors["mass"] = torch.cat([mass, new], dim=-1)  # [B, Hq, S]
+        old = mass.shape[-1]
+        if S == old:
+            return
+        # A decode step adds one key: the mass is a view onto a buffer with room for GROWTH more keys,
+        # copied once per GROWTH steps rather than at every step. Slots past the view are never written
+        # (every update goes through a view of at most S keys), so the new keys start at zero.
+        buffer = mass if mass._base is None else mass._base  # [B, Hq, capacity]
+        if buffer.shape[-1] < S:
+            buffer = torch.zeros(B, Hq, S + GROWTH, device=mass.device)
+            buffer[..., :old] = mass
+        tensors["mass"] = buffer[..., :S]  # [B, Hq, S]
 
     def state_score(self, tensors: dict[str, Tensor]) -> Tensor:
         return tensors["mass"]  # [B, Hq, S]

@@ -79,9 +79,13 @@ class Quest(AttentionMethod):
                 f"budget - sink - local={config.selected}"
             )
 
-    def prepare(self, key: Tensor, kpos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def prepare(self, key: Tensor, kpos: Tensor,
+                num_positions: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         page = torch.where(kpos >= 0, kpos // self.page_size, -1)  # [B, S]
-        num_pages = int(page.max()) + 1
+        if num_positions is None:
+            num_pages = int(page.max()) + 1  # waits for the device: a padded batch only
+        else:
+            num_pages = (num_positions - 1) // self.page_size + 1
         key_min, key_max = page_summaries(key.float(), page, num_pages)  # [B, Hkv, P, D] each
         return page, key_min, key_max
 
@@ -94,6 +98,9 @@ class Quest(AttentionMethod):
         bounds = bounds.gather(-1, index)  # [B, Hq, Tc, Sc]
         # a group's softmax needs the logits' scale; alone, only the order counts (kept bit for bit)
         return bounds * chunk.scaling if self.group_shared else bounds
+
+    def forced_start(self, position: int) -> int:
+        return position - position % self.page_size  # the query's own page
 
     def forced(self, chunk: Chunk) -> Tensor:
         same_page = chunk.kpos[:, None, :] // self.page_size == chunk.qpos[:, :, None] // self.page_size

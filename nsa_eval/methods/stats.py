@@ -20,11 +20,15 @@ class Tally:
     """Running totals for one (layer, phase): query-head pairs, keys attended, KV tokens read.
 
     The totals stay on the device of the counts until read: reading one waits for the GPU, and a
-    wait per layer and step would hold a decode step to the host's pace."""
+    wait per layer and step would hold a decode step to the host's pace. Counts the host knows already
+    (an unpadded decode step's query count; all of sink_window's) go to host integers instead, so
+    they cost no work on the device (`add_unpadded`, `add_host`)."""
 
     held: bool  # True when these queries were held to the budget
     sums: Tensor | None = None  # int64 [4]: queries, keys attended, KV queries, KV tokens read
     top: Tensor | None = None  # int64 []: the most keys one query attended to
+    host_sums: list[int] | None = None  # the same four totals, counted on the host
+    host_top: int = 0
 
     def add(self, activated: Tensor, kv_read: Tensor, real: Tensor, top: Tensor | None = None) -> None:
         """activated `[B, Hq, Tc]`, kv_read `[B, Hkv, Tc]` int; only real queries (`real` `[B, Tc]`) count.
@@ -41,12 +45,39 @@ class Tally:
             self.sums += sums
             torch.maximum(self.top, top.long(), out=self.top)
 
+    def add_unpadded(self, activated: Tensor, kv_read: Tensor) -> None:
+        """`add` for queries that are all real (an unpadded batch): activated `[B, Hq, Tc]`, kv_read
+        `[B, Hkv, Tc]` int; the query counts are the shapes' (host integers)."""
+        top = activated.amax() if activated.numel() else activated.new_zeros(())
+        totals = torch.stack([activated.sum(dtype=torch.int64), kv_read.sum(dtype=torch.int64)])
+        if self.sums is None:
+            self.sums = torch.zeros(4, dtype=torch.int64, device=activated.device)
+            self.top = top.long()
+        else:
+            torch.maximum(self.top, top.long(), out=self.top)
+        self.sums[1::2] += totals
+        self.add_host(activated.numel(), 0, 0, kv_read.numel(), 0)
+
+    def add_host(self, queries: int, activated: int, top: int, kv_queries: int, kv_read: int) -> None:
+        """Totals the host knows: query-head pairs, keys they attended (sum and max), (query, KV head)
+        pairs and KV tokens they read."""
+        if self.host_sums is None:
+            self.host_sums = [0, 0, 0, 0]
+        for i, value in enumerate((queries, activated, kv_queries, kv_read)):
+            self.host_sums[i] += value
+        self.host_top = max(self.host_top, top)
+
     def counts(self) -> list[int]:
         """[queries, activated sum, activated max, KV queries, KV read sum]: one wait for the device."""
-        if self.sums is None:
+        if self.sums is None and self.host_sums is None:
             return [0] * 5
-        queries, activated, kv_queries, kv_read = self.sums.tolist()
-        return [queries, activated, int(self.top), kv_queries, kv_read]
+        totals = self.sums.tolist() if self.sums is not None else [0] * 4
+        top = int(self.top) if self.top is not None else 0
+        if self.host_sums is not None:
+            totals = [a + b for a, b in zip(totals, self.host_sums, strict=True)]
+            top = max(top, self.host_top)
+        queries, activated, kv_queries, kv_read = totals
+        return [queries, activated, top, kv_queries, kv_read]
 
 
 def _summary(counts: list[list[int]]) -> dict[str, Any]:
