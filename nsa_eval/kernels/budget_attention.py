@@ -702,8 +702,6 @@ def quest_page_select(q, key_min, key_max, *, t_base: int, Tc: int, T: int, S: i
     the stable sort of the chunked path; the bounds are `page_bounds` of the chunk's float32 queries
     against the pages up to its last query.
     """
-    from nsa_eval.methods.quest import page_bounds
-
     B, HQ, _, _ = q.shape
     ps, dev = page_size, q.device
     p = torch.arange(S - T + t_base, S - T + t_base + Tc, device=dev)  # [Tc]
@@ -721,7 +719,7 @@ def quest_page_select(q, key_min, key_max, *, t_base: int, Tc: int, T: int, S: i
     start = torch.arange(Pc, device=dev) * ps  # [Pc]
     c = (torch.minimum(start + ps - 1, hi_c[:, None]) - start.clamp(min=sink)[None, :] + 1).clamp(min=0)
     c = c.to(torch.int32)  # [n, Pc] candidates of each page
-    b = page_bounds(q[:, :, t_base + h0:t_base + Tc].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
+    b = _page_bounds(q[:, :, t_base + h0:t_base + Tc].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
     b.masked_fill_(c == 0, -math.inf)  # [B, Hq, n, Pc]
     K = min(Pc, cdiv(max(1, int(picks.max())), ps) + 2)  # pages enough to hold picks: <= 2 partial ones
     top_v, top_i = b.topk(K, dim=-1)  # [B, Hq, n, K] descending (any order among equal bounds)
@@ -754,12 +752,10 @@ def quest_page_select(q, key_min, key_max, *, t_base: int, Tc: int, T: int, S: i
 
 
 def _page_bounds(q, key_min, key_max):
-    """`quest.page_bounds` bit for bit (the same two products and one float32 sum), holding one
-    `[B, Hq, Tc, P]` temporary fewer."""
-    from nsa_eval.methods.base import grouped_scores
-
-    bounds = grouped_scores(q.clamp(min=0), key_max)  # [B, Hq, Tc, P]
-    bounds += grouped_scores(q.clamp(max=0), key_min)
+    """`methods.quest.page_bounds` bit for bit (the same two products and one float32 sum; the methods
+    layer above is not imported here), holding one `[B, Hq, Tc, P]` temporary fewer."""
+    bounds = _grouped_scores(q.clamp(min=0), key_max)  # [B, Hq, Tc, P]
+    bounds += _grouped_scores(q.clamp(max=0), key_min)
     return bounds
 
 
