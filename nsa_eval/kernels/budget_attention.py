@@ -214,16 +214,8 @@ def _budget_step(q, k_base, v_base, sk_t, sv_t, k0, S, pos, m_r, thr, cut, sink,
     if SELECTS:
         chosen = (s > thr[:, None]) | ((s == thr[:, None]) & (o_k[None, :] <= cut[:, None]))
         keep = keep | (visible & chosen)
-    o_dv = tl.arange(0, BDV)
-    v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
-                mask=(o_k < S)[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
-    if UPCAST:
-        v = v.to(tl.float32)
-    m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
-    k32 = keep.to(tl.int32)
-    cnt += tl.sum(k32, 1)
-    kvr += tl.sum(tl.max(tl.reshape(k32, [BT, GP, BN]), 1), 1)  # the union over the group's heads
-    return m_i, l_i, acc, cnt, kvr
+    return _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr, scale_log2, DV, BDV, BT, GP, BN,
+                      UPCAST)
 
 
 @triton.jit

@@ -1,11 +1,19 @@
-"""Tiny random Llama models and a stand-in attention module for the methods' tests."""
+"""Tiny random Llama models and a stand-in attention module for the methods' tests.
+
+On a machine without a GPU the Triton prefill kernels run in Triton's interpreter: TRITON_INTERPRET=1 is
+set here, before any test module imports triton, as tests/kernels/conftest.py does for the NSA kernels.
+"""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SPARSE_METHODS = ["sink_window", "topk", "quest", "h2o"]
 ALL_METHODS = ["full", *SPARSE_METHODS]

@@ -1,37 +1,21 @@
 """The Triton prefill of sink_window and topk (kernels/budget_attention.py) against the readable references
 and the controller's chunked path: the same kept keys (ties at the cut to the lower position), outputs
-and statistics. On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before
-triton is imported, as tests/kernels/conftest.py does); the `gpu` tests run them at scale on CUDA."""
+and statistics. On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py before triton is imported); the `gpu` tests run them at scale on CUDA."""
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from nsa_eval.kernels import budget_attention as ba  # noqa: E402
-from nsa_eval.methods import METHODS  # noqa: E402
-from nsa_eval.methods.base import BudgetConfig, grouped_scores  # noqa: E402
-from nsa_eval.methods.controller import AttentionController  # noqa: E402
-from tests.methods.conftest import fake_module  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-interpreter_only = pytest.mark.skipif(not INTERPRET,
-                                      reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
-
-
-def qkv(B, Hq, Hkv, T, S, D, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(B, Hq, T, D, generator=g) * 2).to(dtype)
-    k = (torch.randn(B, Hkv, S, D, generator=g) * 2).to(dtype)
-    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
-    return q, k, v
-
+from nsa_eval.kernels import budget_attention as ba
+from nsa_eval.methods import METHODS
+from nsa_eval.methods.base import BudgetConfig, grouped_scores
+from nsa_eval.methods.controller import AttentionController
+from tests.methods.budget_inputs import interpreter_only, qkv
+from tests.methods.conftest import fake_module
 
 CASES = [  # (B, Hq, Hkv, T, S, D, dtype, sink, local, budget)
     (1, 4, 4, 96, 96, 16, torch.float32, 4, 8, 40),  # G = 1

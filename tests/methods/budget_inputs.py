@@ -1,0 +1,22 @@
+"""Inputs and markers shared by the Triton prefill tests (test_fast_prefill.py, test_quest_fast.py); the
+interpreter itself is switched on by conftest.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+interpreter_only = pytest.mark.skipif(not INTERPRET,
+                                      reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+
+def qkv(B, Hq, Hkv, T, S, D, dtype, seed=0):
+    """Random q `[B, Hq, T, D]`, k and v `[B, Hkv, S, D]` (q and k scaled up for sharper scores)."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, Hq, T, D, generator=g) * 2).to(dtype)
+    k = (torch.randn(B, Hkv, S, D, generator=g) * 2).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    return q, k, v
