@@ -219,6 +219,21 @@ def _budget_step(q, k_base, v_base, sk_t, sv_t, k0, S, pos, m_r, thr, cut, sink,
 
 
 @triton.jit
+def _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
+                so_t, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr):
+    # a program's outputs: its rows' attention, kept-key counts, and its positions' KV-head unions
+    o, _ = softmax_result(m_i, l_i, acc)
+    o_dv = tl.arange(0, BDV)
+    o_ptrs = O + i_b * so_b + i_h.to(tl.int64) * so_h + r_t.to(tl.int64) * so_t
+    tl.store(o_ptrs[:, None] + o_dv[None, :], o.to(O.dtype.element_ty),
+             mask=m_r[:, None] & (o_dv < DV)[None, :])
+    tl.store(CNT + row, cnt, mask=m_r)
+    o_t = t0 + tl.arange(0, BT)
+    HKV = HQ // G
+    tl.store(KVR + (i_b * HKV + i_hk) * T + o_t, kvr, mask=o_t < T)
+
+
+@triton.jit
 def _budget_fwd_kernel(
     Q, K, V, O, THR, CUT, CNT, KVR,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
@@ -261,15 +276,8 @@ def _budget_fwd_kernel(
             m_i, l_i, acc, cnt, kvr = _budget_step(q, k_base, v_base, sk_t, sv_t, k0, S, pos, m_r, thr, cut,
                                                    sink, local, m_i, l_i, acc, cnt, kvr, scale_log2, D, DV,
                                                    BD, BDV, BT, GP, BN, SELECTS, UPCAST)
-    o, _ = softmax_result(m_i, l_i, acc)
-    o_dv = tl.arange(0, BDV)
-    o_ptrs = O + i_b * so_b + i_h.to(tl.int64) * so_h + r_t.to(tl.int64) * so_t
-    tl.store(o_ptrs[:, None] + o_dv[None, :], o.to(O.dtype.element_ty),
-             mask=m_r[:, None] & (o_dv < DV)[None, :])
-    tl.store(CNT + row, cnt, mask=m_r)
-    o_t = t0 + tl.arange(0, BT)
-    HKV = HQ // G
-    tl.store(KVR + (i_b * HKV + i_hk) * T + o_t, kvr, mask=o_t < T)
+    _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
+                so_t, DV, BDV, BT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,7 +572,6 @@ def _quest_fwd_kernel(
     v_base = V + i_b * sv_b + i_hk * sv_h
     bits_row = BITS + row.to(tl.int64) * W  # [M]
     last = S - T + tl.minimum(t0 + BT, T) - 1
-    o_dv = tl.arange(0, BDV)
     for k0 in range(0, last + 1, BN):
         if SKIP:
             keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
@@ -577,14 +584,8 @@ def _quest_fwd_kernel(
             keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
             m_i, l_i, acc, cnt, kvr = _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr,
                                                  scale_log2, DV, BDV, BT, GP, BN, UPCAST)
-    o, _ = softmax_result(m_i, l_i, acc)
-    o_ptrs = O + i_b * so_b + i_h.to(tl.int64) * so_h + r_t.to(tl.int64) * so_t
-    tl.store(o_ptrs[:, None] + o_dv[None, :], o.to(O.dtype.element_ty),
-             mask=m_r[:, None] & (o_dv < DV)[None, :])
-    tl.store(CNT + row, cnt, mask=m_r)
-    o_t = t0 + tl.arange(0, BT)
-    HKV = HQ // G
-    tl.store(KVR + (i_b * HKV + i_hk) * T + o_t, kvr, mask=o_t < T)
+    _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
+                so_t, DV, BDV, BT)
 
 
 @triton.jit

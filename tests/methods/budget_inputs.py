@@ -20,3 +20,16 @@ def qkv(B, Hq, Hkv, T, S, D, dtype, seed=0):
     k = (torch.randn(B, Hkv, S, D, generator=g) * 2).to(dtype)
     v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
     return q, k, v
+
+
+def cuda_ms(fn, n: int = 3) -> float:
+    """Mean GPU milliseconds of `fn()` over `n` calls after one warm-up call (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n

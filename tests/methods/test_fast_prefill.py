@@ -14,7 +14,7 @@ from nsa_eval.kernels import budget_attention as ba
 from nsa_eval.methods import METHODS
 from nsa_eval.methods.base import BudgetConfig, grouped_scores
 from nsa_eval.methods.controller import AttentionController
-from tests.methods.budget_inputs import interpreter_only, qkv
+from tests.methods.budget_inputs import cuda_ms, interpreter_only, qkv
 from tests.methods.conftest import fake_module
 
 CASES = [  # (B, Hq, Hkv, T, S, D, dtype, sink, local, budget)
@@ -228,22 +228,11 @@ def test_gpu_timing_against_full_attention(T):
 
     q, k, v, _ = gpu_layer(T, "topk")
 
-    def timed(fn, n=3):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / n
-
-    full = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    sw = timed(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512))
-    th = timed(lambda: ba.topk_thresholds(q, k, sink=128, local=512, budget=2560))
+    full = cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    sw = cuda_ms(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512))
+    th = cuda_ms(lambda: ba.topk_thresholds(q, k, sink=128, local=512, budget=2560))
     thr, cut, _ = ba.topk_thresholds(q, k, sink=128, local=512, budget=2560)
-    at = timed(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512, thr=thr, cut=cut))
+    at = cuda_ms(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512, thr=thr, cut=cut))
     print(f"T={T}: full {full:.2f} ms, sink_window {sw:.2f} ms ({sw / full:.2f}x), topk thresholds "
           f"{th:.2f} + attention {at:.2f} ms ({(th + at) / full:.2f}x)")
 

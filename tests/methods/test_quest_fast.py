@@ -13,7 +13,7 @@ from nsa_eval.kernels import budget_attention as ba
 from nsa_eval.methods import METHODS
 from nsa_eval.methods.base import BudgetConfig
 from nsa_eval.methods.controller import AttentionController
-from tests.methods.budget_inputs import INTERPRET, interpreter_only, qkv
+from tests.methods.budget_inputs import INTERPRET, cuda_ms, interpreter_only, qkv
 from tests.methods.conftest import fake_module
 
 CASES = [  # (B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page_size)
@@ -296,27 +296,16 @@ def test_gpu_quest_timing_against_full_attention(T):
 
     q, k, v = gpu_layer(T)
 
-    def timed(fn, n=3):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / n
-
-    full = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    full = cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     args = dict(scale=0.125, sink=128, local=512, budget=2560, page_size=16)
-    total = timed(lambda: ba.quest_attention(q, k, v, **args))
-    skip = timed(lambda: ba.quest_attention(q, k, v, skip=True, **args))
-    torch_select = timed(lambda: ba.quest_attention(q, k, v, select="torch", **args), n=1)
+    total = cuda_ms(lambda: ba.quest_attention(q, k, v, **args))
+    skip = cuda_ms(lambda: ba.quest_attention(q, k, v, skip=True, **args))
+    torch_select = cuda_ms(lambda: ba.quest_attention(q, k, v, select="torch", **args), n=1)
     variants = {}
     for t in (dict(BN=64, num_warps=4, num_stages=2), dict(BN=64, num_warps=8, num_stages=2),
               dict(BN=32, num_warps=4, num_stages=2), dict(BN=32, num_warps=4, num_stages=3)):
         name = "BN={BN} warps={num_warps} stages={num_stages}".format(**t)
-        variants[name] = timed(lambda t=t: ba.quest_attention(q, k, v, tiles=t, **args))
+        variants[name] = cuda_ms(lambda t=t: ba.quest_attention(q, k, v, tiles=t, **args))
     W = ba.cdiv(ba.cdiv(T, 16), 32)
     bits = torch.zeros(1, 32, T, W, device="cuda", dtype=torch.int32)
     cut = torch.empty(1, 32, T, device="cuda", dtype=torch.int32)
@@ -330,8 +319,8 @@ def test_gpu_quest_timing_against_full_attention(T):
                 ba.page_select_into(bounds, bits, cut, t_off=t0, p0=t0, sink=128, local=512, budget=2560,
                                     page_size=16)
 
-    bounds = timed(lambda: selection(bounds_only=True))
-    sel = timed(selection)
+    bounds = cuda_ms(lambda: selection(bounds_only=True))
+    sel = cuda_ms(selection)
     print(f"T={T}: full {full:.2f} ms, quest {total:.2f} ms ({total / full:.2f}x: bounds {bounds:.2f} ms, "
           f"select {sel - bounds:.2f} ms, attention ~{total - sel:.2f} ms); with tile skipping {skip:.2f} ms "
           f"({skip / full:.2f}x); with the PyTorch select {torch_select:.2f} ms "
