@@ -48,3 +48,12 @@ def test_harness_refuses_bad_arguments_before_building_models(args, message, tmp
     assert done.returncode == 2
     assert message in done.stderr
     assert not (tmp_path / "h").exists()
+
+
+def test_report_shows_nsa_gpu_step_and_first_step():
+    rows = [harness.Measurement("full", 8192, prefill_ms=50.0, decode_ms={1: 20.0}),
+            harness.Measurement("nsa", 8192, prefill_ms=40.0, decode_ms={1: 6.0}, decode_gpu_ms={1: 4.0},
+                                first_step_ms=120.0)]
+    report = harness.markdown_report(rows, shape=harness.SHAPES["tiny"], budget=96, sink=16, local=32)
+    assert "| 1 | 4.00 (1.50x) |" in report  # the wall time per token is 1.5x the GPU's step
+    assert "first decode step at batch 1 (eager, then captured): 120.0 ms at 8192" in report

@@ -7,8 +7,10 @@ checkpoint folder the way `nsa-eval run` loads one, and is timed through the cal
   of different lengths (their difference divided by the extra tokens, so the prefill cancels);
 - peak memory: `torch.cuda.max_memory_allocated` over the prefill and the decode;
 - Triton compilations during the timed decode (a compilation after warm-up stalls generation);
-- nsa only: the GPU time of one decode step, from replays of its CUDA graph back to back (no host
-  work between them), against which the decode's wall time per token shows the host's share.
+- nsa only: the GPU time of one decode step, from replays of its CUDA graph and the output head back
+  to back (no host work between them), against which the decode's wall time per token shows the
+  host's share; and a generation's first decode step (run eagerly, then captured), which the
+  decode figure leaves out.
 
 Rows: `transformers` (lm-eval's stock `hf` model on the same Llama checkpoint, no nsa-eval: the
 adapter's own overhead shows against the `full` row), `full`, `sink_window`, `topk`, `quest`, `h2o`
@@ -71,6 +73,7 @@ class Measurement:
     peak_gib: float | None = None
     compilations: int | None = None  # Triton kernels compiled during the timed decode
     decode_gpu_ms: dict[int, float] = field(default_factory=dict)  # decode batch -> GPU ms per step (nsa)
+    first_step_ms: float | None = None  # nsa, batch 1: a generation's first decode step (eager + capture)
     error: str = ""  # "out of memory" where the GPU ran out in the prefill
     decode_errors: dict[int, str] = field(default_factory=dict)  # decode batch -> "out of memory"
 
@@ -178,6 +181,8 @@ def measure(lm, method: str, length: int, *, decode_batches: tuple[int, ...], de
             result.decode_ms[batch] = (long - short) / decode_tokens
             if method == "nsa" and cuda:
                 result.decode_gpu_ms[batch] = graph_step_ms(lm.model, ids, repeats * decode_tokens)
+                if batch == 1:  # two new tokens against one: the first decode step, captured after it ran
+                    result.first_step_ms = short - result.prefill_ms
         except torch.OutOfMemoryError:
             result.decode_errors[batch] = "out of memory"
         _release(cuda)
@@ -187,21 +192,27 @@ def measure(lm, method: str, length: int, *, decode_batches: tuple[int, ...], de
 
 
 def graph_step_ms(model, ids: torch.Tensor, steps: int) -> float:
-    """GPU ms of one decode step of an NSA model after the prompt `ids` `[B, T]`: its captured graph
-    replayed `steps` times back to back, so the host never holds the GPU up."""
+    """GPU ms of one decode step of an NSA model after the prompt `ids` `[B, T]`: its captured graph and
+    the output head, replayed `steps` times back to back, so the host never holds the GPU up."""
     from nsa_eval.models.modeling_nsa import CACHE_FIELD
 
-    with torch.no_grad():
-        cache = getattr(model(ids, use_cache=True), CACHE_FIELD)
+    with torch.no_grad(), model.attention_stats_paused():
+        cache = getattr(model.model(ids, use_cache=True), CACHE_FIELD)  # hidden states only, no logits
+        cache.reserve(cache.length + steps + 2)  # every replay writes one more position
         model(ids[:, -1:], cache=cache)  # runs eagerly, then captures the step
-        x = model.get_input_embeddings()(ids[:, -1:])  # [B, 1, C]
         if cache.decode_graph is None:
             raise RuntimeError("the NSA model did not capture its decode step")
-        cache.decode_graph(x)
+        x = model.get_input_embeddings()(ids[:, -1:])  # [B, 1, C]
+
+        def step():
+            hidden, _ = cache.decode_graph(x)
+            return model.lm_head(hidden)  # [B, 1, V]
+
+        step()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
-            cache.decode_graph(x)  # each replay writes the next position: within the capacity
+            step()
         torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1000 / steps
 
@@ -319,6 +330,11 @@ def markdown_report(rows: list[Measurement], *, shape: ModelShape, budget: int, 
                 wall = row.decode_ms.get(b) if row is not None else None
                 cells.append("" if gpu is None or wall is None else f"{gpu:.2f} ({wall / gpu:.2f}x)")
             lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        firsts = [(t, by_key[("nsa", t)].first_step_ms) for t in lengths if ("nsa", t) in by_key]
+        firsts = ", ".join(f"{ms:.1f} ms at {t}" for t, ms in firsts if ms is not None)
+        if firsts:
+            lines.extend(["", "A generation's first decode step at batch 1 (eager, then captured): "
+                          f"{firsts}."])
         lines.append("")
     table("Peak GPU memory (GiB)", lambda r: r.peak_gib, 2)
     table("Triton compilations during the timed decode", lambda r: r.compilations, 0)
@@ -333,12 +349,13 @@ def write_outputs(rows: list[Measurement], out_dir: str | Path, **report_kwargs)
     with csv_path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["method", "length", "prefill_ms", "decode_batch", "decode_ms_per_token",
-                         "decode_gpu_ms_per_step", "peak_gib", "compilations", "error"])
+                         "decode_gpu_ms_per_step", "first_step_ms", "peak_gib", "compilations", "error"])
         for r in rows:
             decode = [(b, ms, "") for b, ms in r.decode_ms.items()]
             decode += [(b, None, error) for b, error in r.decode_errors.items()]
             for batch, ms, error in decode or [(None, None, "")]:
                 writer.writerow([r.method, r.length, r.prefill_ms, batch, ms, r.decode_gpu_ms.get(batch),
-                                 r.peak_gib, r.compilations, r.error or error])
+                                 r.first_step_ms if batch == 1 else None, r.peak_gib, r.compilations,
+                                 r.error or error])
     md_path.write_text(markdown_report(rows, versions=software_versions(), **report_kwargs) + "\n")
     return csv_path, md_path

@@ -103,14 +103,16 @@ class NSACache:
         """Make room for `length` tokens (a new, larger set of buffers holds the old contents)."""
         if length <= self.capacity:
             return
+        old_cmp = self.capacity_cmp
         self.capacity = round_capacity(length)
         self.decode_graph = None  # it captured the old buffers' addresses
         n_cmp = self.capacity_cmp + 1  # + the spare row
         for layer in self.layers:
             for name in ("k", "v", "k_swa", "v_swa"):
                 setattr(layer, name, _grown(getattr(layer, name), self.capacity))
-            for name in ("k_cmp", "v_cmp"):
-                setattr(layer, name, _grown(getattr(layer, name), n_cmp))
+            for name in ("k_cmp", "v_cmp"):  # the blocks, not the old spare row
+                buffer = getattr(layer, name)
+                setattr(layer, name, _grown(None if buffer is None else buffer[:, :old_cmp], n_cmp))
 
     def _allocate(self, layer: NSALayerCache, new: dict[str, torch.Tensor | None]) -> None:
         """First write to a layer: buffers shaped like the new tensors `[B, T, H, D]`."""

@@ -22,6 +22,7 @@ Where RoPE sits relative to compression (the paper does not say):
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -225,18 +226,18 @@ class NSAAttention(nn.Module):
     def decode(self, p: dict, cache: NSACache) -> torch.Tensor:
         """T new queries after the cached tokens, one at a time through nsa_decode: `[B, T, Hq, Dv]`.
 
-        On the GPU the kernels read the whole buffers and take the length from the device, so a step
-        is the same launches at every position (a CUDA graph replays it, nothing recompiles); on the
-        CPU the reference reads the written rows only.
+        On the GPU the Triton kernels read the whole buffers and take the length from the device, so a
+        step is the same launches at every position (a CUDA graph replays it, nothing recompiles); the
+        reference reads the written rows only.
         """
         outputs, counts = [], []
         B = p["q"].shape[0]
         for t in range(p["q"].shape[1]):
             step = {name: None if x is None else x[:, t : t + 1] for name, x in p.items()}
-            position = cache.position + t  # [1] on the device: this token's
+            position = cache.position.to(step["q"].device) + t  # [1] this token's (on this layer's GPU)
             new = {name: step[name] for name in CACHED}
             layer = cache.decode(self.layer_idx, position, new, self.compress)
-            if step["q"].is_cuda:
+            if step["q"].is_cuda and self.config.kernel_impl != "reference":
                 rows, rows_cmp = cache.capacity, cache.capacity_cmp
                 lens = (position + 1).to(torch.int32).expand(B)  # [B] tokens incl. this one
             else:
@@ -264,7 +265,7 @@ class NSAAttention(nn.Module):
             p = self.project(x, torch.arange(T, device=x.device))
             o = self.prefill(p, cache)  # [B, T, Hq, Dv]
         else:
-            p = self.project(x, cache.position + torch.arange(T, device=x.device))
+            p = self.project(x, cache.position.to(x.device) + torch.arange(T, device=x.device))
             o = self.decode(p, cache)
         return self.o_proj(o.reshape(B, T, self.Hq * self.Dv))  # [B, T, C]
 
@@ -517,7 +518,12 @@ class NSAModel(NSAPreTrainedModel):
         if past and T == 1 and self._graph_ready(x):
             if cache.decode_graph is None:  # this step runs eagerly (it loads the kernels), then is captured
                 hidden, selected = self._layers(x, cache)
-                cache.decode_graph = DecodeGraph(lambda h: self._layers(h, cache), x)
+                try:
+                    cache.decode_graph = DecodeGraph(lambda h: self._layers(h, cache), x)
+                except RuntimeError as error:  # this step's answer stands; later steps run eagerly
+                    warnings.warn("NSA decode steps run eagerly: capturing one as a CUDA graph failed "
+                                  f"({error})", stacklevel=2)
+                    self.decode_cuda_graph = False
             else:
                 hidden, selected = cache.decode_graph(x)
             hidden = hidden.clone()  # the graph's output buffer is overwritten by the next step
@@ -545,10 +551,15 @@ class NSAModel(NSAPreTrainedModel):
     def _graph_ready(self, x: torch.Tensor) -> bool:
         """Whether a decode step may run from a CUDA graph: on the GPU through the Triton kernels (the
         reference reads lengths on the host), outside autograd and autocast, and without the mixture of
-        experts (its routing sizes its launches on the host)."""
+        experts (its routing sizes its launches on the host), on one GPU."""
         return (self.decode_cuda_graph and x.is_cuda and self.config.kernel_impl != "reference"
                 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
-                and not self.config.num_experts)
+                and not self.config.num_experts and self._on_one_device(x.device))
+
+    def _on_one_device(self, device: torch.device) -> bool:
+        """Whether the whole stack sits on `device` (a model split over GPUs by `device_map` runs eagerly)."""
+        ends = (self.layers[0].attn.q_proj.weight, self.layers[-1].mlp_norm.weight, self.norm.weight)
+        return all(p.device == device for p in ends) if len(self.layers) else True
 
 
 class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
@@ -596,17 +607,27 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         c = self.config
         max_length = max_length or c.max_position_embeddings
         kwargs = self.model.layers[0].attn.kernel_kwargs() if len(self.model.layers) else c.nsa_kwargs()
+        per_block = self.model.layers[0].attn.counts_selected_blocks if len(self.model.layers) else False
         for B in batch_sizes:
             q = param.new_zeros(B, 1, c.num_attention_heads, c.head_dim)
             gate = param.new_zeros(B, 1, c.num_attention_heads)
             for capacity in range(CAPACITY_STEP, round_capacity(max_length) + 1, CAPACITY_STEP):
-                k = param.new_zeros(B, capacity, c.num_key_value_heads, c.head_dim)
-                v = param.new_zeros(B, capacity, c.num_key_value_heads, c.v_head_dim)
-                rows = num_compressed(capacity, c.block_len, c.stride)  # the cache's, and its spare row
-                k_cmp, v_cmp = k.new_zeros(B, rows + 1, *k.shape[2:]), v.new_zeros(B, rows + 1, *v.shape[2:])
-                lens = torch.full((B,), capacity, dtype=torch.int32, device=param.device)
-                nsa_decode(q, k, v, k_cmp[:, :rows], v_cmp[:, :rows], gate, gate, gate, cache_seqlens=lens,
-                           return_block_indices=self.model.layers[0].attn.counts_selected_blocks, **kwargs)
+                try:
+                    k = param.new_zeros(B, capacity, c.num_key_value_heads, c.head_dim)
+                    v = param.new_zeros(B, capacity, c.num_key_value_heads, c.v_head_dim)
+                    rows = num_compressed(capacity, c.block_len, c.stride)  # the cache's, and its spare row
+                    k_cmp = k.new_zeros(B, rows + 1, *k.shape[2:])
+                    v_cmp = v.new_zeros(B, rows + 1, *v.shape[2:])
+                    lens = torch.full((B,), capacity, dtype=torch.int32, device=param.device)
+                    nsa_decode(q, k, v, k_cmp[:, :rows], v_cmp[:, :rows], gate, gate, gate,
+                               cache_seqlens=lens, return_block_indices=per_block, **kwargs)
+                except torch.OutOfMemoryError:  # a cache this large would not fit either
+                    warnings.warn(f"warm_up_decode: batch {B} stops at {capacity - CAPACITY_STEP} "
+                                  "tokens (the GPU is out of memory); longer generations compile when they "
+                                  "get there", stacklevel=2)
+                    break
+                finally:
+                    k = v = k_cmp = v_cmp = None
 
     def forward(
         self,

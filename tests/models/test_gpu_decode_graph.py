@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa_eval.bench.harness import counting_compilations
+from nsa_eval.bench.harness import counting_compilations, graph_step_ms
 from nsa_eval.models.cache_nsa import CAPACITY_STEP
 from nsa_eval.models.modeling_nsa import CACHE_FIELD
 from tests.models.test_gpu_model import LAYOUTS, build
@@ -27,23 +27,37 @@ def decode(model, ids: torch.Tensor, prompt_len: int, graph: bool):
     return torch.cat(logits, dim=1).float(), cache
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# num_local = 0: the layers count the blocks the kernel chose, an output of the captured step
+GRAPH_LAYOUTS = {**LAYOUTS, "num_local_0": dict(num_init=0, num_local=0)}
+
+
+@pytest.mark.parametrize("layout", list(GRAPH_LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_replays_equal_eager_steps(layout, dtype):
-    """80 steps after a 3,000-token prompt (five compressed blocks complete on the way), batch 3."""
-    model = build(dtype, **LAYOUTS[layout])
+    """80 steps after a 3,000-token prompt (five compressed blocks complete on the way), batch 3: the
+    same logits, compressed blocks and activated-token statistics."""
+    model = build(dtype, **GRAPH_LAYOUTS[layout])
     ids = torch.randint(0, 97, (3, 3080), device="cuda")
-    eager, eager_cache = decode(model, ids, 3000, graph=False)
-    graphed, cache = decode(model, ids, 3000, graph=True)
+    runs, stats = {}, {}
+    for graph in (False, True):
+        model.reset_attention_stats()
+        runs[graph] = decode(model, ids, 3000, graph=graph)
+        stats[graph] = model.attention_stats()
+    (eager, eager_cache), (graphed, cache) = runs[False], runs[True]
     assert eager_cache.decode_graph is None and cache.decode_graph is not None
     assert torch.equal(graphed, eager)
+    assert stats[True] == stats[False]
     for a, b in zip(cache.layers, eager_cache.layers, strict=True):
         assert torch.equal(a.k_cmp, b.k_cmp) and torch.equal(a.v_cmp, b.v_cmp)
 
 
 def test_graph_decode_across_capacity_growth_equals_prefill():
-    """Decoding past the cache's capacity captures again over the grown buffers."""
+    """Decoding past the cache's capacity captures again over the grown buffers (queries sharpened, as in
+    test_gpu_model.py, so no near-tie of block importances decides a block)."""
     model = build()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.attn.q_proj.weight.mul_(20)
     prompt = CAPACITY_STEP - 6
     ids = torch.randint(0, 97, (2, prompt + 14), device="cuda")
     graphed, cache = decode(model, ids, prompt, graph=True)
@@ -80,3 +94,11 @@ def test_no_triton_compilation_after_warm_up():
                     model(ids[:, t : t + 1], cache=cache)
                 torch.cuda.synchronize()
         assert count[0] == 0, f"{count[0]} compilations while decoding at {length} tokens, batch {B}"
+
+
+def test_harness_gpu_step_time_right_below_a_capacity_step():
+    """`graph_step_ms` replays 32 steps after a prompt 3 tokens short of a capacity step (the cache grows
+    for them first) and gives a positive time."""
+    model = build(torch.bfloat16)
+    ids = torch.randint(0, 97, (1, CAPACITY_STEP - 3), device="cuda")
+    assert graph_step_ms(model, ids, 32) > 0
