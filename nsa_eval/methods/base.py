@@ -98,7 +98,7 @@ class AttentionMethod:
     selects: ClassVar[bool] = True  # False for sink_window: sink and local only
     stateful: ClassVar[bool] = False
     stable_ties: ClassVar[bool] = False  # break score ties by position (a stable sort) instead of topk
-    # the rule of the Triton prefill (kernels/budget_attention.py: "sink_window", "topk" or "quest") that
+    # the rule of the Triton prefill (kernels/budget_*.py: "sink_window", "topk" or "quest") that
     # the controller takes for a held, unpadded prefill on a GPU; None: the chunked path always
     fast_prefill: ClassVar[str | None] = None
 

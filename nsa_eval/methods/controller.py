@@ -12,7 +12,7 @@
   sequence so far with the new ones last.
 - chunking over queries: scores are materialised for at most `query_chunk` queries at a time
   (`[B, Hq, Tc, S]`), never `T x T`. A held, unpadded prefill on a GPU by a method with a
-  `fast_prefill` rule takes the Triton kernels of kernels/budget_attention.py instead (`_fast_prefill`).
+  `fast_prefill` rule takes the Triton kernels of kernels/budget_*.py instead (`_fast_prefill`).
 - state: per-layer method state (H2O's accumulated attention mass) lives on the KV cache object
   (`cache.nsa_eval_state[layer_idx]`), so it follows `generate()` and is fresh for every new cache.
 - statistics: keys attended per query, per layer and phase (prefill/decode), always on (stats.py), and
@@ -244,11 +244,11 @@ class AttentionController:
                 and method.fast_prefill is not None and not method.group_shared and not method.stateful)
 
     def _fast_prefill(self, query, key, value, scaling, kpos, qpos, tally, layer) -> Tensor:
-        """The same keys, outputs and counts as the chunked path, from `kernels/budget_attention.py`:
+        """The same keys, outputs and counts as the chunked path, from `kernels/budget_*.py`:
         query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]` (unpadded) -> `[B, T, Hq, Dv]`. A top-k row whose
         threshold bracket missed (`topk_thresholds`' `failed`) is computed by `_reference_rows`; Quest
         (`quest_attention`) has no such rows."""
-        from nsa_eval.kernels import _validate
+        from nsa_eval.kernels import _validate, budget_quest, budget_topk
         from nsa_eval.kernels import budget_attention as ba
 
         _validate.check_installed_triton()
@@ -256,10 +256,12 @@ class AttentionController:
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
         thr = cut = None
         if self.method.fast_prefill == "topk":
-            thr, cut, failed = ba.topk_thresholds(q, k, sink=cfg.sink, local=cfg.local, budget=cfg.budget)
+            thr, cut, failed = budget_topk.topk_thresholds(q, k, sink=cfg.sink, local=cfg.local,
+                                                           budget=cfg.budget)
         if self.method.fast_prefill == "quest":
-            out, counts, kv_read = ba.quest_attention(q, k, v, scale=scaling, sink=cfg.sink, local=cfg.local,
-                                                      budget=cfg.budget, page_size=self.method.page_size)
+            out, counts, kv_read = budget_quest.quest_attention(q, k, v, scale=scaling, sink=cfg.sink,
+                                                                local=cfg.local, budget=cfg.budget,
+                                                                page_size=self.method.page_size)
         else:
             out, counts, kv_read = ba.budget_attention(q, k, v, scale=scaling, sink=cfg.sink,
                                                        local=cfg.local, thr=thr, cut=cut)

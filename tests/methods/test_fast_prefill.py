@@ -1,7 +1,7 @@
-"""The Triton prefill of sink_window and topk (kernels/budget_attention.py) against the readable references
-and the controller's chunked path: the same kept keys (ties at the cut to the lower position), outputs
-and statistics. On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by
-conftest.py before triton is imported); the `gpu` tests run them at scale on CUDA."""
+"""The Triton prefill of sink_window and topk (kernels/budget_attention.py, budget_topk.py) against the
+readable references and the controller's chunked path: the same kept keys (ties at the cut to the lower
+position), outputs and statistics. On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1,
+set by conftest.py before triton is imported); the `gpu` tests run them at scale on CUDA."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nsa_eval.kernels import budget_attention as ba
+from nsa_eval.kernels import budget_topk as bt
 from nsa_eval.methods import METHODS
 from nsa_eval.methods.base import BudgetConfig, grouped_scores
 from nsa_eval.methods.controller import AttentionController
@@ -39,7 +40,7 @@ def test_kernel_matches_the_reference(case, method):
     scale = D**-0.5
     thr = cut = None
     if method == "topk":
-        thr, cut, failed = ba.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
+        thr, cut, failed = bt.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
         assert not failed.any()  # the default bracket holds every row of these small inputs
     o, counts, kv_read = ba.budget_attention(q, k, v, scale=scale, sink=sink, local=local, thr=thr, cut=cut)
     keep = ba.reference_keep(q, k, sink=sink, local=local, budget=budget if method == "topk" else None)
@@ -87,7 +88,7 @@ def test_controller_fast_prefill_matches_its_chunked_path(case, method):
     assert fast_counts == counts  # queries, keys attended (sum, max), KV tokens read
     torch.testing.assert_close(fast.float(), out.float(), **tol(dtype))
     if method == "topk":  # the kernel's rule, applied to the controller's own scores, keeps its keys
-        thr, cut, _ = ba.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
+        thr, cut, _ = bt.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
         s = grouped_scores(q.float(), k.float())  # [B, Hq, T, S]
         j = torch.arange(S)
         p = torch.arange(S - T, S)[:, None]
@@ -109,7 +110,7 @@ def test_ties_at_the_cut_go_to_the_lower_position():
     k[:, :, 30:40] = k[:, :, 20:30]
     q[:, :, :, :] = q[:, :, :1, :]  # one query vector: every row ranks the keys alike
     sink, local, budget = 4, 8, 24
-    thr, cut, failed = ba.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
+    thr, cut, failed = bt.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
     assert not failed.any()
     o, counts, kv_read = ba.budget_attention(q, k, v, scale=0.25, sink=sink, local=local, thr=thr, cut=cut)
     keep = ba.reference_keep(q, k, sink=sink, local=local, budget=budget)
@@ -132,8 +133,8 @@ def test_rows_whose_bracket_misses_take_the_reference_path(monkeypatch):
         inf = torch.full((q.shape[0], q.shape[1], Tc), math.inf)
         return inf, inf, 1
 
-    monkeypatch.setattr(ba, "sample_brackets", nowhere)
-    thr, cut, failed = ba.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
+    monkeypatch.setattr(bt, "sample_brackets", nowhere)
+    thr, cut, failed = bt.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
     held = torch.arange(20, 100) + 1 > budget
     assert failed[..., held].all() and not failed[..., ~held].any()
     out, _, counts = reference_attend("topk", q, k, v, budget, sink, local)
@@ -145,7 +146,7 @@ def test_rows_whose_bracket_misses_take_the_reference_path(monkeypatch):
 @interpreter_only
 def test_a_small_cap_fails_rows_it_cannot_hold():
     q, k, _ = qkv(1, 4, 4, 96, 96, 16, torch.float32)
-    thr, cut, failed = ba.topk_thresholds(q, k, sink=4, local=8, budget=40, sample=8, cap=4)
+    thr, cut, failed = bt.topk_thresholds(q, k, sink=4, local=8, budget=40, sample=8, cap=4)
     assert failed.any()  # a stride-10 sample brackets more than 4 keys a row
     keep = ba.reference_keep(q, k, sink=4, local=8, budget=40)
     _, counts, _ = ba.budget_attention(q, k, q.new_zeros(1, 4, 96, 16), scale=0.25, sink=4, local=8,
@@ -207,7 +208,7 @@ def test_gpu_topk_brackets_hold_and_memory_stays_low_at_64k():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    thr, cut, failed = ba.topk_thresholds(q, k, sink=128, local=512, budget=2560)
+    thr, cut, failed = bt.topk_thresholds(q, k, sink=128, local=512, budget=2560)
     o, counts, _ = ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512, thr=thr, cut=cut)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
@@ -230,8 +231,8 @@ def test_gpu_timing_against_full_attention(T):
 
     full = cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     sw = cuda_ms(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512))
-    th = cuda_ms(lambda: ba.topk_thresholds(q, k, sink=128, local=512, budget=2560))
-    thr, cut, _ = ba.topk_thresholds(q, k, sink=128, local=512, budget=2560)
+    th = cuda_ms(lambda: bt.topk_thresholds(q, k, sink=128, local=512, budget=2560))
+    thr, cut, _ = bt.topk_thresholds(q, k, sink=128, local=512, budget=2560)
     at = cuda_ms(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512, thr=thr, cut=cut))
     print(f"T={T}: full {full:.2f} ms, sink_window {sw:.2f} ms ({sw / full:.2f}x), topk thresholds "
           f"{th:.2f} + attention {at:.2f} ms ({(th + at) / full:.2f}x)")
@@ -247,6 +248,6 @@ def test_the_buffer_select_is_a_stable_sort():
     buf_p = torch.arange(cap, dtype=torch.int32).expand(rows, cap) * 3 + 5
     n_in = torch.randint(1, cap + 1, (rows,), generator=g)
     need = (torch.rand(rows, generator=g) * n_in).long() + 1
-    thr, cut = ba.select_in_buffer(buf_s, buf_p.contiguous(), n_in, need)
-    thr_ref, cut_ref = ba.select_in_buffer_reference(buf_s, buf_p, n_in, need)
+    thr, cut = bt.select_in_buffer(buf_s, buf_p.contiguous(), n_in, need)
+    thr_ref, cut_ref = bt.select_in_buffer_reference(buf_s, buf_p, n_in, need)
     assert torch.equal(thr, thr_ref) and torch.equal(cut, cut_ref)

@@ -1,4 +1,4 @@
-"""Quest's Triton prefill (kernels/budget_attention.py: `quest_page_select` + `_quest_fwd_kernel`) against
+"""Quest's Triton prefill (kernels/budget_quest.py: `quest_page_select` + `_quest_fwd_kernel`) against
 the controller's chunked path: the same kept keys (ties between equal page bounds to the lower page, the
 cut page's earliest candidates), outputs and statistics. On the CPU the kernel runs in Triton's
 interpreter (TRITON_INTERPRET=1, set by conftest.py); the `gpu`
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nsa_eval.kernels import budget_attention as ba
+from nsa_eval.kernels import budget_quest as bq
 from nsa_eval.methods import METHODS
 from nsa_eval.methods.base import BudgetConfig
 from nsa_eval.methods.controller import AttentionController
@@ -59,15 +60,15 @@ def fast_attend(q, k, v, budget, sink, local, page_size):
 def selected_keep(q, k, *, sink, local, budget, page_size, step=None):
     """The keys `quest_page_select`'s masks keep `[B, Hq, T, S]`, in selection steps of `step` queries."""
     T, S = q.shape[2], k.shape[2]
-    key_min, key_max = ba.quest_summaries(k, page_size)
+    key_min, key_max = bq.quest_summaries(k, page_size)
     W = ba.cdiv(ba.cdiv(S, page_size), 32)
     step = step or T
     parts = []
     for t0 in range(0, T, step):
         n = min(step, T - t0)
-        bits, cut = ba.quest_page_select(q, key_min, key_max, t_base=t0, Tc=n, T=T, S=S, sink=sink,
+        bits, cut = bq.quest_page_select(q, key_min, key_max, t_base=t0, Tc=n, T=T, S=S, sink=sink,
                                          local=local, budget=budget, page_size=page_size, W=W)
-        parts.append(ba.quest_keep_from_masks(bits, cut, t_base=t0, T=T, S=S, sink=sink, local=local,
+        parts.append(bq.quest_keep_from_masks(bits, cut, t_base=t0, T=T, S=S, sink=sink, local=local,
                                               page_size=page_size))
     return torch.cat(parts, 2)
 
@@ -76,8 +77,8 @@ def test_bounds_are_quests_own():
     from nsa_eval.methods.quest import page_bounds
 
     q, k, _ = qkv(2, 8, 2, 40, 70, 16, torch.bfloat16)
-    key_min, key_max = ba.quest_summaries(k, 16)
-    assert torch.equal(ba._page_bounds(q.float(), key_min, key_max), page_bounds(q.float(), key_min, key_max))
+    key_min, key_max = bq.quest_summaries(k, 16)
+    assert torch.equal(bq._page_bounds(q.float(), key_min, key_max), page_bounds(q.float(), key_min, key_max))
 
 
 def test_summaries_are_quests_own():
@@ -85,7 +86,7 @@ def test_summaries_are_quests_own():
 
     _, k, _ = qkv(2, 4, 2, 8, 70, 16, torch.bfloat16)
     page, key_min, key_max = Quest(page_size=16).prepare(k, torch.arange(70).expand(2, 70))
-    mn, mx = ba.quest_summaries(k, 16)
+    mn, mx = bq.quest_summaries(k, 16)
     assert torch.equal(mn, key_min) and torch.equal(mx, key_max)
 
 
@@ -107,7 +108,7 @@ def kernel_select(q, k, *, sink, local, budget, page_size, step, L=None):
 
     B, Hq, T, _ = q.shape
     S = k.shape[2]
-    key_min, key_max = ba.quest_summaries(k, page_size)
+    key_min, key_max = bq.quest_summaries(k, page_size)
     W = ba.cdiv(ba.cdiv(S, page_size), 32)
     L = L or T
     bits, cut = [], []
@@ -119,7 +120,7 @@ def kernel_select(q, k, *, sink, local, budget, page_size, step, L=None):
             n = min(step, l0 + n_l - t0)
             Pc = (S - T + t0 + n - 1) // page_size + 1
             bounds = page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
-            ba.page_select_into(bounds, b, c, t_off=t0 - l0, p0=S - T + t0, sink=sink, local=local,
+            bq.page_select_into(bounds, b, c, t_off=t0 - l0, p0=S - T + t0, sink=sink, local=local,
                                 budget=budget, page_size=page_size)
         bits.append(b)
         cut.append(c)
@@ -134,7 +135,7 @@ def test_the_select_kernel_keeps_the_reference_selections_keys(case):
     B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page = case
     q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=1)
     bits, cut = kernel_select(q, k, sink=sink, local=local, budget=budget, page_size=page, step=11, L=24)
-    got = ba.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local, page_size=page)
+    got = bq.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local, page_size=page)
     assert torch.equal(got, selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page))
 
 
@@ -152,7 +153,7 @@ def test_integer_data_ties_everywhere(case):
     torch_keep = selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page, step=9)
     assert torch.equal(torch_keep, keep)
     bits, cut = kernel_select(q, k, sink=sink, local=local, budget=budget, page_size=page, step=9, L=20)
-    got = ba.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local, page_size=page)
+    got = bq.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local, page_size=page)
     assert torch.equal(got, keep)
     fast, fast_counts = fast_attend(q, k, v, budget, sink, local, page)
     assert fast_counts == counts
@@ -183,8 +184,8 @@ def test_kernel_counts_and_outputs_against_the_masks(one_word, skip, select, mon
     q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=2)
     if not one_word:  # the word-per-key reading, which GPU tiles take for pages under BN / 32 keys
         tiles = dict(BT=4, GP=4, BN=256, num_warps=4, num_stages=1)  # 256 keys: 64 pages of 4, 2 words
-        monkeypatch.setattr(ba, "_config", lambda G, dtype: tiles)
-    o, counts, kv_read = ba.quest_attention(q, k, v, scale=D**-0.5, sink=sink, local=local, budget=budget,
+        monkeypatch.setattr(bq, "_config", lambda G, dtype: tiles)
+    o, counts, kv_read = bq.quest_attention(q, k, v, scale=D**-0.5, sink=sink, local=local, budget=budget,
                                             page_size=page, bound_elems=B * Hq * 9 * 30,
                                             bits_bytes=B * Hq * 1 * 4 * 24, skip=skip, select=select)
     keep = selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page)
@@ -224,7 +225,7 @@ def test_equal_bounds_go_to_the_lower_page(page):
         assert fast_counts == counts
         for kk, expected in ((k, keep), (k2, keep2)):
             bits, cut = kernel_select(q, kk, sink=sink, local=local, budget=budget, page_size=page, step=13)
-            got = ba.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local,
+            got = bq.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local,
                                            page_size=page)
             assert torch.equal(got, expected)
 
@@ -277,7 +278,7 @@ def test_gpu_quest_memory_stays_low_at_64k():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    o, counts, _ = ba.quest_attention(q, k, v, scale=0.125, sink=128, local=512, budget=2560, page_size=16)
+    o, counts, _ = bq.quest_attention(q, k, v, scale=0.125, sink=128, local=512, budget=2560, page_size=16)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     print(f"64k quest: extra peak {extra / 2**30:.2f} GiB")
@@ -298,25 +299,25 @@ def test_gpu_quest_timing_against_full_attention(T):
 
     full = cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     args = dict(scale=0.125, sink=128, local=512, budget=2560, page_size=16)
-    total = cuda_ms(lambda: ba.quest_attention(q, k, v, **args))
-    skip = cuda_ms(lambda: ba.quest_attention(q, k, v, skip=True, **args))
-    torch_select = cuda_ms(lambda: ba.quest_attention(q, k, v, select="torch", **args), n=1)
+    total = cuda_ms(lambda: bq.quest_attention(q, k, v, **args))
+    skip = cuda_ms(lambda: bq.quest_attention(q, k, v, skip=True, **args))
+    torch_select = cuda_ms(lambda: bq.quest_attention(q, k, v, select="torch", **args), n=1)
     variants = {}
     for t in (dict(BN=64, num_warps=4, num_stages=2), dict(BN=64, num_warps=8, num_stages=2),
               dict(BN=32, num_warps=4, num_stages=2), dict(BN=32, num_warps=4, num_stages=3)):
         name = "BN={BN} warps={num_warps} stages={num_stages}".format(**t)
-        variants[name] = cuda_ms(lambda t=t: ba.quest_attention(q, k, v, tiles=t, **args))
+        variants[name] = cuda_ms(lambda t=t: bq.quest_attention(q, k, v, tiles=t, **args))
     W = ba.cdiv(ba.cdiv(T, 16), 32)
     bits = torch.zeros(1, 32, T, W, device="cuda", dtype=torch.int32)
     cut = torch.empty(1, 32, T, device="cuda", dtype=torch.int32)
 
     def selection(bounds_only=False):
-        key_min, key_max = ba.quest_summaries(k, 16)
-        for t0, n in ba.quest_steps(32, T, T, 16, 0, T, ba.QUEST_BOUND_ELEMS):
+        key_min, key_max = bq.quest_summaries(k, 16)
+        for t0, n in bq.quest_steps(32, T, T, 16, 0, T, bq.QUEST_BOUND_ELEMS):
             Pc = (t0 + n - 1) // 16 + 1
-            bounds = ba._page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
+            bounds = bq._page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
             if not bounds_only:
-                ba.page_select_into(bounds, bits, cut, t_off=t0, p0=t0, sink=128, local=512, budget=2560,
+                bq.page_select_into(bounds, bits, cut, t_off=t0, p0=t0, sink=128, local=512, budget=2560,
                                     page_size=16)
 
     bounds = cuda_ms(lambda: selection(bounds_only=True))
@@ -324,5 +325,5 @@ def test_gpu_quest_timing_against_full_attention(T):
     print(f"T={T}: full {full:.2f} ms, quest {total:.2f} ms ({total / full:.2f}x: bounds {bounds:.2f} ms, "
           f"select {sel - bounds:.2f} ms, attention ~{total - sel:.2f} ms); with tile skipping {skip:.2f} ms "
           f"({skip / full:.2f}x); with the PyTorch select {torch_select:.2f} ms "
-          f"({torch_select / full:.2f}x); tiles (default {ba.QUEST_CONFIG}): "
+          f"({torch_select / full:.2f}x); tiles (default {bq.QUEST_CONFIG}): "
           + ", ".join(f"{n} {t:.2f} ms" for n, t in variants.items()))
