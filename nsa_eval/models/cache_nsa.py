@@ -44,6 +44,26 @@ def round_capacity(length: int) -> int:
     return max(1, -(-length // CAPACITY_STEP)) * CAPACITY_STEP
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """Where one decode token goes, as int64 device tensors (shared by every layer of a forward).
+
+    Attributes:
+        pos: `[1]` its position; lens: int32 `[B]` the tokens each row holds with it (the decode
+            kernels' `cache_seqlens`); ring_row: `[1]` its row in the ring of compression inputs.
+        block_rows: `[block_len]` the ring rows of the block ending at `pos`, in token order.
+        first_block: `[1]` that block's index; cmp_row: `[1]` the compressed row it is written to (the
+            spare row when `pos` completes no block).
+    """
+
+    pos: torch.Tensor
+    lens: torch.Tensor
+    ring_row: torch.Tensor
+    block_rows: torch.Tensor
+    first_block: torch.Tensor
+    cmp_row: torch.Tensor
+
+
 @dataclass
 class NSALayerCache:
     """One layer's buffers (see the module docstring); None where the layer has no such tensor."""
@@ -78,6 +98,7 @@ class NSACache:
         self.capacity = 0
         self.position: torch.Tensor | None = None  # int64 [1]: the next token's position, on the device
         self.decode_graph = None  # the model's captured decode step over these buffers, if any
+        self._steps: dict[tuple[int, torch.device], DecodeStep] = {}  # `step`'s, for the forward in flight
 
     # ---- what transformers reads
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -146,26 +167,43 @@ class NSACache:
             getattr(layer, name)[:, last % self.block_len] = x[:, last]
         return layer
 
-    def decode(self, layer_idx: int, pos: torch.Tensor, new: dict[str, torch.Tensor | None],
+    def step(self, t: int, device: torch.device, batch: int) -> DecodeStep:
+        """Where the forward's token `t` goes (`position + t`) for a batch of `batch` rows, worked out
+        once for all layers on `device` (device tensors: no host read). `open_forward` forgets the last
+        forward's."""
+        key = (t, device)
+        if key not in self._steps:
+            l, d = self.block_len, self.stride
+            pos = self.position.to(device) + t  # [1]
+            start = pos + 1 - l  # [1] the first token of the block ending here
+            first = torch.div(start.clamp(min=0), d, rounding_mode="floor")  # [1] its block index
+            complete = (start >= 0) & (start % d == 0)  # [1]
+            self._steps[key] = DecodeStep(
+                pos=pos, lens=(pos + 1).to(torch.int32).expand(batch), ring_row=pos % l,
+                block_rows=(start + torch.arange(l, device=device)) % l, first_block=first,
+                cmp_row=torch.where(complete, first, self.capacity_cmp))
+        return self._steps[key]
+
+    def open_forward(self) -> None:
+        """A forward (or a capture of one) begins: positions are worked out afresh from `position`."""
+        self._steps = {}
+
+    def decode(self, layer_idx: int, step: DecodeStep, new: dict[str, torch.Tensor | None],
                compress: CompressFn) -> NSALayerCache:
-        """Write one token at position `pos` (int64 `[1]` on the device; `new` as in `prefill`, T = 1)
-        and, if it completes a compressed block, that block: the same device work at every position."""
+        """Write one token at `step.pos` (`new` as in `prefill`, T = 1) and, if it completes a
+        compressed block, that block: the same device work at every position."""
         layer = self.layers[layer_idx]
-        l, d = self.block_len, self.stride
         ring = {"k_ring": new.pop("k_cmp_in"), "v_ring": new.pop("v_cmp_in")}
         for name, x in new.items():
             if x is not None:
-                getattr(layer, name).index_copy_(1, pos, x.to(getattr(layer, name).dtype))
+                getattr(layer, name).index_copy_(1, step.pos, x.to(getattr(layer, name).dtype))
         for name, x in ring.items():
-            getattr(layer, name).index_copy_(1, pos % l, x.to(getattr(layer, name).dtype))
-        start = pos + 1 - l  # [1] the first token of the block ending here
-        first = torch.div(start.clamp(min=0), d, rounding_mode="floor")  # [1] its block index
-        complete = (start >= 0) & (start % d == 0)  # [1]
-        rows = (start + torch.arange(l, device=pos.device)) % l  # [l] ring rows in token order
-        k_blk, v_blk = compress(layer.k_ring.index_select(1, rows), layer.v_ring.index_select(1, rows), first)
-        row = torch.where(complete, first, self.capacity_cmp)  # [1] the spare row when no block completes
-        layer.k_cmp.index_copy_(1, row, k_blk.to(layer.k_cmp.dtype))
-        layer.v_cmp.index_copy_(1, row, v_blk.to(layer.v_cmp.dtype))
+            getattr(layer, name).index_copy_(1, step.ring_row, x.to(getattr(layer, name).dtype))
+        k_blk, v_blk = compress(layer.k_ring.index_select(1, step.block_rows),
+                                layer.v_ring.index_select(1, step.block_rows), step.first_block)
+        # the block's row, or the spare row when the token completes no block
+        layer.k_cmp.index_copy_(1, step.cmp_row, k_blk.to(layer.k_cmp.dtype))
+        layer.v_cmp.index_copy_(1, step.cmp_row, v_blk.to(layer.v_cmp.dtype))
         return layer
 
     def begin(self, T: int, device: torch.device) -> None:

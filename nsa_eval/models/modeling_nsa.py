@@ -234,12 +234,12 @@ class NSAAttention(nn.Module):
         B = p["q"].shape[0]
         for t in range(p["q"].shape[1]):
             step = {name: None if x is None else x[:, t : t + 1] for name, x in p.items()}
-            position = cache.position.to(step["q"].device) + t  # [1] this token's (on this layer's GPU)
+            where = cache.step(t, step["q"].device, B)  # position and rows, on this layer's GPU
             new = {name: step[name] for name in CACHED}
-            layer = cache.decode(self.layer_idx, position, new, self.compress)
+            layer = cache.decode(self.layer_idx, where, new, self.compress)
             if step["q"].is_cuda and self.config.kernel_impl != "reference":
                 rows, rows_cmp = cache.capacity, cache.capacity_cmp
-                lens = (position + 1).to(torch.int32).expand(B)  # [B] tokens incl. this one
+                lens = where.lens
             else:
                 rows = cache.length + t + 1
                 rows_cmp, lens = num_compressed(rows, cache.block_len, cache.stride), None
@@ -253,7 +253,7 @@ class NSAAttention(nn.Module):
                              return_block_indices=self.counts_selected_blocks, **self.kernel_kwargs())
             if self.counts_selected_blocks:
                 out, blocks = out  # blocks [B, 1, Hkv, n]
-                counts.append(selected_tokens(position, blocks, self.config.select_size))  # [B, 1, Hkv]
+                counts.append(selected_tokens(where.pos, blocks, self.config.select_size))  # [B, 1, Hkv]
             outputs.append(out)
         if counts:
             self.selected_tokens = torch.cat(counts, dim=1)  # [B, T, Hkv]
@@ -539,6 +539,8 @@ class NSAModel(NSAPreTrainedModel):
         layers count their selected blocks, `[layers, B, T, Hkv]` selected tokens (else None)."""
         per_block = self.layers[0].attn.counts_selected_blocks if len(self.layers) else False
         selected = []
+        if cache is not None:
+            cache.open_forward()
         for layer in self.layers:
             x = layer(x, cache)
             if per_block:
