@@ -1,5 +1,5 @@
-"""Inputs and markers shared by the Triton prefill tests (test_fast_prefill.py, test_quest_fast.py); the
-interpreter itself is switched on by conftest.py."""
+"""Inputs, markers and measures shared by the Triton prefill tests (test_fast_prefill.py,
+test_quest_fast.py, test_h2o_fast.py); the interpreter itself is switched on by conftest.py."""
 
 from __future__ import annotations
 
@@ -33,3 +33,9 @@ def cuda_ms(fn, n: int = 3) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / n
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error of `a` against `b` (float64)."""
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()

@@ -6,30 +6,27 @@ its Triton kernel (`h2o_sparse_prefill`; on the CPU through Triton's interpreter
 On inputs without tied masses they keep the same keys; outputs and masses agree to rounding.
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before the kernel module is imported: its kernel is then interpreted
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from nsa_eval.kernels.h2o_prefill import (  # noqa: E402
+from nsa_eval.kernels.h2o_prefill import (
     h2o_sparse_prefill,
     h2o_sparse_prefill_reference,
     keep_from_evictions,
     kv_read_from_evictions,
 )
-from nsa_eval.methods import apply_attention, attention_stats  # noqa: E402
-from nsa_eval.methods.base import BudgetConfig, grouped_scores  # noqa: E402
-from nsa_eval.methods.controller import (  # noqa: E402
+from nsa_eval.methods import apply_attention, attention_stats
+from nsa_eval.methods.base import BudgetConfig, grouped_scores
+from nsa_eval.methods.controller import (
     MODULE_ATTRIBUTE,
     AttentionController,
     _grouped_apply,
     _masked_softmax,
 )
-from nsa_eval.methods.h2o import H2O  # noqa: E402
-from tests.methods.conftest import fake_module, random_qkv, run_attend, tiny_llama  # noqa: E402
+from nsa_eval.methods.h2o import H2O
+from tests.methods.budget_inputs import cuda_ms, rel_rms
+from tests.methods.conftest import fake_module, random_qkv, run_attend, tiny_llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,11 +76,6 @@ def walk(fn, q, k, v, budget, sink, local, **options):
     mass, out = dense_start(q, k, v, budget, scaling)
     evictions = fn(q, k, v, mass, out, scaling, sink, local, budget, **options)
     return out, evictions, mass
-
-
-def rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -294,31 +286,21 @@ def test_gpu_kernel_matches_walk_float32():
 def test_gpu_launch_sweep():
     """Prints the kernel's time per layer call at 8k and 32k for a few launch settings, beside SDPA."""
     import functools
-    import time
 
     import torch.nn.functional as F
 
     budget, sink, local = 2560, 128, 512
 
-    def timed(fn, reps=3):
-        fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / reps * 1e3
-
     for T in (8192, 32768):
         q, k, v = llama_layer_qkv(T)
         mass = torch.zeros(1, 32, T, device="cuda")
         out = torch.empty_like(q)
-        sdpa = timed(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True,
+        sdpa = cuda_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True,
                                        enable_gqa=True))
         print(f"\nT={T}: SDPA causal {sdpa:.2f} ms per layer call")
         for bt, bn, warps in ((64, 64, 4), (64, 64, 8), (64, 128, 8), (32, 64, 8), (128, 64, 8),
                               (64, 64, 16)):
-            ms = timed(functools.partial(h2o_sparse_prefill, q, k, v, mass, out, 0.125, sink, local, budget,
+            ms = cuda_ms(functools.partial(h2o_sparse_prefill, q, k, v, mass, out, 0.125, sink, local, budget,
                                          block_queries=bt, block_keys=bn, num_warps=warps))
             rate = (T - budget) / ms
             print(f"  h2o walk BT={bt} BN={bn} warps={warps}: {ms:.2f} ms, {rate:.0f} queries/ms")
