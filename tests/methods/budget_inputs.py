@@ -39,3 +39,21 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative RMS error of `a` against `b` (float64)."""
     a, b = a.double(), b.double()
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def fast_and_chunked(fast_ctrl, chunked_ctrl, module, q, k, v):
+    """One layer call through the fast prefill (`fast_ctrl`: CUDA, unpadded, no capture) and through the
+    chunked path (`chunked_ctrl`, held there by a capture list), held to the same budget: asserts the
+    same queries and keys attended (sum and max: exactly the budget), KV tokens read within 1e-4 (near
+    ties round either way between the kernel's products and PyTorch's) and outputs within 1% relative
+    RMS. Returns both tallies' counts."""
+    fast = fast_ctrl.attend(module, q, k, v, None, None)
+    fast_counts = fast_ctrl.stats.tally(0, "prefill", True).counts()
+    chunked_ctrl.capture = []  # keeps it on the chunked path
+    out = chunked_ctrl.attend(module, q, k, v, None, None)
+    counts = chunked_ctrl.stats.tally(0, "prefill", True).counts()
+    assert fast_counts[:3] == counts[:3]
+    assert abs(fast_counts[4] - counts[4]) <= 1e-4 * counts[4]
+    err = rel_rms(fast, out)
+    assert err < 1e-2, err
+    return fast_counts, counts

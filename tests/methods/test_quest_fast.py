@@ -14,7 +14,7 @@ from nsa_eval.kernels import budget_quest as bq
 from nsa_eval.methods import METHODS
 from nsa_eval.methods.base import BudgetConfig
 from nsa_eval.methods.controller import AttentionController
-from tests.methods.budget_inputs import INTERPRET, cuda_ms, interpreter_only, qkv, rel_rms
+from tests.methods.budget_inputs import INTERPRET, cuda_ms, fast_and_chunked, interpreter_only, qkv
 from tests.methods.conftest import fake_module
 
 CASES = [  # (B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page_size)
@@ -254,21 +254,11 @@ def gpu_layer(T, seed=0):
 @pytest.mark.gpu
 def test_gpu_quest_fast_prefill_matches_the_chunked_path_at_8k():
     q, k, v = gpu_layer(8192)
-    module = fake_module(groups=4)
-    ctrl = controller(2560, 128, 512)
-    fast = ctrl.attend(module, q, k, v, None, None)  # the fast path: CUDA, unpadded, no capture
-    fast_counts = ctrl.stats.tally(0, "prefill", True).counts()
-    ref = controller(2560, 128, 512)
-    ref.capture = []  # keeps it on the chunked path
-    out = ref.attend(module, q, k, v, None, None)
-    counts = ref.stats.tally(0, "prefill", True).counts()
-    print(f"8k quest: counts fast {fast_counts} chunked {counts}")
-    assert fast_counts[:3] == counts[:3]  # queries, keys attended (sum, max): exactly the budget
-    # KV tokens read: equal up to near-ties of page bounds (cuBLAS may round a bound differently at
+    # KV tokens read may differ at near-ties of page bounds (cuBLAS may round a bound differently at
     # another chunk shape)
-    assert abs(fast_counts[4] - counts[4]) <= 1e-4 * counts[4]
-    err = rel_rms(fast, out)
-    assert err < 1e-2, err
+    fast_counts, counts = fast_and_chunked(controller(2560, 128, 512), controller(2560, 128, 512),
+                                           fake_module(groups=4), q, k, v)
+    print(f"8k quest: counts fast {fast_counts} chunked {counts}")
 
 
 @pytest.mark.gpu
