@@ -6,11 +6,13 @@
     nsa-eval train --attention nsa --out /tmp/t --tiny          # a few CPU steps
     nsa-eval train --attention nsa --out runs/n --steps 9000 --stop-after-minutes 8   # a first part
     nsa-eval train --attention nsa --out runs/n --resume --stop-after-minutes 8       # the next
+    nsa-eval train --recipe long --out runs/long --stop-after-minutes 9   # the long pair, in parts
 
 `--match RUN` copies the step count, batch, sequence length, learning rate and retrieval mix of an
 earlier run, so both models see identical tokens. `--attention both` trains NSA into <out>/nsa
 (sized by --minutes or --steps), then full attention into <out>/full matched to it, and plots both
-into <out>/loss_curves.png.
+into <out>/loss_curves.png. `--recipe long` trains the long-context pair and its window ablation
+(nsa_eval/train/long_context.py); run it again to continue.
 The corpus and tokenizer are built into `--data` on first use (a few minutes) and reused afterwards.
 """
 
@@ -27,7 +29,9 @@ DEFAULT_DATA = ".cache/nsa-train"
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train the NSA or the full-attention model of the bundled pair",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--attention", required=True, choices=["nsa", "full", "both"])
+    p.add_argument("--attention", choices=["nsa", "full", "both"], help="the model to train (or --recipe)")
+    p.add_argument("--recipe", choices=["long"], help="a multi-stage recipe: 'long' = nsa-long, full-long "
+                   "and nsa-long-nowindow at 16,384 tokens (docs/training.md); rerun to resume")
     p.add_argument("--out", required=True, help="run directory (logs, summary.json, checkpoint/)")
     p.add_argument("--seed", type=int, default=0)
     size = p.add_mutually_exclusive_group()
@@ -50,7 +54,7 @@ def register(subparsers) -> None:
                                                  "(default 4: GQA groups of 2)")
     p.add_argument("--layers", type=int, help="decoder layers of both models (default 6)")
     p.add_argument("--num-selected", type=int, help="NSA selection blocks per query, forced ones included")
-    p.add_argument("--window", type=int, help="NSA sliding-window length in tokens")
+    p.add_argument("--window", type=int, help="NSA sliding-window length in tokens (0: no window branch)")
     p.add_argument("--retrieval-lengths", type=int, nargs="+", metavar="TOKENS",
                    help="NIAH context lengths of the retrieval rows (default: the recipe's)")
     p.add_argument("--retrieval-fraction", type=float, metavar="F",
@@ -68,6 +72,10 @@ def register(subparsers) -> None:
 
 
 def run_train(args) -> int:
+    if args.recipe is not None:
+        return _run_recipe(args)
+    if args.attention is None:
+        raise UsageError("give --attention nsa|full|both, or --recipe long")
     cfg, data_dir = _validated_config(args)
     sources = _corpus_sources(args, data_dir)
     import os
@@ -101,6 +109,40 @@ def run_train(args) -> int:
     matched = replace(cfg, attention="full", steps=first["steps"], minutes=None)
     _report(train(matched, corpus, out / "full", device=args.device, workers=workers), out / "full")
     plot_runs([out / "nsa", out / "full"], out / "loss_curves.png")
+    return 0
+
+
+def _run_recipe(args) -> int:
+    """`--recipe long`: the stages of nsa_eval/train/long_context.py, resumed where they stopped."""
+    given = [f"--{f.replace('_', '-')}" for f in ("attention", *CONFIG_FLAGS, "corpus_sources")
+             if getattr(args, f) not in (None, False)]
+    given += [flag for flag, on in (("--tiny", args.tiny), ("--resume", args.resume),
+                                    ("--overwrite", args.overwrite)) if on]
+    if given:
+        raise UsageError(f"--recipe {args.recipe} fixes its own configuration and resumes by itself: drop "
+                         f"{', '.join(given)}")
+    if args.stop_after_minutes is not None and args.stop_after_minutes <= 0:
+        raise UsageError(f"--stop-after-minutes must be > 0, got {args.stop_after_minutes}")
+    if args.kernel_impl != "auto" or args.seed != 0:
+        raise UsageError("--recipe continues the bundled pair (seed 0, the default kernels): drop --seed "
+                         "and --kernel-impl")
+    from nsa_eval.models.loading import resolve_checkpoint
+    from nsa_eval.train.data import build_corpus, corpus_exists, corpus_manifest
+    from nsa_eval.train.long_context import run_long_recipe
+
+    data_dir = Path(args.data or DEFAULT_DATA)
+    if not corpus_exists(data_dir):
+        print(f"building the corpus and tokenizer in {data_dir}")
+        build_corpus(data_dir)
+    bundled = json.loads((Path(resolve_checkpoint("nsa-tiny")) / "training.json").read_text())["corpus"]
+    if corpus_manifest(data_dir).get("sha256") != bundled["sha256"]:
+        raise UsageError(f"--data {data_dir} holds another corpus than the one nsa-tiny was trained on "
+                         f"(sha256 differs; its sources and versions: {bundled['sources']}, "
+                         f"{bundled['versions']}): the long models would not continue on the same data")
+    finished = run_long_recipe(args.out, data_dir, device=args.device, workers=args.workers,
+                               stop_after_minutes=args.stop_after_minutes)
+    if not finished:
+        print(f"unfinished: run the same command again to continue ({args.out})", flush=True)
     return 0
 
 
@@ -156,8 +198,8 @@ def _validated_config(args):
             cfg = replace(cfg, **{field: value})
     if args.num_selected is not None and args.num_selected < 3:
         raise UsageError(f"--num-selected must be >= 3 (1 initial + 2 local blocks), got {args.num_selected}")
-    if args.window is not None and args.window < 1:
-        raise UsageError(f"--window must be >= 1, got {args.window}")
+    if args.window is not None and args.window < 0:
+        raise UsageError(f"--window must be >= 0 (0: no sliding-window branch), got {args.window}")
     if args.head_dim is not None and (args.head_dim < 16 or args.head_dim % 16):
         raise UsageError(f"--head-dim must be a multiple of 16 (the kernels' tile), got {args.head_dim}")
     heads = cfg.model.num_heads

@@ -38,7 +38,7 @@ def plot_runs(run_dirs, png: str | Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for run_dir in run_dirs:
         run = read_run(run_dir)
-        name = run["summary"]["attention"]
+        name = Path(run_dir).name  # "nsa", "full", "nsa-nowindow": the run's folder
         tokens = np.array([r["tokens"] for r in run["train"]]) / 1e6
         axes[0].plot(tokens, smooth([r["text_loss"] for r in run["train"]]), label=f"{name}: text")
         answer_loss = smooth([r["answer_loss"] for r in run["train"]])

@@ -91,6 +91,9 @@ class TrainConfig:
     probe_per_length: int = 8
     log_every: int = 10
     calibration_steps: int = 8
+    # a checkpoint (bundled name or directory) whose weights start the run instead of a fresh
+    # initialisation: continued pretraining at a longer context, as the paper's long-context stage
+    init_from: str | None = None
     mix: MixConfig = field(default_factory=MixConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -236,7 +239,11 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     tokenizer = corpus.tokenizer
-    model = build_model(cfg.attention, cfg.model, tokenizer).to(device)
+    model = build_model(cfg.attention, cfg.model, tokenizer)
+    if cfg.init_from is not None and saved is None:
+        load_initial_weights(model, cfg.init_from)
+        echo(f"[{cfg.attention}] weights from {cfg.init_from}")
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     echo(f"[{cfg.attention}] {n_params / 1e6:.2f}M parameters on {device}")
     optimizer = _optimizer(model, cfg, device)
@@ -497,6 +504,30 @@ def save_checkpoint(model, tokenizer, path: str | Path, summary: dict | None = N
     tokenizer.save_pretrained(str(path))
     if summary is not None:
         (path / "training.json").write_text(json.dumps(summary, indent=1))
+
+
+def load_initial_weights(model, checkpoint: str | Path) -> None:
+    """Copy a checkpoint's weights (bf16 safetensors of `save_checkpoint`) into `model`, in place.
+
+    Raises ValueError when the checkpoint's parameter names or shapes differ from the model's.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    from nsa_eval.models.loading import resolve_checkpoint
+
+    weights = load_file(str(Path(resolve_checkpoint(checkpoint)) / "model.safetensors"))
+    own = model.state_dict()
+    if model.config.tie_word_embeddings:  # saved once, under the embedding's name
+        weights.setdefault("lm_head.weight", weights.get("model.embed_tokens.weight"))
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    wrong = [k for k in own if k in weights and weights[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        raise ValueError(f"{checkpoint} does not fit this model: missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]}, other shapes {wrong[:3]}")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(weights[name].to(tensor.dtype))
 
 
 def load_checkpoint(path: str | Path, dtype=None):
