@@ -154,7 +154,7 @@ def test_throughput_row_and_aime_projection_on_a_tiny_suite(tmp_path, monkeypatc
     """Sampled generation at batch 2 for full and nsa; nsa sleeps past the cap mid-generation and keeps
     the rate of the tokens it made. The projection multiplies the suite's problems x samples x
     max_gen_toks by each rate."""
-    from nsa_eval.bench.aime import aime_entries
+    from nsa_eval.commands.bench import aime_entries
 
     suite = tmp_path / "suite.yaml"
     suite.write_text("name: tiny-aime\noutput: runs/tiny\n"
@@ -174,7 +174,7 @@ def test_throughput_row_and_aime_projection_on_a_tiny_suite(tmp_path, monkeypatc
     assert [e.problems_from for e in aime_entries(str(suite))] == ["limit", "AIME 2024"]
 
     config = tiny(methods=("full", "nsa"), lengths=(), throughput_tokens=12, throughput_batch=2,
-                  throughput_prompt=16, cap_s=8.0)
+                  throughput_prompt=16, throughput_cap_s=8.0)
     figures = harness.run_harness(config, HarnessStore(tmp_path / "h"), aime=entries, log=lambda line: None,
                                   load=loader({"nsa": lambda module, args: time.sleep(0.8)}))
     full, nsa = sorted(figures, key=lambda f: f.method)

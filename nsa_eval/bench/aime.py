@@ -35,37 +35,33 @@ class AimeEntry:
         return self.tokens / tokens_per_s / 3600
 
 
-def aime_entries(suite_path: str) -> list[AimeEntry]:
-    """The AIME task entries of the suite at `suite_path` (tasks whose name holds "aime"), with the
-    sample count (`repeats`) and `max_gen_toks` lm-eval would use (the task's YAML under the entry's
-    gen_kwargs) and the problem count: the entry's `limit`, else the rows of its local test split,
-    else AIME 2024's 30. UsageError for a suite that does not parse."""
+def aime_entries_of(label: str, task: str, limit: int | None = None, gen_kwargs: dict | None = None,
+                    default_max_gen_toks: int = 256) -> list[AimeEntry]:
+    """A suite's AIME task entry (`label`, `task`, its `limit` and `gen_kwargs`), one AimeEntry per leaf
+    task under it: the sample count (`repeats`) and `max_gen_toks` lm-eval would use (the task's YAML
+    under the entry's gen_kwargs; `default_max_gen_toks` where neither gives one) and the problem
+    count: `limit`, else the rows of the task's local test split, else AIME 2024's 30."""
     from lm_eval.models.utils import normalize_gen_kwargs
 
-    from nsa_eval.suite import load_suite
-    from nsa_eval.suite.checks import DEFAULT_MAX_GEN_TOKS
     from nsa_eval.tasks.index import leaf_configs
     from nsa_eval.tasks.local_data import spec_from_config
 
-    suite = load_suite(suite_path)
     entries = []
-    for task in suite.tasks:
-        if "aime" not in task.task:
-            continue
-        for _, cfg in leaf_configs([task.task]):
-            base = cfg.get("generation_kwargs") or {"max_gen_toks": DEFAULT_MAX_GEN_TOKS}
-            try:
-                max_gen_toks = normalize_gen_kwargs({**base, **task.gen_kwargs}, DEFAULT_MAX_GEN_TOKS)[
-                    "max_gen_toks"]
-            except (TypeError, ValueError) as err:
-                raise UsageError(f"{suite_path}: {task.label}: gen_kwargs: {err}") from None
-            problems, source = task.limit, "limit"
-            if problems is None:
-                problems, source = _local_rows(spec_from_config(cfg), cfg.get("test_split")), "data"
-            if problems is None:
-                problems, source = AIME_2024_PROBLEMS, "AIME 2024"
-            entries.append(AimeEntry(task.label, str(cfg.get("task", task.task)), int(problems),
-                                     int(cfg.get("repeats") or 1), int(max_gen_toks), source))
+    for _, cfg in leaf_configs([task]):
+        base = cfg.get("generation_kwargs") or {"max_gen_toks": default_max_gen_toks}
+        settings = {**base, **(gen_kwargs or {})}
+        try:
+            max_gen_toks = normalize_gen_kwargs(settings, default_max_gen_toks)["max_gen_toks"]
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"task entry {label}: gen_kwargs: {err}") from None
+        problems, source = limit, "limit"
+        if problems is None:
+            problems, source = _local_rows(spec_from_config(cfg), cfg.get("test_split")), "data"
+        if problems is None:
+            problems, source = AIME_2024_PROBLEMS, "AIME 2024"
+        samples = int(cfg.get("repeats") or 1)
+        entries.append(AimeEntry(label, str(cfg.get("task", task)), int(problems), samples, int(max_gen_toks),
+                                 source))
     return entries
 
 

@@ -92,6 +92,10 @@ class HarnessConfig:
     throughput_tokens: int = 0  # 0: no throughput row
     throughput_batch: int = 16
     throughput_prompt: int = 256
+    throughput_cap_s: float = 540.0  # a 16k-token generation at batch 16 takes minutes, not seconds
+
+    def cap_of(self, kind: str) -> float:
+        return self.throughput_cap_s if kind == "throughput" else self.cap_s
 
     def settings(self) -> dict:
         """What every figure depends on: a results folder holds figures of one such setting."""
@@ -434,11 +438,12 @@ def _page_size(method: str, config: HarnessConfig) -> int:
 def measure_throughput(loaded: Loaded, config: HarnessConfig) -> Figure:
     """Sampled generation through lm-eval's own call (`_model_generate`, as generate_until makes it): a
     short warm-up generation, then `throughput_tokens` new tokens for each of `throughput_batch` random
-    prompts of `throughput_prompt` tokens. Past the cap, the rate over the tokens generated so far."""
+    prompts of `throughput_prompt` tokens. Past its cap (`throughput_cap_s`), the rate over the tokens
+    generated so far."""
     device, batch, new = config.device, config.throughput_batch, config.throughput_tokens
     figure = Figure("throughput", loaded.method, config.throughput_prompt, batch, new_tokens=new,
-                    cap_s=config.cap_s)
-    deadline, forwards, start = Deadline(config.cap_s), [0], None
+                    cap_s=config.throughput_cap_s)
+    deadline, forwards, start = Deadline(config.throughput_cap_s), [0], None
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     base = _allocated(device)
@@ -531,6 +536,8 @@ def run_harness(config: HarnessConfig, store: HarnessStore, *, fresh: bool = Fal
         f"{device_name(device)})")
     run = {"command": command, "versions": software_versions(), "bandwidth_gbs": bandwidth,
            "copy_mib": nbytes / 2**20, "cap_s": config.cap_s}
+    if config.throughput_tokens:
+        run["throughput_cap_s"] = config.throughput_cap_s
     extra = {} if aime is None else {"aime": [asdict(entry) for entry in aime]}
     figures = {f.key: f for f in store.open(config.settings(), run, fresh=fresh, **extra)}
     if figures:
@@ -539,7 +546,7 @@ def run_harness(config: HarnessConfig, store: HarnessStore, *, fresh: bool = Fal
         checkpoints: dict[str, Path] = {}
         for method in config.methods:
             todo = [k for k in planned(config, method)
-                    if k not in figures or not figures[k].settled(config.cap_s)]
+                    if k not in figures or not figures[k].settled(config.cap_of(k[0]))]
             if not todo:
                 continue
             kind = "nsa" if method == "nsa" else "llama"
@@ -561,8 +568,8 @@ def run_harness(config: HarnessConfig, store: HarnessStore, *, fresh: bool = Fal
                 reason = skip_reason(key, figures, config.cap_s)
                 label = _label(key)
                 if reason:
-                    figure = Figure(kind_, method, length, batch, status="skipped", cap_s=config.cap_s,
-                                    note=reason, new_tokens=key[4])
+                    figure = Figure(kind_, method, length, batch, status="skipped",
+                                    cap_s=config.cap_of(kind_), note=reason, new_tokens=key[4])
                 else:
                     log(f"[{clock.elapsed:7.1f} s] {label} ...")
                     if kind_ == "prefill":
@@ -581,6 +588,7 @@ def run_harness(config: HarnessConfig, store: HarnessStore, *, fresh: bool = Fal
                 log(f"[{clock.elapsed:7.1f} s] {label}: {describe(figure)}")
             prefilled = loaded = lm = None
             _free(device)
+    log(f"[{clock.elapsed:7.1f} s] done: {store.csv_path}, {store.md_path}")
     return list(figures.values())
 
 

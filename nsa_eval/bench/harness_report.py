@@ -11,8 +11,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from nsa_eval.bench.harness_store import Figure, HarnessStore
-from nsa_eval.runner import write_atomic
+from nsa_eval.bench.harness_store import Figure, HarnessStore, write_atomic
 
 METHOD_ORDER = ("transformers", "full", "sink_window", "topk", "quest", "h2o", "nsa")
 
@@ -116,7 +115,9 @@ def markdown_report(figures: list[Figure], info: dict) -> str:
     for run in runs:
         lines.append(f"Run {run.get('started')}: `{run.get('command') or 'run_harness'}`; ran on "
                      f"{run.get('versions')}; copy bandwidth {run.get('bandwidth_gbs', 0):,.0f} GB/s "
-                     f"({run.get('copy_mib', 0):,.0f} MiB); cap {run.get('cap_s'):g} s per figure.")
+                     f"({run.get('copy_mib', 0):,.0f} MiB); cap {run.get('cap_s'):g} s per figure"
+                     + (f", {run['throughput_cap_s']:g} s per throughput figure" if "throughput_cap_s" in run
+                        else "") + ".")
         lines.append("")
     if tables.lengths:
         lines += tables.table("Prefill, batch 1 (ms)", "prefill", 1, lambda f: f.ms, 1)

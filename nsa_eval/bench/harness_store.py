@@ -20,12 +20,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from nsa_eval.errors import UsageError
-from nsa_eval.runner import write_atomic
 
 FILES = ("harness.json", "harness.csv", "harness.md")
 STATUSES = ("ok", "timeout", "OOM", "skipped")
@@ -85,6 +85,13 @@ def _parse(name: str, text: str):
     if text == "":
         return None
     return int(text) if kind.startswith("int") else float(text)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary name beside `path`, then rename: a reader sees all of it or nothing."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 class HarnessStore:

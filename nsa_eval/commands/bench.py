@@ -60,6 +60,8 @@ def register(subparsers) -> None:
                         help="harness: sequences generated at once for the throughput row (16)")
     parser.add_argument("--throughput-prompt", type=int, default=256,
                         help="harness: prompt tokens of the throughput row (256)")
+    parser.add_argument("--throughput-cap", type=float, default=540.0,
+                        help="harness: seconds for a throughput figure; past it, the rate so far (540)")
     parser.add_argument("--suite", default="configs/paper.yaml",
                         help="harness: the suite whose AIME entries the throughput row projects "
                         "(configs/paper.yaml)")
@@ -103,6 +105,22 @@ def _command_line(what: str) -> str:
     return f"nsa-eval bench {what} {args}".strip()
 
 
+def aime_entries(suite_path: str) -> list:
+    """The AIME task entries (a task name holding "aime") of the suite at `suite_path`, each with what
+    the throughput row's projection needs (nsa_eval/bench/aime.py)."""
+    from nsa_eval.bench.aime import aime_entries_of
+    from nsa_eval.suite import load_suite
+    from nsa_eval.suite.checks import DEFAULT_MAX_GEN_TOKS
+
+    if not Path(suite_path).is_file():
+        raise UsageError(f"--suite: {suite_path!r} is not a file; the throughput row projects the AIME "
+                         "entries of a suite (configs/paper.yaml from the repository's root)")
+    suite = load_suite(suite_path)
+    return [entry for task in suite.tasks if "aime" in task.task
+            for entry in aime_entries_of(task.label, task.task, task.limit, task.gen_kwargs,
+                                         DEFAULT_MAX_GEN_TOKS)]
+
+
 def run_harness(args) -> int:
     """Check every argument and the output folder, then build the models and time them."""
     from nsa_eval.bench import harness
@@ -127,8 +145,9 @@ def run_harness(args) -> int:
                              ("--throughput-prompt", args.throughput_prompt, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
-    if not args.cap > 0:
-        raise UsageError(f"--cap must be > 0 seconds, got {args.cap}")
+    for name, value in (("--cap", args.cap), ("--throughput-cap", args.throughput_cap)):
+        if not value > 0:
+            raise UsageError(f"{name} must be > 0 seconds, got {value}")
     if args.budget < args.sink + args.local:
         raise UsageError(f"--budget {args.budget} is below --sink + --local = {args.sink + args.local}")
     import torch
@@ -142,15 +161,9 @@ def run_harness(args) -> int:
         shape=harness.SHAPES[args.shape], lengths=tuple(lengths), methods=methods, decode_batches=batches,
         decode_tokens=args.decode_tokens, repeats=args.repeats, cap_s=args.cap, budget=args.budget,
         sink=args.sink, local=args.local, device=args.device, throughput_tokens=args.throughput_tokens,
-        throughput_batch=args.throughput_batch, throughput_prompt=args.throughput_prompt)
-    aime = None
-    if args.throughput_tokens:
-        from nsa_eval.bench.aime import aime_entries
-
-        if not Path(args.suite).is_file():
-            raise UsageError(f"--suite: {args.suite!r} is not a file; the throughput row projects the AIME "
-                             "entries of a suite (configs/paper.yaml from the repository's root)")
-        aime = aime_entries(args.suite)
+        throughput_batch=args.throughput_batch, throughput_prompt=args.throughput_prompt,
+        throughput_cap_s=args.throughput_cap)
+    aime = aime_entries(args.suite) if args.throughput_tokens else None
     store = HarnessStore(args.out or "reports/harness")
     store.check(config.settings(), fresh=args.fresh)
     harness.run_harness(config, store, fresh=args.fresh, command=_command_line("harness"), aime=aime)
