@@ -50,9 +50,9 @@ def register(subparsers) -> None:
     parser.add_argument("--decode-tokens", type=int, default=16,
                         help="harness: new tokens timed per decode measurement (16)")
     parser.add_argument("--repeats", type=int, default=3, help="harness: timed calls per figure (median; 3)")
-    parser.add_argument("--cap", type=float, default=60.0,
+    parser.add_argument("--cap", type=float, default=45.0,
                         help="harness: seconds per figure; one that runs past it is reported as such and the "
-                        "table goes on (60)")
+                        "table goes on (45)")
     parser.add_argument("--throughput-tokens", type=int, default=0,
                         help="harness: new tokens per sequence of the generation-throughput row (full and "
                         "nsa, sampled); 0 = no such row (default); the AIME projection wants 16384")
