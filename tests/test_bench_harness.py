@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nsa_eval.bench import harness
+from nsa_eval.bench.harness_run import run_harness
 from nsa_eval.bench.harness_store import HarnessStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +86,7 @@ def test_a_method_past_the_cap_is_reported_and_the_table_goes_on(tmp_path):
 
     config = tiny(methods=("full", "topk", "quest"), lengths=(160, 192), decode_batches=(1, 2), cap_s=5.0)
     lines = []
-    figures = by_key(harness.run_harness(config, HarnessStore(tmp_path / "h"), log=lines.append,
+    figures = by_key(run_harness(config, HarnessStore(tmp_path / "h"), log=lines.append,
                                          load=loader({"topk": sleep, "quest": no_memory_at_batch_2})))
     assert len(figures) == 3 * 2 * 3
     prefill = figures[("prefill", "topk", 160, 1)]
@@ -124,7 +125,7 @@ def test_rows_are_written_as_they_finish_and_a_second_run_adds_only_the_missing(
     config = tiny(lengths=(160, 192))
     folder = tmp_path / "h"
     with pytest.raises(KeyboardInterrupt):
-        harness.run_harness(config, KilledAfter(folder, 3), log=lambda line: None)
+        run_harness(config, KilledAfter(folder, 3), log=lambda line: None)
     store = HarnessStore(folder)
     kept = store.figures()
     assert [(f.kind, f.length) for f in kept] == [("prefill", 160), ("decode", 160), ("prefill", 192)]
@@ -138,7 +139,7 @@ def test_rows_are_written_as_they_finish_and_a_second_run_adds_only_the_missing(
         loads.append(method)
         return harness.load_lm(method, checkpoint, config)
 
-    figures = harness.run_harness(config, store, log=lines.append, load=counting_load)
+    figures = run_harness(config, store, log=lines.append, load=counting_load)
     assert loads == ["full"] and sum(line.endswith(" ...") for line in lines) == 1  # only the 192 decode
     assert sorted((f.kind, f.length) for f in figures) == [
         ("decode", 160), ("decode", 192), ("prefill", 160), ("prefill", 192)]
@@ -146,7 +147,7 @@ def test_rows_are_written_as_they_finish_and_a_second_run_adds_only_the_missing(
     assert len(store.figures()) == 4 and len(json.loads(store.json_path.read_text())["runs"]) == 2
 
     loads.clear()
-    harness.run_harness(config, store, log=lambda line: None, load=counting_load)
+    run_harness(config, store, log=lambda line: None, load=counting_load)
     assert loads == []  # every figure settled: no model loads
 
 
@@ -175,7 +176,7 @@ def test_throughput_row_and_aime_projection_on_a_tiny_suite(tmp_path, monkeypatc
 
     config = tiny(methods=("full", "nsa"), lengths=(), throughput_tokens=12, throughput_batch=2,
                   throughput_prompt=16, throughput_cap_s=8.0)
-    figures = harness.run_harness(config, HarnessStore(tmp_path / "h"), aime=entries, log=lambda line: None,
+    figures = run_harness(config, HarnessStore(tmp_path / "h"), aime=entries, log=lambda line: None,
                                   load=loader({"nsa": lambda module, args: time.sleep(0.8)}))
     full, nsa = sorted(figures, key=lambda f: f.method)
     assert (full.kind, full.status, full.batch, full.new_tokens) == ("throughput", "ok", 2, 12)

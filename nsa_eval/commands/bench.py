@@ -123,7 +123,7 @@ def aime_entries(suite_path: str) -> list:
 
 def run_harness(args) -> int:
     """Check every argument and the output folder, then build the models and time them."""
-    from nsa_eval.bench import harness
+    from nsa_eval.bench import harness, harness_run
     from nsa_eval.bench.harness_store import HarnessStore
 
     if args.shape not in harness.SHAPES:
@@ -166,7 +166,7 @@ def run_harness(args) -> int:
     aime = aime_entries(args.suite) if args.throughput_tokens else None
     store = HarnessStore(args.out or "reports/harness")
     store.check(config.settings(), fresh=args.fresh)
-    harness.run_harness(config, store, fresh=args.fresh, command=_command_line("harness"), aime=aime)
+    harness_run.run_harness(config, store, fresh=args.fresh, command=_command_line("harness"), aime=aime)
     print(store.md_path.read_text())
     print(f"wrote {store.csv_path} and {store.md_path}")
     return 0
