@@ -41,7 +41,6 @@ from pathlib import Path
 import torch
 
 METHODS = ("transformers", "full", "sink_window", "topk", "quest", "h2o", "nsa")
-BASELINES = ("full", "sink_window", "topk", "quest", "h2o")
 THROUGHPUT_METHODS = ("full", "nsa")
 # lm-eval's generate_until settings of configs/paper.yaml's AIME entries
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.95)
