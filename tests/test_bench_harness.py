@@ -1,15 +1,46 @@
-"""`nsa-eval bench harness` on a CPU: the tiny shape, every row, through the real lm-eval adapter."""
+"""`nsa-eval bench harness` on a CPU: the tiny shape through the real lm-eval adapter; the time cap, an
+out-of-memory figure, incremental rows and resuming, the throughput row and the AIME projection."""
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from nsa_eval.bench import harness
+from nsa_eval.bench.harness_run import run_harness
+from nsa_eval.bench.harness_store import HarnessStore
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny(**overrides) -> harness.HarnessConfig:
+    settings = dict(shape=harness.SHAPES["tiny"], lengths=(160,), methods=("full",), decode_batches=(1,),
+                    decode_tokens=4, repeats=2, budget=96, sink=16, local=32, device="cpu", cap_s=60.0)
+    return harness.HarnessConfig(**(settings | overrides))
+
+
+def loader(hooks: dict):
+    """`load_lm`, then `hooks[method]` as a forward pre-hook on that method's model."""
+
+    def load(method, checkpoint, config):
+        lm = harness.load_lm(method, checkpoint, config)
+        if method in hooks:
+            lm.model.register_forward_pre_hook(hooks[method])
+        return lm
+
+    return load
+
+
+def by_key(figures) -> dict:
+    return {(f.kind, f.method, f.length, f.batch): f for f in figures}
 
 
 @pytest.mark.slow
@@ -17,20 +48,147 @@ def test_harness_times_every_method_beside_full_attention(tmp_path):
     out = tmp_path / "harness"
     done = subprocess.run(
         [sys.executable, "-m", "nsa_eval.cli", "bench", "harness", "--shape", "tiny", "--lengths", "160",
-         "--decode-batch", "1", "2", "--decode-tokens", "8", "--repeats", "3", "--device", "cpu",
-         "--budget", "96", "--sink", "16", "--local", "32", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
+         "--decode-batch", "1", "2", "--decode-tokens", "4", "--repeats", "2", "--device", "cpu",
+         "--budget", "96", "--sink", "16", "--local", "32", "--throughput-tokens", "4",
+         "--throughput-batch", "2", "--throughput-prompt", "16", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = list(csv.DictReader((out / "harness.csv").open()))
     assert {r["method"] for r in rows} == set(harness.METHODS)
-    assert {r["decode_batch"] for r in rows} == {"1", "2"}
+    decode = [r for r in rows if r["kind"] == "decode"]
+    assert {r["batch"] for r in decode} == {"1", "2"} and len(decode) == 2 * len(harness.METHODS)
     for r in rows:
-        # decode is a difference of two timed generations: on a busy CPU noise may outweigh 8 tiny steps
-        assert float(r["prefill_ms"]) > 0 and math.isfinite(float(r["decode_ms_per_token"])), r
+        assert r["status"] == "ok" and float(r["ms"]) > 0 and math.isfinite(float(r["ms"])), r
+    for r in decode:
         assert r["compilations"] == "0"  # no Triton on the CPU path
+        assert int(r["weight_bytes"]) > 0 and int(r["kv_bytes"]) > 0 and float(r["bandwidth_gbs"]) > 0
+    assert {r["method"] for r in rows if r["kind"] == "throughput"} == {"full", "nsa"}
     report = (out / "harness.md").read_text()
-    assert "| full | " in report and "(1.00x)" in report
-    assert "Command: `nsa-eval bench harness --shape tiny" in report
+    assert "| full | " in report and "(1.00x; " in report and "x floor)" in report
+    assert "Run " in report and ": `nsa-eval bench harness --shape tiny" in report
+    assert "| aime24_16k (nsa_aime24_16k) | 30 x 16 x 16,384 |" in report  # configs/paper.yaml's entries
+    progress = done.stdout.splitlines()
+    assert any(line.startswith("[") and "full 160 decode, batch 2: " in line for line in progress)
+
+
+def test_a_method_past_the_cap_is_reported_and_the_table_goes_on(tmp_path):
+    """topk sleeps 6 s before every forward against a 5 s cap: its prefill stops after the first
+    forward, is reported past the cap, and the figures it decides are skipped; quest's batch-2 decode
+    runs out of memory (raised as a GPU would) and its longer batch-2 figure is skipped; everything
+    else is measured."""
+
+    def sleep(module, args):
+        time.sleep(6.0)
+
+    def no_memory_at_batch_2(module, args):
+        if args[0].shape[0] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (the batch's cache does not fit)")
+
+    config = tiny(methods=("full", "topk", "quest"), lengths=(160, 192), decode_batches=(1, 2), cap_s=5.0)
+    lines = []
+    figures = by_key(run_harness(config, HarnessStore(tmp_path / "h"), log=lines.append,
+                                         load=loader({"topk": sleep, "quest": no_memory_at_batch_2})))
+    assert len(figures) == 3 * 2 * 3
+    prefill = figures[("prefill", "topk", 160, 1)]
+    assert prefill.status == "timeout" and prefill.ms is None
+    assert 6.0 <= prefill.seconds < 9.0  # stopped at the first check past the cap, not after every call
+    for key in [("decode", "topk", 160, 1), ("decode", "topk", 160, 2), ("prefill", "topk", 192, 1),
+                ("decode", "topk", 192, 1), ("decode", "topk", 192, 2)]:
+        assert figures[key].status == "skipped", key
+    assert figures[("prefill", "topk", 192, 1)].note == "the batch-1 prefill ran past the cap at 160"
+    assert figures[("decode", "quest", 160, 2)].status == "OOM"
+    assert figures[("decode", "quest", 192, 2)].note == "batch 2 ran out of memory at 160"
+    measured = [f for f in figures.values() if f.method == "full" or (f.method == "quest" and f.batch == 1)]
+    assert len(measured) == 10 and all(f.status == "ok" and f.ms > 0 for f in measured)
+    report = (tmp_path / "h" / "harness.md").read_text()
+    assert "| topk | > 5 s cap | skipped |" in report  # prefill: past the cap at 160, skipped at 192
+    assert "| quest | OOM | skipped |" in report.split("Decode per token, batch 2")[1]
+    assert "- topk decode at 160, batch 1: skipped, the batch-1 prefill ran past the cap at 160" in report
+    assert any(line.startswith("[") and "topk 160 prefill, batch 1: timeout" in line for line in lines)
+
+
+class KilledAfter(HarnessStore):
+    """The store of a run killed right after its `rows`-th row reached the disk."""
+
+    def __init__(self, folder, rows: int):
+        super().__init__(folder)
+        self.rows = rows
+
+    def append(self, figure):
+        super().append(figure)
+        self.rows -= 1
+        if self.rows == 0:
+            raise KeyboardInterrupt
+
+
+def test_rows_are_written_as_they_finish_and_a_second_run_adds_only_the_missing(tmp_path):
+    config = tiny(lengths=(160, 192))
+    folder = tmp_path / "h"
+    with pytest.raises(KeyboardInterrupt):
+        run_harness(config, KilledAfter(folder, 3), log=lambda line: None)
+    store = HarnessStore(folder)
+    kept = store.figures()
+    assert [(f.kind, f.length) for f in kept] == [("prefill", 160), ("decode", 160), ("prefill", 192)]
+    assert "| full | " in store.md_path.read_text()  # the report of what finished
+    with store.csv_path.open("a") as f:
+        f.write("decode,full,192,1,ok,1.")  # and a row cut off mid-write by the kill
+
+    loads, lines = [], []
+
+    def counting_load(method, checkpoint, config):
+        loads.append(method)
+        return harness.load_lm(method, checkpoint, config)
+
+    figures = run_harness(config, store, log=lines.append, load=counting_load)
+    assert loads == ["full"] and sum(line.endswith(" ...") for line in lines) == 1  # only the 192 decode
+    assert sorted((f.kind, f.length) for f in figures) == [
+        ("decode", 160), ("decode", 192), ("prefill", 160), ("prefill", 192)]
+    assert [f.ms for f in figures[:3]] == [f.ms for f in kept]  # the first run's rows, unchanged
+    assert len(store.figures()) == 4 and len(json.loads(store.json_path.read_text())["runs"]) == 2
+
+    loads.clear()
+    run_harness(config, store, log=lambda line: None, load=counting_load)
+    assert loads == []  # every figure settled: no model loads
+
+
+def test_throughput_row_and_aime_projection_on_a_tiny_suite(tmp_path, monkeypatch):
+    """Sampled generation at batch 2 for full and nsa; nsa sleeps past the cap mid-generation and keeps
+    the rate of the tokens it made. The projection multiplies the suite's problems x samples x
+    max_gen_toks by each rate."""
+    from nsa_eval.commands.bench import aime_entries
+
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("name: tiny-aime\noutput: runs/tiny\n"
+                     "models:\n  - {label: NSA, pretrained: nsa-tiny, attention: nsa}\n"
+                     "tasks:\n  - {task: nsa_aime24_8k, label: a8, limit: 5}\n"
+                     "  - {task: nsa_aime24_16k, label: a16, gen_kwargs: {max_gen_toks: 1000}}\n"
+                     "  - {task: nsa_gsm8k, label: gsm}\n")
+    data = tmp_path / "data" / "Maxwell-Jia__AIME_2024" / "default"
+    data.mkdir(parents=True)
+    rows = [{"ID": i, "Problem": "p", "Solution": "s", "Answer": 1} for i in range(7)]
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.setenv("NSA_EVAL_DATA", str(tmp_path / "data"))
+    entries = aime_entries(str(suite))
+    assert [(e.label, e.problems, e.samples, e.max_gen_toks, e.problems_from) for e in entries] == [
+        ("a8", 5, 16, 8192, "limit"), ("a16", 7, 16, 1000, "data")]
+    monkeypatch.setenv("NSA_EVAL_DATA", str(tmp_path / "nothing"))
+    assert [e.problems_from for e in aime_entries(str(suite))] == ["limit", "AIME 2024"]
+
+    config = tiny(methods=("full", "nsa"), lengths=(), throughput_tokens=12, throughput_batch=2,
+                  throughput_prompt=16, throughput_cap_s=8.0)
+    figures = run_harness(config, HarnessStore(tmp_path / "h"), aime=entries, log=lambda line: None,
+                                  load=loader({"nsa": lambda module, args: time.sleep(0.8)}))
+    full, nsa = sorted(figures, key=lambda f: f.method)
+    assert (full.kind, full.status, full.batch, full.new_tokens) == ("throughput", "ok", 2, 12)
+    assert full.tokens_per_s == pytest.approx(2 * 1000 / full.ms)  # 2 sequences, one token each per step
+    assert nsa.status == "timeout" and nsa.note.startswith("over the first ")
+    made = int(nsa.note.split()[3])
+    assert 1 <= made < 12 and nsa.tokens_per_s == pytest.approx(2 * 1000 / nsa.ms)
+    report = (tmp_path / "h" / "harness.md").read_text()
+    for e, size in zip(entries, ("5 x 16 x 8,192", "7 x 16 x 1,000"), strict=True):
+        full_h, nsa_h = (e.tokens / f.tokens_per_s / 3600 for f in (full, nsa))
+        assert f"| {e.label} ({e.task}) | {size} | {full_h:.2f} | >= {nsa_h:.2f} |" in report
+    assert "Problem counts from: data, limit" in report
 
 
 @pytest.mark.parametrize("args, message", [
@@ -41,19 +199,29 @@ def test_harness_times_every_method_beside_full_attention(tmp_path):
     (["--decode-batch", "0"], "--decode-batch must be >= 1"),
     (["--lengths", "12"], "each length must be >= 64"),
     (["--device", "tpu"], "--device: expected cpu or cuda"),
+    (["--cap", "0"], "--cap must be > 0 seconds"),
+    (["--throughput-tokens", "-1"], "--throughput-tokens must be >= 0"),
+    (["--throughput-tokens", "8", "--suite", "missing.yaml"], "--suite: 'missing.yaml' is not a file"),
 ])
 def test_harness_refuses_bad_arguments_before_building_models(args, message, tmp_path):
     done = subprocess.run([sys.executable, "-m", "nsa_eval.cli", "bench", "harness", "--device", "cpu",
-                           "--out", str(tmp_path / "h"), *args], capture_output=True, text=True, timeout=120)
+                           "--out", str(tmp_path / "h"), *args], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
     assert done.returncode == 2
     assert message in done.stderr
     assert not (tmp_path / "h").exists()
 
 
-def test_report_shows_nsa_gpu_step_and_first_step():
-    rows = [harness.Measurement("full", 8192, prefill_ms=50.0, decode_ms={1: 20.0}),
-            harness.Measurement("nsa", 8192, prefill_ms=40.0, decode_ms={1: 6.0}, decode_gpu_ms={1: 4.0},
-                                first_step_ms=120.0)]
-    report = harness.markdown_report(rows, shape=harness.SHAPES["tiny"], budget=96, sink=16, local=32)
-    assert "| 1 | 4.00 (1.50x) |" in report  # the wall time per token is 1.5x the GPU's step
-    assert "first decode step at batch 1 (eager, then captured): 120.0 ms at 8192" in report
+def test_harness_refuses_a_folder_of_other_settings(tmp_path):
+    """Rows of another budget would not compare: refused before any model loads, and the folder is left
+    as it was."""
+    store = HarnessStore(tmp_path / "h")
+    store.open(tiny(budget=128).settings(), run={})
+    before = store.json_path.read_text()
+    done = subprocess.run([sys.executable, "-m", "nsa_eval.cli", "bench", "harness", "--device", "cpu",
+                           "--shape", "tiny", "--budget", "96", "--sink", "16", "--local", "32",
+                           "--decode-tokens", "4", "--repeats", "2", "--out", str(tmp_path / "h")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "holds harness results of other settings (budget 128 -> 96)" in done.stderr
+    assert store.json_path.read_text() == before

@@ -1,16 +1,27 @@
-"""Harness benchmark: what a user waits for, a prompt through a whole model and the lm-eval adapter.
+"""Harness benchmark: what a user waits for, a prompt through a whole model, for every attention method.
 
-Every attention method runs on a random model of one shape (default: Llama-3.2-1B's), loaded from a
-checkpoint folder the way `nsa-eval run` loads one, and is timed through the calls lm-eval makes:
-- prefill: `_model_generate` with one new token (the prompt's forward and one step), batch 1;
-- decode: the time per new token of `_model_generate` at each decode batch, from two generations
-  of different lengths (their difference divided by the extra tokens, so the prefill cancels);
-- peak memory: `torch.cuda.max_memory_allocated` over the prefill and the decode;
-- Triton compilations during the timed decode (a compilation after warm-up stalls generation);
-- nsa only: the GPU time of one decode step, from replays of its CUDA graph and the output head back
-  to back (no host work between them), against which the decode's wall time per token shows the
-  host's share; and a generation's first decode step (run eagerly, then captured), which the
-  decode figure leaves out.
+Every method runs on a random model of one shape (default: Llama-3.2-1B's), loaded from a checkpoint
+folder the way `nsa-eval run` loads one, and each figure is one cell of the report's tables:
+- prefill (batch 1): the model's forward over the prompt, filling its cache (the logits of the last
+  position only, as generation needs), one warm-up call and then up to `repeats` timed calls;
+- decode (each decode batch): from a cache filled once (batch 1 reuses the prefill's), the wall time
+  per token of `repeats` rounds of `decode_tokens` steps; a step is the model's forward of one token
+  with its cache and the next token's argmax, on the device. The first step (it may compile and
+  capture) is timed alone. Beside it, the step's memory floor (floor.py) and, for nsa, the GPU time of
+  one step from replays of its CUDA graph and the output head back to back (no host work between);
+- generation throughput (full and nsa, when asked): tokens per second of lm-eval's own generation
+  call with sampling (T = 0.7, top-p 0.95, as configs/paper.yaml's AIME entries), at batch 16;
+- peak memory above the weights and the memory the cache holds after the prefill; Triton
+  compilations during the timed decode (a compilation after warm-up stalls generation).
+
+Each figure runs under a time cap: a figure past it stops (checked before every forward of the model
+and of each decoder layer, and between timed calls) and is reported as "timeout"; a GPU out of memory
+is reported as "OOM"; either way the table goes on with the next figure, and figures whose outcome
+follows (a longer prompt of a method whose prefill ran past the cap, a batch that ran out of memory
+at a shorter length) are "skipped". Rows are written as they finish (harness_store.py).
+
+This module holds what the harness measures with: its settings, the cap, the models and their steps;
+harness_run.py runs the figures.
 
 Rows: `transformers` (lm-eval's stock `hf` model on the same Llama checkpoint, no nsa-eval: the
 adapter's own overhead shows against the `full` row), `full`, `sink_window`, `topk`, `quest`, `h2o`
@@ -21,23 +32,19 @@ the same shape, the paper's block sizes). Ratios are to `full` measured in the s
 from __future__ import annotations
 
 import contextlib
-import csv
-import gc
-import json
 import shutil
-import statistics
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from nsa_eval.bench.kernels import software_versions
-
 METHODS = ("transformers", "full", "sink_window", "topk", "quest", "h2o", "nsa")
-BASELINES = ("full", "sink_window", "topk", "quest", "h2o")
+THROUGHPUT_METHODS = ("full", "nsa")
+# lm-eval's generate_until settings of configs/paper.yaml's AIME entries
+SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.95)
+WARM_UP_STEPS = 2  # decode steps before the timed rounds: the first may compile and capture a graph
 
 
 @dataclass(frozen=True)
@@ -62,20 +69,99 @@ SHAPES = {
 }
 
 
-@dataclass
-class Measurement:
-    """One method at one length: milliseconds, GiB and compilations (None where not measured)."""
+@dataclass(frozen=True)
+class HarnessConfig:
+    """What one `nsa-eval bench harness` measures (the CLI's flags)."""
 
-    method: str
-    length: int
-    prefill_ms: float | None = None
-    decode_ms: dict[int, float] = field(default_factory=dict)  # decode batch -> ms per new token
-    peak_gib: float | None = None
-    compilations: int | None = None  # Triton kernels compiled during the timed decode
-    decode_gpu_ms: dict[int, float] = field(default_factory=dict)  # decode batch -> GPU ms per step (nsa)
-    first_step_ms: float | None = None  # nsa, batch 1: a generation's first decode step (eager + capture)
-    error: str = ""  # "out of memory" where the GPU ran out in the prefill
-    decode_errors: dict[int, str] = field(default_factory=dict)  # decode batch -> "out of memory"
+    shape: ModelShape
+    lengths: tuple[int, ...]
+    methods: tuple[str, ...] = METHODS
+    decode_batches: tuple[int, ...] = (1, 16)
+    decode_tokens: int = 16
+    repeats: int = 3
+    cap_s: float = 45.0  # 7 methods x 3 lengths x 3 figures fit 10 minutes when a few slow ones hit it
+    budget: int = 2560
+    sink: int = 128
+    local: int = 512
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    throughput_tokens: int = 0  # 0: no throughput row
+    throughput_batch: int = 16
+    throughput_prompt: int = 256
+    throughput_cap_s: float = 540.0  # a 16k-token generation at batch 16 takes minutes, not seconds
+
+    def cap_of(self, kind: str) -> float:
+        return self.throughput_cap_s if kind == "throughput" else self.cap_s
+
+    def settings(self) -> dict:
+        """What every figure depends on: a results folder holds figures of one such setting."""
+        return {"shape": asdict(self.shape), "dtype": self.dtype, "budget": self.budget, "sink": self.sink,
+                "local": self.local, "decode_tokens": self.decode_tokens, "repeats": self.repeats,
+                "device": device_name(self.device)}
+
+    @property
+    def max_length(self) -> int:
+        """Context the models are built for: the longest prompt and every step the harness takes after it
+        (warm-up, timed rounds and nsa's graph replays), or the throughput's prompt and generation."""
+        decode = max(self.lengths, default=0) + WARM_UP_STEPS + 2 * self.repeats * self.decode_tokens
+        return max(decode, self.throughput_prompt + self.throughput_tokens) + 8
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------------- cap
+
+
+class FigureTimeout(Exception):
+    """A figure ran past its cap. Not a RuntimeError: the NSA model catches those around its graph
+    capture, and a timeout must reach the harness."""
+
+
+@dataclass
+class Deadline:
+    """The cap of one figure: `check()` raises FigureTimeout once `seconds` have passed since start."""
+
+    seconds: float
+    start: float = field(default_factory=time.monotonic)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def check(self) -> None:
+        if self.elapsed > self.seconds:
+            raise FigureTimeout(f"past the {self.seconds:g} s cap")
+
+
+@contextlib.contextmanager
+def watched(model, deadline: Deadline, finished: list[int] | None = None) -> Iterator[None]:
+    """Check `deadline` before every forward of `model` and of each of its decoder layers (so a long
+    prefill stops within a layer of the cap); count the model's finished forwards in `finished[0]`. No
+    check while a CUDA graph is being captured (its replays run no Python; a capture must not be left
+    half done)."""
+
+    def check(module, args):
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            deadline.check()
+
+    def count(module, args, output):
+        if finished is not None:
+            finished[0] += 1
+
+    layers = [layer for name, module in model.named_modules()
+              if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) for layer in module]
+    handles = [model.register_forward_pre_hook(check), model.register_forward_hook(count)]
+    handles += [layer.register_forward_pre_hook(check) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# ---------------------------------------------------------------------------------------------- models
 
 
 @contextlib.contextmanager
@@ -100,262 +186,101 @@ def counting_compilations() -> Iterator[list[int]]:
         knobs.runtime.jit_cache_hook = before
 
 
-def write_checkpoints(shape: ModelShape, folder: Path, max_length: int, dtype: torch.dtype,
-                      device: str) -> dict[str, Path]:
-    """Random Llama and NSA checkpoints of `shape` under `folder`, with the bundled tokenizer."""
+def write_checkpoint(kind: str, shape: ModelShape, folder: Path, max_length: int, dtype: torch.dtype,
+                     device: str) -> Path:
+    """A random checkpoint of `shape` ("llama" or "nsa") in `folder`/`kind`, with the bundled tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from nsa_eval.models.configuration_nsa import NSAConfig
     from nsa_eval.models.loading import resolve_checkpoint
     from nsa_eval.models.modeling_nsa import NSAForCausalLM
 
-    tokenizer_dir = Path(resolve_checkpoint("nsa-tiny"))
     common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                   num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                   num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, rope_theta=shape.rope_theta,
                   max_position_embeddings=max_length, tie_word_embeddings=True, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0)
-    made = {}
-    for name, config, cls in (("llama", LlamaConfig(**common), LlamaForCausalLM),
-                              ("nsa", NSAConfig(**common), NSAForCausalLM)):
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = cls(config).to(dtype)
-        path = folder / name
-        model.save_pretrained(path)
-        del model
-        for file in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tokenizer_dir / file, path / file)
-        made[name] = path
-    return made
+    config, cls = (LlamaConfig(**common), LlamaForCausalLM) if kind == "llama" else (NSAConfig(**common),
+                                                                                       NSAForCausalLM)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(config).to(dtype)
+    path = folder / kind
+    model.save_pretrained(path)
+    del model
+    tokenizer_dir = Path(resolve_checkpoint("nsa-tiny"))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / file, path / file)
+    return path
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _timed(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Median wall time of `fn` in ms over `repeats` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
-
-
-def _generate(lm, ids: torch.Tensor, new_tokens: int):
-    """lm-eval's generation call: greedy, no stop strings, exactly `new_tokens` tokens."""
-    return lm._model_generate(ids, ids.shape[1] + new_tokens, [], do_sample=False, min_new_tokens=new_tokens,
-                              attention_mask=torch.ones_like(ids))
-
-
-def measure(lm, method: str, length: int, *, decode_batches: tuple[int, ...], decode_tokens: int,
-            repeats: int, device: str, vocab: int) -> Measurement:
-    """Prefill, decode and peak memory of one loaded model at one prompt length."""
-    result = Measurement(method, length)
-    generator = torch.Generator().manual_seed(length)
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        prompt = torch.randint(3, vocab, (1, length), generator=generator).to(device)
-        result.prefill_ms = _timed(lambda: _generate(lm, prompt, 1), device, repeats)
-    except torch.OutOfMemoryError:
-        result.error = "out of memory"
-        _release(cuda)
-        return result
-    result.compilations = 0
-    for batch in decode_batches:
-        try:
-            ids = torch.randint(3, vocab, (batch, length), generator=generator).to(device)
-            short = _timed(lambda ids=ids: _generate(lm, ids, 2), device, repeats)
-            with counting_compilations() as count:
-                long = _timed(lambda ids=ids: _generate(lm, ids, 2 + decode_tokens), device, repeats)
-            result.compilations += count[0]
-            result.decode_ms[batch] = (long - short) / decode_tokens
-            if method == "nsa" and cuda:
-                result.decode_gpu_ms[batch] = graph_step_ms(lm.model, ids, repeats * decode_tokens)
-                if batch == 1:  # two new tokens against one: the first decode step, captured after it ran
-                    result.first_step_ms = short - result.prefill_ms
-        except torch.OutOfMemoryError:
-            result.decode_errors[batch] = "out of memory"
-        _release(cuda)
-    if cuda:
-        result.peak_gib = torch.cuda.max_memory_allocated() / 2**30
-    return result
-
-
-def graph_step_ms(model, ids: torch.Tensor, steps: int) -> float:
-    """GPU ms of one decode step of an NSA model after the prompt `ids` `[B, T]`: its captured graph and
-    the output head, replayed `steps` times back to back, so the host never holds the GPU up."""
-    from nsa_eval.models.modeling_nsa import CACHE_FIELD
-
-    with torch.no_grad(), model.attention_stats_paused():
-        cache = getattr(model.model(ids, use_cache=True), CACHE_FIELD)  # hidden states only, no logits
-        cache.reserve(cache.length + steps + 2)  # every replay writes one more position
-        model(ids[:, -1:], cache=cache)  # runs eagerly, then captures the step
-        if cache.decode_graph is None:
-            raise RuntimeError("the NSA model did not capture its decode step")
-        x = model.get_input_embeddings()(ids[:, -1:])  # [B, 1, C]
-
-        def step():
-            hidden, _ = cache.decode_graph(x)
-            return model.lm_head(hidden)  # [B, 1, V]
-
-        step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1000 / steps
-
-
-def _release(cuda: bool) -> None:
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-
-
-def run_harness(shape: ModelShape, lengths: list[int], *, methods: tuple[str, ...] = METHODS,
-                decode_batches: tuple[int, ...] = (1, 16), decode_tokens: int = 16, repeats: int = 3,
-                budget: int = 2560, sink: int = 128, local: int = 512, device: str = "cuda",
-                dtype: torch.dtype = torch.bfloat16, log: Callable[[str], None] = print) -> list[Measurement]:
-    """Every method in `methods` at every length; each model is loaded once and kept for its lengths."""
+def load_lm(method: str, checkpoint: Path, config: HarnessConfig):
+    """The lm-eval model of one row: stock HFLM for `transformers`, nsa-eval's adapter otherwise."""
     from lm_eval.models.huggingface import HFLM
 
     from nsa_eval.methods import apply_attention
     from nsa_eval.models.lm_adapter import NSAEvalLM
 
-    max_length = max(lengths) + decode_tokens + 8
-    dtype_name = str(dtype).removeprefix("torch.")
-    results = []
-    with tempfile.TemporaryDirectory(prefix="nsa-eval-harness-") as tmp:
-        checkpoints = write_checkpoints(shape, Path(tmp), max_length, dtype, device)
-        for method in methods:
-            if method == "transformers":
-                lm = HFLM(pretrained=str(checkpoints["llama"]), dtype=dtype_name, device=device,
-                          max_length=max_length)
-            elif method == "nsa":
-                lm = NSAEvalLM(str(checkpoints["nsa"]), attention="nsa", dtype=dtype_name, device=device,
-                               max_length=max_length)
-            else:
-                lm = NSAEvalLM(str(checkpoints["llama"]), attention="full", dtype=dtype_name, device=device,
-                               max_length=max_length)
-                apply_attention(lm.model, method, budget=budget, sink=sink, local=local)
-            for length in lengths:
-                row = measure(lm, method, length, decode_batches=decode_batches, decode_tokens=decode_tokens,
-                              repeats=repeats, device=device, vocab=min(shape.vocab, 8192))
-                log(_progress(row))
-                results.append(row)
-            del lm
-            gc.collect()
-    return results
+    common = dict(dtype=config.dtype, device=config.device, max_length=config.max_length)
+    if method == "transformers":
+        return HFLM(pretrained=str(checkpoint), **common)
+    if method == "nsa":
+        return NSAEvalLM(str(checkpoint), attention="nsa", **common)
+    lm = NSAEvalLM(str(checkpoint), attention="full", **common)
+    apply_attention(lm.model, method, budget=config.budget, sink=config.sink, local=config.local)
+    return lm
 
 
-def _progress(row: Measurement) -> str:
-    if row.error:
-        return f"{row.method:>12} {row.length:>6}: {row.error}"
-    decode = ", ".join([f"B={b} {ms:.2f} ms/token" for b, ms in row.decode_ms.items()]
-                       + [f"B={b} {error}" for b, error in row.decode_errors.items()])
-    peak = f", peak {row.peak_gib:.2f} GiB" if row.peak_gib is not None else ""
-    return f"{row.method:>12} {row.length:>6}: prefill {row.prefill_ms:.1f} ms, {decode}{peak}"
+# ---------------------------------------------------------------------------------------------- steps
 
 
-def _ratio(value: float | None, full: float | None) -> str:
-    if value is None or not full:
-        return ""
-    return f" ({value / full:.2f}x)"
+def prefill(model, ids: torch.Tensor):
+    """The prompt `ids` `[B, T]` through `model`: its filled cache and the next tokens `[B, 1]` (argmax of
+    the last position's logits, the only ones computed)."""
+    from nsa_eval.models.modeling_nsa import CACHE_FIELD
+
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    return getattr(out, CACHE_FIELD), out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-def markdown_report(rows: list[Measurement], *, shape: ModelShape, budget: int, sink: int, local: int,
-                    command: str = "", versions: str = "") -> str:
-    """The tables: prefill, decode per batch and peak memory, each with its ratio to `full`."""
-    lengths = sorted({r.length for r in rows})
-    batches = sorted({b for r in rows for b in (*r.decode_ms, *r.decode_errors)})
-    methods = [m for m in METHODS if any(r.method == m for r in rows)]
-    by_key = {(r.method, r.length): r for r in rows}
-    lines = [
-        "# Harness benchmark: whole models through the lm-eval adapter",
-        "",
-        f"Random models of shape {json.dumps(asdict(shape))}; budget {budget} = {sink} sink + {local} local "
-        f"+ {budget - sink - local} chosen for the baselines; NSA at the paper's l = 32, d = 16, l' = 64, "
-        "n = 16, w = 512. Milliseconds (medians), ratio to `full` of the same run in brackets.",
-        "",
-    ]
-    if command:
-        lines += [f"Command: `{command}`", ""]
-    if versions:
-        lines += [versions, ""]
-    labels = " | ".join(f"{t // 1024}k" if t % 1024 == 0 else str(t) for t in lengths)
-    header = f"| method | {labels} |"
-    rule = "|---" * (len(lengths) + 1) + "|"
+def decode_step(model, cache, token: torch.Tensor) -> torch.Tensor:
+    """One generation step from `cache`: `token` `[B, 1]` in, the next tokens `[B, 1]` out (no host sync)."""
+    from nsa_eval.models.modeling_nsa import CACHE_FIELD
 
-    def table(title: str, value: Callable[[Measurement], float | None], digits: int,
-              batch: int | None = None) -> None:
-        lines.extend([f"## {title}", "", header, rule])
-        for method in methods:
-            cells = []
-            for t in lengths:
-                row, full = by_key.get((method, t)), by_key.get(("full", t))
-                v = None if row is None or row.error else value(row)
-                if row is not None and (row.error or row.decode_errors.get(batch)):
-                    cells.append(row.error or row.decode_errors[batch])
-                elif v is None:
-                    cells.append("")
-                else:
-                    base = value(full) if full is not None and not full.error else None
-                    cells.append(f"{v:.{digits}f}" + _ratio(v, base))
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
-        lines.append("")
-
-    table("Prefill, batch 1 (ms)", lambda r: r.prefill_ms, 1)
-    for b in batches:
-        table(f"Decode per token, batch {b} (ms)", lambda r, b=b: r.decode_ms.get(b), 2, batch=b)
-    gpu_batches = sorted({b for r in rows for b in r.decode_gpu_ms})
-    if gpu_batches:
-        lines.extend(["## NSA decode: GPU time per step and the wall time's multiple of it", "",
-                      f"| batch | {labels} |", rule])
-        for b in gpu_batches:
-            cells = []
-            for t in lengths:
-                row = by_key.get(("nsa", t))
-                gpu = row.decode_gpu_ms.get(b) if row is not None else None
-                wall = row.decode_ms.get(b) if row is not None else None
-                cells.append("" if gpu is None or wall is None else f"{gpu:.2f} ({wall / gpu:.2f}x)")
-            lines.append(f"| {b} | " + " | ".join(cells) + " |")
-        firsts = [(t, by_key[("nsa", t)].first_step_ms) for t in lengths if ("nsa", t) in by_key]
-        firsts = ", ".join(f"{ms:.1f} ms at {t}" for t, ms in firsts if ms is not None)
-        if firsts:
-            lines.extend(["", "A generation's first decode step at batch 1 (eager, then captured): "
-                          f"{firsts}."])
-        lines.append("")
-    table("Peak GPU memory (GiB)", lambda r: r.peak_gib, 2)
-    table("Triton compilations during the timed decode", lambda r: r.compilations, 0)
-    return "\n".join(lines)
+    logits = model(token, use_cache=True, logits_to_keep=1, **{CACHE_FIELD: cache}).logits  # [B, 1, V]
+    return logits[:, -1].argmax(-1, keepdim=True)
 
 
-def write_outputs(rows: list[Measurement], out_dir: str | Path, **report_kwargs) -> tuple[Path, Path]:
-    """harness.csv (one row per method, length and decode batch) and harness.md under `out_dir`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path, md_path = out / "harness.csv", out / "harness.md"
-    with csv_path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["method", "length", "prefill_ms", "decode_batch", "decode_ms_per_token",
-                         "decode_gpu_ms_per_step", "first_step_ms", "peak_gib", "compilations", "error"])
-        for r in rows:
-            decode = [(b, ms, "") for b, ms in r.decode_ms.items()]
-            decode += [(b, None, error) for b, error in r.decode_errors.items()]
-            for batch, ms, error in decode or [(None, None, "")]:
-                writer.writerow([r.method, r.length, r.prefill_ms, batch, ms, r.decode_gpu_ms.get(batch),
-                                 r.first_step_ms if batch == 1 else None, r.peak_gib, r.compilations,
-                                 r.error or error])
-    md_path.write_text(markdown_report(rows, versions=software_versions(), **report_kwargs) + "\n")
-    return csv_path, md_path
+def graph_replay_ms(model, cache, token: torch.Tensor, steps: int) -> float | None:
+    """GPU ms of one decode step of an NSA model whose `cache` captured its decode graph: the graph and
+    the output head replayed `steps` times back to back, so the host never holds the GPU up. None where
+    the cache holds no graph. The replays advance the cache's device position only: the cache is spent
+    afterwards, and it must have room for `steps` more tokens."""
+    graph = getattr(cache, "decode_graph", None)
+    if graph is None:
+        return None
+    x = model.get_input_embeddings()(token)  # [B, 1, C]
+
+    def step():
+        hidden, _ = graph(x)
+        return model.lm_head(hidden)  # [B, 1, V]
+
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000 / steps
+
+
+def graph_step_ms(model, ids: torch.Tensor, steps: int) -> float:
+    """GPU ms of one decode step of an NSA model after the prompt `ids` `[B, T]` (graph_replay_ms)."""
+    with torch.no_grad(), model.attention_stats_paused():
+        cache, token = prefill(model, ids)
+        cache.reserve(cache.length + steps + 2)  # every replay writes one more position
+        token = decode_step(model, cache, token)  # runs eagerly, then captures the step
+        ms = graph_replay_ms(model, cache, token, steps)
+    if ms is None:
+        raise RuntimeError("the NSA model did not capture its decode step")
+    return ms

@@ -1,13 +1,15 @@
 """`nsa-eval bench kernels`: time the Triton NSA kernels against SDPA full attention on a CUDA GPU and
 write kernels.csv + kernels.md (see nsa_eval/bench/kernels.py for what is measured).
 
-`nsa-eval bench harness`: time whole models through the lm-eval adapter, every attention method
-beside full attention and plain transformers, and write harness.csv + harness.md
-(nsa_eval/bench/harness.py)."""
+`nsa-eval bench harness`: time whole models, every attention method beside full attention and plain
+transformers, against each decode step's memory floor, and write harness.csv + harness.md as each
+figure finishes (nsa_eval/bench/harness.py); a second run into the same folder measures only what is
+missing."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from nsa_eval.errors import UsageError
 
@@ -48,6 +50,23 @@ def register(subparsers) -> None:
     parser.add_argument("--decode-tokens", type=int, default=16,
                         help="harness: new tokens timed per decode measurement (16)")
     parser.add_argument("--repeats", type=int, default=3, help="harness: timed calls per figure (median; 3)")
+    parser.add_argument("--cap", type=float, default=45.0,
+                        help="harness: seconds per figure; one that runs past it is reported as such and the "
+                        "table goes on (45)")
+    parser.add_argument("--throughput-tokens", type=int, default=0,
+                        help="harness: new tokens per sequence of the generation-throughput row (full and "
+                        "nsa, sampled); 0 = no such row (default); the AIME projection wants 16384")
+    parser.add_argument("--throughput-batch", type=int, default=16,
+                        help="harness: sequences generated at once for the throughput row (16)")
+    parser.add_argument("--throughput-prompt", type=int, default=256,
+                        help="harness: prompt tokens of the throughput row (256)")
+    parser.add_argument("--throughput-cap", type=float, default=540.0,
+                        help="harness: seconds for a throughput figure; past it, the rate so far (540)")
+    parser.add_argument("--suite", default="configs/paper.yaml",
+                        help="harness: the suite whose AIME entries the throughput row projects "
+                        "(configs/paper.yaml)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="harness: replace the results in --out instead of adding the missing figures")
     parser.add_argument("--device", default="cuda", help="harness: cuda (default) or cpu")
     parser.set_defaults(handler=run)
 
@@ -86,9 +105,26 @@ def _command_line(what: str) -> str:
     return f"nsa-eval bench {what} {args}".strip()
 
 
+def aime_entries(suite_path: str) -> list:
+    """The AIME task entries (a task name holding "aime") of the suite at `suite_path`, each with what
+    the throughput row's projection needs (nsa_eval/bench/aime.py)."""
+    from nsa_eval.bench.aime import aime_entries_of
+    from nsa_eval.suite import load_suite
+    from nsa_eval.suite.checks import DEFAULT_MAX_GEN_TOKS
+
+    if not Path(suite_path).is_file():
+        raise UsageError(f"--suite: {suite_path!r} is not a file; the throughput row projects the AIME "
+                         "entries of a suite (configs/paper.yaml from the repository's root)")
+    suite = load_suite(suite_path)
+    return [entry for task in suite.tasks if "aime" in task.task
+            for entry in aime_entries_of(task.label, task.task, task.limit, task.gen_kwargs,
+                                         DEFAULT_MAX_GEN_TOKS)]
+
+
 def run_harness(args) -> int:
-    """Check every argument, then build the models and time them."""
-    from nsa_eval.bench import harness
+    """Check every argument and the output folder, then build the models and time them."""
+    from nsa_eval.bench import harness, harness_run
+    from nsa_eval.bench.harness_store import HarnessStore
 
     if args.shape not in harness.SHAPES:
         raise UsageError(f"--shape: expected one of {', '.join(harness.SHAPES)}, got {args.shape!r}")
@@ -103,9 +139,15 @@ def run_harness(args) -> int:
     batches = tuple(args.decode_batch or [1, 16])
     for name, value, low in (("--decode-batch", min(batches), 1), ("--decode-tokens", args.decode_tokens, 1),
                              ("--repeats", args.repeats, 1), ("--budget", args.budget, 1),
-                             ("--local", args.local, 1), ("--sink", args.sink, 0)):
+                             ("--local", args.local, 1), ("--sink", args.sink, 0),
+                             ("--throughput-tokens", args.throughput_tokens, 0),
+                             ("--throughput-batch", args.throughput_batch, 1),
+                             ("--throughput-prompt", args.throughput_prompt, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
+    for name, value in (("--cap", args.cap), ("--throughput-cap", args.throughput_cap)):
+        if not value > 0:
+            raise UsageError(f"{name} must be > 0 seconds, got {value}")
     if args.budget < args.sink + args.local:
         raise UsageError(f"--budget {args.budget} is below --sink + --local = {args.sink + args.local}")
     import torch
@@ -115,15 +157,18 @@ def run_harness(args) -> int:
                          "(--device cpu --shape tiny runs it on a CPU)")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UsageError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
-    shape = harness.SHAPES[args.shape]
-    rows = harness.run_harness(shape, lengths, methods=methods, decode_batches=batches,
-                               decode_tokens=args.decode_tokens, repeats=args.repeats, budget=args.budget,
-                               sink=args.sink, local=args.local, device=args.device)
-    csv_path, md_path = harness.write_outputs(rows, args.out or "reports/harness", shape=shape,
-                                              budget=args.budget, sink=args.sink, local=args.local,
-                                              command=_command_line("harness"))
-    print(md_path.read_text())
-    print(f"wrote {csv_path} and {md_path}")
+    config = harness.HarnessConfig(
+        shape=harness.SHAPES[args.shape], lengths=tuple(lengths), methods=methods, decode_batches=batches,
+        decode_tokens=args.decode_tokens, repeats=args.repeats, cap_s=args.cap, budget=args.budget,
+        sink=args.sink, local=args.local, device=args.device, throughput_tokens=args.throughput_tokens,
+        throughput_batch=args.throughput_batch, throughput_prompt=args.throughput_prompt,
+        throughput_cap_s=args.throughput_cap)
+    aime = aime_entries(args.suite) if args.throughput_tokens else None
+    store = HarnessStore(args.out or "reports/harness")
+    store.check(config.settings(), fresh=args.fresh)
+    harness_run.run_harness(config, store, fresh=args.fresh, command=_command_line("harness"), aime=aime)
+    print(store.md_path.read_text())
+    print(f"wrote {store.csv_path} and {store.md_path}")
     return 0
 
 
