@@ -13,6 +13,7 @@ PACKAGE = Path(nsa_eval.__file__).parent
 LAYERS = [
     ("nsa_eval.errors", "nsa_eval.registry", "nsa_eval.values", "nsa_eval.folders"),
     ("nsa_eval.kernels",),
+    ("nsa_eval.baseline_kernels",),
     ("nsa_eval.methods",),
     ("nsa_eval.models",),
     ("nsa_eval.tasks",),

@@ -248,8 +248,9 @@ class AttentionController:
         query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]` (unpadded) -> `[B, T, Hq, Dv]`. A top-k row whose
         threshold bracket missed (`topk_thresholds`' `failed`) is computed by `_reference_rows`; Quest
         (`quest_attention`) has no such rows."""
-        from nsa_eval.kernels import _validate, budget_quest, budget_topk
-        from nsa_eval.kernels import budget_attention as ba
+        from nsa_eval.baseline_kernels import budget_attention as ba
+        from nsa_eval.baseline_kernels import budget_quest, budget_topk
+        from nsa_eval.kernels import _validate
 
         _validate.check_installed_triton()
         cfg = self.config
@@ -535,7 +536,7 @@ class AttentionController:
         """H2O's prefill of an unpadded prompt: the `budget` leading queries attend densely in chunks as
         in `attend`, the rest in one Triton walk (`h2o_sparse_prefill`); the same output `[B, T, Hq, Dv]`,
         mass state and counts as the chunked path (up to rounding, and the walk's tie rule)."""
-        from nsa_eval.kernels.h2o_prefill import h2o_sparse_prefill, kv_read_from_evictions
+        from nsa_eval.baseline_kernels.h2o_prefill import h2o_sparse_prefill, kv_read_from_evictions
 
         B, Hq, T, _ = query.shape
         Hkv, budget = key.shape[1], self.config.budget

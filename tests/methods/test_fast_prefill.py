@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from nsa_eval.kernels import budget_attention as ba
-from nsa_eval.kernels import budget_topk as bt
+from nsa_eval.baseline_kernels import budget_attention as ba
+from nsa_eval.baseline_kernels import budget_topk as bt
 from nsa_eval.methods import METHODS
 from nsa_eval.methods.base import BudgetConfig, grouped_scores
 from nsa_eval.methods.controller import AttentionController

@@ -10,7 +10,7 @@ On inputs without tied masses they keep the same keys; outputs and masses agree 
 import pytest
 import torch
 
-from nsa_eval.kernels.h2o_prefill import (
+from nsa_eval.baseline_kernels.h2o_prefill import (
     h2o_sparse_prefill,
     h2o_sparse_prefill_reference,
     keep_from_evictions,
@@ -211,7 +211,7 @@ def test_fallbacks_keep_the_reference():
 COMPILE = """
 import json
 from tests.kernels.sm90 import compile_sm90
-from nsa_eval.kernels.h2o_prefill import BLOCK_KEYS, BLOCK_QUERIES, NUM_WARPS, _h2o_prefill_kernel
+from nsa_eval.baseline_kernels.h2o_prefill import BLOCK_KEYS, BLOCK_QUERIES, NUM_WARPS, _h2o_prefill_kernel
 out = {}
 for dtype in ("bf16", "fp32"):
     consts = dict(SINK=128, LOCAL=512, BUDGET=2560, NS=4096, BT=BLOCK_QUERIES, BN=BLOCK_KEYS, D=64, DV=64,

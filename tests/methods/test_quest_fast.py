@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa_eval.kernels import budget_attention as ba
-from nsa_eval.kernels import budget_quest as bq
+from nsa_eval.baseline_kernels import budget_attention as ba
+from nsa_eval.baseline_kernels import budget_quest as bq
 from nsa_eval.methods import METHODS
 from nsa_eval.methods.base import BudgetConfig
 from nsa_eval.methods.controller import AttentionController
