@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from nsa_eval.bench.kernels import software_versions
+from nsa_eval.budget import BudgetConfig
 
 METHODS = ("transformers", "full", "sink_window", "topk", "quest", "h2o", "nsa")
 BASELINES = ("full", "sink_window", "topk", "quest", "h2o")
@@ -225,7 +226,8 @@ def _release(cuda: bool) -> None:
 
 def run_harness(shape: ModelShape, lengths: list[int], *, methods: tuple[str, ...] = METHODS,
                 decode_batches: tuple[int, ...] = (1, 16), decode_tokens: int = 16, repeats: int = 3,
-                budget: int = 2560, sink: int = 128, local: int = 512, device: str = "cuda",
+                budget: int = BudgetConfig.budget, sink: int = BudgetConfig.sink,
+                local: int = BudgetConfig.local, device: str = "cuda",
                 dtype: torch.dtype = torch.bfloat16, log: Callable[[str], None] = print) -> list[Measurement]:
     """Every method in `methods` at every length; each model is loaded once and kept for its lengths."""
     from lm_eval.models.huggingface import HFLM

@@ -15,9 +15,10 @@ write only `score()`:
   queries left: `grow_state`, `state_score`, `update_state`.
 
 Everything else (budget, masking, positions, chunking, the per-forward state, the attention function)
-is the controller's (controller.py); the activated-token counts are stats.py's. `BudgetConfig` holds
-the budget settings shared by every method. Shapes follow transformers' attention interface: query
-`[B, Hq, T, D]`, key/value `[B, Hkv, S, D]`; `Hq = G * Hkv` and query head `h` reads KV head `h // G`.
+is the controller's (controller.py); the activated-token counts are stats.py's. `BudgetConfig`
+(nsa_eval/budget.py) holds the budget settings shared by every method. Shapes follow transformers'
+attention interface: query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]`; `Hq = G * Hkv` and query head
+`h` reads KV head `h // G`.
 """
 
 from __future__ import annotations
@@ -29,23 +30,8 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from nsa_eval.budget import BudgetConfig
 from nsa_eval.errors import UsageError
-
-
-@dataclass(frozen=True)
-class BudgetConfig:
-    """Budget settings shared by every method (see `apply_attention`)."""
-
-    budget: int = 2560
-    sink: int = 128
-    local: int = 512
-    sparse_prefill: bool = True
-    dense_layers: int = 0
-
-    @property
-    def selected(self) -> int:
-        """Keys the method chooses per query beyond sink and local."""
-        return self.budget - self.sink - self.local
 
 
 @dataclass
