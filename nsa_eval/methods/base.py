@@ -97,7 +97,7 @@ class Prefill:
 
     def kernel_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
         """query, key and value with unit stride in the head dim, as the kernels read them, after the
-        installed Triton is checked (once per process)."""
+        installed Triton's version is checked."""
         from nsa_eval.kernels import _validate
 
         _validate.check_installed_triton()

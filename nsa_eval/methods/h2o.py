@@ -75,7 +75,8 @@ class H2O(AttentionMethod):
         output, mass and counts as the chunked path (up to rounding, and the walk's tie rule)."""
         B, Hq, T, _ = call.query.shape
         Hkv, S = call.key.shape[1], call.key.shape[2]
-        budget, cfg = call.config.budget, call.config
+        cfg = call.config
+        budget = cfg.budget
         if self.group_shared or not S == T > budget:
             return None
         from nsa_eval.baseline_kernels.h2o_prefill import h2o_sparse_prefill, kv_read_from_evictions

@@ -22,7 +22,7 @@ class SinkWindow(AttentionMethod):
     selects = False
 
     def triton_prefill(self, call: Prefill) -> PrefillResult | None:
-        if self.group_shared:  # the chunked path's, as for the selecting methods
+        if self.group_shared:  # keeps the chunked path, as it does for every method
             return None
         from nsa_eval.baseline_kernels.budget_attention import budget_attention
 
