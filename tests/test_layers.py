@@ -11,8 +11,9 @@ import nsa_eval
 PACKAGE = Path(nsa_eval.__file__).parent
 # lowest first; train, bench and suite share a rank and never import each other
 LAYERS = [
-    ("nsa_eval.errors", "nsa_eval.registry", "nsa_eval.values", "nsa_eval.folders"),
+    ("nsa_eval.errors", "nsa_eval.registry", "nsa_eval.values", "nsa_eval.folders", "nsa_eval.budget"),
     ("nsa_eval.kernels",),
+    ("nsa_eval.baseline_kernels",),
     ("nsa_eval.methods",),
     ("nsa_eval.models",),
     ("nsa_eval.tasks",),

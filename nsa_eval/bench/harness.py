@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from nsa_eval.budget import BudgetConfig
+
 METHODS = ("transformers", "full", "sink_window", "topk", "quest", "h2o", "nsa")
 THROUGHPUT_METHODS = ("full", "nsa")
 # lm-eval's generate_until settings of configs/paper.yaml's AIME entries
@@ -80,9 +82,9 @@ class HarnessConfig:
     decode_tokens: int = 16
     repeats: int = 3
     cap_s: float = 45.0  # 7 methods x 3 lengths x 3 figures fit 10 minutes when a few slow ones hit it
-    budget: int = 2560
-    sink: int = 128
-    local: int = 512
+    budget: int = BudgetConfig.budget
+    sink: int = BudgetConfig.sink
+    local: int = BudgetConfig.local
     device: str = "cuda"
     dtype: str = "bfloat16"
     throughput_tokens: int = 0  # 0: no throughput row

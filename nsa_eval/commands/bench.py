@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from nsa_eval.budget import BudgetConfig
 from nsa_eval.errors import UsageError
 
 
@@ -44,9 +45,12 @@ def register(subparsers) -> None:
     parser.add_argument("--methods", nargs="+", default=None,
                         help="harness: which rows (default: all, transformers full sink_window topk "
                         "quest h2o nsa)")
-    parser.add_argument("--budget", type=int, default=2560, help="harness: the baselines' budget (2560)")
-    parser.add_argument("--sink", type=int, default=128, help="harness: the baselines' sink (128)")
-    parser.add_argument("--local", type=int, default=512, help="harness: the baselines' local window (512)")
+    parser.add_argument("--budget", type=int, default=BudgetConfig.budget,
+                        help="harness: the baselines' budget (%(default)s)")
+    parser.add_argument("--sink", type=int, default=BudgetConfig.sink,
+                        help="harness: the baselines' sink (%(default)s)")
+    parser.add_argument("--local", type=int, default=BudgetConfig.local,
+                        help="harness: the baselines' local window (%(default)s)")
     parser.add_argument("--decode-tokens", type=int, default=16,
                         help="harness: new tokens timed per decode measurement (16)")
     parser.add_argument("--repeats", type=int, default=3, help="harness: timed calls per figure (median; 3)")

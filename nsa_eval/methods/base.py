@@ -12,40 +12,34 @@ write only `score()`:
 - `forced_start(position)`: where `forced()` starts for an unpadded query, as a host int, so that a
   decode step needs no read of the device (controller.py's `_decode_plan`);
 - a stateful method (`stateful = True`, H2O) is selected query by query from a state the earlier
-  queries left: `grow_state`, `state_score`, `update_state`.
+  queries left: `grow_state`, `state_score`, `update_state`;
+- `triton_prefill(call)`: the method's own kernels (nsa_eval/baseline_kernels/) for a held prefill
+  of an unpadded batch, giving the chunked path's keys, output and counts; the controller takes them
+  on CUDA tensors (`fast_prefill`). A new method with a kernel is its file and its kernel.
 
 Everything else (budget, masking, positions, chunking, the per-forward state, the attention function)
-is the controller's (controller.py); the activated-token counts are stats.py's. `BudgetConfig` holds
-the budget settings shared by every method. Shapes follow transformers' attention interface: query
-`[B, Hq, T, D]`, key/value `[B, Hkv, S, D]`; `Hq = G * Hkv` and query head `h` reads KV head `h // G`.
+is the controller's (controller.py); the activated-token counts are stats.py's. `BudgetConfig`
+(nsa_eval/budget.py) holds the budget settings shared by every method. Shapes follow transformers'
+attention interface: query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]`; `Hq = G * Hkv` and query head
+`h` reads KV head `h // G`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch import Tensor
 
+from nsa_eval.budget import BudgetConfig
 from nsa_eval.errors import UsageError
 
-
-@dataclass(frozen=True)
-class BudgetConfig:
-    """Budget settings shared by every method (see `apply_attention`)."""
-
-    budget: int = 2560
-    sink: int = 128
-    local: int = 512
-    sparse_prefill: bool = True
-    dense_layers: int = 0
-
-    @property
-    def selected(self) -> int:
-        """Keys the method chooses per query beyond sink and local."""
-        return self.budget - self.sink - self.local
+# what a fast prefill returns: output [B, Hq, T, Dv], keys attended [B, Hq, T] and KV tokens read
+# per (query, KV head) [B, Hkv, T] (int)
+PrefillResult = tuple[Tensor, Tensor, Tensor]
 
 
 @dataclass
@@ -77,13 +71,48 @@ class Chunk:
 
 
 @dataclass
+class Prefill:
+    """One layer call that a method's kernels may take: a prefill held to the budget, of an unpadded
+    batch (no mask, so a key's index is its position), the T queries the last T of the S keys.
+
+    Attributes:
+        query: `[B, Hq, T, D]`; key, value: `[B, Hkv, S, D]`, `[B, Hkv, S, Dv]` (model dtype).
+        scaling: the softmax scale.
+        config: the budget settings.
+        state: the layer's state tensors (a stateful method's, e.g. H2O's mass `[B, Hq, S]`, updated in
+            place), or None.
+        reference: `reference(rows, out, counts, kv_read)`: the controller's chunked path for the queries
+            `rows` `[n]` (ascending indices into T), written into out `[B, Hq, T, Dv]`, counts `[B, Hq, T]`
+            and kv_read `[B, Hkv, T]`; a stateful method's rows are its leading queries (each updates
+            the state the next one reads).
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    scaling: float
+    config: BudgetConfig
+    state: dict[str, Tensor] | None = None
+    reference: Callable[[Tensor, Tensor, Tensor, Tensor], None] | None = None
+
+    def kernel_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """query, key and value with unit stride in the head dim, as the kernels read them, after the
+        installed Triton's version is checked."""
+        from nsa_eval.kernels import _validate
+
+        _validate.check_installed_triton()
+        return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in (self.query, self.key, self.value))
+
+
+@dataclass
 class AttentionMethod:
     """Base of every method: one dataclass per method, its fields are the method's own parameters.
 
     Subclasses set `name`, and override `score()` (higher = keep; the base picks the best keys
     outside sink and local), optionally `forced()` (extra keys always kept, counted in the budget) and
     `prepare()` (per-layer-call precomputation). A stateful method (`stateful = True`, H2O) is
-    selected query by query with `state_score()`/`update_state()` instead.
+    selected query by query with `state_score()`/`update_state()` instead. A method with kernels
+    overrides `triton_prefill()`.
 
     Fields shared by all methods:
         query_chunk: queries per chunk; the chunk's scores are `[B, Hq, query_chunk, S]` float32.
@@ -98,9 +127,6 @@ class AttentionMethod:
     selects: ClassVar[bool] = True  # False for sink_window: sink and local only
     stateful: ClassVar[bool] = False
     stable_ties: ClassVar[bool] = False  # break score ties by position (a stable sort) instead of topk
-    # the rule of the Triton prefill (kernels/budget_*.py: "sink_window", "topk" or "quest") that
-    # the controller takes for a held, unpadded prefill on a GPU; None: the chunked path always
-    fast_prefill: ClassVar[str | None] = None
 
     query_chunk: int = 512
     group_shared: bool = False
@@ -137,6 +163,18 @@ class AttentionMethod:
 
     def check(self, config: BudgetConfig) -> None:
         """Raise UsageError if this method cannot work with these budget settings."""
+
+    # ---- a method with its own kernels: the prefill without the chunked path
+    def fast_prefill(self, call: Prefill) -> PrefillResult | None:
+        """What the controller asks first for a held prefill of an unpadded batch: `triton_prefill` on
+        CUDA tensors (the kernels compile for the GPU), None elsewhere (the chunked path then runs)."""
+        return self.triton_prefill(call) if call.query.is_cuda else None
+
+    def triton_prefill(self, call: Prefill) -> PrefillResult | None:
+        """The method's Triton prefill (nsa_eval/baseline_kernels/) on any device Triton runs on (CUDA; CPU
+        tensors under Triton's interpreter): the chunked path's keys, and its output and counts
+        (`PrefillResult`) to rounding; None where the kernels do not take this call. Default: no kernels."""
+        return None
 
     # ---- stateful methods only (H2O): selection query by query from a state the earlier queries left
     def grow_state(self, tensors: dict[str, Tensor], B: int, Hq: int, S: int, device) -> None:

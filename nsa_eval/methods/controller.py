@@ -11,8 +11,9 @@
 - caches: only a plain `DynamicCache` of full-attention layers (`check_cache`), whose keys are the
   sequence so far with the new ones last.
 - chunking over queries: scores are materialised for at most `query_chunk` queries at a time
-  (`[B, Hq, Tc, S]`), never `T x T`. A held, unpadded prefill on a GPU by a method with a
-  `fast_prefill` rule takes the Triton kernels of kernels/budget_*.py instead (`_fast_prefill`).
+  (`[B, Hq, Tc, S]`), never `T x T`. A held, unpadded prefill is offered to the method first
+  (`AttentionMethod.fast_prefill`): a method with kernels (nsa_eval/baseline_kernels/) takes it on a
+  GPU, and the chunked path is then its reference (`_reference_rows`) for any queries it leaves.
 - state: per-layer method state (H2O's accumulated attention mass) lives on the KV cache object
   (`cache.nsa_eval_state[layer_idx]`), so it follows `generate()` and is fresh for every new cache.
 - statistics: keys attended per query, per layer and phase (prefill/decode), always on (stats.py), and
@@ -26,6 +27,7 @@ The attention function `nsa_eval_attention` is registered with transformers' `At
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nsa_eval.errors import UsageError
-from nsa_eval.methods.base import AttentionMethod, BudgetConfig, Chunk
+from nsa_eval.methods.base import AttentionMethod, BudgetConfig, Chunk, Prefill
 from nsa_eval.methods.stats import AttentionStats, Tally
 
 ATTN_IMPLEMENTATION = "nsa_eval"
@@ -93,11 +95,6 @@ class AttentionController:
         self.stats = AttentionStats()
         self.states: dict[int, LayerState] = {}  # replaced at each forward by the pre-hook
         self.hook_handle = None
-        # Tests set a list here to receive (layer, phase, first query, keep [B, Hq, Tc, S]) per chunk.
-        self.capture: list | None = None
-        # H2O's prefill through the Triton walk (`_stateful_prefill`): None on CUDA tensors, True also
-        # on the CPU (tests, under TRITON_INTERPRET=1), False never.
-        self.stateful_kernel: bool | None = None
         # decode steps' tallies whose budget check waits for `check_budget`: id -> (layer, tally)
         self._unchecked: dict[int, tuple[int, Tally]] = {}
 
@@ -154,15 +151,21 @@ class AttentionController:
         stateful = method.stateful and method.sparse and layer >= cfg.dense_layers
         state = self._layer_state(layer, B, Hq, S, T, query.device) if stateful else None
         tally = self.stats.tally(layer, phase, held)
-        if stateful and held and self._stateful_kernel_applies(query, allowed, S, T):
-            return self._stateful_prefill(query, key, value, scaling, qpos, state, tally, layer)
+        if held and allowed is None and T > 1:
+            reference = functools.partial(self._reference_rows, query, key, value, scaling, kpos, qpos, state)
+            call = Prefill(query, key, value, scaling, cfg, state.tensors if stateful else None, reference)
+            fast = method.fast_prefill(call)
+            if fast is not None:
+                out, activated, kv_read = fast  # [B, Hq, T, Dv], [B, Hq, T], [B, Hkv, T]
+                self._record_counts(tally, activated, kv_read, Hq, qpos, True, layer)
+                if state is not None:
+                    state.length = S
+                return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
 
         if not held and not stateful:
             return self._dense(
                 module, query, key, value, attention_mask, scaling, kwargs, allowed, qpos, tally
             )
-        if self._takes_fast_prefill(query, allowed, held):
-            return self._fast_prefill(query, key, value, scaling, kpos, qpos, tally, layer)
         if T == 1 and held and allowed is None:
             plan = self._decode_plan(S)
             if plan is not None:
@@ -177,13 +180,9 @@ class AttentionController:
         for t0 in range(0, T, chunk_len):
             t1 = min(T, t0 + chunk_len)
             if by_position:
-                keep, o, columns = self._sink_and_local(query[:, :, t0:t1], key, value, S - T + t0, scaling)
+                keep, o = self._sink_and_local(query[:, :, t0:t1], key, value, S - T + t0, scaling)
                 out[:, :, t0:t1] = o
                 self._record(tally, keep.expand(B, 1, -1, -1), Hq, Hkv, qpos[:, t0:t1], held, layer)
-                if self.capture is not None:
-                    full = keep.new_zeros(B, Hq, t1 - t0, S)  # [B, Hq, Tc, S]
-                    full[..., columns] = keep
-                    self.capture.append((layer, phase, t0, full))
                 continue
             Sc = S - T + t1  # keys after the chunk's last query are invisible to all of it
             kp = kpos[:, :Sc]  # [B, Sc]
@@ -201,10 +200,6 @@ class AttentionController:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scaling, enable_gqa=True)
             out[:, :, t0:t1] = o.nan_to_num(0.0)  # a padding query (nothing visible) gets zeros
             self._record(tally, keep, Hq, Hkv, qpos[:, t0:t1], held, layer)
-            if self.capture is not None:
-                full = keep.new_zeros(B, Hq, t1 - t0, S)  # [B, Hq, Tc, S]
-                full[..., :Sc] = keep
-                self.capture.append((layer, phase, t0, full))
         if state is not None:
             state.length = S
         return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
@@ -227,55 +222,14 @@ class AttentionController:
             count[:, None].expand(B, Hkv, T),  # [B, Hkv, T]
             qpos >= 0,
         )
-        if self.capture is not None:
-            kpos = _positions(allowed, B, T, key.shape[2], query.device)[0]
-            visible = (kpos[:, None, :] <= qpos[:, :, None]) & (kpos >= 0)[:, None, :]  # [B, T, S]
-            if allowed is not None:
-                visible &= allowed
-            phase = "decode" if T == 1 else "prefill"
-            self.capture.append((int(module.layer_idx), phase, 0, visible[:, None].expand(B, Hq, -1, -1)))
         return out
 
-    def _takes_fast_prefill(self, query: Tensor, allowed: Tensor | None, held: bool) -> bool:
-        """Whether this call takes the Triton prefill (`_fast_prefill`): a held prefill of an unpadded batch
-        on a GPU, by a method with a fast rule (`fast_prefill`) and per-head selection, no test capture."""
-        method = self.method
-        return (query.is_cuda and query.shape[2] > 1 and held and allowed is None and self.capture is None
-                and method.fast_prefill is not None and not method.group_shared and not method.stateful)
-
-    def _fast_prefill(self, query, key, value, scaling, kpos, qpos, tally, layer) -> Tensor:
-        """The same keys, outputs and counts as the chunked path, from `kernels/budget_*.py`:
-        query `[B, Hq, T, D]`, key/value `[B, Hkv, S, D]` (unpadded) -> `[B, T, Hq, Dv]`. A top-k row whose
-        threshold bracket missed (`topk_thresholds`' `failed`) is computed by `_reference_rows`; Quest
-        (`quest_attention`) has no such rows."""
-        from nsa_eval.kernels import _validate, budget_quest, budget_topk
-        from nsa_eval.kernels import budget_attention as ba
-
-        _validate.check_installed_triton()
-        cfg = self.config
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
-        thr = cut = None
-        if self.method.fast_prefill == "topk":
-            thr, cut, failed = budget_topk.topk_thresholds(q, k, sink=cfg.sink, local=cfg.local,
-                                                           budget=cfg.budget)
-        if self.method.fast_prefill == "quest":
-            out, counts, kv_read = budget_quest.quest_attention(q, k, v, scale=scaling, sink=cfg.sink,
-                                                                local=cfg.local, budget=cfg.budget,
-                                                                page_size=self.method.page_size)
-        else:
-            out, counts, kv_read = ba.budget_attention(q, k, v, scale=scaling, sink=cfg.sink,
-                                                       local=cfg.local, thr=thr, cut=cut)
-        if thr is not None:
-            redo = failed.flatten(0, 1).any(0).nonzero()[:, 0]  # [n] query indices some head missed
-            if redo.numel():
-                self._reference_rows(query, key, value, scaling, kpos, qpos, redo, out, counts, kv_read)
-        self._record_counts(tally, counts, kv_read, query.shape[1], qpos, True, layer)
-        return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
-
-    def _reference_rows(self, query, key, value, scaling, kpos, qpos, rows, out, counts, kv_read) -> None:
-        """The chunked path's `_select` and SDPA for the queries `rows` `[n]` (ascending indices into T)
-        of an unpadded batch, written into out `[B, Hq, T, Dv]`, counts `[B, Hq, T]` and kv_read
-        `[B, Hkv, T]`."""
+    def _reference_rows(self, query, key, value, scaling, kpos, qpos, state, rows, out, counts,
+                        kv_read) -> None:
+        """The chunked path for the queries `rows` `[n]` (ascending indices into T) of a held prefill of an
+        unpadded batch, written into out `[B, Hq, T, Dv]`, counts `[B, Hq, T]` and kv_read `[B, Hkv, T]`:
+        `_select` and SDPA, or a stateful method's `_select_stateful` on its `state`, whose rows must then
+        be its leading queries (`Prefill.reference`: what a method's kernels leave to the reference)."""
         B, Hq, T, _ = query.shape
         Hkv, S = key.shape[1], key.shape[2]
         prepared = self.method.prepare(key, kpos) if self.method.selects else None
@@ -286,9 +240,14 @@ class AttentionController:
             kp, qp = kpos[:, :Sc], qpos[:, t]  # [B, Sc], [B, n]
             chunk = Chunk(query[:, :, t], key[:, :, :Sc], scaling, qp, kp, kp[:, None, :] <= qp[:, :, None],
                           prepared)
-            keep = self._select(chunk)  # [B, 1|Hq, n, Sc]
-            out[:, :, t] = F.scaled_dot_product_attention(chunk.query, chunk.key, value[:, :, :Sc],
-                                                          attn_mask=keep, scale=scaling, enable_gqa=True)
+            if state is None:
+                keep = self._select(chunk)  # [B, 1|Hq, n, Sc]
+                out[:, :, t] = F.scaled_dot_product_attention(chunk.query, chunk.key, value[:, :, :Sc],
+                                                              attn_mask=keep, scale=scaling, enable_gqa=True)
+            else:
+                tensors = {name: x[..., :Sc] for name, x in state.tensors.items()}  # views: updates land
+                keep, probs = self._select_stateful(chunk, tensors, True, True)  # [B, Hq, n, Sc]
+                out[:, :, t] = _grouped_apply(probs, value[:, :, :Sc].float())
             activated, read = _keep_counts(keep, Hkv)
             counts[:, :, t] = activated.to(counts.dtype)
             kv_read[:, :, t] = read.to(kv_read.dtype)
@@ -343,8 +302,8 @@ class AttentionController:
         """Sink + local attention of queries at positions `first ..` over unpadded keys (no mask, so a
         key's index is its position), reading only the keys some query of the chunk keeps.
 
-        q `[B, Hq, Tc, D]`, key/value `[B, Hkv, S, D]` -> keep `[1, 1, Tc, n]` bool, o `[B, Hq, Tc, Dv]`
-        and the n key columns read. The same keys and output as `_select` over all S keys: a query
+        q `[B, Hq, Tc, D]`, key/value `[B, Hkv, S, D]` -> keep `[1, 1, Tc, n]` bool over the n key columns
+        read, and o `[B, Hq, Tc, Dv]`. The same keys and output as `_select` over all S keys: a query
         over the limit keeps the sink and the keys after `t - local`, all within the columns; one under
         it sees at most `limit` keys, all of them sink or local columns too (it sits at t < limit).
         """
@@ -364,7 +323,7 @@ class AttentionController:
                            chunk.visible[:, None])  # [1, 1, Tc, n]
         o = F.scaled_dot_product_attention(q, k, value[:, :, columns], attn_mask=keep, scale=scaling,
                                            enable_gqa=True)  # [B, Hq, Tc, Dv]
-        return keep, o, columns
+        return keep, o
 
     def _decode_plan(self, S: int) -> DecodePlan | None:
         """The keys of an unpadded query at position `S - 1` (it sees all S keys), on the host: None where
@@ -404,11 +363,6 @@ class AttentionController:
             keep = torch.ones(1, 1, 1, n, dtype=torch.bool, device=dev)  # [1, 1, 1, n]
             o = F.scaled_dot_product_attention(query, k, v, attn_mask=keep, scale=scaling, enable_gqa=True)
             tally.add_host(B * Hq, B * Hq * n, n, B * Hkv, B * Hkv * n)
-            if self.capture is not None:
-                full = torch.zeros(B, Hq, 1, S, dtype=torch.bool, device=dev)  # [B, Hq, 1, S]
-                full[..., :cfg.sink] = True
-                full[..., S - n + min(cfg.sink, n):] = True
-                self.capture.append((layer, "decode", 0, full))
             return o.transpose(1, 2).contiguous()  # [B, 1, Hq, Dv]
         kpos = torch.arange(S, device=dev).expand(B, S)  # [B, S]
         qpos = kpos[:, S - 1:]  # [B, 1]
@@ -433,8 +387,6 @@ class AttentionController:
         activated, kv_read = _keep_counts(keep, Hkv)  # [B, 1|Hq, 1], [B, Hkv, 1]
         tally.add_unpadded(activated.expand(B, Hq, 1), kv_read)
         self._unchecked[id(tally)] = (layer, tally)
-        if self.capture is not None:
-            self.capture.append((layer, "decode", 0, keep.expand(B, Hq, 1, S).clone()))
         return o.nan_to_num(0.0).to(query.dtype).transpose(1, 2).contiguous()  # [B, 1, Hq, Dv]
 
     def _decode_keep(self, score: Tensor, plan: DecodePlan, Hq: int) -> Tensor:
@@ -519,44 +471,6 @@ class AttentionController:
             probs[:, :, t] = p = _masked_softmax(logits[:, :, t].contiguous(), row)  # [B, Hq, Sc]
             method.update_state(tensors, p[:, :, None], row[:, :, None])
         return keep, probs
-
-    def _stateful_kernel_applies(self, query: Tensor, allowed: Tensor | None, S: int, T: int) -> bool:
-        """Whether this layer call's H2O prefill takes the walk of kernels/h2o_prefill.py: an unpadded
-        prompt (no mask) with no cached keys before it and queries past the budget, per-head selection,
-        on CUDA tensors (or where `stateful_kernel` says), and no capture of each query's keys."""
-        from nsa_eval.methods.h2o import H2O
-
-        use = query.is_cuda if self.stateful_kernel is None else self.stateful_kernel
-        return (use and isinstance(self.method, H2O) and not self.method.group_shared and allowed is None
-                and self.capture is None and S == T > self.config.budget)
-
-    def _stateful_prefill(self, query: Tensor, key: Tensor, value: Tensor, scaling: float, qpos: Tensor,
-                          state: LayerState, tally: Tally, layer: int) -> Tensor:
-        """H2O's prefill of an unpadded prompt: the `budget` leading queries attend densely in chunks as
-        in `attend`, the rest in one Triton walk (`h2o_sparse_prefill`); the same output `[B, T, Hq, Dv]`,
-        mass state and counts as the chunked path (up to rounding, and the walk's tie rule)."""
-        from nsa_eval.kernels.h2o_prefill import h2o_sparse_prefill, kv_read_from_evictions
-
-        B, Hq, T, _ = query.shape
-        Hkv, budget = key.shape[1], self.config.budget
-        mass = state.tensors["mass"]  # [B, Hq, T], updated in place
-        out = query.new_empty(B, Hq, T, value.shape[-1])  # [B, Hq, T, Dv]
-        chunk_len = self._chunk_len(B, Hq, T, T)
-        for t0 in range(0, budget, chunk_len):
-            t1 = min(budget, t0 + chunk_len)
-            kp = torch.arange(t1, device=query.device).expand(B, t1)  # [B, t1]
-            visible = kp[:, None, :] <= qpos[:, t0:t1, None]  # [B, Tc, t1]
-            chunk = Chunk(query[:, :, t0:t1], key[:, :, :t1], scaling, qpos[:, t0:t1], kp, visible)
-            keep, probs = self._select_stateful(chunk, {"mass": mass[..., :t1]}, True, True)  # all dense
-            out[:, :, t0:t1] = _grouped_apply(probs, value[:, :, :t1].float())
-            self._record(tally, keep, Hq, Hkv, qpos[:, t0:t1], True, layer)
-        cfg = self.config
-        evictions = h2o_sparse_prefill(query, key, value, mass, out, scaling, cfg.sink, cfg.local, budget)
-        activated = torch.full((1, 1, 1), budget, device=query.device).expand(B, Hq, T - budget)
-        kv_read = kv_read_from_evictions(evictions, Hq // Hkv, cfg.sink, cfg.local, budget)  # [B, Hkv, n]
-        tally.add(activated, kv_read, qpos[:, budget:] >= 0)
-        state.length = T
-        return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
 
     def _record(
         self, tally: Tally, keep: Tensor, Hq: int, Hkv: int, qpos: Tensor, held: bool, layer: int

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from nsa_eval.methods.base import AttentionMethod
+from nsa_eval.methods.base import AttentionMethod, Prefill, PrefillResult
 
 GROWTH = 1024  # keys the mass buffer makes room for at once (decode: one copy per GROWTH steps)
 
@@ -25,8 +25,8 @@ class H2O(AttentionMethod):
     their whole rows. The mass is `[B, Hq, S]` float32 on the cache (`LayerState.tensors["mass"]`) and
     grows by one key per decode step (a view onto a buffer with room for `GROWTH` more keys).
     Selection is sequential over queries (one step per query past the budget), the costliest method at
-    prefill; on CUDA an unpadded prompt's queries past the budget
-    take the O(budget)-per-query walk of `nsa_eval/kernels/h2o_prefill.py` (docs/methods.md).
+    prefill; on CUDA an unpadded prompt's queries past the budget take the O(budget)-per-query walk
+    of `nsa_eval/baseline_kernels/h2o_prefill.py` (`triton_prefill`; docs/methods.md).
 
     GQA: mass and selection are per query head, as in H2O's code (after `repeat_kv`), so a KV head
     serves the union of its G heads' heavy hitters.
@@ -67,3 +67,28 @@ class H2O(AttentionMethod):
             # padding query (keeps nothing) evicts nothing.
             row = keep[:, :, 0]  # [B, Hq, S]
             mass.mul_(row | ~row.any(-1, keepdim=True))
+
+    def triton_prefill(self, call: Prefill) -> PrefillResult | None:
+        """An unpadded prompt with no cached keys before it and queries past the budget, per-head selection:
+        the `budget` leading queries attend densely through the chunked path (`call.reference`, which
+        adds their rows to the mass), the rest in one Triton walk (`h2o_sparse_prefill`), the same
+        output, mass and counts as the chunked path (up to rounding, and the walk's tie rule)."""
+        B, Hq, T, _ = call.query.shape
+        Hkv, S = call.key.shape[1], call.key.shape[2]
+        cfg = call.config
+        budget = cfg.budget
+        if self.group_shared or not S == T > budget:
+            return None
+        from nsa_eval.baseline_kernels.h2o_prefill import h2o_sparse_prefill, kv_read_from_evictions
+
+        device = call.query.device
+        out = call.query.new_empty(B, Hq, T, call.value.shape[-1])  # [B, Hq, T, Dv]
+        counts = torch.empty(B, Hq, T, dtype=torch.int32, device=device)
+        kv_read = torch.empty(B, Hkv, T, dtype=torch.int32, device=device)
+        call.reference(torch.arange(budget, device=device), out, counts, kv_read)
+        mass = call.state["mass"]  # [B, Hq, T], updated in place
+        evictions = h2o_sparse_prefill(call.query, call.key, call.value, mass, out, call.scaling, cfg.sink,
+                                       cfg.local, budget)
+        counts[:, :, budget:] = budget
+        kv_read[:, :, budget:] = kv_read_from_evictions(evictions, Hq // Hkv, cfg.sink, cfg.local, budget)
+        return out, counts, kv_read

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from nsa_eval.errors import UsageError
-from nsa_eval.methods.base import AttentionMethod, BudgetConfig, Chunk, grouped_scores
+from nsa_eval.methods.base import AttentionMethod, BudgetConfig, Chunk, Prefill, PrefillResult, grouped_scores
 
 
 def page_bounds(query: Tensor, key_min: Tensor, key_max: Tensor) -> Tensor:
@@ -58,11 +58,13 @@ class Quest(AttentionMethod):
     also keeps the first two layers dense: pass `dense_layers=2` for that. GQA: selection is per query
     head, as in Quest's reference code (keys repeated per head), so a KV head serves the union of its
     G heads' pages.
+
+    Triton prefill: baseline_kernels/budget_quest.py (the pages chosen per query, then attention over
+    them on budget_attention.py's tiles).
     """
 
     name = "quest"
     stable_ties = True
-    fast_prefill = "quest"
 
     page_size: int = 16
 
@@ -105,3 +107,14 @@ class Quest(AttentionMethod):
     def forced(self, chunk: Chunk) -> Tensor:
         same_page = chunk.kpos[:, None, :] // self.page_size == chunk.qpos[:, :, None] // self.page_size
         return same_page & chunk.visible  # [B, Tc, Sc]
+
+    def triton_prefill(self, call: Prefill) -> PrefillResult | None:
+        """The kernels select per query head, so not `group_shared`; every row is decided (no fallback)."""
+        if self.group_shared:
+            return None
+        from nsa_eval.baseline_kernels.budget_quest import quest_attention
+
+        q, k, v = call.kernel_inputs()
+        cfg = call.config
+        return quest_attention(q, k, v, scale=call.scaling, sink=cfg.sink, local=cfg.local, budget=cfg.budget,
+                               page_size=self.page_size)

@@ -32,6 +32,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from nsa_eval.budget import BudgetConfig
 from nsa_eval.errors import UsageError
 from nsa_eval.models.loading import (
     attention_stats,
@@ -99,9 +100,9 @@ class NSAEvalLM(HFLM):
         self,
         pretrained: str,
         attention: str = "full",
-        budget: int = 2560,
-        sink: int = 128,
-        local: int = 512,
+        budget: int = BudgetConfig.budget,
+        sink: int = BudgetConfig.sink,
+        local: int = BudgetConfig.local,
         sparse_prefill: bool = True,
         dense_layers: int = 0,
         dtype: str = "auto",

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nsa_eval.budget import BudgetConfig
 from nsa_eval.errors import UsageError
 from nsa_eval.registry import unknown_name_message
 
@@ -354,8 +355,9 @@ def _load(resolved: Resolved, dtype, device, device_map, **kwargs):
     return model.eval(), tokenizer
 
 
-def load_for_eval(pretrained: str | os.PathLike, *, attention: str = "full", budget: int = 2560,
-                  sink: int = 128, local: int = 512, sparse_prefill: bool = True, dense_layers: int = 0,
+def load_for_eval(pretrained: str | os.PathLike, *, attention: str = "full",
+                  budget: int = BudgetConfig.budget, sink: int = BudgetConfig.sink,
+                  local: int = BudgetConfig.local, sparse_prefill: bool = True, dense_layers: int = 0,
                   dtype: Any = "auto", device: str | None = "cpu", device_map=None,
                   method_params: dict | None = None, **from_pretrained_kwargs):
     """`load_pretrained`, after every check, with the chosen attention switched on.

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from nsa_eval.budget import BudgetConfig
 from nsa_eval.errors import UsageError
 from nsa_eval.registry import unknown_name_message
 from nsa_eval.suite.safe_yaml import read_suite_yaml
@@ -25,7 +26,6 @@ from nsa_eval.values import MAX_INT, is_int, is_number, short_repr
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRUNCATIONS = ("middle", "left")
 BACKENDS = ("hf", "vllm")
-PAPER_BUDGET, PAPER_SINK, PAPER_LOCAL = 2560, 128, 512
 
 # key -> (accepted types, description) for every model key; `attention` and `budget` may be lists.
 MODEL_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
@@ -184,7 +184,7 @@ def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool,
     sink_window's budget is sink + local (the keys it keeps) whatever the entry's budgets."""
     get = lambda name, default=None: _get(entry, name, MODEL_KEYS, where, key, default)  # noqa: E731
     attentions = _as_list(get("attention"), str, where, key + "attention", "method names")
-    budgets = _as_list(get("budget", PAPER_BUDGET), int, where, key + "budget", "integers")
+    budgets = _as_list(get("budget", BudgetConfig.budget), int, where, key + "budget", "integers")
     dtype = _choice(get("dtype", "auto"), DTYPES, where, key + "dtype")
     truncation = _choice(get("truncation", "middle"), TRUNCATIONS, where, key + "truncation")
     backend = _choice(get("backend", "hf"), BACKENDS, where, key + "backend")
@@ -193,8 +193,8 @@ def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool,
             isinstance(batch_size, int) and batch_size < 1):
         raise UsageError(f"{where}: {key}batch_size: expected a positive integer, 'auto' or 'auto:N' "
                          f"(N >= 1), got {batch_size!r}")
-    sink = _nonnegative(get("sink", PAPER_SINK), where, key + "sink")
-    local = _nonnegative(get("local", PAPER_LOCAL), where, key + "local")
+    sink = _nonnegative(get("sink", BudgetConfig.sink), where, key + "sink")
+    local = _nonnegative(get("local", BudgetConfig.local), where, key + "local")
     max_length = get("max_length")
     if max_length is not None:
         _positive(max_length, where, key + "max_length")

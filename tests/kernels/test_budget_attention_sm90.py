@@ -10,9 +10,9 @@ from tests.kernels.sm90 import H200_SHARED_LIMIT, json_from_fresh_python
 COMPILE = r"""
 import json
 import torch
-from nsa_eval.kernels import budget_attention as ba
-from nsa_eval.kernels import budget_quest as bq
-from nsa_eval.kernels import budget_topk as bt
+from nsa_eval.baseline_kernels import budget_attention as ba
+from nsa_eval.baseline_kernels import budget_quest as bq
+from nsa_eval.baseline_kernels import budget_topk as bt
 from nsa_eval.kernels._triton_utils import pow2
 from tests.kernels.sm90 import shared_bytes as shared
 

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from tests.methods.conftest import prefill_by
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 interpreter_only = pytest.mark.skipif(not INTERPRET,
                                       reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
@@ -42,14 +44,14 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def fast_and_chunked(fast_ctrl, chunked_ctrl, module, q, k, v):
-    """One layer call through the fast prefill (`fast_ctrl`: CUDA, unpadded, no capture) and through the
-    chunked path (`chunked_ctrl`, held there by a capture list), held to the same budget: asserts the
+    """One layer call through the fast prefill (`fast_ctrl`: CUDA, unpadded) and through the chunked path
+    (`chunked_ctrl`, its method's fast prefill turned off), held to the same budget: asserts the
     same queries and keys attended (sum and max: exactly the budget), KV tokens read within 1e-4 (near
     ties round either way between the kernel's products and PyTorch's) and outputs within 1% relative
     RMS. Returns both tallies' counts."""
     fast = fast_ctrl.attend(module, q, k, v, None, None)
     fast_counts = fast_ctrl.stats.tally(0, "prefill", True).counts()
-    chunked_ctrl.capture = []  # keeps it on the chunked path
+    prefill_by(chunked_ctrl.method, kernels=False)
     out = chunked_ctrl.attend(module, q, k, v, None, None)
     counts = chunked_ctrl.stats.tally(0, "prefill", True).counts()
     assert fast_counts[:3] == counts[:3]

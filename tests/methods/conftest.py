@@ -69,15 +69,43 @@ def random_qkv(B=2, Hq=4, Hkv=2, T=64, D=8, seed=0):
     return q, k, v
 
 
-def run_attend(method, q, k, v, mask=None, budget=32, sink=4, local=8, **params):
-    """Run one layer call of `method` on raw tensors; returns (out `[B, T, Hq, D]`, keep `[B, Hq, T, S]`)."""
+def one_hot(value):
+    """Values `[B, Hkv, S, S]` in which key j carries the j-th unit vector, for `value` `[B, Hkv, S, Dv]`: a
+    layer call's output is then each query's attention weights, and the keys it attended are those of
+    weight above zero (`attended`; a kept key's weight is far from underflowing on these inputs)."""
+    B, Hkv, S, _ = value.shape
+    return torch.eye(S, dtype=value.dtype, device=value.device).expand(B, Hkv, S, S)
+
+
+def attended(weights):
+    """A layer call's output `[B, T, Hq, S]` on `one_hot` values -> the keys each query attended
+    `[B, Hq, T, S]` bool."""
+    return weights.transpose(1, 2) > 0
+
+
+def prefill_by(method, kernels: bool):
+    """`method` (an instance) with its fast prefill fixed: its Triton kernels on any device (True: on CPU
+    tensors, Triton's interpreter) or never (False: the controller's chunked path, the reference)."""
+    method.fast_prefill = method.triton_prefill if kernels else (lambda call: None)
+    return method
+
+
+def layer_call(method, q, k, v, mask=None, budget=32, sink=4, local=8, **params):
+    """One layer call of `method` (a name) on raw tensors through the chunked path (its fast prefill off):
+    (out `[B, T, Hq, Dv]`, keep `[B, Hq, T, S]`, the controller), keep from the same call on `one_hot`
+    values by a second controller (H2O's state starts afresh)."""
     from nsa_eval.methods import METHODS
     from nsa_eval.methods.base import BudgetConfig
     from nsa_eval.methods.controller import AttentionController
 
-    instance = METHODS.get(method)(**params)
-    controller = AttentionController(instance, BudgetConfig(budget, sink, local))
-    controller.capture = []
-    out = controller.attend(fake_module(groups=q.shape[1] // k.shape[1]), q, k, v, mask, None)
-    keep = torch.cat([c[3] for c in controller.capture], dim=2)
-    return out, keep
+    module = fake_module(groups=q.shape[1] // k.shape[1])
+    controller, observer = (
+        AttentionController(prefill_by(METHODS.get(method)(**params), kernels=False),
+                            BudgetConfig(budget, sink, local)) for _ in range(2))
+    out = controller.attend(module, q, k, v, mask, None)
+    return out, attended(observer.attend(module, q, k, one_hot(v), mask, None)), controller
+
+
+def run_attend(method, q, k, v, mask=None, budget=32, sink=4, local=8, **params):
+    """Run one layer call of `method` on raw tensors; returns (out `[B, T, Hq, D]`, keep `[B, Hq, T, S]`)."""
+    return layer_call(method, q, k, v, mask, budget, sink, local, **params)[:2]

@@ -9,7 +9,7 @@ import torch
 from nsa_eval.methods import METHODS, BudgetExceededError, apply_attention, attention_stats
 from nsa_eval.methods.base import BudgetConfig
 from nsa_eval.methods.controller import AttentionController
-from tests.methods.conftest import SPARSE_METHODS, fake_module, random_qkv, tiny_llama
+from tests.methods.conftest import SPARSE_METHODS, attended, fake_module, one_hot, random_qkv, tiny_llama
 
 CASES = [
     ("sink_window", {}, 8),
@@ -26,21 +26,26 @@ CASES = [
 def _decode_run(method, params, local, mode, prompt, steps=14, budget=32, sink=4, dtype=torch.float32):
     """A prefill of `prompt` keys, then `steps` decode calls, by `mode`: "decode" (no mask: `_decode`),
     "chunked" (no mask, `_decode` turned off: the chunked path as before it) or "masked" (a 4D mask of
-    all ones: the general path of a padded batch). Returns outputs, keeps, counts, state, controller."""
+    all ones: the general path of a padded batch). Returns outputs, keeps, counts, state, controller;
+    the keeps from a second controller making the same calls on one-hot values (`attended`)."""
     q, k, v = (x.to(dtype) for x in random_qkv(B=2, T=prompt + steps, seed=3))
-    controller = AttentionController(METHODS.get(method)(**params), BudgetConfig(budget, sink, local))
+    eye = one_hot(v)  # [B, Hkv, prompt + steps, prompt + steps]
+    config = BudgetConfig(budget, sink, local)
+    controller, observer = (AttentionController(METHODS.get(method)(**params), config) for _ in range(2))
     if mode == "chunked":
-        controller._decode_plan = lambda S: None
+        controller._decode_plan = observer._decode_plan = lambda S: None
     module = fake_module(groups=2)
     controller.attend(module, q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], None, None)
-    controller.capture = []
-    outs = []
+    observer.attend(module, q[:, :, :prompt], k[:, :, :prompt], eye[:, :, :prompt], None, None)
+    outs, keeps = [], []
     for t in range(prompt, prompt + steps):
         S = t + 1
         mask = torch.ones(1, 1, 1, S, dtype=torch.bool) if mode == "masked" else None
-        outs.append(controller.attend(module, q[:, :, t:t + 1], k[:, :, :S], v[:, :, :S], mask, None))
+        query, key = q[:, :, t:t + 1], k[:, :, :S]
+        outs.append(controller.attend(module, query, key, v[:, :, :S], mask, None))
+        keeps.append(attended(observer.attend(module, query, key, eye[:, :, :S], mask, None)))
     state = {n: t.clone() for n, t in controller.states[0].tensors.items()} if controller.states else {}
-    return outs, [c[3] for c in controller.capture], controller.stats.summary(), state, controller
+    return outs, keeps, controller.stats.summary(), state, controller
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from nsa_eval.kernels import budget_attention as ba
-from nsa_eval.kernels import budget_topk as bt
+from nsa_eval.baseline_kernels import budget_attention as ba
+from nsa_eval.baseline_kernels import budget_topk as bt
 from nsa_eval.methods import METHODS
-from nsa_eval.methods.base import BudgetConfig, grouped_scores
+from nsa_eval.methods.base import AttentionMethod, BudgetConfig, Prefill, grouped_scores
 from nsa_eval.methods.controller import AttentionController
 from tests.methods.budget_inputs import cuda_ms, fast_and_chunked, interpreter_only, qkv
-from tests.methods.conftest import fake_module
+from tests.methods.conftest import fake_module, layer_call, prefill_by
 
 CASES = [  # (B, Hq, Hkv, T, S, D, dtype, sink, local, budget)
     (1, 4, 4, 96, 96, 16, torch.float32, 4, 8, 40),  # G = 1
@@ -58,23 +58,18 @@ def controller(method, budget, sink, local, **params):
 
 
 def reference_attend(method, q, k, v, budget, sink, local):
-    """The chunked path (a test capture keeps the controller off the fast path): out, keep, tally counts."""
-    ctrl = controller(method, budget, sink, local, query_chunk=32)
-    ctrl.capture = []
-    out = ctrl.attend(fake_module(groups=q.shape[1] // k.shape[1]), q, k, v, None, None)
-    keep = torch.cat([c[3] for c in ctrl.capture], dim=2)  # [B, Hq, T, S]
+    """The chunked path: out, keep, tally counts."""
+    out, keep, ctrl = layer_call(method, q, k, v, None, budget, sink, local, query_chunk=32)
     return out, keep, ctrl.stats.tally(0, "prefill", True).counts()
 
 
 def fast_attend(method, q, k, v, budget, sink, local):
-    """The controller's fast prefill called directly (its dispatch takes it on CUDA tensors only)."""
+    """The method's Triton prefill through the controller, on any device (the controller takes it on CUDA
+    tensors only): out, tally counts."""
     ctrl = controller(method, budget, sink, local, query_chunk=32)
-    B, _, T, _ = q.shape
-    S = k.shape[2]
-    kpos = torch.arange(S).expand(B, S)
-    tally = ctrl.stats.tally(0, "prefill", True)
-    out = ctrl._fast_prefill(q, k, v, q.shape[-1] ** -0.5, kpos, kpos[:, S - T:], tally, 0)
-    return out, tally.counts()
+    prefill_by(ctrl.method, kernels=True)
+    out = ctrl.attend(fake_module(groups=q.shape[1] // k.shape[1]), q, k, v, None, None)
+    return out, ctrl.stats.tally(0, "prefill", True).counts()
 
 
 @interpreter_only
@@ -155,21 +150,26 @@ def test_a_small_cap_fails_rows_it_cannot_hold():
 
 
 def test_the_chunked_path_is_kept_where_the_kernels_do_not_apply():
-    """CPU tensors, a test capture, padding, group_shared and methods without a fast rule never take it."""
-    q = torch.zeros(1, 4, 8, 16)
-    assert not controller("topk", 6, 1, 2)._takes_fast_prefill(q, None, True)  # on the CPU
-    assert METHODS.get("topk").fast_prefill == "topk" and METHODS.get("sink_window").fast_prefill
-    assert METHODS.get("quest").fast_prefill == "quest" and METHODS.get("h2o").fast_prefill is None
-    if torch.cuda.is_available():
-        q = q.cuda()
-        assert controller("topk", 6, 1, 2)._takes_fast_prefill(q, None, True)
-        assert not controller("topk", 6, 1, 2)._takes_fast_prefill(q, torch.ones(1, 8, 8, dtype=bool), True)
-        assert not controller("topk", 6, 1, 2, group_shared=True)._takes_fast_prefill(q, None, True)
-        assert not controller("topk", 6, 1, 2)._takes_fast_prefill(q[:, :, :1], None, True)  # decode
-        assert not controller("topk", 6, 1, 2)._takes_fast_prefill(q, None, False)  # not held
-        ctrl = controller("topk", 6, 1, 2)
-        ctrl.capture = []
-        assert not ctrl._takes_fast_prefill(q, None, True)
+    """The controller offers a method its fast prefill only for a held prefill of an unpadded batch; on
+    CPU tensors and with group_shared the methods decline it, and full attention has no kernels."""
+    q, k, v = qkv(1, 4, 2, 8, 8, 16, torch.float32)
+    call = Prefill(q, k, v, 0.25, BudgetConfig(6, 1, 2))
+    base = AttentionMethod.triton_prefill
+    with_kernels = {name for name in METHODS if METHODS.get(name).triton_prefill is not base}
+    assert with_kernels == {"sink_window", "topk", "quest", "h2o"}
+    for name in with_kernels:
+        assert METHODS.get(name)().fast_prefill(call) is None  # CPU tensors
+        assert METHODS.get(name)(group_shared=True).triton_prefill(call) is None  # on any device
+    offered = []
+    method = METHODS.get("topk")()
+    method.fast_prefill = lambda call: offered.append(call.query.shape[2])  # notes the offer, declines it
+    causal = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    for config, query, mask in ((BudgetConfig(6, 1, 2), q, None),  # offered
+                                (BudgetConfig(6, 1, 2), q, causal),  # a mask (a padded batch)
+                                (BudgetConfig(6, 1, 2), q[:, :, -1:], None),  # a decode step
+                                (BudgetConfig(6, 1, 2, sparse_prefill=False), q, None)):  # not held
+        AttentionController(method, config).attend(fake_module(groups=2), query, k, v, mask, None)
+    assert offered == [8]
 
 
 # ---------------------------------------------------------------------------------------------

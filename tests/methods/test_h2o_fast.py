@@ -10,14 +10,14 @@ On inputs without tied masses they keep the same keys; outputs and masses agree 
 import pytest
 import torch
 
-from nsa_eval.kernels.h2o_prefill import (
+from nsa_eval.baseline_kernels.h2o_prefill import (
     h2o_sparse_prefill,
     h2o_sparse_prefill_reference,
     keep_from_evictions,
     kv_read_from_evictions,
 )
 from nsa_eval.methods import apply_attention, attention_stats
-from nsa_eval.methods.base import BudgetConfig, grouped_scores
+from nsa_eval.methods.base import BudgetConfig, Prefill, grouped_scores
 from nsa_eval.methods.controller import (
     MODULE_ATTRIBUTE,
     AttentionController,
@@ -26,7 +26,7 @@ from nsa_eval.methods.controller import (
 )
 from nsa_eval.methods.h2o import H2O
 from tests.methods.budget_inputs import cuda_ms, rel_rms
-from tests.methods.conftest import fake_module, random_qkv, run_attend, tiny_llama
+from tests.methods.conftest import fake_module, layer_call, prefill_by, random_qkv, run_attend, tiny_llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -63,11 +63,7 @@ def dense_start(q, k, v, budget, scaling):
 def controller_reference(q, k, v, budget, sink, local):
     """The chunked reference on one layer call: out `[B, Hq, T, Dv]`, keep `[B, Hq, T, T]` and the mass
     state `[B, Hq, T]`."""
-    controller = AttentionController(H2O(query_chunk=32), BudgetConfig(budget, sink, local))
-    controller.capture = []
-    controller.states = {}
-    out = controller.attend(fake_module(groups=q.shape[1] // k.shape[1]), q, k, v, None, None)
-    keep = torch.cat([c[3] for c in controller.capture], dim=2)
+    out, keep, controller = layer_call("h2o", q, k, v, None, budget, sink, local, query_chunk=32)
     return out.transpose(1, 2), keep, controller.states[0].tensors["mass"]
 
 
@@ -153,8 +149,8 @@ def test_controller_fast_path(G):
     q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
     results = []
     for kernel in (False, True):
-        controller = AttentionController(H2O(query_chunk=16), BudgetConfig(budget, sink, local))
-        controller.stateful_kernel = kernel
+        controller = AttentionController(prefill_by(H2O(query_chunk=16), kernel),
+                                         BudgetConfig(budget, sink, local))
         controller.states = {}
         out = controller.attend(fake_module(groups=G), q, k, v, None, None)
         results.append((out, controller.states[0].tensors["mass"], controller.stats.summary()))
@@ -174,7 +170,7 @@ def test_model_prefill_then_decode():
     for kernel in (False, True):
         model = tiny_llama().to(DEVICE)
         apply_attention(model, "h2o", budget=24, sink=2, local=8)
-        getattr(model.model.layers[0].self_attn, MODULE_ATTRIBUTE).stateful_kernel = kernel
+        prefill_by(getattr(model.model.layers[0].self_attn, MODULE_ATTRIBUTE).method, kernel)
         with torch.no_grad():
             out = model(ids[:, :60], use_cache=True)
             logits = [out.logits]
@@ -188,30 +184,28 @@ def test_model_prefill_then_decode():
 
 
 def test_fallbacks_keep_the_reference():
-    """Padding (a mask), cached keys, a capture or group_shared take the chunked path even when the
-    kernel is asked for."""
-    q, k, v = random_qkv(T=64, seed=9)
+    """Cached keys, a prompt within the budget or group_shared: the kernel declines even where it is
+    asked for, and padding (a mask) is never offered to it (test_fast_prefill.py)."""
+    q, k, v = (x.to(DEVICE) for x in random_qkv(T=64, seed=9))
+    config = BudgetConfig(20, 2, 6)
 
-    def applies(mask=None, S=64, T=64, capture=None, **params):
-        controller = AttentionController(H2O(**params), BudgetConfig(20, 2, 6))
-        controller.stateful_kernel = True
-        controller.capture = capture
-        return controller._stateful_kernel_applies(q, mask, S, T)
+    def declines(q, k, v, **params):
+        return H2O(**params).triton_prefill(Prefill(q, k, v, 0.25, config)) is None
 
-    assert applies()
-    assert not applies(mask=torch.ones(2, 64, 64, dtype=torch.bool))
-    assert not applies(S=65)  # cached keys before the prompt
-    assert not applies(S=20, T=20)  # within the budget: all dense
-    assert not applies(capture=[])
-    assert not applies(group_shared=True)
-    _, keep = run_attend("h2o", q, k, v, budget=20, sink=2, local=6)  # capture set: the reference runs
+    assert declines(q[:, :, 1:], k, v)  # cached keys before the prompt
+    assert declines(q[:, :, :20], k[:, :, :20], v[:, :, :20])  # within the budget: all dense
+    assert declines(q, k, v, group_shared=True)
+    fast = AttentionController(prefill_by(H2O(), kernels=True), config)
+    out = fast.attend(fake_module(), q, k, v, None, None)  # the kernel's path
+    reference, keep = run_attend("h2o", q, k, v, budget=20, sink=2, local=6)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     assert keep.shape == (2, 4, 64, 64)
 
 
 COMPILE = """
 import json
 from tests.kernels.sm90 import compile_sm90
-from nsa_eval.kernels.h2o_prefill import BLOCK_KEYS, BLOCK_QUERIES, NUM_WARPS, _h2o_prefill_kernel
+from nsa_eval.baseline_kernels.h2o_prefill import BLOCK_KEYS, BLOCK_QUERIES, NUM_WARPS, _h2o_prefill_kernel
 out = {}
 for dtype in ("bf16", "fp32"):
     consts = dict(SINK=128, LOCAL=512, BUDGET=2560, NS=4096, BT=BLOCK_QUERIES, BN=BLOCK_KEYS, D=64, DV=64,
@@ -256,8 +250,7 @@ def test_gpu_kernel_matches_reference_at_scale(T):
     q, k, v = llama_layer_qkv(T)
     results = []
     for kernel in (False, True):
-        controller = AttentionController(H2O(), BudgetConfig(budget, sink, local))
-        controller.stateful_kernel = kernel
+        controller = AttentionController(prefill_by(H2O(), kernel), BudgetConfig(budget, sink, local))
         controller.states = {}
         out = controller.attend(fake_module(groups=4), q, k, v, None, None)
         results.append((out, controller.states[0].tensors["mass"], controller.stats.summary()))

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa_eval.kernels import budget_attention as ba
-from nsa_eval.kernels import budget_quest as bq
+from nsa_eval.baseline_kernels import budget_attention as ba
+from nsa_eval.baseline_kernels import budget_quest as bq
 from nsa_eval.methods import METHODS
-from nsa_eval.methods.base import BudgetConfig
+from nsa_eval.methods.base import BudgetConfig, Prefill
 from nsa_eval.methods.controller import AttentionController
 from tests.methods.budget_inputs import INTERPRET, cuda_ms, fast_and_chunked, interpreter_only, qkv
-from tests.methods.conftest import fake_module
+from tests.methods.conftest import fake_module, layer_call, prefill_by
 
 CASES = [  # (B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page_size)
     (1, 4, 4, 96, 96, 16, torch.float32, 4, 16, 48, 8),  # G = 1
@@ -38,23 +38,19 @@ def controller(budget, sink, local, **params):
 
 
 def reference_attend(q, k, v, budget, sink, local, page_size, query_chunk=32):
-    """The chunked path (a test capture keeps the controller off the fast path): out, keep, tally counts."""
-    ctrl = controller(budget, sink, local, page_size=page_size, query_chunk=query_chunk)
-    ctrl.capture = []
-    out = ctrl.attend(fake_module(groups=q.shape[1] // k.shape[1]), q, k, v, None, None)
-    keep = torch.cat([c[3] for c in ctrl.capture], dim=2)  # [B, Hq, T, S]
+    """The chunked path: out, keep, tally counts."""
+    out, keep, ctrl = layer_call("quest", q, k, v, None, budget, sink, local, page_size=page_size,
+                                 query_chunk=query_chunk)
     return out, keep, ctrl.stats.tally(0, "prefill", True).counts()
 
 
 def fast_attend(q, k, v, budget, sink, local, page_size):
-    """The controller's fast prefill called directly (its dispatch takes it on CUDA tensors only)."""
+    """Quest's Triton prefill through the controller, on any device (the controller takes it on CUDA
+    tensors only): out, tally counts."""
     ctrl = controller(budget, sink, local, page_size=page_size, query_chunk=32)
-    B, _, T, _ = q.shape
-    S = k.shape[2]
-    kpos = torch.arange(S).expand(B, S)
-    tally = ctrl.stats.tally(0, "prefill", True)
-    out = ctrl._fast_prefill(q, k, v, q.shape[-1] ** -0.5, kpos, kpos[:, S - T:], tally, 0)
-    return out, tally.counts()
+    prefill_by(ctrl.method, kernels=True)
+    out = ctrl.attend(fake_module(groups=q.shape[1] // k.shape[1]), q, k, v, None, None)
+    return out, ctrl.stats.tally(0, "prefill", True).counts()
 
 
 def selected_keep(q, k, *, sink, local, budget, page_size, step=None):
@@ -230,14 +226,11 @@ def test_equal_bounds_go_to_the_lower_page(page):
             assert torch.equal(got, expected)
 
 
-def test_quest_takes_the_fast_prefill():
-    assert METHODS.get("quest").fast_prefill == "quest"
+def test_quest_takes_its_kernels_on_cuda_tensors_only():
     q = torch.zeros(1, 4, 8, 16)
-    assert not controller(6, 1, 2, page_size=4)._takes_fast_prefill(q, None, True)  # on the CPU
-    if torch.cuda.is_available():
-        q = q.cuda()
-        assert controller(6, 1, 2, page_size=4)._takes_fast_prefill(q, None, True)
-        assert not controller(6, 1, 2, page_size=4, group_shared=True)._takes_fast_prefill(q, None, True)
+    call = Prefill(q, q[:, :1], q[:, :1], 0.25, BudgetConfig(6, 1, 2))
+    assert METHODS.get("quest")(page_size=4).fast_prefill(call) is None  # CPU tensors
+    assert METHODS.get("quest")(page_size=4, group_shared=True).triton_prefill(call) is None  # any device
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from nsa_eval.kernels._triton_utils import cdiv, group_rows, interpreting, launcher, pow2
-from nsa_eval.kernels.budget_attention import (
+
+from .budget_attention import (
     INT_MAX,
     _config,
     _grouped_scores,

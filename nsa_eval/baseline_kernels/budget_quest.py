@@ -18,7 +18,8 @@ from nsa_eval.kernels._triton_utils import (
     pow2,
     softmax_start,
 )
-from nsa_eval.kernels.budget_attention import (
+
+from .budget_attention import (
     INT_MAX,
     _config,
     _grouped_scores,
