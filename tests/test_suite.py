@@ -214,6 +214,67 @@ def test_bad_suite_names_file_and_key(tmp_path, old, new, fragments):
         assert fragment in message
 
 
+SHARED = """\
+name: t
+defaults: {pretrained: smollm2-135m, sink: 64, local: 256}
+models:
+  - {label: tiny-b1, attention: full, batch_size: 1}
+  - {label: tiny-b4, attention: full, batch_size: 4}
+tasks:
+  - {task: nsa_niah, label: niah, metadata: {niah_lengths: [1024], niah_depths: [50]}}
+"""
+
+
+def test_two_models_that_would_fill_the_same_cells_are_refused_naming_both(tmp_path):
+    """Placement is not hashed, so entries that differ only there would share every cell, and the
+    report one row (the last label's)."""
+    path = write(tmp_path, SHARED)
+    with pytest.raises(UsageError) as err:
+        load_suite(path)
+    assert str(err.value) == (
+        f"{path}: models: 'tiny-b1' and 'tiny-b4' are the same model (pretrained smollm2-135m, attention "
+        "full, dtype auto, truncation middle, backend hf); they differ only in batch_size (1 and 4), which "
+        "a cell's key leaves out as it does not change the numbers, so both would be computed into the "
+        "same cells and the report would show one row, 'tiny-b4'. Expected one entry for them, or entries "
+        "that differ in a setting that changes the numbers")
+    # full attention has no sink: an entry that differs only there is the same model too
+    with pytest.raises(UsageError, match=r"differ only in sink \(64 and 32\)"):
+        load_suite(write(tmp_path, SHARED.replace("batch_size: 4}", "batch_size: 1, sink: 32}"), "sink.yaml"))
+    with pytest.raises(UsageError, match="differ only in their labels"):
+        load_suite(write(tmp_path, SHARED.replace("batch_size: 4}", "batch_size: 1}"), "same.yaml"))
+    # a setting that changes the numbers keeps both, each in its own cells and row
+    suite = load_suite(write(tmp_path, SHARED.replace("batch_size: 4}", "batch_size: 4, dtype: bfloat16}"),
+                             "dtype.yaml"))
+    cells = suite.cells()
+    assert [c.label for c in cells] == ["tiny-b1/niah", "tiny-b4/niah"] and cells[0].key != cells[1].key
+
+
+def test_two_task_entries_that_would_fill_the_same_cell_are_refused(tmp_path):
+    one_model = SHARED.replace("  - {label: tiny-b4, attention: full, batch_size: 4}\n", "")
+    twice = one_model + "  - {task: nsa_niah, label: niah-again, metric: score, " \
+                        "metadata: {niah_lengths: [1024], niah_depths: [50]}}\n"
+    path = write(tmp_path, twice)
+    with pytest.raises(UsageError) as err:
+        load_suite(path)
+    assert str(err.value).startswith(
+        f"{path}: tasks: 'niah' and 'niah-again' give model 'tiny-b1' the same cell (task nsa_niah with the "
+        "same settings: tiny-b1/niah and tiny-b1/niah-again); they differ only in metric (None and 'score')")
+    # a split cell is the unsplit one-length entry's cell
+    split = one_model + "  - {task: nsa_niah, label: grid, split: niah_lengths, " \
+                        "metadata: {niah_lengths: [512, 1024], niah_depths: [50]}}\n"
+    with pytest.raises(UsageError, match=r"tiny-b1/niah and tiny-b1/grid@1024\); they differ only in "
+                                         r"metadata .*, split \(None and 'niah_lengths'\)"):
+        load_suite(write(tmp_path, split, "split.yaml"))
+    # entries that differ only in their limits are two cells, until --limit gives both the same one
+    limits = one_model.replace("label: niah,", "label: niah, limit: 5,") + (
+        "  - {task: nsa_niah, label: niah10, limit: 10,\n"
+        "     metadata: {niah_lengths: [1024], niah_depths: [50]}}\n")
+    suite = load_suite(write(tmp_path, limits, "limits.yaml"))
+    assert len({c.key for c in suite.cells()}) == 2
+    with pytest.raises(UsageError, match=r"differ only in limit \(5 and 10\) \(--limit 2 replaces both"):
+        suite.cells(limit=2)
+
+
 def test_other_tasks_metadata_passes_through(tmp_path):
     text = BASE.replace("{task: nsa_mmlu, models: [full]}",
                         "{task: ruler, metadata: {max_seq_lengths: [4096]}}")

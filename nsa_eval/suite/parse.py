@@ -115,7 +115,7 @@ def parse_suite(raw: Any, where: str, source: str = "") -> Suite:
         _get(defaults, key, MODEL_KEYS, where, "defaults.")
     models = _parse_models(raw["models"], defaults, where)
     tasks = _parse_tasks(raw["tasks"], where, {m.label for m in models})
-    return Suite(
+    suite = Suite(
         name=name, path=where, models=tuple(models), tasks=tuple(tasks),
         output=_get(raw, "output", SUITE_KEYS, where, "", f"runs/{name}"),
         report=_get(raw, "report", SUITE_KEYS, where, "", f"reports/{name}"),
@@ -126,6 +126,8 @@ def parse_suite(raw: Any, where: str, source: str = "") -> Suite:
         include_path=_include_paths(raw, where),
         source=source or json.dumps(raw, sort_keys=True),
     )
+    suite.cells()  # two entries that would fill the same cells fail here, with the other keys
+    return suite
 
 
 def _include_paths(raw: dict, where: str) -> tuple[str, ...]:
