@@ -304,6 +304,31 @@ def check_attention(resolved: Resolved, attention: str, budget: int, sink: int, 
                          f"{sink + local}): the budget counts the sink and local keys")
 
 
+def check_builtin_model(resolved: Resolved) -> None:
+    """UsageError when a local checkpoint's config.json names a model_type transformers does not know:
+    it would load only through the Python code its `auto_map` names (remote code), which a suite
+    never runs, or not at all. Reads config.json only."""
+    if resolved.kind != "hf" or resolved.model_type is None or not Path(resolved.path).is_dir():
+        return  # no model_type: transformers guesses the class from the path, as at load
+    from transformers import __version__ as transformers_version
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(resolved.model_type, str) or resolved.model_type not in CONFIG_MAPPING:
+        config_file = Path(resolved.path) / "config.json"
+        known = f"transformers {transformers_version} has no model_type {resolved.model_type!r}"
+        auto_map = (local_config(resolved.path) or {}).get("auto_map")
+        if auto_map:
+            code = ", ".join(sorted({str(v) for v in (auto_map.values() if isinstance(auto_map, dict)
+                                                      else [auto_map])}))
+            raise UsageError(f"{config_file}: {known}; its auto_map names remote code ({code}), which "
+                             "nsa-eval does not run (no trust_remote_code); expected a model_type "
+                             f"transformers ships (llama, mistral, qwen2, ...), {NSA_MODEL_TYPE} or fla's "
+                             f"{FLA_MODEL_TYPE}")
+        raise UsageError(f"{config_file}: {known}, so the checkpoint cannot load; expected a model_type "
+                         f"transformers ships (llama, mistral, qwen2, ...), {NSA_MODEL_TYPE} or fla's "
+                         f"{FLA_MODEL_TYPE}")
+
+
 def _torch_dtype(dtype: Any):
     import torch
 
