@@ -185,6 +185,10 @@ BAD_CASES = [
      ["models[0].params", "full takes no method parameters"]),
     ("- attention: full", "- attention: [full, quest]\n    params: {page_size: 16}",
      ["models[0].params", "full takes no method parameters", "an entry of its own"]),
+    ("- attention: full", "- attention: nsa\n    params: {num_select: 4}",
+     ["models[0].params", "attention=nsa takes only num_selected", "got num_select"]),
+    ("- attention: full", "- attention: nsa\n    params: {num_selected: 0}",
+     ["models[0].params", "num_selected: expected a positive integer", "got 0"]),
     ("niah_lengths: [1024, 2048]", "niah_lengths: [1024, 2048], niah_lenghts: [1024]",
      ["tasks[0].metadata.niah_lenghts", "unknown metadata key 'niah_lenghts'",
       "did you mean 'niah_lengths'", "niah_depths"]),
@@ -345,6 +349,10 @@ NAME_CASES = [
      ["dense_layers", "99 exceeds the", "layers of full-tiny"]),
     ("pretrained: smollm2-135m", "pretrained: smollm2-135m, dense_layers: 31",
      ["dense_layers", "31 exceeds the 30 layers of smollm2-135m"]),
+    ("- attention: full", "- {label: full, attention: full}\n"
+     "  - {label: n2, pretrained: nsa-tiny, attention: nsa, params: {num_selected: 2}}",
+     ["models (entry 'n2').params: nsa-tiny: num_selected 2 is below the 3 blocks every query of this "
+      "checkpoint selects (num_init 1 + num_local 2); expected num_selected >= 3"]),
     ("  - {task: nsa_mmlu, models: [full]}", "  - {task: nsa_mmlu, gen_kwargs: {max_gen_tokz: 3}}",
      ["tasks[1].gen_kwargs.max_gen_tokz", "unknown generation setting 'max_gen_tokz'",
       "did you mean 'max_gen_toks'"]),
@@ -369,6 +377,27 @@ def test_nsa_attention_needs_an_nsa_checkpoint(tmp_path):
     path = write(tmp_path, text.replace("pretrained: smollm2-135m", f"pretrained: {model}"))
     with pytest.raises(UsageError, match="attention=nsa needs an NSA checkpoint"):
         check_suite(load_suite(path), check_tasks=False, check_data=False)
+
+
+def test_nsa_selection_budget_sweeps_through_params(tmp_path):
+    """num_selected overrides the checkpoint's at load: one model variant (and cell key) per value; an
+    entry without it keeps the keys it had before the key existed."""
+    text = textwrap.dedent("""\
+        name: sweep
+        defaults: {pretrained: nsa-tiny, attention: nsa}
+        models:
+          - {label: nsa}
+          - {label: nsa@n4, params: {num_selected: 4}}
+          - {label: nsa@n3, params: {num_selected: 3}}
+        tasks:
+          - {task: nsa_niah, metadata: {niah_lengths: [512], niah_depths: [50]}}
+        """)
+    suite = load_suite(write(tmp_path, text))
+    plain, n4, n3 = suite.models
+    assert "params" not in plain.identity() and "num_selected" not in plain.model_args()
+    assert n4.identity()["params"] == {"num_selected": 4} and n4.model_args()["num_selected"] == 4
+    assert len({c.key for c in suite.cells()}) == 3
+    check_suite(suite, check_tasks=False, check_data=False)  # 3 = num_init 1 + num_local 2: allowed
 
 
 def test_a_sliding_window_config_is_refused_for_the_baselines_before_loading(tmp_path):

@@ -156,6 +156,12 @@ def _check_checkpoint(model: ModelSpec, key: str) -> None:
                                 model.local or 0)
     except UsageError as err:
         raise UsageError(f"{key}.pretrained: {err}") from None
+    if model.attention == loading.NSA_ATTENTION and model.params:
+        try:
+            loading.check_nsa_params(model.params, loading.nsa_checkpoint_config(resolved),
+                                     where=str(model.pretrained))
+        except UsageError as err:
+            raise UsageError(f"{key}.params: {err}") from None
     if model.attention in UNBUDGETED:
         return
     config = _checkpoint_config(resolved)

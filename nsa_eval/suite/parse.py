@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_eval.errors import UsageError
+from nsa_eval.models.loading import NSA_ATTENTION, check_nsa_params
 from nsa_eval.registry import unknown_name_message
 from nsa_eval.suite.safe_yaml import read_suite_yaml
 from nsa_eval.suite.spec import SINK_LOCAL_ONLY, UNBUDGETED, ModelSpec, Suite, TaskSpec
@@ -205,13 +206,16 @@ def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool,
                          f"got attention {attentions}; use backend: hf for sparse methods")
     pretrained = get("pretrained")
     params = get("params", {})
-    unbudgeted = [a for a in attentions if a in UNBUDGETED]
-    if params and unbudgeted:
-        origin = "" if "params" in own_keys else " (params is set in defaults)"
+    origin = "" if "params" in own_keys else " (params is set in defaults)"
+    if params and "full" in attentions:
         fix = ("remove params" if len(attentions) == 1 else f"an entry's params apply to each of its "
-               f"methods {attentions}: give {unbudgeted[0]} an entry of its own without params")
-        raise UsageError(f"{where}: {key}params: {unbudgeted[0]} takes no method parameters{origin}; "
-                         + fix)
+               f"methods {attentions}: give full an entry of its own without params")
+        raise UsageError(f"{where}: {key}params: full takes no method parameters{origin}; " + fix)
+    if params and NSA_ATTENTION in attentions:
+        try:
+            check_nsa_params(params)  # against the checkpoint's forced blocks in check_suite
+        except UsageError as err:
+            raise UsageError(f"{where}: {key}params: {err}{origin}") from None
     variants = []
     for a in attentions:
         if a in UNBUDGETED:

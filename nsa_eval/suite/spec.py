@@ -38,7 +38,9 @@ VLLM_PLACEMENT = ("tensor_parallel_size", "data_parallel_size", "pipeline_parall
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model variant: a checkpoint under one attention method at one budget."""
+    """One model variant: a checkpoint under one attention method at one budget. `params` are the
+    baseline method's own parameters, or for `nsa` the checkpoint settings it overrides
+    (`loading.NSA_INFERENCE_PARAMS`: num_selected)."""
 
     label: str
     pretrained: str
@@ -75,6 +77,8 @@ class ModelSpec:
                       "params": self.params}
             if self.attention in SINK_LOCAL_ONLY:  # keeps sink + local keys whatever the budget
                 ident.pop("budget")
+        elif self.params:  # NSA's inference settings (num_selected); an entry without keeps its keys
+            ident["params"] = self.params
         if self.backend == "vllm":  # engine arguments that change numbers (quantization, ...)
             ident["vllm"] = {k: v for k, v in self.vllm.items() if k not in VLLM_PLACEMENT}
         return ident
@@ -92,8 +96,7 @@ class ModelSpec:
                      "sparse_prefill": self.sparse_prefill}
             if self.dense_layers:
                 args["dense_layers"] = self.dense_layers
-            args |= self.params
-        return args
+        return args | self.params  # a method's parameters, or NSA's num_selected
 
 
 @dataclass(frozen=True)
