@@ -10,9 +10,10 @@
   model-written code, e.g. nsa_mbpp, nsa_humaneval, mbpp, humaneval).
 
 Modules, lowest first: metadata.py (the schema type), local_data.py (the local data folder),
-haystack.py, niah.py, longbench.py and the other task modules, catalog.py (the project's tasks),
-index.py (lm-eval's task index), data.py (what the tasks need: check and fetch), local_task.py
-(the lm-eval task class that reads the local folder first).
+haystack.py, needles.py (needles at exact token positions in a prompt of exact length), niah.py,
+longbench.py and the other task modules, catalog.py (the project's tasks), index.py (lm-eval's task
+index), data.py (what the tasks need: check and fetch), local_task.py (the lm-eval task class that
+reads the local folder first).
 
 Importing this package does not import lm_eval; the functions do, when called.
 docs/tasks.md describes every family's protocol, metadata keys and data layout.
