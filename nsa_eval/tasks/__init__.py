@@ -1,4 +1,4 @@
-"""The project's lm-eval tasks: NIAH grid, LongBench (10 subsets), general benchmarks, AIME 2024.
+"""The project's lm-eval tasks: NIAH grids (one needle, several keys, two-hop chains), LongBench (10 subsets), general benchmarks, AIME 2024.
 
 - `TASKS_DIR`: the lm-eval include_path holding the project's YAMLs (niah/, longbench/, general/,
   aime/); `task_manager(metadata)` is a TaskManager that knows them and lm-eval's own tasks.
@@ -11,7 +11,7 @@
 
 Modules, lowest first: metadata.py (the schema type), local_data.py (the local data folder),
 haystack.py, needles.py (needles at exact token positions in a prompt of exact length), niah.py,
-longbench.py and the other task modules, catalog.py (the project's tasks), index.py (lm-eval's task
+niah_multi.py, longbench.py and the other task modules, catalog.py (the project's tasks), index.py (lm-eval's task
 index), data.py (what the tasks need: check and fetch), local_task.py (the lm-eval task class that
 reads the local folder first).
 

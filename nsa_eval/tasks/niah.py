@@ -240,16 +240,10 @@ def niah_dataset(**metadata):
     """lm-eval `custom_dataset`: the grid from task metadata (docs/tasks.md lists the keys)."""
     import datasets
 
-    name = metadata.get("tokenizer") or metadata.get("pretrained")
-    if not name:
-        raise UsageError(
-            "nsa_niah builds its prompts with the model's tokenizer: pass metadata "
-            '{"tokenizer": "<name or dir>"} (or pretrained=... in model_args)'
-        )
     docs = _named_grid(
-        str(name),
+        tokenizer_name(metadata, "nsa_niah"),
         tuple(grid_lengths(metadata)),
-        tuple(_as_list(metadata.get("niah_depths", PAPER_DEPTHS), float)),
+        tuple(grid_depths(metadata)),
         int(metadata.get("niah_seed", 0)),
         int(metadata.get("niah_samples_per_cell", 1)),
         str(metadata.get("niah_haystack", "builtin")),
@@ -270,6 +264,22 @@ def _named_grid(name: str, lengths: tuple, depths: tuple, seed: int, samples: in
 def grid_lengths(metadata: dict) -> list[int]:
     """The prompt lengths a task's metadata asks for (`niah_lengths`, default the paper's)."""
     return _as_list(metadata.get("niah_lengths", PAPER_LENGTHS), int)
+
+
+def grid_depths(metadata: dict) -> list[float]:
+    """The needle depths a task's metadata asks for (`niah_depths`, default the paper's)."""
+    return _as_list(metadata.get("niah_depths", PAPER_DEPTHS), float)
+
+
+def tokenizer_name(metadata: dict, task: str) -> str:
+    """The tokenizer a grid task builds its prompts with: metadata `tokenizer`, else the model's."""
+    name = metadata.get("tokenizer") or metadata.get("pretrained")
+    if not name:
+        raise UsageError(
+            f"{task} builds its prompts with the model's tokenizer: pass metadata "
+            '{"tokenizer": "<name or dir>"} (or pretrained=... in model_args)'
+        )
+    return str(name)
 
 
 def grid_template(metadata: dict) -> NiahTemplate:

@@ -56,18 +56,6 @@ def test_exact_length_and_depth_smollm2(smollm2_tokenizer):
     _check_grid(smollm2_tokenizer)
 
 
-@pytest.fixture(scope="module")
-def nsa_tiny_tokenizer():
-    """The bundled checkpoint's small BPE: its counts sometimes jump by two tokens per character."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    import nsa_eval
-
-    return AutoTokenizer.from_pretrained(Path(nsa_eval.__file__).parent / "checkpoints" / "nsa-tiny")
-
-
 SWEEP_LENGTHS = [256, 512, 1024, 1536, 2048]
 
 
