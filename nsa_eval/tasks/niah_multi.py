@@ -44,6 +44,7 @@ from nsa_eval.tasks.metadata import MetadataKey
 from nsa_eval.tasks.needles import place_needles
 from nsa_eval.tasks.niah import (
     DEFAULT_TEMPLATE,
+    GRID_CACHE_SIZE,
     NEEDLE_KEYS,
     NiahTemplate,
     answer_separator,
@@ -205,7 +206,7 @@ def _dataset(task: str, metadata: dict):
     return {"test": datasets.Dataset.from_list(list(docs))}
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=GRID_CACHE_SIZE)
 def _named_grid(task: str, name: str, lengths: tuple, depths: tuple, seed: int, samples: int,
                 haystack: str, count: int) -> tuple[dict, ...]:
     """Every (length, depth, sample) doc, lengths outermost, built once per process (a sweep builds the
