@@ -135,8 +135,9 @@ def resolve_checkpoint(pretrained: str | os.PathLike) -> Path | str:
     looks_like_path = (name.startswith((".", "/", "~")) or name.count("/") > 1
                        or (name.count("/") == 1 and path.parent.is_dir()))
     if looks_like_path or path.exists():
-        raise UsageError(f"checkpoint directory {name!r} does not exist; expected a directory with "
-                         f"config.json, a hub name, or one of: {', '.join(KNOWN_CHECKPOINTS)}")
+        relative = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
+        raise UsageError(f"checkpoint directory {name!r} does not exist{relative}; expected a directory "
+                         f"with config.json, a hub name, or one of: {', '.join(KNOWN_CHECKPOINTS)}")
     if _offline():
         raise UsageError(f"{name!r} is not a local directory and the hub is offline (HF_HUB_OFFLINE); "
                          f"expected a directory with config.json or one of: {', '.join(KNOWN_CHECKPOINTS)}")
