@@ -4,7 +4,8 @@ A cell's identity is everything that changes its numbers (model, method and para
 engine arguments, task settings, limit, seeds, bootstrap_iters, the include_path directories'
 contents, versions). Placement (device, batch size, vllm parallelism and memory share) is recorded
 but not hashed, so a run moved to another GPU resumes where it stopped; so is a task's `metric`,
-which only the report reads.
+which only the report reads. Two entries that would therefore share a cell (they differ only in
+what a key leaves out) are refused when the cells are built, naming both.
 """
 
 from __future__ import annotations
