@@ -40,6 +40,8 @@ BAD = [
      "tasks[0].gen_kwargs.max_gen_tokz: unknown generation setting"),
     ("task: nsa_niah", "task: nsa_niahh",
      "tasks[0].task: unknown task 'nsa_niahh' (did you mean 'nsa_niah'?)"),
+    ("  - attention: [full, topk]", "  - {label: tiny-b1, attention: full}\n  - {label: tiny-b4, attention: "
+     "full, batch_size: 4}", "models: 'tiny-b1' and 'tiny-b4' are the same model"),
 ]
 
 

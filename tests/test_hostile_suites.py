@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from transformers import __version__ as transformers_version
 
 from nsa_eval.cli import main
 
@@ -106,6 +107,15 @@ def checkpoint_config(text: str) -> Callable[[Path], None]:
     return make
 
 
+def remote_code_checkpoint(root: Path) -> None:
+    """A model transformers does not know, whose config.json points at code beside it (which must not run)."""
+    checkpoint_config('{"model_type": "my_custom_lm", "max_position_embeddings": 4096, "auto_map": '
+                      '{"AutoConfig": "configuration_mine.MyConfig", '
+                      '"AutoModelForCausalLM": "modeling_mine.MyModel"}}')(root)
+    for module in ("configuration_mine.py", "modeling_mine.py"):
+        (root / "ckpt" / module).write_text("raise SystemExit('remote code ran')\n")
+
+
 LAUGHS = laughs()
 HAY = "niah_depths: [50]}"
 CASES = {
@@ -172,6 +182,15 @@ CASES = {
     "a config.json that is a list": (
         with_files(checkpoint_config("[1, 2]"), "pretrained: full-tiny", "pretrained: @ROOT@/ckpt"),
         "config.json: expected a JSON object of model settings, got a list"),
+    "a checkpoint of remote code (auto_map)": (
+        with_files(remote_code_checkpoint, "pretrained: full-tiny", "pretrained: @ROOT@/ckpt"),
+        "ckpt/config.json: transformers @VERSION@ has no model_type 'my_custom_lm'; its auto_map names "
+        "remote code (configuration_mine.MyConfig, modeling_mine.MyModel), which nsa-eval does not run"),
+    "a model_type transformers does not know": (
+        with_files(checkpoint_config('{"model_type": "my_custom_lm"}'), "pretrained: full-tiny",
+                   "pretrained: @ROOT@/ckpt"),
+        "ckpt/config.json: transformers @VERSION@ has no model_type 'my_custom_lm', so the checkpoint "
+        "cannot load"),
     # folders nsa-eval must not write in
     "output: / (the filesystem root)": (
         replace("output: @ROOT@/run", "output: /"),
@@ -250,6 +269,7 @@ def write_suite(root: Path, edit=None) -> Path:
 def test_a_hostile_suite_is_refused_by_validate(case, tmp_path, capsys, monkeypatch, no_hang):
     monkeypatch.chdir(tmp_path)
     edit, message = CASES[case]
+    message = message.replace("@VERSION@", transformers_version)
     path = write_suite(tmp_path, edit)
     before = sorted(p.name for p in tmp_path.iterdir())
     started = time.monotonic()
@@ -265,10 +285,12 @@ def test_a_hostile_suite_is_refused_by_validate(case, tmp_path, capsys, monkeypa
 
 
 @pytest.mark.parametrize("case", ["report: a folder of the user's", "output: '' (the current directory)",
-                                  "report: / (the filesystem root)", "billion laughs in params"])
+                                  "report: / (the filesystem root)", "billion laughs in params",
+                                  "a checkpoint of remote code (auto_map)"])
 def test_run_refuses_them_too_before_anything_is_written(case, tmp_path, capsys, monkeypatch, no_hang):
     monkeypatch.chdir(tmp_path)
     edit, message = CASES[case]
+    message = message.replace("@VERSION@", transformers_version)
     path = write_suite(tmp_path, edit)
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(["run", str(path)]) == 2

@@ -185,6 +185,10 @@ BAD_CASES = [
      ["models[0].params", "full takes no method parameters"]),
     ("- attention: full", "- attention: [full, quest]\n    params: {page_size: 16}",
      ["models[0].params", "full takes no method parameters", "an entry of its own"]),
+    ("- attention: full", "- attention: nsa\n    params: {num_select: 4}",
+     ["models[0].params", "attention=nsa takes only num_selected", "got num_select"]),
+    ("- attention: full", "- attention: nsa\n    params: {num_selected: 0}",
+     ["models[0].params", "num_selected: expected a positive integer", "got 0"]),
     ("niah_lengths: [1024, 2048]", "niah_lengths: [1024, 2048], niah_lenghts: [1024]",
      ["tasks[0].metadata.niah_lenghts", "unknown metadata key 'niah_lenghts'",
       "did you mean 'niah_lengths'", "niah_depths"]),
@@ -212,6 +216,67 @@ def test_bad_suite_names_file_and_key(tmp_path, old, new, fragments):
     assert message.startswith(str(path))
     for fragment in fragments:
         assert fragment in message
+
+
+SHARED = """\
+name: t
+defaults: {pretrained: smollm2-135m, sink: 64, local: 256}
+models:
+  - {label: tiny-b1, attention: full, batch_size: 1}
+  - {label: tiny-b4, attention: full, batch_size: 4}
+tasks:
+  - {task: nsa_niah, label: niah, metadata: {niah_lengths: [1024], niah_depths: [50]}}
+"""
+
+
+def test_two_models_that_would_fill_the_same_cells_are_refused_naming_both(tmp_path):
+    """Placement is not hashed, so entries that differ only there would share every cell, and the
+    report one row (the last label's)."""
+    path = write(tmp_path, SHARED)
+    with pytest.raises(UsageError) as err:
+        load_suite(path)
+    assert str(err.value) == (
+        f"{path}: models: 'tiny-b1' and 'tiny-b4' are the same model (pretrained smollm2-135m, attention "
+        "full, dtype auto, truncation middle, backend hf); they differ only in batch_size (1 and 4), which "
+        "a cell's key leaves out as it does not change the numbers, so both would be computed into the "
+        "same cells and the report would show one row, 'tiny-b4'. Expected one entry for them, or entries "
+        "that differ in a setting that changes the numbers")
+    # full attention has no sink: an entry that differs only there is the same model too
+    with pytest.raises(UsageError, match=r"differ only in sink \(64 and 32\)"):
+        load_suite(write(tmp_path, SHARED.replace("batch_size: 4}", "batch_size: 1, sink: 32}"), "sink.yaml"))
+    with pytest.raises(UsageError, match="differ only in their labels"):
+        load_suite(write(tmp_path, SHARED.replace("batch_size: 4}", "batch_size: 1}"), "same.yaml"))
+    # a setting that changes the numbers keeps both, each in its own cells and row
+    suite = load_suite(write(tmp_path, SHARED.replace("batch_size: 4}", "batch_size: 4, dtype: bfloat16}"),
+                             "dtype.yaml"))
+    cells = suite.cells()
+    assert [c.label for c in cells] == ["tiny-b1/niah", "tiny-b4/niah"] and cells[0].key != cells[1].key
+
+
+def test_two_task_entries_that_would_fill_the_same_cell_are_refused(tmp_path):
+    one_model = SHARED.replace("  - {label: tiny-b4, attention: full, batch_size: 4}\n", "")
+    twice = one_model + "  - {task: nsa_niah, label: niah-again, metric: score, " \
+                        "metadata: {niah_lengths: [1024], niah_depths: [50]}}\n"
+    path = write(tmp_path, twice)
+    with pytest.raises(UsageError) as err:
+        load_suite(path)
+    assert str(err.value).startswith(
+        f"{path}: tasks: 'niah' and 'niah-again' give model 'tiny-b1' the same cell (task nsa_niah with the "
+        "same settings: tiny-b1/niah and tiny-b1/niah-again); they differ only in metric (None and 'score')")
+    # a split cell is the unsplit one-length entry's cell
+    split = one_model + "  - {task: nsa_niah, label: grid, split: niah_lengths, " \
+                        "metadata: {niah_lengths: [512, 1024], niah_depths: [50]}}\n"
+    with pytest.raises(UsageError, match=r"tiny-b1/niah and tiny-b1/grid@1024\); they differ only in "
+                                         r"metadata .*, split \(None and 'niah_lengths'\)"):
+        load_suite(write(tmp_path, split, "split.yaml"))
+    # entries that differ only in their limits are two cells, until --limit gives both the same one
+    limits = one_model.replace("label: niah,", "label: niah, limit: 5,") + (
+        "  - {task: nsa_niah, label: niah10, limit: 10,\n"
+        "     metadata: {niah_lengths: [1024], niah_depths: [50]}}\n")
+    suite = load_suite(write(tmp_path, limits, "limits.yaml"))
+    assert len({c.key for c in suite.cells()}) == 2
+    with pytest.raises(UsageError, match=r"differ only in limit \(5 and 10\) \(--limit 2 replaces both"):
+        suite.cells(limit=2)
 
 
 def test_other_tasks_metadata_passes_through(tmp_path):
@@ -284,6 +349,10 @@ NAME_CASES = [
      ["dense_layers", "99 exceeds the", "layers of full-tiny"]),
     ("pretrained: smollm2-135m", "pretrained: smollm2-135m, dense_layers: 31",
      ["dense_layers", "31 exceeds the 30 layers of smollm2-135m"]),
+    ("- attention: full", "- {label: full, attention: full}\n"
+     "  - {label: n2, pretrained: nsa-tiny, attention: nsa, params: {num_selected: 2}}",
+     ["models (entry 'n2').params: nsa-tiny: num_selected 2 is below the 3 blocks every query of this "
+      "checkpoint selects (num_init 1 + num_local 2); expected num_selected >= 3"]),
     ("  - {task: nsa_mmlu, models: [full]}", "  - {task: nsa_mmlu, gen_kwargs: {max_gen_tokz: 3}}",
      ["tasks[1].gen_kwargs.max_gen_tokz", "unknown generation setting 'max_gen_tokz'",
       "did you mean 'max_gen_toks'"]),
@@ -308,6 +377,27 @@ def test_nsa_attention_needs_an_nsa_checkpoint(tmp_path):
     path = write(tmp_path, text.replace("pretrained: smollm2-135m", f"pretrained: {model}"))
     with pytest.raises(UsageError, match="attention=nsa needs an NSA checkpoint"):
         check_suite(load_suite(path), check_tasks=False, check_data=False)
+
+
+def test_nsa_selection_budget_sweeps_through_params(tmp_path):
+    """num_selected overrides the checkpoint's at load: one model variant (and cell key) per value; an
+    entry without it keeps the keys it had before the key existed."""
+    text = textwrap.dedent("""\
+        name: sweep
+        defaults: {pretrained: nsa-tiny, attention: nsa}
+        models:
+          - {label: nsa}
+          - {label: nsa@n4, params: {num_selected: 4}}
+          - {label: nsa@n3, params: {num_selected: 3}}
+        tasks:
+          - {task: nsa_niah, metadata: {niah_lengths: [512], niah_depths: [50]}}
+        """)
+    suite = load_suite(write(tmp_path, text))
+    plain, n4, n3 = suite.models
+    assert "params" not in plain.identity() and "num_selected" not in plain.model_args()
+    assert n4.identity()["params"] == {"num_selected": 4} and n4.model_args()["num_selected"] == 4
+    assert len({c.key for c in suite.cells()}) == 3
+    check_suite(suite, check_tasks=False, check_data=False)  # 3 = num_init 1 + num_local 2: allowed
 
 
 def test_a_sliding_window_config_is_refused_for_the_baselines_before_loading(tmp_path):

@@ -9,7 +9,8 @@ model_args (strings are cast; lm-eval already turns "3" into 3 and "true" into T
 - pretrained: `smollm2-135m`, `nsa-tiny`, `full-tiny`, a checkpoint directory, or a hub name (online);
 - attention: `nsa` for NSA checkpoints; `full`, `sink_window`, `topk`, `quest`, `h2o` for other models;
 - budget, sink, local, sparse_prefill, dense_layers: the baselines' budget (`nsa_eval.methods`);
-  any other unknown key is handed to the method as a parameter (e.g. `page_size=16` for quest);
+  any other unknown key is handed to the method as a parameter (e.g. `page_size=16` for quest), or
+  for `nsa` overrides the checkpoint's setting (`num_selected=4`: a smaller selection budget);
 - dtype, max_length, batch_size, device: as lm-eval's `hf` model;
 - truncation: `middle` (default; keep the head and tail of an over-long prompt, as official
   LongBench does) or `left` (lm-eval's default: keep the tail);

@@ -26,12 +26,18 @@ from typing import Any
 from nsa_eval.budget import BudgetConfig
 from nsa_eval.errors import UsageError
 from nsa_eval.registry import unknown_name_message
+from nsa_eval.values import MAX_INT, is_int
 
 CHECKPOINTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"  # nsa_eval/checkpoints/<name>/
 NSA_MODEL_TYPE = "nsa_eval"
 FLA_MODEL_TYPE = "nsa"
 NSA_ATTENTION = "nsa"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The NSA settings a checkpoint runs with that may change at inference (no weight depends on them):
+# name -> what it is. `num_selected` (top-n) sweeps NSA's selection budget.
+NSA_INFERENCE_PARAMS = {
+    "num_selected": "selected blocks per query, the forced initial and local ones included",
+}
 
 
 @dataclass(frozen=True)
@@ -130,8 +136,9 @@ def resolve_checkpoint(pretrained: str | os.PathLike) -> Path | str:
     looks_like_path = (name.startswith((".", "/", "~")) or name.count("/") > 1
                        or (name.count("/") == 1 and path.parent.is_dir()))
     if looks_like_path or path.exists():
-        raise UsageError(f"checkpoint directory {name!r} does not exist; expected a directory with "
-                         f"config.json, a hub name, or one of: {', '.join(KNOWN_CHECKPOINTS)}")
+        relative = "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
+        raise UsageError(f"checkpoint directory {name!r} does not exist{relative}; expected a directory "
+                         f"with config.json, a hub name, or one of: {', '.join(KNOWN_CHECKPOINTS)}")
     if _offline():
         raise UsageError(f"{name!r} is not a local directory and the hub is offline (HF_HUB_OFFLINE); "
                          f"expected a directory with config.json or one of: {', '.join(KNOWN_CHECKPOINTS)}")
@@ -305,6 +312,62 @@ def check_attention(resolved: Resolved, attention: str, budget: int, sink: int, 
                          f"{sink + local}): the budget counts the sink and local keys")
 
 
+def check_nsa_params(params: dict, config=None, where: str = "attention=nsa") -> None:
+    """UsageError unless `params` are NSA settings that can change at inference (`NSA_INFERENCE_PARAMS`)
+    with values `config` (an NSAConfig; None: only the types are checked) can run: `num_selected` at
+    least num_init + num_local, the blocks every query selects."""
+    unknown = sorted(set(params) - set(NSA_INFERENCE_PARAMS))
+    if unknown:
+        raise UsageError(f"{where} takes only {', '.join(NSA_INFERENCE_PARAMS)} (the checkpoint's own "
+                         f"setting, overridden at inference); got {', '.join(map(str, unknown))}")
+    selected = params.get("num_selected")
+    if selected is None:
+        return
+    if not is_int(selected) or not 1 <= selected <= MAX_INT:
+        raise UsageError(f"{where}: num_selected: expected a positive integer "
+                         f"({NSA_INFERENCE_PARAMS['num_selected']}), got {selected!r}")
+    if config is None:
+        return
+    forced = config.num_init + config.num_local
+    if selected < forced:
+        raise UsageError(f"{where}: num_selected {selected} is below the {forced} blocks every query of "
+                         f"this checkpoint selects (num_init {config.num_init} + num_local "
+                         f"{config.num_local}); expected num_selected >= {forced}")
+
+
+def nsa_checkpoint_config(resolved: Resolved):
+    """The NSAConfig of a local NSA checkpoint (fla's converted) from its config.json, or None (a hub
+    checkpoint, or not an NSA one). Reads no weights."""
+    if not resolved.is_nsa or not Path(resolved.path).is_dir():
+        return None
+    return _config_object(Path(resolved.path))
+
+
+def check_builtin_model(resolved: Resolved) -> None:
+    """UsageError when a local checkpoint's config.json names a model_type transformers does not know:
+    it would load only through the Python code its `auto_map` names (remote code), which a suite
+    never runs, or not at all. Reads config.json only."""
+    if resolved.kind != "hf" or resolved.model_type is None or not Path(resolved.path).is_dir():
+        return  # no model_type: transformers guesses the class from the path, as at load
+    from transformers import __version__ as transformers_version
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(resolved.model_type, str) or resolved.model_type not in CONFIG_MAPPING:
+        config_file = Path(resolved.path) / "config.json"
+        known = f"transformers {transformers_version} has no model_type {resolved.model_type!r}"
+        auto_map = (local_config(resolved.path) or {}).get("auto_map")
+        if auto_map:
+            code = ", ".join(sorted({str(v) for v in (auto_map.values() if isinstance(auto_map, dict)
+                                                      else [auto_map])}))
+            raise UsageError(f"{config_file}: {known}; its auto_map names remote code ({code}), which "
+                             "nsa-eval does not run (no trust_remote_code); expected a model_type "
+                             f"transformers ships (llama, mistral, qwen2, ...), {NSA_MODEL_TYPE} or fla's "
+                             f"{FLA_MODEL_TYPE}")
+        raise UsageError(f"{config_file}: {known}, so the checkpoint cannot load; expected a model_type "
+                         f"transformers ships (llama, mistral, qwen2, ...), {NSA_MODEL_TYPE} or fla's "
+                         f"{FLA_MODEL_TYPE}")
+
+
 def _torch_dtype(dtype: Any):
     import torch
 
@@ -364,18 +427,25 @@ def load_for_eval(pretrained: str | os.PathLike, *, attention: str = "full",
 
     NSA checkpoints need `attention="nsa"` (their sparsity is the architecture); any other causal LM
     takes `full` or a baseline method of `nsa_eval.methods` at `budget` / `sink` / `local`.
+    `method_params` go to the baseline method (e.g. `page_size` for quest); for NSA they override
+    the checkpoint's `NSA_INFERENCE_PARAMS` (e.g. `num_selected=4`: a smaller selection budget).
     Returns (model, tokenizer).
     """
     resolved = inspect_checkpoint(pretrained)
     check_attention(resolved, attention, budget, sink, local)
     method_params = dict(method_params or {})
-    if attention == NSA_ATTENTION and method_params:
-        raise UsageError(f"attention=nsa takes no method parameters; got {', '.join(sorted(method_params))}")
-    if attention != NSA_ATTENTION:
+    if attention == NSA_ATTENTION:
+        check_nsa_params(method_params, nsa_checkpoint_config(resolved))
+    else:
         from nsa_eval.methods import validate_params
 
         validate_params(attention, budget=budget, sink=sink, local=local, **method_params)
     model, tokenizer = _load(resolved, dtype, device, device_map, **from_pretrained_kwargs)
+    if attention == NSA_ATTENTION and method_params:
+        check_nsa_params(method_params, model.config)  # a hub checkpoint's config is read only now
+        for name, value in method_params.items():  # the layers read them from the config at every call
+            setattr(model.config, name, value)
+        model.config.validate_nsa()
     if attention != NSA_ATTENTION:
         from nsa_eval.methods import apply_attention
 

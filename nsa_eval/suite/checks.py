@@ -17,7 +17,7 @@ from nsa_eval.models import loading
 from nsa_eval.registry import unknown_name_message
 from nsa_eval.suite.spec import UNBUDGETED, ModelSpec, Suite, TaskSpec
 from nsa_eval.suite.task_index import check_include_path_files, check_shadowed_tasks, suite_task_manager
-from nsa_eval.tasks.catalog import metadata_schema, prompt_length_key
+from nsa_eval.tasks.catalog import NIAH_GRID_DATASETS, metadata_schema, prompt_length_key
 from nsa_eval.values import is_int
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
@@ -151,10 +151,17 @@ def _check_checkpoint(model: ModelSpec, key: str) -> None:
             resolved = loading.Resolved(path=model.pretrained, kind="hf", model_type="llama")
         else:
             resolved = loading.inspect_checkpoint(model.pretrained)
+            loading.check_builtin_model(resolved)
         loading.check_attention(resolved, model.attention, model.budget or 0, model.sink or 0,
                                 model.local or 0)
     except UsageError as err:
         raise UsageError(f"{key}.pretrained: {err}") from None
+    if model.attention == loading.NSA_ATTENTION and model.params:
+        try:
+            loading.check_nsa_params(model.params, loading.nsa_checkpoint_config(resolved),
+                                     where=str(model.pretrained))
+        except UsageError as err:
+            raise UsageError(f"{key}.params: {err}") from None
     if model.attention in UNBUDGETED:
         return
     config = _checkpoint_config(resolved)
@@ -308,7 +315,7 @@ def check_context_fits(suite: Suite) -> None:
             except (TypeError, ValueError) as err:
                 raise UsageError(f"{where}.gen_kwargs: {err}; expected numbers for max_gen_toks (or its "
                                  "aliases) and temperature") from None
-            is_niah = str(cfg.get("custom_dataset", "")).endswith("nsa_eval.tasks.niah.niah_dataset")
+            is_niah = str(cfg.get("custom_dataset", "")).endswith(NIAH_GRID_DATASETS)
             metadata = {**(cfg.get("metadata") or {}), **task.metadata}
             length_key = prompt_length_key(str(cfg.get("task", task.task)))
             for model in models:

@@ -17,6 +17,7 @@ from typing import Any
 
 from nsa_eval.budget import BudgetConfig
 from nsa_eval.errors import UsageError
+from nsa_eval.models.loading import NSA_ATTENTION, check_nsa_params
 from nsa_eval.registry import unknown_name_message
 from nsa_eval.suite.safe_yaml import read_suite_yaml
 from nsa_eval.suite.spec import SINK_LOCAL_ONLY, UNBUDGETED, ModelSpec, Suite, TaskSpec
@@ -115,7 +116,7 @@ def parse_suite(raw: Any, where: str, source: str = "") -> Suite:
         _get(defaults, key, MODEL_KEYS, where, "defaults.")
     models = _parse_models(raw["models"], defaults, where)
     tasks = _parse_tasks(raw["tasks"], where, {m.label for m in models})
-    return Suite(
+    suite = Suite(
         name=name, path=where, models=tuple(models), tasks=tuple(tasks),
         output=_get(raw, "output", SUITE_KEYS, where, "", f"runs/{name}"),
         report=_get(raw, "report", SUITE_KEYS, where, "", f"reports/{name}"),
@@ -126,6 +127,8 @@ def parse_suite(raw: Any, where: str, source: str = "") -> Suite:
         include_path=_include_paths(raw, where),
         source=source or json.dumps(raw, sort_keys=True),
     )
+    suite.cells()  # two entries that would fill the same cells fail here, with the other keys
+    return suite
 
 
 def _include_paths(raw: dict, where: str) -> tuple[str, ...]:
@@ -203,13 +206,16 @@ def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool,
                          f"got attention {attentions}; use backend: hf for sparse methods")
     pretrained = get("pretrained")
     params = get("params", {})
-    unbudgeted = [a for a in attentions if a in UNBUDGETED]
-    if params and unbudgeted:
-        origin = "" if "params" in own_keys else " (params is set in defaults)"
+    origin = "" if "params" in own_keys else " (params is set in defaults)"
+    if params and "full" in attentions:
         fix = ("remove params" if len(attentions) == 1 else f"an entry's params apply to each of its "
-               f"methods {attentions}: give {unbudgeted[0]} an entry of its own without params")
-        raise UsageError(f"{where}: {key}params: {unbudgeted[0]} takes no method parameters{origin}; "
-                         + fix)
+               f"methods {attentions}: give full an entry of its own without params")
+        raise UsageError(f"{where}: {key}params: full takes no method parameters{origin}; " + fix)
+    if params and NSA_ATTENTION in attentions:
+        try:
+            check_nsa_params(params)  # against the checkpoint's forced blocks in check_suite
+        except UsageError as err:
+            raise UsageError(f"{where}: {key}params: {err}{origin}") from None
     variants = []
     for a in attentions:
         if a in UNBUDGETED:

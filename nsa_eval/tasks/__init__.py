@@ -1,4 +1,5 @@
-"""The project's lm-eval tasks: NIAH grid, LongBench (10 subsets), general benchmarks, AIME 2024.
+"""The project's lm-eval tasks: NIAH grids (one needle, several keys, two-hop chains), LongBench
+(10 subsets), general benchmarks, AIME 2024.
 
 - `TASKS_DIR`: the lm-eval include_path holding the project's YAMLs (niah/, longbench/, general/,
   aime/); `task_manager(metadata)` is a TaskManager that knows them and lm-eval's own tasks.
@@ -10,9 +11,10 @@
   model-written code, e.g. nsa_mbpp, nsa_humaneval, mbpp, humaneval).
 
 Modules, lowest first: metadata.py (the schema type), local_data.py (the local data folder),
-haystack.py, niah.py, longbench.py and the other task modules, catalog.py (the project's tasks),
-index.py (lm-eval's task index), data.py (what the tasks need: check and fetch), local_task.py
-(the lm-eval task class that reads the local folder first).
+haystack.py, needles.py (needles at exact token positions in a prompt of exact length), niah.py,
+niah_multi.py, longbench.py and the other task modules, catalog.py (the project's tasks), index.py
+(lm-eval's task index), data.py (what the tasks need: check and fetch), local_task.py (the lm-eval
+task class that reads the local folder first).
 
 Importing this package does not import lm_eval; the functions do, when called.
 docs/tasks.md describes every family's protocol, metadata keys and data layout.

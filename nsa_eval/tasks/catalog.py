@@ -13,12 +13,15 @@ from nsa_eval.tasks.longbench import METADATA as LONGBENCH_METADATA
 from nsa_eval.tasks.longbench import SUBSETS
 from nsa_eval.tasks.metadata import MetadataKey
 from nsa_eval.tasks.niah import METADATA as NIAH_METADATA
+from nsa_eval.tasks.niah_multi import MULTIHOP_METADATA, MULTIKEY_METADATA
 
 TASKS_DIR = Path(__file__).resolve().parent
 
 # name -> protocol summary; every name is an lm-eval task or group under TASKS_DIR.
 PROJECT_TASKS: dict[str, str] = {
     "nsa_niah": "needle in a haystack: context lengths x depths grid, exact match of a 7-digit value",
+    "nsa_niah_multikey": "NIAH with needles of several keys (RULER multikey), the asked key's 7-digit value",
+    "nsa_niah_multihop": "NIAH with two-needle chains (key -> name -> value), the asked key's 7-digit value",
     "nsa_longbench": "LongBench v1, the paper's 10 subsets, official prompts/metrics, 0-1 scale",
     **{f"nsa_longbench_{s}": f"LongBench {s}" for s in SUBSETS},
     "nsa_mmlu": "MMLU 5-shot, loglikelihood multiple choice (acc)",
@@ -63,8 +66,16 @@ PROTOCOL_NOTES: dict[str, str] = {
 # Task name -> the metadata keys it reads. A project task not listed reads none.
 TASK_METADATA: dict[str, dict[str, MetadataKey]] = {
     "nsa_niah": NIAH_METADATA,
+    "nsa_niah_multikey": MULTIKEY_METADATA,
+    "nsa_niah_multihop": MULTIHOP_METADATA,
     **dict.fromkeys(("nsa_longbench", *(f"nsa_longbench_{s}" for s in SUBSETS)), LONGBENCH_METADATA),
 }
+
+
+# The custom_dataset builders of the needle grids: every prompt is exactly `niah_lengths` tokens long
+# (the suite checks that the longest fits each model's context with what lm-eval adds around it).
+NIAH_GRID_DATASETS = ("nsa_eval.tasks.niah.niah_dataset", "nsa_eval.tasks.niah_multi.multikey_dataset",
+                      "nsa_eval.tasks.niah_multi.multihop_dataset")
 
 
 def prompt_length_key(task: str) -> str | None:

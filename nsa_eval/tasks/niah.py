@@ -14,10 +14,11 @@ One prompt (RULER niah_single style, template configurable):
 - Haystack: "builtin" (varied English sentences from a seeded grammar, no download, no digits) or a
   folder of .txt files (read in name order, repeated when short, e.g. Paul Graham's essays).
   The haystack is cut at character positions, found by search against real token counts, so the
-  length and the depth are exact. Where the count jumps by two tokens at the one character that
-  matters (a word that a small BPE splits oddly), no cut of that text is exact; then the haystack
-  starts further on (at the next sentence, later at the next word; the same for the same seed) and
-  is cut again. `make_niah_doc` raises only if none of `MAX_HAYSTACK_STARTS` starts can be exact.
+  length and the depth are exact (`needles.place_needles`, which niah_multi.py's several needles
+  share). Where the count jumps by two tokens at the one character that matters (a word that a small
+  BPE splits oddly), no cut of that text is exact; then the haystack starts further on (at the next
+  sentence, later at the next word; the same for the same seed) and is cut again. `make_niah_doc`
+  raises only if none of `MAX_HAYSTACK_STARTS` starts can be exact.
 - Needle: "One of the special magic numbers for {key} is: {value}." with a seeded 7-digit value and a
   seeded key word. Score: 1 when the value appears in the answer as a whole number, else 0.
 
@@ -39,16 +40,22 @@ from typing import Any
 from nsa_eval.errors import UsageError
 from nsa_eval.tasks.haystack import check_haystack, haystack_text
 from nsa_eval.tasks.metadata import TOKENIZER, MetadataKey, int_list, number_list
+from nsa_eval.tasks.needles import (  # noqa: F401  (needle_token_index: part of this module's API)
+    MAX_HAYSTACK_STARTS,
+    START_MARGIN,
+    count_tokens,
+    needle_token_index,
+    place_needles,
+)
 from nsa_eval.values import MAX_INT, is_int
+
+# Grids kept per process: a suite split by length asks for every length once per model, and a sweep
+# runs each on many models; the paper's whole grid is about 10 MB of text.
+GRID_CACHE_SIZE = 64
 
 # The paper's Figure 5 grid: 1K, 8K, 15K, ..., 64K (step 7K) x depths 0, 11.11, ..., 100 %.
 PAPER_LENGTHS = [1024 + 7168 * i for i in range(10)]
 PAPER_DEPTHS = [round(100 * i / 9, 2) for i in range(10)]
-
-# Haystack starts tried per doc before giving up: a later start is needed only where a tokenizer's
-# count jumps by two tokens at the cut, which the next start almost always avoids, so 64 is ample.
-MAX_HAYSTACK_STARTS = 64
-_START_MARGIN = 4096  # extra haystack characters so that a later start still leaves enough text
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ NEEDLE_KEYS = (
     "velvet violet walnut willow zephyr"
 ).split()
 
-# ------------------------------------------------------------------ exact sizing
+# ------------------------------------------------------------------ one prompt
 
 
 def answer_separator(question: str, answer_prefix: str) -> str:
@@ -91,173 +98,6 @@ def answer_separator(question: str, answer_prefix: str) -> str:
     if not answer_prefix or not question:
         return ""
     return "" if question[-1].isspace() or answer_prefix[0].isspace() else " "
-
-
-class _Prompt:
-    """Builds the prompt for given haystack cuts and measures it with the tokenizer."""
-
-    def __init__(self, tokenizer, template: NiahTemplate, key: str, value: str, hay: str):
-        self.tokenizer = tokenizer
-        self.head = template.instruction + "\n"
-        self.needle = template.needle.format(key=key, value=value)
-        self.question = "\n" + template.question.format(key=key)
-        self.answer_prefix = template.answer_prefix.format(key=key)
-        self.tail = self.question + answer_separator(self.question, self.answer_prefix) + self.answer_prefix
-        self.hay = hay
-
-    def text(self, cut: int, extra: int) -> tuple[str, int]:
-        """(prompt, needle's character offset) with hay[:cut] before the needle, hay[cut:cut+extra] after."""
-        before, after = self.hay[:cut], self.hay[cut : cut + extra]
-        head = self.head + before + (" " if before else "")
-        return head + self.needle + (" " if after else "") + after + self.tail, len(head)
-
-    def needle_index(self, cut: int, split: int = 0) -> int:
-        """Token index of the needle's first token (text after the needle cannot move it).
-
-        With `split` (a haystack index just before a space, <= cut), the tokens of the text before
-        it are counted once and cached: exact for tokenizers that never merge across a space, which
-        make_niah_doc checks on the final prompt.
-        """
-        if split <= 0 or split > cut:
-            prompt, needle_char = self.text(cut, 0)
-            return needle_token_index(self.tokenizer, prompt[: needle_char + len(self.needle)], needle_char)
-        rest = self.hay[split:cut] + (" " if cut else "")
-        return self._count(self.head + self.hay[:split]) + needle_token_index(
-            self.tokenizer, rest + self.needle, len(rest)
-        )
-
-    def length(self, cut: int, extra: int, anchor: int | None = None) -> int:
-        """Prompt length in tokens.
-
-        With `anchor` (characters relative to the start of the after-haystack; may be negative), the
-        text before the last space ahead of that point is counted once and cached, as in needle_index.
-        """
-        prompt, _ = self.text(cut, extra)
-        after_start = len(prompt) - len(self.tail) - extra
-        at = prompt.rfind(" ", 0, after_start + anchor) if anchor is not None and anchor <= extra else -1
-        if at <= 0:
-            return count_tokens(self.tokenizer, prompt)
-        return self._count(prompt[:at]) + count_tokens(self.tokenizer, prompt[at:])
-
-    def _count(self, text: str) -> int:
-        cache = self.__dict__.setdefault("_cache", {})
-        if text not in cache:
-            cache.clear()
-            cache[text] = count_tokens(self.tokenizer, text)
-        return cache[text]
-
-
-def _space_before(text: str, index: int, lo: int = 0) -> int:
-    """The largest i in (lo, index] with text[i] a space (0 when there is none): a cut that a
-    whitespace-splitting tokenizer treats as a token boundary."""
-    i = text.rfind(" ", lo + 1, max(index, lo + 1) + 1)
-    return max(i, 0)
-
-
-def count_tokens(tokenizer, text: str) -> int:
-    """Tokens of text as the prompt-length definition counts them (no special tokens)."""
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def needle_token_index(tokenizer, text: str, char: int) -> int:
-    """Index of the token holding character `char` of text (a fast tokenizer's offsets if it has them)."""
-    if getattr(tokenizer, "is_fast", False):
-        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        for i, (_, end) in enumerate(offsets):
-            if end > char:
-                return i
-        return len(offsets)
-    return count_tokens(tokenizer, text[:char].rstrip(" "))
-
-
-def _search(f, target: int, guess: int, lo_bound: int, hi_bound: int) -> int | None:
-    """An x in [lo_bound, hi_bound] with f(x) == target, for f non-decreasing up to small wobbles.
-
-    Starts from a bracket of +-64 around `guess` and widens it until it holds the target, so a
-    good guess costs ~10 calls of f.
-    """
-    step = 64
-    lo, hi = max(lo_bound, guess - step), min(hi_bound, guess + step)
-    while lo > lo_bound and f(lo) > target:
-        step *= 4
-        lo = max(lo_bound, lo - step)
-    while hi < hi_bound and f(hi) < target:
-        step *= 4
-        hi = min(hi_bound, hi + step)
-    if f(lo) > target:
-        return None
-    while lo < hi:  # smallest x with f(x) >= target
-        mid = (lo + hi) // 2
-        if f(mid) >= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    for x in sorted(range(max(lo - 12, lo_bound), min(lo + 13, hi_bound + 1)), key=lambda x: abs(x - lo)):
-        if f(x) == target:
-            return x
-    return None
-
-
-def _char_offsets(tokenizer, text: str) -> list[int]:
-    """Start character of each token of text (approximate cuts for the exact search to refine)."""
-    if getattr(tokenizer, "is_fast", False):
-        return [
-            start
-            for start, _ in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)[
-                "offset_mapping"
-            ]
-        ]
-    per_token = len(text) / max(count_tokens(tokenizer, text), 1)
-    return [int(i * per_token) for i in range(int(len(text) / per_token))]
-
-
-def _size(prompt: _Prompt, offsets: list[int], target: int, guess: int, context_length: int, fast: bool):
-    """(cut, extra): haystack characters before and after the needle, or None."""
-    hay = prompt.hay
-    split = _space_before(hay, guess - 2048) if fast else 0
-    cut = _search(lambda c: prompt.needle_index(c, split), target, guess, 0, len(hay))
-    if cut is None:
-        return None
-    missing = context_length - prompt.length(cut, 0)
-    first = next((i for i, o in enumerate(offsets) if o >= cut), len(offsets) - 1)
-    guess = offsets[min(first + missing, len(offsets) - 1)] - cut
-    anchor = guess - 2048 if fast else None
-    extra = _search(lambda e: prompt.length(cut, e, anchor), context_length, guess, 0, len(hay) - cut)
-    return None if extra is None else (cut, extra)
-
-
-def _haystack_starts(hay: str, count: int):
-    """Up to `count` character offsets to start the haystack at: 0, then sentence starts, then word
-    starts, all within the first _START_MARGIN characters.
-
-    Sentence starts keep the haystack readable; word starts come last because they also shift a
-    haystack that repeats one sentence (a short folder), where every sentence start looks alike.
-    """
-    yield 0  # nearly always exact: the rest is computed only when it is not
-    window = hay[:_START_MARGIN]
-    sentences = [m.end() for m in re.finditer(r"[.!?]\s+(?=\S)|\n\s*(?=\S)", window)]
-    words = [m.end() for m in re.finditer(r"\s+(?=\S)", window)]
-    starts = dict.fromkeys([*sentences[: count // 2], *words])  # ordered, no repeats
-    yield from [s for s in starts if s > 0][: count - 1]
-
-
-def _fit(prompt: _Prompt, tokenizer, hay: str, target: int, start: int, budget: int, context_length: int):
-    """(prompt text, needle token index) of exactly context_length tokens with the needle at token
-    `target`, cutting this haystack text; None if no cut is exact."""
-    offsets = _char_offsets(tokenizer, hay)
-    while len(offsets) <= budget + 1:  # a short folder haystack: repeat it
-        hay = hay + "\n\n" + hay
-        offsets = _char_offsets(tokenizer, hay)
-    prompt.hay = hay
-    guess = offsets[target - start] if target > start else 0
-    for fast in (True, False):  # the cached-prefix counts first; full counts if they were not exact
-        sized = _size(prompt, offsets, target, guess, context_length, fast)
-        if sized is not None:
-            text, needle_char = prompt.text(*sized)
-            position = needle_token_index(tokenizer, text, needle_char)
-            if (count_tokens(tokenizer, text), position) == (context_length, target):
-                return text, position
-    return None
 
 
 def make_niah_doc(
@@ -288,45 +128,41 @@ def make_niah_doc(
     rng = random.Random(f"nsa-niah:{seed}:{context_length}:{depth_percent}")
     key = rng.choice(NEEDLE_KEYS)
     value = str(rng.randint(1_000_000, 9_999_999))
-    sample = haystack_text(haystack, 4096, random.Random(0))[:4096]
-    chars_per_token = len(sample) / max(count_tokens(tokenizer, sample), 1)
-    num_chars = int(1.25 * chars_per_token * context_length) + 2048 + _START_MARGIN
-    hay = haystack_text(haystack, num_chars, rng)
-    prompt = _Prompt(tokenizer, template, key, value, hay)
-
-    fixed, start = prompt.length(0, 0), prompt.needle_index(0)
-    budget = context_length - fixed
-    if budget < 0:
-        raise UsageError(
-            f"NIAH context_length {context_length} is shorter than the template ({fixed} tokens)"
-        )
-    target = start + round(depth_percent / 100 * budget)
-    for skip in _haystack_starts(hay, MAX_HAYSTACK_STARTS):  # the first exact one; same seed, same one
-        fitted = _fit(prompt, tokenizer, hay[skip:], target, start, budget, context_length)
-        if fitted is not None:
-            break
-    else:
-        raise RuntimeError(
-            f"could not size a NIAH prompt to exactly {context_length} tokens with the needle at token "
-            f"{target} (depth {depth_percent}%, seed {seed}) with {type(tokenizer).__name__}: tried "
-            f"{MAX_HAYSTACK_STARTS} haystack starts; this tokenizer's counts jump by more than one token "
-            "per character at the needle or at the end of the haystack"
-        )
-    text, position = fitted
+    hay = haystack_text(haystack, haystack_chars(tokenizer, haystack, context_length), rng)
+    head, needle, question, answer_prefix = prompt_parts(template, key, value)
+    tail = question + answer_separator(question, answer_prefix) + answer_prefix
+    placed = place_needles(tokenizer, context_length, head, [needle], [depth_percent], tail, hay,
+                           max_starts=MAX_HAYSTACK_STARTS,
+                           what=f"a NIAH prompt (depth {depth_percent}%, seed {seed})")
+    text = placed.text
     # lm-eval puts answer_separator(input, gen_prefix) between the two: the model sees `text` exactly
-    gen_prefix = prompt.answer_prefix
     return {
         "prompt": text,
-        "input": text[: len(text) - len(prompt.tail) + len(prompt.question)],
-        "gen_prefix": gen_prefix,
+        "input": text[: len(text) - len(tail) + len(question)],
+        "gen_prefix": answer_prefix,
         "answer": value,
         "key": key,
         "context_length": context_length,
         "depth_percent": float(depth_percent),
-        "needle_position": position,
-        "haystack_tokens": budget,
+        "needle_position": placed.positions[0],
+        "haystack_tokens": placed.haystack_tokens,
         "seed": seed,
     }
+
+
+def prompt_parts(template: NiahTemplate, key: str, value: str) -> tuple[str, str, str, str]:
+    """(head, needle, question, answer prefix) of a prompt: the head ends the instruction's line and
+    the question starts a line of its own."""
+    return (template.instruction + "\n", template.needle.format(key=key, value=value),
+            "\n" + template.question.format(key=key), template.answer_prefix.format(key=key))
+
+
+def haystack_chars(tokenizer, haystack: str, context_length: int) -> int:
+    """Haystack characters to generate for a `context_length`-token prompt: a quarter more than the
+    tokenizer's characters per token on this haystack suggest, and room for later starts."""
+    sample = haystack_text(haystack, 4096, random.Random(0))[:4096]
+    chars_per_token = len(sample) / max(count_tokens(tokenizer, sample), 1)
+    return int(1.25 * chars_per_token * context_length) + 2048 + START_MARGIN
 
 
 # ------------------------------------------------------------------ lm-eval glue
@@ -408,16 +244,10 @@ def niah_dataset(**metadata):
     """lm-eval `custom_dataset`: the grid from task metadata (docs/tasks.md lists the keys)."""
     import datasets
 
-    name = metadata.get("tokenizer") or metadata.get("pretrained")
-    if not name:
-        raise UsageError(
-            "nsa_niah builds its prompts with the model's tokenizer: pass metadata "
-            '{"tokenizer": "<name or dir>"} (or pretrained=... in model_args)'
-        )
     docs = _named_grid(
-        str(name),
+        tokenizer_name(metadata, "nsa_niah"),
         tuple(grid_lengths(metadata)),
-        tuple(_as_list(metadata.get("niah_depths", PAPER_DEPTHS), float)),
+        tuple(grid_depths(metadata)),
         int(metadata.get("niah_seed", 0)),
         int(metadata.get("niah_samples_per_cell", 1)),
         str(metadata.get("niah_haystack", "builtin")),
@@ -426,11 +256,11 @@ def niah_dataset(**metadata):
     return {"test": datasets.Dataset.from_list(list(docs))}
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=GRID_CACHE_SIZE)
 def _named_grid(name: str, lengths: tuple, depths: tuple, seed: int, samples: int, haystack: str,
                 template: NiahTemplate) -> tuple[dict, ...]:
     """`grid_docs` for a tokenizer by name, built once per process: the prompts are fully seeded, and a
-    budget sweep builds the same grid for every method (a 64k prompt takes most of a second)."""
+    budget sweep builds the same grid for every method (a 64k prompt takes seconds)."""
     return tuple(grid_docs(load_tokenizer(name), list(lengths), list(depths), seed=seed,
                            samples_per_cell=samples, haystack=haystack, template=template))
 
@@ -438,6 +268,22 @@ def _named_grid(name: str, lengths: tuple, depths: tuple, seed: int, samples: in
 def grid_lengths(metadata: dict) -> list[int]:
     """The prompt lengths a task's metadata asks for (`niah_lengths`, default the paper's)."""
     return _as_list(metadata.get("niah_lengths", PAPER_LENGTHS), int)
+
+
+def grid_depths(metadata: dict) -> list[float]:
+    """The needle depths a task's metadata asks for (`niah_depths`, default the paper's)."""
+    return _as_list(metadata.get("niah_depths", PAPER_DEPTHS), float)
+
+
+def tokenizer_name(metadata: dict, task: str) -> str:
+    """The tokenizer a grid task builds its prompts with: metadata `tokenizer`, else the model's."""
+    name = metadata.get("tokenizer") or metadata.get("pretrained")
+    if not name:
+        raise UsageError(
+            f"{task} builds its prompts with the model's tokenizer: pass metadata "
+            '{"tokenizer": "<name or dir>"} (or pretrained=... in model_args)'
+        )
+    return str(name)
 
 
 def grid_template(metadata: dict) -> NiahTemplate:

@@ -102,7 +102,8 @@ def test_smollm2_under_two_methods(task_manager):
         ("attention=full", "runs with attention=nsa only"),
         ("attention=nsa,truncation=right", "truncation"),
         ("attention=nsa,sparse_prefill=maybe", "true or false"),
-        ("attention=nsa,page_size=16", "no method parameters"),
+        ("attention=nsa,page_size=16", "attention=nsa takes only num_selected"),
+        ("attention=nsa,num_selected=2", "num_selected 2 is below the 3 blocks"),
     ],
 )
 def test_bad_model_args_fail_before_loading(tiny_nsa_dir, model_args, message):

@@ -88,6 +88,33 @@ def test_baseline_errors_before_weights_load(llama_config_dir, kwargs, message):
         load_for_eval(llama_config_dir, **kwargs)  # the directory holds no weights at all
 
 
+def test_nsa_num_selected_overrides_the_checkpoints_at_load(tiny_nsa_dir, monkeypatch):
+    """The selection budget swept at inference: select_size 8, so queries before token 24 have at most
+    3 blocks and every n selects them all; later queries see more blocks with n = 6 than with 3."""
+    trained, tokenizer = load_for_eval(tiny_nsa_dir, attention="nsa", dtype="float32")
+    wider, _ = load_for_eval(tiny_nsa_dir, attention="nsa", dtype="float32",
+                             method_params={"num_selected": 6})
+    assert (trained.config.num_selected, wider.config.num_selected) == (3, 6)
+    ids = torch.randint(0, len(tokenizer), (1, 96), generator=torch.Generator().manual_seed(0))
+    stats = []
+    for model in (trained, wider):
+        loading.reset_attention_stats(model)
+        with torch.no_grad():
+            stats.append((model(ids).logits, loading.attention_stats(model)))
+    (a, trained_stats), (b, wider_stats) = stats
+    torch.testing.assert_close(a[:, :24], b[:, :24])
+    assert not torch.allclose(a[:, -1], b[:, -1])
+    assert trained_stats["params"]["num_selected"] == 3 and wider_stats["params"]["num_selected"] == 6
+    assert wider_stats["mean_per_branch"]["selected"] > trained_stats["mean_per_branch"]["selected"]
+    # below the forced blocks (num_init 1 + num_local 2), or a setting the weights depend on: refused
+    # before any weight is read
+    monkeypatch.setattr(loading, "_load", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(UsageError, match=r"num_selected 2 is below the 3 blocks .*\(num_init 1 \+ num_"):
+        load_for_eval(tiny_nsa_dir, attention="nsa", method_params={"num_selected": 2})
+    with pytest.raises(UsageError, match="attention=nsa takes only num_selected .*; got window"):
+        load_for_eval(tiny_nsa_dir, attention="nsa", method_params={"window": 4})
+
+
 def test_fingerprint_follows_weights_config_and_tokenizer(tmp_path):
     """A cell's checkpoint identity: retrained weights, another config or another tokenizer (its chat
     template included) each give a new fingerprint; a README next to them does not."""

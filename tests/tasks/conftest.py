@@ -76,6 +76,18 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def nsa_tiny_tokenizer():
+    """The bundled checkpoint's small BPE: its counts sometimes jump by two tokens per character."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    import nsa_eval
+
+    return AutoTokenizer.from_pretrained(Path(nsa_eval.__file__).parent / "checkpoints" / "nsa-tiny")
+
+
+@pytest.fixture(scope="session")
 def manager():
     """The project's TaskManager, indexing only the lm-eval folders the project builds on (~1 s)."""
     from nsa_eval.tasks import task_manager

@@ -56,18 +56,6 @@ def test_exact_length_and_depth_smollm2(smollm2_tokenizer):
     _check_grid(smollm2_tokenizer)
 
 
-@pytest.fixture(scope="module")
-def nsa_tiny_tokenizer():
-    """The bundled checkpoint's small BPE: its counts sometimes jump by two tokens per character."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    import nsa_eval
-
-    return AutoTokenizer.from_pretrained(Path(nsa_eval.__file__).parent / "checkpoints" / "nsa-tiny")
-
-
 SWEEP_LENGTHS = [256, 512, 1024, 1536, 2048]
 
 
@@ -103,23 +91,6 @@ def test_cell_without_exact_cut_uses_a_later_haystack_start(nsa_tiny_tokenizer, 
     monkeypatch.setattr(niah, "MAX_HAYSTACK_STARTS", 1)
     with pytest.raises(RuntimeError, match=r"exactly 1536 tokens.*tried 1 haystack starts"):
         make_niah_doc(tok, 1536, 33.33, seed=0)
-
-
-def test_haystack_starts_sentences_then_words():
-    import random
-
-    hay = builtin_haystack(20_000, random.Random(0))
-    starts = list(niah._haystack_starts(hay, 64))
-    assert starts[0] == 0 and len(starts) == len(set(starts)) == 64
-    assert all(0 < s < niah._START_MARGIN for s in starts[1:])
-    sentences = starts[1:33]
-    assert sentences == sorted(sentences)
-    assert all(hay[s - 2 : s] in (". ", "\n\n") and hay[s].isupper() for s in sentences)
-    assert all(hay[s - 1] == " " and hay[s] != " " for s in starts[33:])  # word starts
-    # one sentence repeated: sentence starts all look alike, word starts give other texts to cut
-    periodic = "The quick brown fox jumps over the lazy dog again. " * 100
-    windows = {periodic[s : s + 20] for s in niah._haystack_starts(periodic, 64)}
-    assert len(windows) >= 10
 
 
 def test_depth_extremes_place_needle_first_and_last(bpe_tokenizer):
