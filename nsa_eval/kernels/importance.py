@@ -257,14 +257,15 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale, fi
 
 @torch.no_grad()
 def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_selected=16, num_init=1,
-                  num_local=2, scale=None, lse=None, chunk_bytes=IMPORTANCE_CHUNK_BYTES):
+                  num_local=2, scale=None, lse=None, chunk_bytes=None):
     """Choose the selection blocks of every query (see reference.py for the exact rule).
 
     Args:
         q: queries `[B, T, Hq, Dk]`; k_cmp: compressed keys `[B, Tc, Hkv, Dk]`.
         lse: optional `[B, T, Hq]` float32 lse of the compression branch (recomputed if None).
-        chunk_bytes: the most bytes of importances (and the top-k's scratch) held at once: past it the
-            queries of each sequence go in chunks of positions (the same blocks).
+        chunk_bytes: the most bytes of importances (and the top-k's scratch) held at once (default
+            `IMPORTANCE_CHUNK_BYTES`): past it the queries of each sequence go in chunks of positions
+            (the same blocks).
 
     Returns:
         int32 `[B, T, Hkv, num_selected]`, ascending, `-1` padded at the end.
@@ -282,11 +283,12 @@ def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_sele
                num_local=num_local)
     ns = cdiv(T, select_size)
     per_query = HKV * (ns + 2 * TOPK_CAP) * 4  # float32 importances, int32 scratch of the lean top-k
+    chunk_bytes = IMPORTANCE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if B * T * per_query <= chunk_bytes:
         imp = block_importance(q, k_cmp, lse, **params)
         return topk_blocks(imp, T=T, **top).view(B, T, HKV, num_selected)
     out = torch.empty(B, T, HKV, num_selected, device=q.device, dtype=torch.int32)
-    span = max(64, chunk_bytes // per_query // 64 * 64)  # positions a chunk: whole tiles, aligned starts
+    span = max(16, chunk_bytes // per_query // 16 * 16)  # positions a chunk, starts aligned as T's
     for b in range(B):
         for lo in range(0, T, span):
             rows = (slice(b, b + 1), slice(lo, lo + span))

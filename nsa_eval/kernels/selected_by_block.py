@@ -356,7 +356,7 @@ def _merge_kernel(
 
 
 def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presorted=False, gated_sum=None,
-                              store_o=True, before_merge=None, chunk_bytes=PARTIALS_CHUNK_BYTES):
+                              store_o=True, before_merge=None, chunk_bytes=None):
     """The selected branch's forward per key block: writes o `[B, T, Hq, Dv]` (if `store_o`) and lse
     `[B, T, Hq]` float32 (natural log), as `selection._selected_walk` does.
 
@@ -366,7 +366,8 @@ def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presor
     `before_merge`: called once the first partials' launches are queued, before the first merge (the
     prefill joins the window's stream there, so that the window runs beside the block-major kernel).
     Transient memory: the partials, n x Hq x Dv values of q's dtype per position (and the index): past
-    `chunk_bytes` of them each sequence goes a chunk of positions at a time (the same result)."""
+    `chunk_bytes` of them (default `PARTIALS_CHUNK_BYTES`) each sequence goes a chunk of positions at a
+    time (the same result)."""
     B, T, HQ, _ = q.shape
     HKV, DV = k.shape[2], v.shape[3]
     nsel = bi.shape[-1]
@@ -374,10 +375,11 @@ def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presor
         bi = bi.sort(dim=-1).values.contiguous()  # partials are numbered by slot of the sorted lists
     per_position = HKV * nsel * (HQ // HKV) * (DV * q.element_size() + 4) + HKV * nsel * 16  # + the index
     rest = list(gated_sum) if gated_sum is not None else []
+    chunk_bytes = PARTIALS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if B * T * per_position <= chunk_bytes:
         _by_block_part(q, k, v, bi, o, lse, rest, 0, select_size, scale, store_o, before_merge)
         return
-    span = max(64, chunk_bytes // per_position // 64 * 64)  # positions a chunk, aligned starts
+    span = max(16, chunk_bytes // per_position // 16 * 16)  # positions a chunk, starts aligned as T's
     for b in range(B):
         for lo in range(0, T, span):
             rows = (slice(b, b + 1), slice(lo, lo + span))  # contiguous slices of contiguous tensors

@@ -110,9 +110,9 @@ def test_unmasked_chunks_match_reference(geometry, group):
 @interpreted
 @pytest.mark.parametrize("geometry,group", [("paper", "G4"), ("fla", "G3")])
 def test_selection_in_chunks_of_queries_is_the_same(geometry, group):
-    """select_blocks with room for the importances of 64 queries at a time (7 chunks a sequence, the last
-    short, over 2 sequences) chooses the blocks it chooses in one pass, to the index; and the importances
-    of a chunk starting at 192 are the rows 192.. of the whole pass's, bit for bit."""
+    """select_blocks with room for the importances of 16 queries at a time (25 chunks a sequence over 2
+    sequences) chooses the blocks it chooses in one pass, to the index; and the importances of a chunk
+    starting at 192 are the rows 192.. of the whole pass's, bit for bit."""
     block_len, stride, select_size = GEOMETRIES[geometry]
     hq, hkv = GROUPS[group]
     T = 400

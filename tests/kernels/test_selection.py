@@ -120,7 +120,7 @@ def test_by_block_equals_walk_and_presorted_lists(shape):
 
 @interpreted
 def test_by_block_in_chunks_of_positions_is_the_same():
-    """The forward per block with room for the partials of 64 positions at a time (3 chunks a sequence,
+    """The forward per block with room for the partials of 16 positions at a time (10 chunks a sequence,
     the last short, over 2 sequences) writes the o, lse and gated sum of one pass, bit for bit: each
     chunk's lists are those of its positions (the causal mask, the blocks past a position dropped)."""
     B, T, hq, hkv, dk, dv = 2, 150, 8, 2, 16, 16

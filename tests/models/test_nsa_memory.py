@@ -128,3 +128,47 @@ def test_prefill_in_groups_of_rows_equals_all_rows_at_once(layout, monkeypatch):
         for name in a.tensors():
             torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-6, rtol=1e-5)
 
+
+
+@pytest.mark.slow
+def test_prefill_attention_holds_no_more_than_the_mlp(monkeypatch):
+    """The prefill's transient memory, counted tensor by tensor (`LiveBytes`) through the Triton kernels
+    (the interpreter on a CPU): a layer's NSA attention holds no more above its input than its MLP
+    does (12 hidden states: gate, up and their product at 4x the width), so the prefill peaks where a
+    Llama's does, in the MLP, above a cache of about full attention's size.
+
+    The model is the 1B shape scaled down (hidden 128 = 8 query heads x 16, 2 KV heads, MLP 4x, 16
+    selected blocks of 64) with the kernels' paths and chunk limits of 32k tokens scaled with it: the
+    forward per key block, importances in chunks of one hidden state's bytes, partials of two. Without
+    the chunks the attention held 24 hidden states (its partials alone 16)."""
+    from nsa_eval.kernels import importance, selected_by_block, selection
+    from tests.models.live_bytes import LiveBytes
+
+    T, C = 256, 128
+    hidden_state = T * C * 4  # bytes of one [1, T, C] float32 tensor
+    monkeypatch.setattr(selection, "SELECTED_BY_BLOCK_MIN_ROWS", 0)  # the 1B shape's path from 8k up
+    monkeypatch.setattr(importance, "IMPORTANCE_CHUNK_BYTES", hidden_state)  # 128 MiB at 32k
+    monkeypatch.setattr(selected_by_block, "PARTIALS_CHUNK_BYTES", 2 * hidden_state)  # 256 MiB at 32k
+    config = tiny_nsa_config(hidden_size=C, intermediate_size=4 * C, num_hidden_layers=1,
+                             num_attention_heads=8, num_key_value_heads=2, head_dim=16, block_len=32,
+                             stride=16, select_size=64, num_selected=16, window=64, kernel_impl="triton",
+                             max_position_embeddings=T)
+    torch.manual_seed(0)
+    model = NSAForCausalLM(config).eval()
+    held = {"attn": [], "mlp": []}
+    sections = []
+    for name, module in (("attn", model.model.layers[0].attn), ("mlp", model.model.layers[0].mlp)):
+        def enter(module, args, name=name):
+            sections.append(counter.section(held[name]))
+            sections[-1].__enter__()
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(lambda module, args, out: sections.pop().__exit__(None, None, None))
+    with torch.no_grad(), LiveBytes() as counter:
+        cache = getattr(model(torch.randint(0, 97, (1, T)), use_cache=True, logits_to_keep=1), CACHE_FIELD)
+    attention = held["attn"][0] - cache.nbytes()  # the layer's cache is allocated inside its attention
+    print(f"\nheld above the input, in hidden states: attention {attention / hidden_state:.2f} (+ its cache "
+          f"{cache.nbytes() / hidden_state:.2f}), MLP {held['mlp'][0] / hidden_state:.2f}; prefill peak "
+          f"{counter.peak / hidden_state:.2f}")
+    assert held["mlp"][0] == 12 * hidden_state
+    assert attention <= held["mlp"][0]
