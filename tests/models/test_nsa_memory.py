@@ -81,9 +81,12 @@ def llama_cache_bytes(config, ids: torch.Tensor) -> int:
     llama = LlamaForCausalLM(LlamaConfig(**{name: getattr(config, name) for name in widths},
                                          max_position_embeddings=ids.shape[1])).eval()
     with torch.no_grad():
-        cache = llama(ids, use_cache=True).past_key_values
-    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-    return sum(t.nbytes for t in tensors)
+        return dynamic_cache_bytes(getattr(llama(ids, use_cache=True), CACHE_FIELD))
+
+
+def dynamic_cache_bytes(cache) -> int:
+    """Bytes of the keys and values in transformers' DynamicCache."""
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 def test_cache_against_a_llama_cache_at_the_paper_sizes():
