@@ -182,7 +182,9 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
         g_cmp, g_slc, g_swa: gates ``[B, 1, Hq]``.
         cache_seqlens: int32 ``[B]`` valid tokens per sequence including the new one (default ``S``);
             the query sits at position ``cache_seqlens - 1``; cache entries beyond it are ignored.
-        k_swa, v_swa: window keys/values (default ``k``, ``v``), shaped like ``k``, ``v``.
+        k_swa, v_swa: window keys/values ``[B, W, Hkv, Dk]``, ``[B, W, Hkv, Dv]`` (default ``k``, ``v``):
+            position ``p`` in row ``p % W``, so ``W = S`` is laid out like ``k``, ``v`` and ``W >= window``
+            is a ring of the last ``W`` positions (the window branch reads no older key).
         block_len, stride, select_size, num_selected, num_init, num_local, window, scale: as in
             ``nsa_attention``. impl: ``auto``, ``reference`` or ``triton``.
         return_block_indices: also return the int32 ``[B, 1, Hkv, num_selected]`` selected blocks.

@@ -250,6 +250,21 @@ def _swa_keys(q, k, v, k_swa, v_swa) -> None:
         _tensor("v_swa", v_swa, "[B, T, Hkv, Dv] (like v)", list(v.shape), like=q)
 
 
+def _window_cache(q, k, v, k_swa, v_swa, window) -> None:
+    # the decode's window keys/values: laid out like k, v (W = S) or a ring of W >= window rows
+    B, S, Hkv, Dk = k.shape
+    W = S if k_swa is None else k_swa.shape[1]
+    if W != S and W < window:
+        raise ValueError(f"k_swa: expected shape [B, W, Hkv, Dk] with W = S ({S}) or W >= window ({window}) "
+                         f"rows (a ring), got {list(k_swa.shape)}")
+    if k_swa is not None:
+        _tensor("k_swa", k_swa, "[B, W, Hkv, Dk]", [B, W, Hkv, Dk], like=q)
+    if W != S and v_swa is None:
+        raise ValueError(f"v_swa: expected the window values as a ring of W = {W} rows like k_swa, got None")
+    if v_swa is not None:
+        _tensor("v_swa", v_swa, "[B, W, Hkv, Dv]", [B, W, Hkv, v.shape[3]], like=q)
+
+
 def check_nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, cache_seqlens, k_swa, v_swa, block_len,
                      stride, select_size, num_selected, num_init, num_local, window, scale) -> None:
     check_selection_params(block_len, stride, select_size, num_selected, num_init, num_local)
@@ -261,7 +276,7 @@ def check_nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, cache_seqlens, 
     if S == 0:
         raise ValueError(f"k: expected shape [B, S, Hkv, Dk] with S >= 1 cached tokens, got {list(k.shape)}")
     _keys(q, k_cmp, v_cmp, "k_cmp", "v_cmp", None, "Sc", Hkv=Hkv, Dv=Dv)
-    _swa_keys(q, k, v, k_swa, v_swa)
+    _window_cache(q, k, v, k_swa, v_swa, window)
     _gates(q, {"g_cmp": g_cmp, "g_slc": g_slc, "g_swa": g_swa}, 1)
     longest = S
     if cache_seqlens is not None:

@@ -185,7 +185,8 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
         g_cmp, g_slc, g_swa: gates `[B, 1, Hq]`.
         cache_seqlens: int `[B]` valid tokens incl. the new one (default S); the query sits at
             `cache_seqlens - 1`.
-        k_swa, v_swa: window caches, default k, v (same layout as k, v).
+        k_swa, v_swa: window caches `[B, W, Hkv, Dk]`, `[B, W, Hkv, Dv]`, default k, v: position p sits
+            in row p % W, so W = S is a cache laid out like k, v and W >= window a ring of the last W.
 
     Returns:
         o `[B, 1, Hq, Dv]`; with `return_block_indices` also int32 `[B, 1, Hkv, num_selected]`.
@@ -304,7 +305,7 @@ def decode_steps(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, k_swa, v_swa, lens,
         po,
         q.stride(0), q.stride(2), *k_swa.stride()[:3], *v_swa.stride()[:3], TC, HKV, G, npart, BC, sc_len,
         n_tiles, ns, block_len, stride, select_size, num_selected, num_init, num_local, n_imp, n_cmp, n_selp,
-        S, window, scale_log2, M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb,
+        k_swa.shape[1], window, scale_log2, M=M, BNS=bns, RATIO=ratio, SPILL=spill, NPB=npb,
         BNS_ALL=bns_all, NSEL2=nsel2, DK=DK, DV=DV, BDK=BDK, BDV=BDV, BW=BW, WT=WT,
         CPP=IMP_CHUNKS_PER_PROGRAM, TILE_IMP=tile_imp, CT=ct, JT=max(jt, 1), NSP=nsp, NSPP=pow2(nsp, 1),
         LEAN=lean, CAP=topk.TOPK_CAP, UPCAST=interp, **({} if interp else IMP_LAUNCH),

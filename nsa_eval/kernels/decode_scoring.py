@@ -116,16 +116,18 @@ def store_partial(PM, PL, PO, part, m, l, acc, o_r, o_dv, M: tl.constexpr, BDV: 
 
 
 @triton.jit
-def _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_w, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
+def _window_partial(q, KW, VW, i_b, i_hk, t, SW, window, i_w, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
                     o_r, o_dk, o_dv, G, scale_log2, DK: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
                     BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, UPCAST: tl.constexpr):
-    # partial softmax over window chunk i_w (WT tiles of BW keys from max(t - window + 1, 0))
+    # partial softmax over window chunk i_w (WT tiles of BW keys from max(t - window + 1, 0)); the window
+    # cache KW/VW has SW rows and holds position p in row p % SW (a ring of SW >= window rows, or the
+    # whole cache, SW = S > t)
     m_i, l_i, acc = softmax_start(M, BDV)
     start = tl.maximum(t - window + 1, 0) + i_w * (WT * BW)
     for j in tl.static_range(WT):
         o_k = start + j * BW + tl.arange(0, BW)
-        m_k = (o_k <= t) & (o_k < S)
-        _, m, l, o = partial_softmax(q, KW, VW, i_b, i_hk, o_k, m_k, skw_b, skw_t, skw_h, svw_b, svw_t,
+        m_k = o_k <= t
+        _, m, l, o = partial_softmax(q, KW, VW, i_b, i_hk, o_k % SW, m_k, skw_b, skw_t, skw_h, svw_b, svw_t,
                                      svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, UPCAST)
         m_i, l_i, acc = merge_softmax(m_i, l_i, acc, m, l, o)
     return m_i, l_i, acc
@@ -232,7 +234,7 @@ def decode_importance_kernel(
     LENS, SC, TI, TS, TM, PM, PL, IMP, BI, CNT, SCR, Q, KW, VW, PO,
     sq_b, sq_h, skw_b, skw_t, skw_h, svw_b, svw_t, svw_h,
     TC, HKV, G, NPART, CMP_TILE, SC_LEN, NTILES, NS, block_len, stride, select_size, num_selected, num_init,
-    num_local, NIMP, NCMP, NSELP, S, window, scale_log2,
+    num_local, NIMP, NCMP, NSELP, SW, window, scale_log2,
     M: tl.constexpr, BNS: tl.constexpr, RATIO: tl.constexpr, SPILL: tl.constexpr, NPB: tl.constexpr,
     BNS_ALL: tl.constexpr, NSEL2: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
     BDV: tl.constexpr, BW: tl.constexpr, WT: tl.constexpr, CPP: tl.constexpr, TILE_IMP: tl.constexpr,
@@ -242,13 +244,14 @@ def decode_importance_kernel(
     # Step 2, programs 0 .. NIMP-1 of a sequence x KV head: importances of CPP chunks of BNS selection
     # blocks each (from the scores SC) or, with TILE_IMP, of the JT blocks of CT tiles each (from TI, TS,
     # TM of step 1), and the top-k by the last of them to finish; NIMP ..: window chunks (partials
-    # NCMP + NSELP + i, after step 3's). IMP [B*HKV, NS] float32; BI [B*HKV, num_selected] int32.
+    # NCMP + NSELP + i, after step 3's) over the SW-row window cache KW/VW (`_window_partial`). IMP
+    # [B*HKV, NS] float32; BI [B*HKV, num_selected] int32.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1)
     if i_c >= NIMP:
         i_b, i_hk, t, o_r, o_dk, o_dv = program_rows(LENS, i_bh, HKV, BDK, BDV, M)
         q = load_q(Q, i_b, i_hk, G, sq_b, sq_h, o_r, o_dk, DK, UPCAST)
-        m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, S, window, i_c - NIMP, skw_b, skw_t, skw_h,
+        m_i, l_i, acc = _window_partial(q, KW, VW, i_b, i_hk, t, SW, window, i_c - NIMP, skw_b, skw_t, skw_h,
                                         svw_b, svw_t, svw_h, o_r, o_dk, o_dv, G, scale_log2, DK, DV, M, BDV,
                                         BW, WT, UPCAST)
         store_partial(PM, PL, PO, i_bh * NPART + NCMP + NSELP + i_c - NIMP, m_i, l_i, acc, o_r, o_dv, M, BDV)

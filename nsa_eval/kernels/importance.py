@@ -40,7 +40,7 @@ from nsa_eval.kernels._triton_utils import (
     wide_rows,
 )
 from nsa_eval.kernels.band import band_forward
-from nsa_eval.kernels.topk import topk_blocks
+from nsa_eval.kernels.topk import TOPK_CAP, topk_blocks
 
 # rows (positions x G') a program holds: more rows read each compressed key for more positions (fewer
 # bytes) at more registers and shared memory; 256 rows over 8 warps took select_blocks at 64k from
@@ -52,21 +52,27 @@ LAUNCH_BY_GROUP = {4: dict(num_warps=4, num_stages=2)}
 # selection blocks a chunk maps at once: the rotation's width, so the farthest block a compressed block
 # may reach (K <= 16, `block_importance`'s check) spills into the next chunk at most
 CHUNK_BLOCKS = 16
+# select_blocks' importances are float32 [queries x Hkv, blocks], quadratic in T (2 GiB for one 64k
+# sequence with 8 KV heads): past this many bytes it scores a sequence's queries a chunk of positions at
+# a time (6 chunks at 32k, 19 at 64k for 8 KV heads), each chunk filling the GPU still
+IMPORTANCE_CHUNK_BYTES = 128 * 2**20
 
 
 @triton.jit
 def _importance_kernel(
     Q, KC, LSE, IMP,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
-    T, TC, HQ, G, NS, scale_log2, block_len: tl.constexpr, stride: tl.constexpr, select_size: tl.constexpr,
+    T, T0, TC, HQ, G, NS, scale_log2,
+    block_len: tl.constexpr, stride: tl.constexpr, select_size: tl.constexpr,
     DK: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
     BNS: tl.constexpr, RATIO: tl.constexpr, K: tl.constexpr, UPCAST: tl.constexpr, LANES: tl.constexpr,
 ):
-    # K: the farthest selection block ahead of its own that a compressed block reaches (<= BNS);
-    # LANES: the lane-ordered map of RATIO = 4 (`_importance_chunk`)
+    # The T queries of Q, LSE and IMP's rows sit at positions T0 .. T0 + T - 1. K: the farthest
+    # selection block ahead of its own that a compressed block reaches (<= BNS); LANES: the lane-ordered
+    # map of RATIO = 4 (`_importance_chunk`)
     BC: tl.constexpr = BNS * RATIO  # compressed blocks per chunk of BNS selection blocks
     HKV = HQ // G
-    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
+    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)  # t0, r_t: rows of Q, not positions
     r_g = o_r % GP
     o_dk = tl.arange(0, BDK)
     q, q2 = load_rows(Q + i_b * sq_b + (i_hk * G + r_g) * sq_h + r_t.to(tl.int64) * sq_t, m_r, DK, BDK, BDK2,
@@ -74,8 +80,9 @@ def _importance_kernel(
     lse = tl.load(LSE + (i_b * T + r_t) * HQ + i_hk * G + r_g, mask=m_r, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634  # [M]
     k_base = KC + i_b * sk_b + i_hk * sk_h
+    p_t = T0 + r_t  # [M] position of each row
 
-    t_last = tl.minimum(t0 + BT - 1, T - 1)
+    t_last = T0 + tl.minimum(t0 + BT - 1, T - 1)
     ns_hi = t_last // select_size + 1
     carry = tl.zeros([BT, BNS], tl.float32)
     r_rows = (i_b * T + t0 + tl.arange(0, BT)) * HKV + i_hk  # [BT] rows of IMP
@@ -83,15 +90,15 @@ def _importance_kernel(
     # chunks whose compressed blocks are all visible to the program's first position, so to every row,
     # skip the visibility mask (a compare and select per probability); padding rows (past T, or heads
     # past G) drop out there through lse = +inf
-    n_full = tl.minimum(tl.maximum(t0 - block_len + 1 + stride, 0) // stride, TC)  # blocks t0 sees
+    n_full = tl.minimum(tl.maximum(T0 + t0 - block_len + 1 + stride, 0) // stride, TC)  # blocks t0 sees
     j_full = (n_full // BC) * BNS
     lse_full = tl.where(m_r, lse, float("inf"))
     for j0 in range(0, j_full, BNS):
-        carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse_full, r_t, m_r, j0, TC, stride, block_len,
+        carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse_full, p_t, m_r, j0, TC, stride, block_len,
                                   scale_log2, carry, IMP, r_rows, m_rows, NS, select_size, DK, BDK, BDK2, BT,
                                   GP, BNS, RATIO, K, UPCAST, LANES, False)
     for j0 in range(j_full, ns_hi, BNS):
-        carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, r_t, m_r, j0, TC, stride, block_len,
+        carry = _importance_chunk(q, q2, k_base, sk_t, o_dk, lse, p_t, m_r, j0, TC, stride, block_len,
                                   scale_log2, carry, IMP, r_rows, m_rows, NS, select_size, DK, BDK, BDK2, BT,
                                   GP, BNS, RATIO, K, UPCAST, LANES, True)
 
@@ -211,16 +218,17 @@ def importance_launch(GP: int, dtype: torch.dtype, dk: int = 128) -> dict:
     return launch
 
 
-def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
+def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale, first=0, num_blocks=None):
     """Importance of every selection block for every (query, KV head), summed over the group.
 
     q [B,T,Hq,Dk], k_cmp [B,Tc,Hkv,Dk], lse [B,T,Hq] (compression branch) -> float32
-    [B*T*Hkv, Ns]; entries of blocks after a row's own block are left unwritten.
+    [B*T*Hkv, Ns]; entries of blocks after a row's own block are left unwritten. The queries sit at
+    positions `first .. first + T - 1`; Ns = `num_blocks`, default the blocks of `first + T` tokens.
     """
     B, T, HQ, DK = q.shape
     TC, HKV = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // HKV
-    ns = cdiv(T, select_size)
+    ns = cdiv(first + T, select_size) if num_blocks is None else num_blocks
     if select_size % stride or (select_size // stride) & (select_size // stride - 1):
         raise ValueError(
             f"the Triton select_blocks needs select_size a power-of-two multiple of stride, got "
@@ -240,7 +248,7 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
     BDK, BDK2 = dk_tiles(DK)
     launcher(_importance_kernel)[(cdiv(T, BT), B * HKV)](
         q, k_cmp, lse, imp, q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1),
-        k_cmp.stride(2), T, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
+        k_cmp.stride(2), T, first, TC, HQ, G, ns, scale * LOG2E, block_len, stride, select_size,
         DK=DK, BDK=BDK, BDK2=BDK2, GP=GP, BT=BT, BNS=CHUNK_BLOCKS, RATIO=ratio, K=shifts,
         UPCAST=interpreting(), LANES=ratio == 4, **launch,
     )
@@ -249,12 +257,15 @@ def block_importance(q, k_cmp, lse, *, block_len, stride, select_size, scale):
 
 @torch.no_grad()
 def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_selected=16, num_init=1,
-                  num_local=2, scale=None, lse=None):
+                  num_local=2, scale=None, lse=None, chunk_bytes=None):
     """Choose the selection blocks of every query (see reference.py for the exact rule).
 
     Args:
         q: queries `[B, T, Hq, Dk]`; k_cmp: compressed keys `[B, Tc, Hkv, Dk]`.
         lse: optional `[B, T, Hq]` float32 lse of the compression branch (recomputed if None).
+        chunk_bytes: the most bytes of importances (and the top-k's scratch) held at once (default
+            `IMPORTANCE_CHUNK_BYTES`): past it the queries of each sequence go in chunks of positions
+            (the same blocks).
 
     Returns:
         int32 `[B, T, Hkv, num_selected]`, ascending, `-1` padded at the end.
@@ -266,8 +277,23 @@ def select_blocks(q, k_cmp, *, block_len=32, stride=16, select_size=64, num_sele
     if lse is None:
         _, lse = band_forward(q, k_cmp, k_cmp[..., :1], scale=scale, key_stride=stride,
                               key_offset=block_len - 1)
-    imp = block_importance(q, k_cmp, lse.contiguous(), block_len=block_len, stride=stride,
-                           select_size=select_size, scale=scale)
-    idx = topk_blocks(imp, T=T, num_kv_heads=HKV, select_size=select_size, num_selected=num_selected,
-                      num_init=num_init, num_local=num_local)
-    return idx.view(B, T, HKV, num_selected)
+    lse = lse.contiguous()
+    params = dict(block_len=block_len, stride=stride, select_size=select_size, scale=scale)
+    top = dict(num_kv_heads=HKV, select_size=select_size, num_selected=num_selected, num_init=num_init,
+               num_local=num_local)
+    ns = cdiv(T, select_size)
+    per_query = HKV * (ns + 2 * TOPK_CAP) * 4  # float32 importances, int32 scratch of the lean top-k
+    chunk_bytes = IMPORTANCE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    if B * T * per_query <= chunk_bytes:
+        imp = block_importance(q, k_cmp, lse, **params)
+        return topk_blocks(imp, T=T, **top).view(B, T, HKV, num_selected)
+    out = torch.empty(B, T, HKV, num_selected, device=q.device, dtype=torch.int32)
+    span = max(16, chunk_bytes // per_query // 16 * 16)  # positions a chunk, starts aligned as T's
+    for b in range(B):
+        for lo in range(0, T, span):
+            rows = (slice(b, b + 1), slice(lo, lo + span))
+            imp = block_importance(q[rows], k_cmp[b : b + 1], lse[rows], **params, first=lo, num_blocks=ns)
+            positions = torch.arange(lo, min(lo + span, T), device=q.device, dtype=torch.int32)
+            out[rows] = topk_blocks(imp, T=T, positions=positions, **top).view(1, -1, HKV, num_selected)
+            del imp  # before the next chunk's
+    return out

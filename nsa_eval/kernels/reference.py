@@ -464,7 +464,9 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
         g_cmp, g_slc, g_swa: gates ``[B, 1, Hq]``.
         cache_seqlens: int ``[B]`` valid tokens per sequence including the new one (default ``S``);
             the new query sits at position ``cache_seqlens - 1``; anything beyond is ignored.
-        k_swa, v_swa: window keys/values, default ``k``, ``v``.
+        k_swa, v_swa: window keys/values ``[B, W, Hkv, Dk]``, ``[B, W, Hkv, Dv]``, default ``k``, ``v``:
+            position ``p`` sits in row ``p % W`` (``W = S``: laid out like ``k``, ``v``; ``W >= window``:
+            a ring holding the last ``W`` positions).
         block_len, stride, select_size, num_selected, num_init, num_local, window, scale: as in
             ``nsa_attention``.
         return_block_indices: also return the selected blocks.
@@ -483,7 +485,8 @@ def nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, *, cache_seqlens=None
     params = dict(block_len=block_len, stride=stride, select_size=select_size, num_selected=num_selected,
                   num_init=num_init, num_local=num_local, window=window,
                   scale=_scale_or_default(scale, q.shape[-1]))
-    kv = [x.float() for x in (k, v, k_cmp, v_cmp, k_swa, v_swa)]
+    ring = torch.arange(S, device=k_swa.device) % k_swa.shape[1]  # [S] the window row of each position
+    kv = [x.float() for x in (k, v, k_cmp, v_cmp, k_swa[:, ring], v_swa[:, ring])]
     o, idx = _nsa_chunk(q.float(), q_pos, *kv, g_cmp.float(), g_slc.float(), g_swa.float(),
                         -(-S // select_size), params)
     o = o.to(q.dtype)  # [B, 1, Hq, Dv]

@@ -46,6 +46,11 @@ from nsa_eval.kernels._triton_utils import (
 BY_BLOCK_ROWS = 64
 BY_BLOCK_CHUNK_STEPS = 32
 BY_BLOCK_CONFIG = dict(num_warps=4, num_stages=3)
+# the partials are n x Hq x Dv values a position, 32x what the position's keys and values take with
+# the paper's 16 blocks and G = 4 (2 GiB for one 32k sequence of Llama-3.2-1B's shape): past this many
+# bytes a sequence goes a chunk of positions at a time (3,840 positions there), each chunk filling the
+# GPU still, its blocks' keys and values read once more per chunk
+PARTIALS_CHUNK_BYTES = 256 * 2**20
 MERGE_CONFIG = dict(num_warps=4, num_stages=1)
 
 
@@ -119,10 +124,11 @@ def _scan_counts(COUNTS, SEG_START, SUB_START, ITEM_FIRST, N_ITEMS, NSEG, CHUNK,
 
 
 @triton.jit
-def _count_kernel(BI, SEG, RANK, COUNTS, ARRIVED, SEG_START, SUB_START, ITEM_FIRST, N_ITEMS, E, T, HKV, NSEL,
-                  NS, NSEG, CHUNK, BS: tl.constexpr, SPREAD: tl.constexpr, BLOCK: tl.constexpr,
+def _count_kernel(BI, SEG, RANK, COUNTS, ARRIVED, SEG_START, SUB_START, ITEM_FIRST, N_ITEMS, E, T, T0, HKV,
+                  NSEL, NS, NSEG, CHUNK, BS: tl.constexpr, SPREAD: tl.constexpr, BLOCK: tl.constexpr,
                   SCAN_BLOCK: tl.constexpr):
-    # each entry e of the sorted lists BI [B, T, HKV, NSEL] (flat): its segment SEG[e] = (b * HKV + h)
+    # each entry e of the sorted lists BI [B, T, HKV, NSEL] (flat; list t of position T0 + t): its
+    # segment SEG[e] = (b * HKV + h)
     # * NS + block, -1 if unusable (padding, a repeat of the entry before it, a block starting after
     # the position), and RANK[e] its place among the entries its program counts in its segment's
     # counter COUNTS[seg, pid % SPREAD] (one atomic each). The program that finishes last (ARRIVED, a
@@ -133,7 +139,7 @@ def _count_kernel(BI, SEG, RANK, COUNTS, ARRIVED, SEG_START, SUB_START, ITEM_FIR
     slot = e % NSEL
     blk = tl.load(BI + e, mask=m, other=-1)
     prev = tl.load(BI + e - 1, mask=m & (slot > 0), other=-1)
-    t = e // (HKV * NSEL) % T
+    t = T0 + e // (HKV * NSEL) % T  # the list's position
     usable = m & (blk >= 0) & (blk < NS) & (blk * BS <= t) & (blk != prev)
     seg = tl.where(usable, (e // (T * HKV * NSEL) * HKV + e // NSEL % HKV) * NS + blk, -1)
     counter = tl.maximum(seg, 0) * SPREAD + pid % SPREAD
@@ -165,7 +171,7 @@ def _scatter_kernel(SEG, RANK, SEG_START, SUB_START, ITEM_FIRST, ENTRY, ITEM_SEG
     tl.store(ITEM_CHUNK + item, rank // CHUNK, mask=opens)
 
 
-def block_entries(bi, *, select_size, chunk, block=INDEX_BLOCK, spread=INDEX_SPREAD):
+def block_entries(bi, *, select_size, chunk, block=INDEX_BLOCK, spread=INDEX_SPREAD, first=0):
     """The usable entries of sorted lists grouped by key block, for the forward per block, in two
     launches and without a host sync (`inverted_index` holds the same groups in ~30 torch ops).
 
@@ -176,9 +182,9 @@ def block_entries(bi, *, select_size, chunk, block=INDEX_BLOCK, spread=INDEX_SPR
     work item per `chunk` entries of a segment: `item_seg` and `item_chunk` `[n_items_max]`, valid
     below `n_items` (int32 `[1]`, on the device). Padding, repeats and blocks past the position are
     dropped, as in `inverted_index`. `block`: list entries per program; `spread` (a power of two):
-    counters per segment."""
+    counters per segment. `first`: the position of list t is `first + t`."""
     B, T, HKV, n = bi.shape
-    ns = cdiv(T, select_size)
+    ns = cdiv(first + T, select_size)
     nseg, E = B * HKV * ns, bi.numel()
     max_items = cdiv(E, chunk) + nseg  # >= the items, known without a sync
     dev = bi.device
@@ -193,8 +199,8 @@ def block_entries(bi, *, select_size, chunk, block=INDEX_BLOCK, spread=INDEX_SPR
         entry = torch.empty(E, device=dev, dtype=torch.int64)
     grid = (cdiv(E, block),)
     launcher(_count_kernel)[grid](
-        bi, seg, rank, counts, arrived, seg_start, sub_start, item_first, n_items, E, T, HKV, n, ns, nseg,
-        chunk, BS=select_size, SPREAD=spread, BLOCK=block, SCAN_BLOCK=512 if nseg > 128 else 128)
+        bi, seg, rank, counts, arrived, seg_start, sub_start, item_first, n_items, E, T, first, HKV, n, ns,
+        nseg, chunk, BS=select_size, SPREAD=spread, BLOCK=block, SCAN_BLOCK=512 if nseg > 128 else 128)
     launcher(_scatter_kernel)[grid](seg, rank, seg_start, sub_start, item_first, entry, item_seg, item_chunk,
                                     E, chunk, SPREAD=spread, BLOCK=block)
     return entry, seg_start, item_seg, item_chunk, n_items
@@ -267,7 +273,7 @@ def block_kv(K, V, i_b, i_hk, blk, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, DK: tl
 def _by_block_kernel(
     Q, K, V, ITEM_SEG, ITEM_CHUNK, N_ITEMS, SEG_START, ENTRY, PO, PLSE,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-    T, HQ, G, NS, NSEG, NSEL, scale_log2, CHUNK,
+    T, T0, TK, HQ, G, NS, NSEG, NSEL, scale_log2, CHUNK,
     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDK2: tl.constexpr, BDV: tl.constexpr,
     GP: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr, UPCAST: tl.constexpr, PRELOAD: tl.constexpr,
 ):
@@ -275,7 +281,8 @@ def _by_block_kernel(
     # `inverted_index`: up to CHUNK (= PRELOAD, a power of two) entries of one (b, kv head, block)
     # segment, BQ of them x the G heads per MMA (M = BQ * GP rows). Each entry e (flat index ENTRY[e]
     # into the [B, T, HKV, NSEL] lists) leaves G partial rows: PO [E_all * G, DV] (o over this block's
-    # keys) and PLSE [E_all * G] (their log2-sum-exp, scaled).
+    # keys) and PLSE [E_all * G] (their log2-sum-exp, scaled). The T lists (and rows of Q) are those of
+    # positions T0 .. T0 + T - 1; K and V hold TK tokens.
     M: tl.constexpr = BQ * GP
     i_item = tl.program_id(0)
     seg = tl.load(ITEM_SEG + i_item, mask=i_item < tl.load(N_ITEMS), other=NSEG)
@@ -283,7 +290,7 @@ def _by_block_kernel(
         HKV = HQ // G
         blk, i_b, i_hk, start, end = item_range(ITEM_CHUNK, SEG_START, seg, i_item, HQ, G, NS, CHUNK)
         # o_k [BS] token positions of the block, k [BS, BDK], k2 [BS, BDK2], v [BS, BDV]
-        o_k, _, k, k2, v = block_kv(K, V, i_b, i_hk, blk, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, DK, DV,
+        o_k, _, k, k2, v = block_kv(K, V, i_b, i_hk, blk, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, TK, DK, DV,
                                     BDK, BDK2, BDV, BS, UPCAST)
         o_dv = tl.arange(0, BDV)
         o_r = tl.arange(0, M)
@@ -296,13 +303,13 @@ def _by_block_kernel(
             m_r = (e < end) & (r_g < G)
             ent = tl.gather(item_entry, tl.minimum(e - start, PRELOAD - 1), 0)
             ent = tl.where(m_r, ent, 0).to(tl.int64)  # [M] flat (b, t, kv head, slot)
-            r_t = (ent // (HKV * NSEL)) % T  # [M] query position
+            r_t = (ent // (HKV * NSEL)) % T  # [M] query row, at position T0 + r_t
             q, q2 = load_rows(Q + i_b * sq_b + r_h * sq_h + r_t * sq_t, m_r, DK, BDK, BDK2,
                               UPCAST)  # [M, BDK], [M, BDK2]
             s = dot(q, tl.trans(k))  # [M, BS]
             if BDK2 > 0:
                 s += dot(q2, tl.trans(k2))
-            valid = (o_k[None, :] <= r_t[:, None]) & m_r[:, None]
+            valid = (o_k[None, :] <= T0 + r_t[:, None]) & m_r[:, None]
             m_i, l_i, acc = softmax_start(M, BDV)
             m_i, l_i, acc = online_softmax_step(s, valid, v, m_i, l_i, acc, scale_log2)
             # every entry's block starts at or before its position: l_i > 0 on the rows stored
@@ -315,14 +322,14 @@ def _by_block_kernel(
 
 @triton.jit
 def _merge_kernel(
-    BI, PO, PLSE, O, LSE, OC, OW, GC, GS, GW, OUT, T, HQ, G, NSEL,
+    BI, PO, PLSE, O, LSE, OC, OW, GC, GS, GW, OUT, T, T0, HQ, G, NSEL,
     DV: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr, NP: tl.constexpr, BS: tl.constexpr,
     GATE_SUM: tl.constexpr, STORE_O: tl.constexpr,
 ):
     # One program per (position, b * kv head): the partials [NSEL, G, DV] of its list's usable entries
     # (sorted lists BI [B, T, HKV, NSEL]: an entry is usable if it is a block starting at or before
     # the position and not a repeat of the entry before it), one contiguous read, merged per head as
-    # a softmax over the blocks' log2-sum-exps.
+    # a softmax over the blocks' log2-sum-exps. Row t is position T0 + t.
     t = tl.program_id(0)
     i_bh = tl.program_id(1)
     HKV = HQ // G
@@ -334,7 +341,7 @@ def _merge_kernel(
     o_dv = tl.arange(0, BDV)
     blk = tl.load(BI + lists + o_s, mask=o_s < NSEL, other=-1)  # [NP]
     prev = tl.load(BI + lists + o_s - 1, mask=(o_s > 0) & (o_s < NSEL), other=-1)
-    usable = (blk >= 0) & (blk * BS <= t) & (blk != prev)  # [NP]
+    usable = (blk >= 0) & (blk * BS <= T0 + t) & (blk != prev)  # [NP]
     part = (lists + o_s)[:, None] * G + o_g[None, :]  # [NP, GP] partial rows
     m_part = usable[:, None] & (o_g < G)[None, :]
     pl = tl.load(PLSE + part, mask=m_part, other=float("-inf"))  # [NP, GP]
@@ -349,22 +356,45 @@ def _merge_kernel(
 
 
 def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presorted=False, gated_sum=None,
-                              store_o=True, before_merge=None):
+                              store_o=True, before_merge=None, chunk_bytes=None):
     """The selected branch's forward per key block: writes o `[B, T, Hq, Dv]` (if `store_o`) and lse
     `[B, T, Hq]` float32 (natural log), as `selection._selected_walk` does.
 
     q `[B, T, Hq, Dk]`, k `[B, T, Hkv, Dk]`, v `[B, T, Hkv, Dv]` contiguous; bi int32 `[B, T, Hkv, n]`
     contiguous (`presorted`: every list ascending, as `select_blocks` writes them). `gated_sum`:
     `(o_cmp, o_swa, g_cmp, g_slc, g_swa, out)`, NSA's gated output written to `out` by the merge.
-    `before_merge`: called once the partials' launches are queued, before the merge's (the prefill
-    joins the window's stream there, so that the window runs beside the block-major kernel).
-    Transient memory: the partials, n x Hq x Dv values of q's dtype per position."""
-    B, T, HQ, DK = q.shape
+    `before_merge`: called once the first partials' launches are queued, before the first merge (the
+    prefill joins the window's stream there, so that the window runs beside the block-major kernel).
+    Transient memory: the partials, n x Hq x Dv values of q's dtype per position (and the index): past
+    `chunk_bytes` of them (default `PARTIALS_CHUNK_BYTES`) each sequence goes a chunk of positions at a
+    time (the same result)."""
+    B, T, HQ, _ = q.shape
     HKV, DV = k.shape[2], v.shape[3]
-    G = HQ // HKV
     nsel = bi.shape[-1]
     if not presorted:
         bi = bi.sort(dim=-1).values.contiguous()  # partials are numbered by slot of the sorted lists
+    per_position = HKV * nsel * (HQ // HKV) * (DV * q.element_size() + 4) + HKV * nsel * 16  # + the index
+    rest = list(gated_sum) if gated_sum is not None else []
+    chunk_bytes = PARTIALS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    if B * T * per_position <= chunk_bytes:
+        _by_block_part(q, k, v, bi, o, lse, rest, 0, select_size, scale, store_o, before_merge)
+        return
+    span = max(16, chunk_bytes // per_position // 16 * 16)  # positions a chunk, starts aligned as T's
+    for b in range(B):
+        for lo in range(0, T, span):
+            rows = (slice(b, b + 1), slice(lo, lo + span))  # contiguous slices of contiguous tensors
+            _by_block_part(q[rows], k[b : b + 1], v[b : b + 1], bi[rows], o[rows], lse[rows],
+                           [x[rows] for x in rest], lo, select_size, scale, store_o, before_merge)
+            before_merge = None  # the streams have joined
+
+
+def _by_block_part(q, k, v, bi, o, lse, gated_sum, first, select_size, scale, store_o, before_merge):
+    # `selected_forward_by_block` for the lists bi [B, T, Hkv, n] (and rows of q, o, lse, the gated sum's
+    # tensors) of positions first .. first + T - 1 over the keys k, v [B, TK, Hkv, D]
+    B, T, HQ, DK = q.shape
+    TK, HKV, DV = k.shape[1], k.shape[2], v.shape[3]
+    G = HQ // HKV
+    nsel = bi.shape[-1]
     GP = pow2(G, 1)
     rows = 16 if interpreting() else BY_BLOCK_ROWS
     BQ = max(1, rows // GP)  # positions per MMA
@@ -374,21 +404,21 @@ def selected_forward_by_block(q, k, v, bi, o, lse, *, select_size, scale, presor
     plse = torch.empty(B * T * HKV * nsel * G, device=q.device, dtype=torch.float32)
     if B * T * HKV * nsel:
         entry, seg_start, item_seg, item_chunk, n_items = block_entries(bi, select_size=select_size,
-                                                                        chunk=chunk)
-        ns = cdiv(T, select_size)
+                                                                        chunk=chunk, first=first)
+        ns = cdiv(first + T, select_size)
         BDK, BDK2 = dk_tiles(DK)
         launcher(_by_block_kernel)[(item_seg.numel(),)](
             q, k, v, item_seg, item_chunk, n_items, seg_start, entry, po, plse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), T, HQ, G, ns, B * HKV * ns, nsel, scale * LOG2E, chunk,
-            DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size,
+            v.stride(0), v.stride(1), v.stride(2), T, first, TK, HQ, G, ns, B * HKV * ns, nsel, scale * LOG2E,
+            chunk, DK=DK, DV=DV, BDK=BDK, BDK2=BDK2, BDV=pow2(DV), GP=GP, BQ=BQ, BS=select_size,
             UPCAST=interpreting(), PRELOAD=chunk, **BY_BLOCK_CONFIG,
         )
     if before_merge is not None:
         before_merge()
     dummy = o
     launcher(_merge_kernel)[(T, B * HKV)](
-        bi, po, plse, o, lse, *(gated_sum if gated_sum is not None else (dummy,) * 6), T, HQ, G, nsel,
-        DV=DV, BDV=pow2(DV), GP=GP, NP=pow2(nsel, 1), BS=select_size, GATE_SUM=gated_sum is not None,
+        bi, po, plse, o, lse, *(gated_sum if gated_sum else (dummy,) * 6), T, first, HQ, G, nsel,
+        DV=DV, BDV=pow2(DV), GP=GP, NP=pow2(nsel, 1), BS=select_size, GATE_SUM=bool(gated_sum),
         STORE_O=store_o, **MERGE_CONFIG,
     )

@@ -1,18 +1,26 @@
-"""The generation cache of the NSA model: raw and compressed keys/values, per layer, in fixed buffers.
+"""The generation cache of the NSA model: raw, window and compressed keys/values, per layer, in fixed buffers.
 
 Per layer it keeps, each with room for `capacity` tokens (`capacity_cmp` compressed blocks):
-- `k`, `v`        `[B, capacity, Hkv, Dk]` / `[.., Dv]`: the selection branch's keys (rotated) and values;
-- `k_swa`, `v_swa` the window branch's, only when branches have separate keys/values (`shared_kv=False`);
+- `k`, `v`        `[B, capacity, Hkv, Dk]` / `[.., Dv]`: the selection branch's keys (rotated) and values,
+  every token (with `shared_kv` the window reads them too);
+- `k_swa`, `v_swa` `[B, window, Hkv, D]`: the window branch's own keys/values (`shared_kv=False`,
+  `window > 0`) for the last `window` tokens only, token `p` in row `p % window`: the branch reads no
+  older one;
 - `k_cmp`, `v_cmp` `[B, capacity_cmp + 1, Hkv, D]`: compressed blocks, block `i` in row `i`; the last
   row is a spare that a decode step writes when its token completes no block (so the step has no branch);
-- `k_ring`, `v_ring` `[B, block_len, Hkv, D]`: the compression inputs of the last `block_len` tokens,
-  token `p` in row `p % block_len`, from which a decode step compresses the block its token completes.
+- `k_cmp_in`, `v_cmp_in` `[B, block_len, Hkv, D]`: the compression inputs of the last `block_len`
+  tokens, token `p` in row `p % block_len`, from which a decode step compresses the block its token
+  completes.
+
+So per layer and token it holds what full attention holds, `Hkv * (Dk + Dv)` values, plus the
+compressed blocks' `1 / stride` of that, and a fixed `window + block_len` tokens' worth besides
+(`nbytes`, `docs/models.md`).
 
 The buffers are preallocated and written in place, so a decode step is the same launches at the same
 addresses every time: the model replays it from a CUDA graph (`decode_graph.py`). The position of the
 next token lives twice: `length` on the host (shapes, statistics) and `position` `[1]` int64 on the
 device (what a replayed step reads and advances). Capacity grows in steps of `CAPACITY_STEP` tokens;
-growing copies the buffers (and drops any captured graph).
+growing copies the buffers (and drops any captured graph); the rings never grow.
 
 Every row of the batch has the same length: the NSA model does not take padded batches (the lm-eval
 adapter generates row by row instead).
@@ -29,9 +37,13 @@ import torch
 #   -> (k_cmp [B, n, Hkv, Dk], v_cmp [B, n, Hkv, Dv])
 CompressFn = Callable[[torch.Tensor, torch.Tensor, "int | torch.Tensor"], tuple[torch.Tensor, torch.Tensor]]
 
-# Capacity is a multiple of this: the Triton decode compiles per capacity (its launch constants follow
-# the buffer sizes), and every token up to it is decoded by the same captured graph.
-CAPACITY_STEP = 4096
+# Capacity is a multiple of this: the Triton decode's launch constants follow the buffer sizes
+# (`NSAForCausalLM.warm_up_decode` runs every capacity once), and every token up to it is decoded by the
+# same captured graph. At most this many tokens of room stand unused: 1/32 of a 32k prompt's cache.
+CAPACITY_STEP = 1024
+
+# the rings: buffer name -> the config size that gives its rows
+RINGS = {"k_swa": "window", "v_swa": "window", "k_cmp_in": "block_len", "v_cmp_in": "block_len"}
 
 
 def num_compressed(length: int, block_len: int, stride: int) -> int:
@@ -50,15 +62,17 @@ class DecodeStep:
 
     Attributes:
         pos: `[1]` its position; lens: int32 `[B]` the tokens each row holds with it (the decode
-            kernels' `cache_seqlens`); ring_row: `[1]` its row in the ring of compression inputs.
-        block_rows: `[block_len]` the ring rows of the block ending at `pos`, in token order.
+            kernels' `cache_seqlens`); window_row: `[1]` its row in the window ring (`pos % window`).
+        cmp_in_row: `[1]` its row in the ring of compression inputs; block_rows: `[block_len]` the rows
+            there of the block ending at `pos`, in token order.
         first_block: `[1]` that block's index; cmp_row: `[1]` the compressed row it is written to (the
             spare row when `pos` completes no block).
     """
 
     pos: torch.Tensor
     lens: torch.Tensor
-    ring_row: torch.Tensor
+    window_row: torch.Tensor
+    cmp_in_row: torch.Tensor
     block_rows: torch.Tensor
     first_block: torch.Tensor
     cmp_row: torch.Tensor
@@ -74,8 +88,8 @@ class NSALayerCache:
     v_swa: torch.Tensor | None = None
     k_cmp: torch.Tensor | None = None
     v_cmp: torch.Tensor | None = None
-    k_ring: torch.Tensor | None = None
-    v_ring: torch.Tensor | None = None
+    k_cmp_in: torch.Tensor | None = None
+    v_cmp_in: torch.Tensor | None = None
 
     def tensors(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
@@ -85,15 +99,19 @@ class NSACache:
     """Raw and compressed keys/values of every layer; what `generate()` passes back to the model.
 
     After a forward over T new tokens the cache holds exactly what a prefill over all tokens would
-    have computed: raw keys/values of every token and every complete compressed block.
+    have computed: raw keys/values of every token (the window's of the last `window`) and every
+    complete compressed block. `window`: rows of the window ring, 0 where the layers have no window
+    keys/values of their own.
     """
 
     is_compileable = False  # read by transformers' generate(): this is not transformers' StaticCache
 
-    def __init__(self, num_layers: int, block_len: int, stride: int):
+    def __init__(self, num_layers: int, block_len: int, stride: int, window: int = 0):
         self.layers = [NSALayerCache() for _ in range(num_layers)]
         self.block_len = block_len
         self.stride = stride
+        self.window = window
+        self.batch = 0  # rows, set by the first forward
         self.length = 0  # tokens written (after the forward in flight, if any)
         self.capacity = 0
         self.position: torch.Tensor | None = None  # int64 [1]: the next token's position, on the device
@@ -119,6 +137,10 @@ class NSACache:
         """Complete compressed blocks over the tokens written."""
         return num_compressed(self.length, self.block_len, self.stride)
 
+    def nbytes(self) -> int:
+        """Bytes of every buffer the cache holds (what it keeps of the GPU's memory)."""
+        return sum(getattr(layer, name).nbytes for layer in self.layers for name in layer.tensors())
+
     # ---- buffers
     def reserve(self, length: int) -> None:
         """Make room for `length` tokens (a new, larger set of buffers holds the old contents)."""
@@ -129,42 +151,45 @@ class NSACache:
         self.decode_graph = None  # it captured the old buffers' addresses
         n_cmp = self.capacity_cmp + 1  # + the spare row
         for layer in self.layers:
-            for name in ("k", "v", "k_swa", "v_swa"):
+            for name in ("k", "v"):
                 setattr(layer, name, _grown(getattr(layer, name), self.capacity))
             for name in ("k_cmp", "v_cmp"):  # the blocks, not the old spare row
                 buffer = getattr(layer, name)
                 setattr(layer, name, _grown(None if buffer is None else buffer[:, :old_cmp], n_cmp))
 
+    def _rows(self, name: str) -> int:
+        if name in RINGS:
+            return getattr(self, RINGS[name])
+        return self.capacity_cmp + 1 if name in ("k_cmp", "v_cmp") else self.capacity
+
     def _allocate(self, layer: NSALayerCache, new: dict[str, torch.Tensor | None]) -> None:
-        """First write to a layer: buffers shaped like the new tensors `[B, T, H, D]`."""
+        """First write to a layer: buffers of `batch` rows shaped like the new tensors `[b, T, H, D]`."""
         for name, x in new.items():
-            if x is None:
-                continue
-            B, _, H, D = x.shape
-            rows = {"k_cmp": self.capacity_cmp + 1, "v_cmp": self.capacity_cmp + 1,
-                    "k_ring": self.block_len, "v_ring": self.block_len}.get(name, self.capacity)
-            # zeros: kernels read whole tiles, and rows past the length must stay finite
-            setattr(layer, name, x.new_zeros(B, rows, H, D))
+            if x is not None:
+                # zeros: kernels read whole tiles, and rows past the length must stay finite
+                setattr(layer, name, x.new_zeros(self.batch, self._rows(name), *x.shape[2:]))
 
     # ---- writes
     def prefill(self, layer_idx: int, new: dict[str, torch.Tensor | None], k_cmp: torch.Tensor,
-                v_cmp: torch.Tensor) -> NSALayerCache:
-        """Write a prompt's T tokens into an empty cache (`new`: k, v, k_swa, v_swa, k_ring, v_ring as
-        `[B, T, H, D]`, the ring ones the compression inputs) and its compressed blocks `[B, Tc, H, D]`."""
+                v_cmp: torch.Tensor, rows: slice = slice(None)) -> NSALayerCache:
+        """Write a prompt's T tokens into batch rows `rows` of an empty cache (`new`: k, v, k_swa, v_swa,
+        k_cmp_in, v_cmp_in as `[b, T, H, D]`, the rings' only for their last tokens) and its compressed
+        blocks `[b, Tc, H, D]`."""
         layer = self.layers[layer_idx]
         T = new["k"].shape[1]
-        self.reserve(T)
-        ring = {"k_ring": new.pop("k_cmp_in"), "v_ring": new.pop("v_cmp_in")}
         if layer.k is None:
-            self._allocate(layer, {**new, **ring, "k_cmp": k_cmp, "v_cmp": v_cmp})
+            self._allocate(layer, {**new, "k_cmp": k_cmp, "v_cmp": v_cmp})
         for name, x in new.items():
-            if x is not None:
-                getattr(layer, name)[:, :T] = x
-        layer.k_cmp[:, : k_cmp.shape[1]] = k_cmp
-        layer.v_cmp[:, : v_cmp.shape[1]] = v_cmp
-        last = torch.arange(max(0, T - self.block_len), T, device=new["k"].device)  # the last l tokens
-        for name, x in ring.items():
-            getattr(layer, name)[:, last % self.block_len] = x[:, last]
+            if x is None:
+                continue
+            buffer = getattr(layer, name)
+            if name in RINGS:
+                last = torch.arange(max(0, T - buffer.shape[1]), T, device=x.device)  # the tokens it keeps
+                buffer[rows, last % buffer.shape[1]] = x[:, last]
+            else:
+                buffer[rows, :T] = x
+        layer.k_cmp[rows, : k_cmp.shape[1]] = k_cmp
+        layer.v_cmp[rows, : v_cmp.shape[1]] = v_cmp
         return layer
 
     def step(self, t: int, device: torch.device, batch: int) -> DecodeStep:
@@ -179,7 +204,8 @@ class NSACache:
             first = torch.div(start.clamp(min=0), d, rounding_mode="floor")  # [1] its block index
             complete = (start >= 0) & (start % d == 0)  # [1]
             self._steps[key] = DecodeStep(
-                pos=pos, lens=(pos + 1).to(torch.int32).expand(batch), ring_row=pos % l,
+                pos=pos, lens=(pos + 1).to(torch.int32).expand(batch),
+                window_row=pos % max(self.window, 1), cmp_in_row=pos % l,
                 block_rows=(start + torch.arange(l, device=device)) % l, first_block=first,
                 cmp_row=torch.where(complete, first, self.capacity_cmp))
         return self._steps[key]
@@ -193,21 +219,23 @@ class NSACache:
         """Write one token at `step.pos` (`new` as in `prefill`, T = 1) and, if it completes a
         compressed block, that block: the same device work at every position."""
         layer = self.layers[layer_idx]
-        ring = {"k_ring": new.pop("k_cmp_in"), "v_ring": new.pop("v_cmp_in")}
+        rows = {"k": step.pos, "v": step.pos, "k_swa": step.window_row, "v_swa": step.window_row,
+                "k_cmp_in": step.cmp_in_row, "v_cmp_in": step.cmp_in_row}
         for name, x in new.items():
             if x is not None:
-                getattr(layer, name).index_copy_(1, step.pos, x.to(getattr(layer, name).dtype))
-        for name, x in ring.items():
-            getattr(layer, name).index_copy_(1, step.ring_row, x.to(getattr(layer, name).dtype))
-        k_blk, v_blk = compress(layer.k_ring.index_select(1, step.block_rows),
-                                layer.v_ring.index_select(1, step.block_rows), step.first_block)
+                buffer = getattr(layer, name)
+                buffer.index_copy_(1, rows[name], x.to(buffer.dtype))
+        k_blk, v_blk = compress(layer.k_cmp_in.index_select(1, step.block_rows),
+                                layer.v_cmp_in.index_select(1, step.block_rows), step.first_block)
         # the block's row, or the spare row when the token completes no block
         layer.k_cmp.index_copy_(1, step.cmp_row, k_blk.to(layer.k_cmp.dtype))
         layer.v_cmp.index_copy_(1, step.cmp_row, v_blk.to(layer.v_cmp.dtype))
         return layer
 
-    def begin(self, T: int, device: torch.device) -> None:
-        """Before a forward over T new tokens: room for them, and the device position in place."""
+    def begin(self, T: int, device: torch.device, batch: int) -> None:
+        """Before a forward over T new tokens of `batch` rows: room for them, and the device position
+        in place."""
+        self.batch = self.batch or batch
         self.reserve(self.length + T)
         if self.position is None or self.position.device != device:
             self.position = torch.full((1,), self.length, dtype=torch.long, device=device)

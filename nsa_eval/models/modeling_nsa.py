@@ -44,6 +44,11 @@ except ImportError:  # pragma: no cover
 # transformers 5.24 renamed the output field past_key_values -> cache; write whichever exists.
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
+# A batch of prompts goes into the cache in groups of rows of about this many tokens in all (one row
+# at a time from here up): the layers' intermediates then stay those of one long prompt, so that a
+# batch of 16 at 64k fits beside its cache.
+PREFILL_TOKENS = 65536
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -107,7 +112,8 @@ class BlockCompressor(nn.Module):
 
 # --- the NSA attention layer ---
 
-# the per-token tensors the cache keeps (the compression inputs only for the last block_len tokens)
+# the per-token tensors the cache keeps (the window's for the last `window` tokens, the compression
+# inputs for the last block_len)
 CACHED = ("k", "v", "k_swa", "v_swa", "k_cmp_in", "v_cmp_in")
 
 
@@ -206,12 +212,13 @@ class NSAAttention(nn.Module):
         kwargs["window"] = max(kwargs["window"], 1)  # window 0 runs a 1-token window gated by 0
         return kwargs
 
-    def prefill(self, p: dict, cache: NSACache | None) -> torch.Tensor:
-        """All T queries at once from position 0 (training, scoring, the prompt): `[B, T, Hq, Dv]`."""
+    def prefill(self, p: dict, cache: NSACache | None, rows: slice = slice(None)) -> torch.Tensor:
+        """All T queries at once from position 0 (training, scoring, the prompt), written to the cache's
+        batch rows `rows`: `[B, T, Hq, Dv]`."""
         k_cmp, v_cmp = self.compress(p["k_cmp_in"], p["v_cmp_in"], 0)  # [B, Tc, Hkv, D]
         k_cmp, v_cmp = k_cmp.to(p["v"].dtype), v_cmp.to(p["v"].dtype)  # the MLP compressor may autocast
         if cache is not None:
-            cache.prefill(self.layer_idx, {name: p[name] for name in CACHED}, k_cmp, v_cmp)
+            cache.prefill(self.layer_idx, {name: p[name] for name in CACHED}, k_cmp, v_cmp, rows)
         out = nsa_attention(p["q"], p["k"], p["v"], k_cmp, v_cmp, p["g_cmp"], p["g_slc"], p["g_swa"],
                             k_swa=p["k_swa"], v_swa=p["v_swa"],
                             return_block_indices=self.counts_selected_blocks, **self.kernel_kwargs())
@@ -243,11 +250,12 @@ class NSAAttention(nn.Module):
             else:
                 rows = cache.length + t + 1
                 rows_cmp, lens = num_compressed(rows, cache.block_len, cache.stride), None
-            # one dtype for the kernel, even if the cache was filled under another autocast setting
+            # one dtype for the kernel, even if the cache was filled under another autocast setting; the
+            # window's ring whole (token p in row p % window)
             k, v, k_cmp, v_cmp, k_swa, v_swa = (
                 None if x is None else x[:, :n].to(step["v"].dtype) for x, n in (
                     (layer.k, rows), (layer.v, rows), (layer.k_cmp, rows_cmp), (layer.v_cmp, rows_cmp),
-                    (layer.k_swa, rows), (layer.v_swa, rows)))
+                    (layer.k_swa, None), (layer.v_swa, None)))
             out = nsa_decode(step["q"], k, v, k_cmp, v_cmp, step["g_cmp"], step["g_slc"], step["g_swa"],
                              cache_seqlens=lens, k_swa=k_swa, v_swa=v_swa,
                              return_block_indices=self.counts_selected_blocks, **self.kernel_kwargs())
@@ -259,14 +267,17 @@ class NSAAttention(nn.Module):
             self.selected_tokens = torch.cat(counts, dim=1)  # [B, T, Hkv]
         return torch.cat(outputs, dim=1)  # [B, T, Hq, Dv]
 
-    def forward(self, x: torch.Tensor, cache: NSACache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: NSACache | None = None,
+                rows: slice = slice(None)) -> torch.Tensor:
+        """x `[B, T, C]` -> `[B, T, C]`; a prompt's keys/values go to the cache's batch rows `rows`."""
         B, T, _ = x.shape
         if cache is None or cache.length == 0:
             p = self.project(x, torch.arange(T, device=x.device))
-            o = self.prefill(p, cache)  # [B, T, Hq, Dv]
+            o = self.prefill(p, cache, rows)  # [B, T, Hq, Dv]
         else:
             p = self.project(x, cache.position.to(x.device) + torch.arange(T, device=x.device))
             o = self.decode(p, cache)
+        del p  # every branch's keys/values of T tokens: freed before the output projection allocates
         return self.o_proj(o.reshape(B, T, self.Hq * self.Dv))  # [B, T, C]
 
 
@@ -330,8 +341,9 @@ class NSABlock(nn.Module):
         use_moe = config.num_experts > 0 and layer_idx >= config.first_dense_layers
         self.mlp = MoE(config) if use_moe else SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cache: NSACache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache)
+    def forward(self, x: torch.Tensor, cache: NSACache | None = None,
+                rows: slice = slice(None)) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache, rows)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -492,15 +504,20 @@ class NSAModel(NSAPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, C]")
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, C]
-        B, T = x.shape[:2]
+
+        def embed(rows: slice = slice(None)) -> torch.Tensor:  # the rows' inputs [b, T, C]
+            return self.embed_tokens(input_ids[rows]) if inputs_embeds is None else inputs_embeds[rows]
+
+        B, T = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if cache is not None and not isinstance(cache, NSACache):
             if cache.get_seq_length() > 0:
                 raise ValueError(f"NSAModel needs an NSACache, got a filled {type(cache).__name__}")
             cache = None  # an empty cache of another kind (e.g. generate's DynamicCache): replace it
         if cache is None and use_cache:
-            cache = NSACache(self.config.num_hidden_layers, self.config.block_len, self.config.stride)
+            c = self.config
+            own_window = c.window if not c.shared_kv and c.window > 0 else 0  # rows of the window's ring
+            cache = NSACache(c.num_hidden_layers, c.block_len, c.stride, own_window)
         real = torch.ones(B, T, dtype=torch.bool)  # [B, T] queries to count in the statistics
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             real = attention_mask[:, -T:].bool().cpu()
@@ -513,13 +530,16 @@ class NSAModel(NSAPreTrainedModel):
                 )
             # right padding sits after every real token of its row: causal attention never reads it
         past = cache.get_seq_length() if cache is not None else 0
+        device = self.embed_tokens.weight.device if inputs_embeds is None else inputs_embeds.device
         if cache is not None:
-            cache.begin(T, x.device)
-        if past and T == 1 and self._graph_ready(x):
+            cache.begin(T, device, B)
+        rows_at_once = max(1, PREFILL_TOKENS // T)
+        if past and T == 1 and self._graph_ready(device):
+            x = embed()  # [B, 1, C]
             if cache.decode_graph is None:  # this step runs eagerly (it loads the kernels), then is captured
-                hidden, selected = self._layers(x, cache)
+                hidden, selected = self._step(x, cache)
                 try:
-                    cache.decode_graph = DecodeGraph(lambda h: self._layers(h, cache), x)
+                    cache.decode_graph = DecodeGraph(lambda h: self._step(h, cache), x)
                 except RuntimeError as error:  # this step's answer stands; later steps run eagerly
                     warnings.warn("NSA decode steps run eagerly: capturing one as a CUDA graph failed "
                                   f"({error})", stacklevel=2)
@@ -527,36 +547,61 @@ class NSAModel(NSAPreTrainedModel):
             else:
                 hidden, selected = cache.decode_graph(x)
             hidden = hidden.clone()  # the graph's output buffer is overwritten by the next step
+        elif cache is not None and not past and B > rows_at_once and not torch.is_grad_enabled():
+            hidden, selected = self._prefill_in_groups(embed, cache, rows_at_once)
         else:
-            hidden, selected = self._layers(x, cache)
+            hidden, selected = self._step(embed(), cache)
         if cache is not None:
             cache.end(T)
         self._record(real, torch.arange(past, past + T), "prefill" if T > 1 else "decode", selected)
         return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_FIELD: cache})
 
-    def _layers(self, x: torch.Tensor, cache: NSACache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder stack on `x` `[B, T, C]` -> normalised hidden states `[B, T, C]` and, when the
-        layers count their selected blocks, `[layers, B, T, Hkv]` selected tokens (else None)."""
-        per_block = self.layers[0].attn.counts_selected_blocks if len(self.layers) else False
-        selected = []
+    def _step(self, x: torch.Tensor, cache: NSACache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of `x` `[B, T, C]` through the stack and the cache (what a CUDA graph captures)."""
         if cache is not None:
             cache.open_forward()
+        out = self._layers(x, cache)
+        if cache is not None:
+            cache.advance(x.shape[1])
+        return out
+
+    def _prefill_in_groups(self, embed, cache: NSACache, rows_at_once: int):
+        """A prompt batch into an empty cache, `rows_at_once` rows at a time: the layers' intermediates
+        (the MLP's, the attention's) are those of about `PREFILL_TOKENS` tokens, not of the whole batch.
+        `embed(rows)` gives those rows' inputs `[b, T, C]`. Returns what `_step` returns."""
+        cache.open_forward()
+        hidden, selected = None, []
+        for b0 in range(0, cache.batch, rows_at_once):
+            rows = slice(b0, b0 + rows_at_once)
+            h, s = self._layers(embed(rows), cache, rows)
+            if hidden is None:
+                hidden = h.new_empty(cache.batch, *h.shape[1:])  # [B, T, C]
+            hidden[rows] = h
+            selected.append(s)
+        cache.advance(hidden.shape[1])
+        return hidden, torch.cat(selected, dim=1) if selected[0] is not None else None
+
+    def _layers(self, x: torch.Tensor, cache: NSACache | None,
+                rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder stack on `x` `[B, T, C]` (a prompt written to the cache's batch rows `rows`) ->
+        normalised hidden states `[B, T, C]` and, when the layers count their selected blocks,
+        `[layers, B, T, Hkv]` selected tokens (else None)."""
+        per_block = self.layers[0].attn.counts_selected_blocks if len(self.layers) else False
+        selected = []
         for layer in self.layers:
-            x = layer(x, cache)
+            x = layer(x, cache, rows)
             if per_block:
                 selected.append(layer.attn.selected_tokens)  # [B, T, Hkv]
                 layer.attn.selected_tokens = None
-        if cache is not None:
-            cache.advance(x.shape[1])
         return self.norm(x), torch.stack(selected) if selected else None
 
-    def _graph_ready(self, x: torch.Tensor) -> bool:
-        """Whether a decode step may run from a CUDA graph: on the GPU through the Triton kernels (the
-        reference reads lengths on the host), outside autograd and autocast, and without the mixture of
-        experts (its routing sizes its launches on the host), on one GPU."""
-        return (self.decode_cuda_graph and x.is_cuda and self.config.kernel_impl != "reference"
+    def _graph_ready(self, device: torch.device) -> bool:
+        """Whether a decode step on `device` may run from a CUDA graph: on the GPU through the Triton
+        kernels (the reference reads lengths on the host), outside autograd and autocast, and without the
+        mixture of experts (its routing sizes its launches on the host), on one GPU."""
+        return (self.decode_cuda_graph and device.type == "cuda" and self.config.kernel_impl != "reference"
                 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
-                and not self.config.num_experts and self._on_one_device(x.device))
+                and not self.config.num_experts and self._on_one_device(device))
 
     def _on_one_device(self, device: torch.device) -> bool:
         """Whether the whole stack sits on `device` (a model split over GPUs by `device_map` runs eagerly)."""
@@ -613,6 +658,10 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         for B in batch_sizes:
             q = param.new_zeros(B, 1, c.num_attention_heads, c.head_dim)
             gate = param.new_zeros(B, 1, c.num_attention_heads)
+            window = {}  # the ring of the window's own keys/values, as the cache holds it
+            if not c.shared_kv and c.window > 0:
+                window = dict(k_swa=param.new_zeros(B, c.window, c.num_key_value_heads, c.head_dim),
+                              v_swa=param.new_zeros(B, c.window, c.num_key_value_heads, c.v_head_dim))
             for capacity in range(CAPACITY_STEP, round_capacity(max_length) + 1, CAPACITY_STEP):
                 try:
                     k = param.new_zeros(B, capacity, c.num_key_value_heads, c.head_dim)
@@ -622,7 +671,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
                     v_cmp = v.new_zeros(B, rows + 1, *v.shape[2:])
                     lens = torch.full((B,), capacity, dtype=torch.int32, device=param.device)
                     nsa_decode(q, k, v, k_cmp[:, :rows], v_cmp[:, :rows], gate, gate, gate,
-                               cache_seqlens=lens, return_block_indices=per_block, **kwargs)
+                               cache_seqlens=lens, return_block_indices=per_block, **window, **kwargs)
                 except torch.OutOfMemoryError:  # a cache this large would not fit either
                     warnings.warn(f"warm_up_decode: batch {B} stops at {capacity - CAPACITY_STEP} "
                                   "tokens (the GPU is out of memory); longer generations compile when they "

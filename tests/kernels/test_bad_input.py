@@ -163,6 +163,11 @@ DECODE_CASES = {
     "compressed cache too short": ("k_cmp", dict(k_cmp=torch.randn(B, 2, Hkv, Dk),
                                                  v_cmp=torch.randn(B, 2, Hkv, Dv))),
     "empty cache": ("k", dict(k=torch.randn(B, 0, Hkv, Dk), v=torch.randn(B, 0, Hkv, Dv))),
+    "window ring shorter than the window": ("k_swa", dict(k_swa=torch.randn(B, 15, Hkv, Dk),
+                                                          v_swa=torch.randn(B, 15, Hkv, Dv))),
+    "window ring without its values": ("v_swa", dict(k_swa=torch.randn(B, 16, Hkv, Dk))),
+    "window values of another ring": ("v_swa", dict(k_swa=torch.randn(B, 16, Hkv, Dk),
+                                                    v_swa=torch.randn(B, 20, Hkv, Dv))),
 }
 
 

@@ -168,6 +168,40 @@ def test_unwritten_cache_slots_are_ignored():
     assert rel_err(o, o_ref) < TOL
 
 
+def _window_ring(full: torch.Tensor, lengths: list[int], rows: int, window: int) -> torch.Tensor:
+    """The window cache `full` [B, S, H, D] as a ring of `rows` rows (position p in row p % rows) holding
+    each sequence's last `window` positions; every other row NaN, so that a read of one shows."""
+    ring = torch.full((full.shape[0], rows, *full.shape[2:]), float("nan"), dtype=full.dtype)
+    for b, n in enumerate(lengths):
+        p = torch.arange(max(0, n - window), n)
+        ring[b, p % rows] = full[b, p]
+    return ring
+
+
+@interpreter_only
+@pytest.mark.parametrize("rows", [40, 53], ids=["ring=window", "ring>window"])
+def test_window_ring_equals_the_whole_window_cache(rows):
+    """Window keys/values of their own (the paper's layout) kept as a ring of the last `rows` positions
+    give the output and blocks of the same keys laid out over the whole cache, in the Triton decode (bit
+    for bit) and in the reference, and the two agree; ragged lengths, one shorter than the ring."""
+    q, kv, gates = _inputs(3, 300, 8, 2, 16, 16, seed=6)
+    g = torch.Generator().manual_seed(7)
+    k_swa, v_swa = (torch.randn(x.shape, generator=g) for x in kv[:2])
+    lengths = [300, 171, 29]
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    params = dict(select_size=16, num_selected=4, window=40, cache_seqlens=seqlens, return_block_indices=True)
+    ring = dict(k_swa=_window_ring(k_swa, lengths, rows, 40), v_swa=_window_ring(v_swa, lengths, rows, 40))
+    o, idx = decode.nsa_decode(q, *kv, *gates, **ring, **params)
+    o_whole, idx_whole = decode.nsa_decode(q, *kv, *gates, k_swa=k_swa, v_swa=v_swa, **params)
+    assert torch.equal(o, o_whole) and torch.equal(idx, idx_whole)
+    clean = {name: x.nan_to_num(0.0) for name, x in ring.items()}  # the reference gathers whole rows
+    o_ref, idx_ref = ref.nsa_decode(q, *kv, *gates, **clean, **params)
+    o_ref_whole, _ = ref.nsa_decode(q, *kv, *gates, k_swa=k_swa, v_swa=v_swa, **params)
+    assert torch.equal(o_ref, o_ref_whole)
+    assert torch.equal(idx, idx_ref)
+    assert rel_err(o, o_ref) < TOL
+
+
 def _graph(fn):
     """fn captured in a CUDA graph (compiled first, outside the capture) -> (graph, its output)."""
     stream = torch.cuda.Stream()

@@ -107,6 +107,31 @@ def test_unmasked_chunks_match_reference(geometry, group):
     assert imp.abs().sum() > 0
 
 
+@interpreted
+@pytest.mark.parametrize("geometry,group", [("paper", "G4"), ("fla", "G3")])
+def test_selection_in_chunks_of_queries_is_the_same(geometry, group):
+    """select_blocks with room for the importances of 16 queries at a time (25 chunks a sequence over 2
+    sequences) chooses the blocks it chooses in one pass, to the index; and the importances of a chunk
+    starting at 192 are the rows 192.. of the whole pass's, bit for bit."""
+    block_len, stride, select_size = GEOMETRIES[geometry]
+    hq, hkv = GROUPS[group]
+    T = 400
+    parts = [inputs(T, hq, hkv, GEOMETRIES[geometry], seed=s) for s in (3, 4)]
+    q, k_cmp, lse = (torch.cat(x) for x in zip(*parts, strict=True))  # 2 sequences
+    params = dict(block_len=block_len, stride=stride, select_size=select_size, num_selected=3, num_init=1,
+                  num_local=1)
+    whole = importance.select_blocks(q, k_cmp, lse=lse, **params)
+    chunked = importance.select_blocks(q, k_cmp, lse=lse, **params, chunk_bytes=1)
+    assert torch.equal(chunked, whole)
+    ns = -(-T // select_size)
+    imp = kernel_importances(q[:1], k_cmp[:1], lse[:1], GEOMETRIES[geometry]).view(T, hkv, ns)
+    part = importance.block_importance(q[:1, 192:256], k_cmp[:1], lse[:1, 192:256], block_len=block_len,
+                                       stride=stride, select_size=select_size, scale=q.shape[-1] ** -0.5,
+                                       first=192, num_blocks=ns).view(64, hkv, ns)
+    own = own_blocks(T, hkv, select_size).view(T, hkv, ns)[192:256]
+    assert torch.equal(part[own], imp[192:256][own])
+
+
 def test_shift_count():
     """block_importance's closed form of K against brute force, over strides, ratios and lengths up to
     the largest the kernel takes (block_len - stride <= 16 * select_size, so K <= 16)."""

@@ -119,6 +119,31 @@ def test_by_block_equals_walk_and_presorted_lists(shape):
 
 
 @interpreted
+def test_by_block_in_chunks_of_positions_is_the_same():
+    """The forward per block with room for the partials of 16 positions at a time (10 chunks a sequence,
+    the last short, over 2 sequences) writes the o, lse and gated sum of one pass, bit for bit: each
+    chunk's lists are those of its positions (the causal mask, the blocks past a position dropped)."""
+    B, T, hq, hkv, dk, dv = 2, 150, 8, 2, 16, 16
+    x = make(B, T, hq, hkv, dk, dv, seed=61)
+    q, k, v = (x[n].detach() for n in ("q", "k", "v"))
+    idx = sorted_lists(lists_with_edge_cases(B, T, hkv, 5, 16, seed=62), T, 16)
+    g = torch.Generator().manual_seed(63)
+    branches = [torch.randn(B, T, hq, dv, generator=g) for _ in range(2)]  # o_cmp, o_swa
+    gates = [torch.rand(B, T, hq, generator=g) for _ in range(3)]
+    runs = []
+    for chunk_bytes in (2**40, 1):
+        o, out = torch.empty(B, T, hq, dv), torch.empty(B, T, hq, dv)
+        lse = torch.empty(B, T, hq)
+        selected_by_block.selected_forward_by_block(
+            q, k, v, idx, o, lse, select_size=16, scale=dk**-0.5, presorted=True,
+            gated_sum=(*branches, *gates, out), chunk_bytes=chunk_bytes)
+        runs.append((o, lse, out))
+    for whole, chunked in zip(*runs, strict=True):
+        assert torch.equal(chunked, whole)
+    assert torch.isinf(runs[0][1]).any() and torch.isfinite(runs[0][1]).any()  # rows with and without blocks
+
+
+@interpreted
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]], ids=[IDS[0], IDS[2]])
 def test_backward_with_head_dim_in_halves_matches_reference(shape):
     """The dk/dv kernel with its q/k dim in two column halves (`split_dk`, which SELECTED_DKV_WIDE

@@ -1,13 +1,22 @@
-"""Tiny random models, a locally trained tokenizer and local JSONL lm-eval tasks: nothing from a hub."""
+"""Tiny random models, a locally trained tokenizer and local JSONL lm-eval tasks: nothing from a hub.
+
+On a machine without a GPU a test that asks for the Triton kernels (`kernel_impl="triton"`) runs them in
+Triton's interpreter: TRITON_INTERPRET=1 is set here, before any test module imports triton, as
+tests/kernels/conftest.py does. The models' default ("auto") still takes the reference on the CPU.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOY_MC = [
     {"question": "What color is the sky on a clear day?", "choices": ["blue", "green", "red"], "label": 0},

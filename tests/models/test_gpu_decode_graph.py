@@ -79,10 +79,13 @@ def test_generate_with_graphs_equals_eager_generate():
 
 
 def test_no_triton_compilation_after_warm_up():
-    """After `warm_up_decode`, decoding at lengths in four different capacities compiles nothing."""
-    model = build(torch.bfloat16, max_position_embeddings=4 * CAPACITY_STEP)
-    model.warm_up_decode(batch_sizes=(1, 2), max_length=4 * CAPACITY_STEP)
-    cases = ((1, 1000), (2, CAPACITY_STEP + 100), (1, 2 * CAPACITY_STEP + 7), (2, 4 * CAPACITY_STEP - 20))
+    """After `warm_up_decode`, decoding at lengths in six different capacities (1,024 tokens apart, from
+    one compressed tile to past 16 of them) compiles nothing."""
+    steps = 20
+    model = build(torch.bfloat16, max_position_embeddings=steps * CAPACITY_STEP)
+    model.warm_up_decode(batch_sizes=(1, 2), max_length=steps * CAPACITY_STEP)
+    cases = ((1, 1000), (2, CAPACITY_STEP + 100), (1, 2 * CAPACITY_STEP + 7), (2, 5 * CAPACITY_STEP - 20),
+             (1, 11 * CAPACITY_STEP + 3), (2, 17 * CAPACITY_STEP - 20))
     for B, length in cases:
         ids = torch.randint(0, 97, (B, length + 10), device="cuda")
         model.model.decode_cuda_graph = True
