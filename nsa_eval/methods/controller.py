@@ -145,10 +145,12 @@ class AttentionController:
         phase = "decode" if T == 1 else "prefill"
         method, cfg = self.method, self.config
         held = method.sparse and layer >= cfg.dense_layers and (cfg.sparse_prefill or phase == "decode")
+        stateful = method.stateful and method.sparse and layer >= cfg.dense_layers
+        if attention_mask is None and not held and not stateful:  # `full`'s every call, on an unpadded batch
+            return self._dense_unpadded(module, query, key, value, scaling, kwargs, layer, phase)
 
         allowed = _allowed_keys(attention_mask, B, T, S)  # [B, T, S] bool or None
         kpos, qpos = _positions(allowed, B, T, S, query.device)  # [B, S], [B, T]
-        stateful = method.stateful and method.sparse and layer >= cfg.dense_layers
         state = self._layer_state(layer, B, Hq, S, T, query.device) if stateful else None
         tally = self.stats.tally(layer, phase, held)
         if held and allowed is None and T > 1:
@@ -205,6 +207,20 @@ class AttentionController:
         return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
 
     # ---- pieces
+    def _dense_unpadded(self, module, query, key, value, scaling, kwargs, layer: int, phase: str) -> Tensor:
+        """`_dense` on an unpadded batch (no mask): query t of T sees the `S - T + t + 1` keys up to it, so
+        the counts are host integers and the call adds nothing to plain SDPA on the device."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        kwargs = {k: v for k, v in kwargs.items() if k in ("dropout", "is_causal")}
+        out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
+        B, Hq, T, _ = query.shape
+        Hkv, S = key.shape[1], key.shape[2]
+        keys = T * (S - T) + T * (T + 1) // 2  # summed over the T queries
+        tally = self.stats.tally(layer, phase, False)
+        tally.add_host(B * Hq * T, B * Hq * keys, S, B * Hkv * T, B * Hkv * keys)
+        return out
+
     def _dense(self, module, query, key, value, mask, scaling, kwargs, allowed, qpos, tally) -> Tensor:
         """Plain SDPA (transformers' own function: `full` is bit-identical to `sdpa`); stats from the mask."""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
