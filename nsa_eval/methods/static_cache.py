@@ -162,7 +162,7 @@ class StaticDecodeCache:
             order = torch.sort((~real).to(torch.int8), dim=-1, stable=True).indices  # [B, T] real ones first
         rows = lens.tolist()  # one read of the device, for the host's lengths
         longest = max(rows)  # slots past it hold only padding, in every row
-        self.capacity = max(self.capacity, round_up(longest + 1, self.width_step))
+        self.capacity = max(self.capacity, longest + 1)
         method = controller.method
         for index, layer in enumerate(layers):
             k, v = (_compact(x, order)[:, :, :longest] for x in (layer.keys, layer.values))  # [B, H, n, D]

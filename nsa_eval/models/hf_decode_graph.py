@@ -36,12 +36,14 @@ class DecodeGraphs:
         model: the transformers causal LM (under `apply_attention`).
         forward: its own forward.
         enabled: False after a capture failed (steps then run eagerly), or to profile eager steps.
+        captures: graphs captured so far (one per cache and width).
     """
 
     def __init__(self, model, forward):
         self.model = model
         self.forward = forward
         self.enabled = True
+        self.captures = 0
 
     def __call__(self, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -77,6 +79,7 @@ class DecodeGraphs:
         try:
             cache.decode_graph = DecodeGraph(lambda x: (self._step(x, cache).logits,), ids)
             cache.graph_key = key
+            self.captures += 1
         except RuntimeError as error:  # this step's answer stands; later steps run eagerly
             warnings.warn(f"decode steps run eagerly: capturing one as a CUDA graph failed ({error})",
                           stacklevel=3)
