@@ -5,7 +5,8 @@
     model.generate(...)
     attention_stats(model)["held"]["max"]  # <= 2560, or BudgetExceededError was raised
 
-Methods (`METHODS`): full, sink_window, topk, quest, h2o. See docs/methods.md.
+Methods (`METHODS`): full, sink_window, topk, quest, h2o. See docs/methods.md. Decode steps of fixed
+shape, for CUDA graphs: `model.generate(..., cache=StaticDecodeCache(capacity))`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ write only `score()`:
   decode step needs no read of the device (controller.py's `_decode_plan`);
 - a stateful method (`stateful = True`, H2O) is selected query by query from a state the earlier
   queries left: `grow_state`, `state_score`, `update_state`;
+- `static_state`, `static_append`, `static_prepared`: the method's decode state in the fixed buffers of a
+  `StaticDecodeCache` (Quest's page bounds, H2O's mass), for the fixed-shape step of static_decode.py;
 - `triton_prefill(call)`: the method's own kernels (nsa_eval/baseline_kernels/) for a held prefill
   of an unpadded batch, giving the chunked path's keys, output and counts; the controller takes them
   on CUDA tensors (`fast_prefill`). A new method with a kernel is its file and its kernel.

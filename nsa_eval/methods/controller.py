@@ -8,8 +8,10 @@
 - positions: a key's position is its rank among the non-padding keys of its sequence, read off the
   model's 4D mask, so left and right padding marked in the attention mask count from the first real
   token (positions the mask does not mark as padding are ordinary tokens, and are counted).
-- caches: only a plain `DynamicCache` of full-attention layers (`check_cache`), whose keys are the
-  sequence so far with the new ones last.
+- caches: a plain `DynamicCache` of full-attention layers (`check_cache`), whose keys are the
+  sequence so far with the new ones last; or the methods' `StaticDecodeCache` (static_cache.py), whose
+  prompt runs on a `DynamicCache` and is copied in by the post-forward hook, and whose decode steps run
+  `static_decode.py`'s fixed-shape step (a CUDA graph can replay it).
 - chunking over queries: scores are materialised for at most `query_chunk` queries at a time
   (`[B, Hq, Tc, S]`), never `T x T`. A held, unpadded prefill is offered to the method first
   (`AttentionMethod.fast_prefill`): a method with kernels (nsa_eval/baseline_kernels/) takes it on a
