@@ -76,8 +76,7 @@ def static_attend(controller, layer: int, query: Tensor, key: Tensor, value: Ten
         method.update_state(tensors, probs, keep)
         out = grouped_apply(probs, value.float())  # [B, Hq, 1, Dv]
     else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=keep, scale=scaling,
-                                             enable_gqa=True)
+        out = grouped_sdpa(query, key, value, keep, scaling)  # [B, Hq, 1, Dv]
     activated, kv_read = keep_counts(keep, Hkv)  # [B, Hq, 1], [B, Hkv, 1]
     totals = cache.counts.totals[layer]  # [3]: keys attended, KV tokens read, most keys one query attended
     totals[:2] += torch.stack([activated.sum(dtype=torch.int64), kv_read.sum(dtype=torch.int64)])
@@ -127,8 +126,20 @@ def dense_decode(query: Tensor, key: Tensor, value: Tensor, S: Tensor, scaling: 
                 raise
             cache.flash = False
     mask = (torch.arange(key.shape[2], device=key.device) < S[:, None])[:, None, None]  # [B, 1, 1, W]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous()  # [B, 1, Hq, Dv]
+    return grouped_sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous()  # [B, 1, Hq, Dv]
+
+
+def grouped_sdpa(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scaling: float) -> Tensor:
+    """Masked attention of one query per head: query `[B, Hq, 1, D]`, key/value `[B, Hkv, W, D]`, keep
+    `[B, 1|Hq, 1, W]` bool -> `[B, Hq, 1, Dv]`. Each KV head's G query heads go in as G queries of that
+    head, so SDPA reads each key once and needs no GQA support (PyTorch's masked GQA path copies the keys
+    and values per query head)."""
+    B, Hq, _, D = query.shape
+    Hkv, W = key.shape[1], key.shape[2]
+    mask = keep.expand(B, Hq, 1, W).reshape(B, Hkv, Hq // Hkv, W)  # [B, Hkv, G, W]
+    out = F.scaled_dot_product_attention(query.reshape(B, Hkv, Hq // Hkv, D), key, value, attn_mask=mask,
+                                         scale=scaling)  # [B, Hkv, G, Dv]
+    return out.reshape(B, Hq, 1, value.shape[-1])
 
 
 def flash_ready(query: Tensor, key: Tensor) -> bool:
@@ -170,8 +181,7 @@ def sink_and_local_decode(query: Tensor, key: Tensor, value: Tensor, S: Tensor, 
     mask = apart[:, None] | (i < S[:, None])  # [B, n]
     k = key.gather(2, index[:, None, :, None].expand(B, Hkv, n, D))  # [B, Hkv, n, D]
     v = value.gather(2, index[:, None, :, None].expand(B, Hkv, n, value.shape[-1]))
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask[:, None, None], scale=scaling,
-                                         enable_gqa=True)  # [B, Hq, 1, Dv]
+    out = grouped_sdpa(query, k, v, mask[:, None, None], scaling)  # [B, Hq, 1, Dv]
     return out.transpose(1, 2).contiguous()
 
 
