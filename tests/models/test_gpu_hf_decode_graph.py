@@ -176,25 +176,28 @@ def test_replayed_steps_never_wait_for_the_gpu(method, params):
     assert runner.captures == 1 and cache.lens.tolist() == [49, 49]  # 40 + the captured step + 8
 
 
-def test_flash_decode_equals_masked_attention():
-    """FlashAttention's varlen decode over buffers of 300 slots, rows of 5, 130 and 300 keys: the masked SDPA
-    reference's output."""
+@pytest.mark.parametrize("B", [1, 3])
+def test_flash_decode_equals_masked_attention(B):
+    """FlashAttention's varlen decode over buffers of 8,192 slots read to a width of 8,000, rows of 5, 3,000
+    and 8,000 keys (long enough for its split over key blocks): the masked SDPA reference's output."""
     from nsa_eval.methods.static_decode import flash_decode, flash_ready
 
     g = torch.Generator("cuda").manual_seed(0)
-    q = torch.randn(3, 8, 1, 64, device="cuda", generator=g, dtype=torch.bfloat16)
-    k, v = (torch.randn(3, 2, 300, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
-    S = torch.tensor([5, 130, 300], device="cuda")
+    q = torch.randn(B, 8, 1, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, 2, 8192, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    S = torch.tensor([5, 3000, 8000][-B:], device="cuda")
+    W = 8000
     if not flash_ready(q, k):
         pytest.skip("FlashAttention is off in this PyTorch")
     try:
-        out = flash_decode(q, k[:, :, :256], v[:, :, :256], S.clamp(max=256), 0.125)
+        out = flash_decode(q, k[:, :, :W], v[:, :, :W], S, 0.125)  # [B, 1, Hq, Dv]
     except (RuntimeError, TypeError) as error:  # the dense layers then take SDPA (dense_decode's fallback)
         pytest.skip(f"this PyTorch's flash varlen forward does not take seqused_k: {error}")
-    mask = (torch.arange(256, device="cuda") < S.clamp(max=256)[:, None])[:, None, None]
+    mask = (torch.arange(W, device="cuda") < S[:, None])[:, None, None]  # [B, 1, 1, W]
     reference = torch.nn.functional.scaled_dot_product_attention(
-        q, k[:, :, :256], v[:, :, :256], attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
-    torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
+        q.float(), k[:, :, :W].float(), v[:, :, :W].float(), attn_mask=mask, scale=0.125,
+        enable_gqa=True).transpose(1, 2)  # [B, 1, Hq, Dv]
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=1e-2)
 
 
 def _llama_1b(layers: int = 16):
