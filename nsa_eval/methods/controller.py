@@ -50,7 +50,7 @@ from nsa_eval.methods.base import (
     masked_softmax,
 )
 from nsa_eval.methods.static_cache import StaticCounts, StaticDecodeCache
-from nsa_eval.methods.static_decode import static_attend
+from nsa_eval.methods.static_decode import fold_counts, static_attend
 from nsa_eval.methods.stats import AttentionStats, Tally
 
 ATTN_IMPLEMENTATION = "nsa_eval"
@@ -177,7 +177,7 @@ class AttentionController:
             self._filling = None
             cache.fill(dynamic, mask, self, self.states, heads)
             self.states = {}
-            self._fold_static()  # earlier caches' steps, before a new one's begin
+            self.fold_static()  # earlier caches' steps, before a new one's begin
             self._static_counts.append(cache.counts)
             for field_name in ("cache", "past_key_values"):
                 if getattr(output, field_name, None) is dynamic:
@@ -191,13 +191,8 @@ class AttentionController:
 
     def fold_static(self) -> None:
         """Put every static cache's decode steps so far into `stats` (device additions, no wait)."""
-        self._fold_static()
-
-    def _fold_static(self) -> None:
-        from nsa_eval.methods.static_decode import fold_counts
-
         for counts in self._static_counts:
-            for layer, tally in fold_counts(counts, self.stats, self.method, self.config, len(counts.totals)):
+            for layer, tally in fold_counts(counts, self.stats, self.method, self.config):
                 self._unchecked[id(tally)] = (layer, tally)
         self._static_counts = [c for c in self._static_counts if c.alive]
 

@@ -185,7 +185,7 @@ def sink_and_local_decode(query: Tensor, key: Tensor, value: Tensor, S: Tensor, 
     return out.transpose(1, 2).contiguous()
 
 
-def fold_counts(counts: StaticCounts, stats, method, config, layers: int) -> list:
+def fold_counts(counts: StaticCounts, stats, method, config) -> list:
     """Add the steps of `counts` since the last fold to `stats` (an `AttentionStats`) and start afresh.
 
     A selecting layer's totals come from the device; a dense layer's query at step t of a row holding r
@@ -197,7 +197,7 @@ def fold_counts(counts: StaticCounts, stats, method, config, layers: int) -> lis
         return []
     B, steps = len(counts.rows), last - first
     checked = []
-    for layer in range(layers):
+    for layer in range(len(counts.totals)):
         held = method.sparse and layer >= config.dense_layers
         tally = stats.tally(layer, "decode", held)
         queries, kv_queries = B * counts.heads * steps, B * counts.kv_heads * steps
