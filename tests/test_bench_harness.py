@@ -225,3 +225,26 @@ def test_harness_refuses_a_folder_of_other_settings(tmp_path):
     assert done.returncode == 2
     assert "holds harness results of other settings (budget 128 -> 96)" in done.stderr
     assert store.json_path.read_text() == before
+
+
+def test_decode_figures_from_a_static_cache(tmp_path):
+    """With static decoding on (as the adapter turns it on for a GPU; on the CPU its steps run eagerly), the
+    prefill fills a `StaticDecodeCache` with room for every step and replay, and the decode figures run
+    from it: the last figure's cache took the warm-up and every timed step."""
+    from nsa_eval.models.hf_decode_graph import enable_decode_graphs
+
+    models = []
+
+    def load(method, checkpoint, config):
+        lm = harness.load_lm(method, checkpoint, config)
+        enable_decode_graphs(lm.model)
+        models.append(lm.model)
+        return lm
+
+    store = HarnessStore(tmp_path / "harness")
+    figures = by_key(run_harness(tiny(methods=("quest",), decode_batches=(1, 2)), store, load=load,
+                                 log=lambda line: None))
+    assert [f.status for f in figures.values()] == ["ok"] * 3
+    assert figures[("decode", "quest", 160, 2)].gpu_ms is None  # no graph on the CPU
+    counts = models[0]._nsa_eval_controller._static_counts[-1]
+    assert counts.rows == [160, 160] and counts.steps == harness.WARM_UP_STEPS + 2 * 4

@@ -233,8 +233,8 @@ def test_harness_report_decode_against_full_and_the_floor():
     assert "| 1 | 0.70x (floor 0.70x) |" in md
     assert "| 16 | nsa 9.00, full OOM (floor 0.20x) |" in md
     assert "| topk | > 60 s cap |" in md.split("## Prefill")[1]
-    assert "| 1 | 3.00 (1.40x) |" in md  # NSA's wall time per token is 1.4x its graph's GPU step
-    assert "first decode step after the prefill at batch 1 (eager, then captured): 90.0 ms at 8192" in md
+    assert "| nsa | 1 | 3.00 (1.40x) |" in md  # NSA's wall time per token is 1.4x its graph's GPU step
+    assert "First decode step after the prefill at batch 1 (eager, then captured): nsa 90.0 ms at 8192" in md
     assert "| nsa | 0.50 (2.00x) |" in md.split("## Cache after the prefill")[1]
     assert "- topk decode at 8192, batch 1: skipped, the batch-1 prefill ran past the cap at 8192" in md
     assert "ran on NVIDIA H100 80GB HBM3, torch 2.11.0, Triton 3.6.0; copy bandwidth 2,000 GB/s" in md

@@ -7,8 +7,10 @@ folder the way `nsa-eval run` loads one, and each figure is one cell of the repo
 - decode (each decode batch): from a cache filled once (batch 1 reuses the prefill's), the wall time
   per token of `repeats` rounds of `decode_tokens` steps; a step is the model's forward of one token
   with its cache and the next token's argmax, on the device. The first step (it may compile and
-  capture) is timed alone. Beside it, the step's memory floor (floor.py) and, for nsa, the GPU time of
-  one step from replays of its CUDA graph and the output head back to back (no host work between);
+  capture) is timed alone. Beside it, the step's memory floor (floor.py) and the GPU time of one step
+  from replays of its CUDA graph back to back (no host work between): nsa's graph and output head, the
+  other methods' graph of the whole step from a static cache (`StaticDecodeCache`, which the prefill
+  fills when the adapter decodes from one: on a GPU);
 - generation throughput (full and nsa, when asked): tokens per second of lm-eval's own generation
   call with sampling (T = 0.7, top-p 0.95, as configs/paper.yaml's AIME entries), at batch 16;
 - peak memory above the weights and the memory the cache holds after the prefill; Triton
@@ -236,12 +238,15 @@ def load_lm(method: str, checkpoint: Path, config: HarnessConfig):
 # ---------------------------------------------------------------------------------------------- steps
 
 
-def prefill(model, ids: torch.Tensor):
+def prefill(model, ids: torch.Tensor, room: int = 0):
     """The prompt `ids` `[B, T]` through `model`: its filled cache and the next tokens `[B, 1]` (argmax of
-    the last position's logits, the only ones computed)."""
+    the last position's logits, the only ones computed). A model that decodes from a static cache gets one
+    with `room` tokens past the prompt."""
+    from nsa_eval.models.hf_decode_graph import static_cache_for
     from nsa_eval.models.modeling_nsa import CACHE_FIELD
 
-    out = model(ids, use_cache=True, logits_to_keep=1)
+    cache = static_cache_for(model, ids.shape[1] + room) if room else None
+    out = model(ids, use_cache=True, logits_to_keep=1, **({CACHE_FIELD: cache} if cache is not None else {}))
     return getattr(out, CACHE_FIELD), out.logits[:, -1].argmax(-1, keepdim=True)
 
 
@@ -254,16 +259,20 @@ def decode_step(model, cache, token: torch.Tensor) -> torch.Tensor:
 
 
 def graph_replay_ms(model, cache, token: torch.Tensor, steps: int) -> float | None:
-    """GPU ms of one decode step of an NSA model whose `cache` captured its decode graph: the graph and
-    the output head replayed `steps` times back to back, so the host never holds the GPU up. None where
+    """GPU ms of one decode step whose `cache` captured its decode graph: the graph (and, for an NSA model,
+    the output head) replayed `steps` times back to back, so the host never holds the GPU up. None where
     the cache holds no graph. The replays advance the cache's device position only: the cache is spent
     afterwards, and it must have room for `steps` more tokens."""
+    from nsa_eval.methods import StaticDecodeCache
+
     graph = getattr(cache, "decode_graph", None)
     if graph is None:
         return None
-    x = model.get_input_embeddings()(token)  # [B, 1, C]
+    x = token if isinstance(cache, StaticDecodeCache) else model.get_input_embeddings()(token)  # [B, 1(, C)]
 
     def step():
+        if isinstance(cache, StaticDecodeCache):
+            return graph(x)[0]  # [B, 1, V]: embedding to output head
         hidden, _ = graph(x)
         return model.lm_head(hidden)  # [B, 1, V]
 

@@ -126,7 +126,7 @@ def markdown_report(figures: list[Figure], info: dict) -> str:
                                   "decode", b, lambda f: f.ms, 2, extra=_floor_multiple)
         lines += _floor_tables(tables)
         lines += _nsa_against_full(tables)
-        lines += _nsa_gpu_step(tables)
+        lines += _gpu_step(tables)
         lines += tables.table("Cache after the prefill, batch 1 (GiB)", "prefill", 1,
                               lambda f: f.cache_gib, 2)
         lines += tables.table("Peak memory, batch-1 prefill (GiB)", "prefill", 1, lambda f: f.peak_gib, 2)
@@ -181,24 +181,30 @@ def _nsa_against_full(tables: _Tables) -> list[str]:
     return lines + [""]
 
 
-def _nsa_gpu_step(tables: _Tables) -> list[str]:
-    rows = [(b, [tables.get("decode", "nsa", t, b) for t in tables.lengths]) for b in tables.batches]
-    rows = [(b, cells) for b, cells in rows if any(f is not None and f.gpu_ms is not None for f in cells)]
+def _gpu_step(tables: _Tables) -> list[str]:
+    """Each method's decode step from its CUDA graph: GPU ms per step and the wall time's multiple of it."""
+    rows = [(m, b, [tables.get("decode", m, t, b) for t in tables.lengths])
+            for m in tables.methods for b in tables.batches]
+    rows = [row for row in rows if any(f is not None and f.gpu_ms is not None for f in row[2])]
     if not rows:
         return []
-    lines = ["## NSA decode: GPU time per step (graph replays) and the wall time's multiple of it", "",
-             "| batch | " + " | ".join(_length_label(t) for t in tables.lengths) + " |",
-             "|---" * (len(tables.lengths) + 1) + "|"]
-    for b, cells in rows:
+    lines = ["## Decode: GPU time per step (graph replays) and the wall time's multiple of it", "",
+             "| method | batch | " + " | ".join(_length_label(t) for t in tables.lengths) + " |",
+             "|---" * (len(tables.lengths) + 2) + "|"]
+    for m, b, cells in rows:
         text = " | ".join("" if f is None or f.gpu_ms is None or f.ms is None
                           else f"{f.gpu_ms:.2f} ({f.ms / f.gpu_ms:.2f}x)" for f in cells)
-        lines.append(f"| {b} | {text} |")
-    firsts = [(t, tables.get("decode", "nsa", t, 1)) for t in tables.lengths]
-    firsts = ", ".join(f"{f.first_step_ms:.1f} ms at {t}" for t, f in firsts
-                       if f is not None and f.first_step_ms is not None)
+        lines.append(f"| {m} | {b} | {text} |")
+    firsts = []
+    for m in dict.fromkeys(m for m, _, _ in rows):
+        found = [(t, tables.get("decode", m, t, 1)) for t in tables.lengths]
+        found = ", ".join(f"{f.first_step_ms:.1f} ms at {t}" for t, f in found
+                          if f is not None and f.first_step_ms is not None)
+        if found:
+            firsts.append(f"{m} {found}")
     if firsts:
-        lines += ["", f"NSA's first decode step after the prefill at batch 1 (eager, then captured): "
-                  f"{firsts}."]
+        lines += ["", f"First decode step after the prefill at batch 1 (eager, then captured): "
+                  f"{'; '.join(firsts)}."]
     return lines + [""]
 
 

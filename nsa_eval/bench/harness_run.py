@@ -97,7 +97,7 @@ def measure_prefill(loaded: Loaded, length: int, config: HarnessConfig):
                 kept = None
                 _sync(device)
                 start = time.perf_counter()
-                kept = prefill(model, ids)
+                kept = prefill(model, ids, decode_room(config))
                 _sync(device)
                 if call:
                     times.append((time.perf_counter() - start) * 1000)
@@ -131,13 +131,14 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
     try:
         with torch.no_grad(), watched(model, deadline):
             if prefilled is None:
-                cache, token = prefill(model, _prompt(batch, length, config.shape.vocab, device))
+                cache, token = prefill(model, _prompt(batch, length, config.shape.vocab, device),
+                                       decode_room(config))
                 figure.cache_gib = _gib_since(device, base)
             else:
                 cache, token, _, figure.cache_gib = prefilled
             steps = config.repeats * config.decode_tokens
-            if hasattr(cache, "reserve"):  # nsa: room for every step here and the graph replays after
-                cache.reserve(cache.length + WARM_UP_STEPS + 2 * steps + 2)
+            if hasattr(cache, "reserve"):  # room for every step here and the graph replays after
+                cache.reserve(cache.length + decode_room(config))
             for warm_up in range(WARM_UP_STEPS):
                 _sync(device)
                 start = time.perf_counter()
@@ -156,7 +157,7 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
                     _sync(device)
                     rounds.append((time.perf_counter() - start) * 1000 / config.decode_tokens)
             figure.compilations = compiled[0]
-            if method == "nsa" and device.startswith("cuda"):
+            if device.startswith("cuda"):  # every method whose cache captured its step
                 figure.gpu_ms = graph_replay_ms(model, cache, token, steps)
     except FigureTimeout:
         if not rounds:
@@ -169,6 +170,11 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
     figure.peak_gib = _gib_since(device, base, peak=True)
     figure.seconds = deadline.elapsed
     return figure
+
+
+def decode_room(config: HarnessConfig) -> int:
+    """Tokens a decode figure writes past its prompt: the warm-up, the timed rounds and the graph replays."""
+    return WARM_UP_STEPS + 2 * config.repeats * config.decode_tokens + 2
 
 
 def _page_size(method: str, config: HarnessConfig) -> int:

@@ -5,7 +5,8 @@
     model.generate(...)
     attention_stats(model)["held"]["max"]  # <= 2560, or BudgetExceededError was raised
 
-Methods (`METHODS`): full, sink_window, topk, quest, h2o. See docs/methods.md.
+Methods (`METHODS`): full, sink_window, topk, quest, h2o. See docs/methods.md. Decode steps of fixed
+shape, for CUDA graphs: `model.generate(..., cache=StaticDecodeCache(capacity))`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from nsa_eval.methods.full import FullAttention
 from nsa_eval.methods.h2o import H2O
 from nsa_eval.methods.quest import Quest
 from nsa_eval.methods.sink_window import SinkWindow
+from nsa_eval.methods.static_cache import StaticDecodeCache
 from nsa_eval.methods.topk import TopK
 from nsa_eval.registry import Registry
 
@@ -35,6 +37,7 @@ __all__ = [
     "METHODS",
     "AttentionMethod",
     "BudgetExceededError",
+    "StaticDecodeCache",
     "apply_attention",
     "attention_stats",
     "attention_stats_paused",
@@ -101,12 +104,15 @@ def apply_attention(
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     old = getattr(model, CONTROLLER_ATTRIBUTE, None)
-    if old is not None and old.hook_handle is not None:
-        old.hook_handle.remove()
+    if old is not None:
+        for handle in old.hook_handles:
+            handle.remove()
     controller = AttentionController(instance, config)
-    controller.hook_handle = _decoder(model).register_forward_pre_hook(
-        controller.begin_forward, with_kwargs=True
-    )
+    decoder = _decoder(model)
+    controller.hook_handles = [
+        decoder.register_forward_pre_hook(controller.begin_forward, with_kwargs=True),
+        decoder.register_forward_hook(controller.end_forward, with_kwargs=True),
+    ]
     setattr(model, CONTROLLER_ATTRIBUTE, controller)
     for module in modules:
         setattr(module, MODULE_ATTRIBUTE, controller)
@@ -178,6 +184,7 @@ def attention_stats(model) -> dict[str, Any]:
             forward pass that did it).
     """
     controller = _controller(model)
+    controller.fold_static()  # static caches' decode steps since the last read
     controller.check_budget()  # decode steps leave their budget check to a read of the statistics
     summary = controller.stats.summary()
     cfg = controller.config
@@ -194,6 +201,7 @@ def attention_stats(model) -> dict[str, Any]:
 def reset_attention_stats(model) -> None:
     """Start counting afresh (the method and budget stay)."""
     controller = _controller(model)
+    controller.fold_static()  # into the statistics being dropped
     controller.stats = type(controller.stats)()
 
 
@@ -205,11 +213,13 @@ def attention_stats_paused(model):
     if controller is None:
         yield
         return
+    controller.fold_static()  # the steps before the block count
     saved = controller.stats
     controller.stats = type(saved)()
     try:
         yield
     finally:
+        controller.fold_static()  # the steps inside it do not
         controller.stats = saved
 
 

@@ -13,6 +13,8 @@ write only `score()`:
   decode step needs no read of the device (controller.py's `_decode_plan`);
 - a stateful method (`stateful = True`, H2O) is selected query by query from a state the earlier
   queries left: `grow_state`, `state_score`, `update_state`;
+- `static_state`, `static_append`, `static_prepared`: the method's decode state in the fixed buffers of a
+  `StaticDecodeCache` (Quest's page bounds, H2O's mass), for the fixed-shape step of static_decode.py;
 - `triton_prefill(call)`: the method's own kernels (nsa_eval/baseline_kernels/) for a held prefill
   of an unpadded batch, giving the chunked path's keys, output and counts; the controller takes them
   on CUDA tensors (`fast_prefill`). A new method with a kernel is its file and its kernel.
@@ -28,10 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from nsa_eval.budget import BudgetConfig
@@ -176,6 +180,23 @@ class AttentionMethod:
         (`PrefillResult`) to rounding; None where the kernels do not take this call. Default: no kernels."""
         return None
 
+    # ---- decode steps from a static cache (static_cache.py, static_decode.py): fixed shapes
+    def static_state(self, key: Tensor, lens: Tensor, capacity: int,
+                     prefill: dict[str, Tensor] | None) -> dict[str, Tensor]:
+        """The layer's decode state in buffers for `capacity` tokens per row, from the keys
+        `[B, Hkv, capacity, D]` (row b's first `lens[b]` `[B]` slots written, slot = position) and the state
+        so far (`prefill`: a stateful method's tensors `[B, H, n]`, n <= capacity, or the state this returned
+        for a smaller capacity; None when there is none). Default: no state."""
+        return {}
+
+    def static_append(self, state: dict[str, Tensor], key: Tensor, slot: Tensor) -> None:
+        """Fold a decode token's key `[B, Hkv, 1, D]`, written at `slot` `[B]`, into `state`, in place."""
+
+    def static_prepared(self, state: dict[str, Tensor], width: int) -> Any:
+        """What `score()` reads as `Chunk.prepared` for a decode query over the first `width` slots of a
+        static cache (`prepare()`'s value, from the state alone). Default: None."""
+        return None
+
     # ---- stateful methods only (H2O): selection query by query from a state the earlier queries left
     def grow_state(self, tensors: dict[str, Tensor], B: int, Hq: int, S: int, device) -> None:
         """Extend the state tensors to cover `S` keys (new keys start empty)."""
@@ -196,3 +217,40 @@ def grouped_scores(q: Tensor, k: Tensor) -> Tensor:
     Hkv, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, (Hq // Hkv) * Tc, D)  # [B, Hkv, G*Tc, D]
     return (qg @ k.transpose(-1, -2)).view(B, Hq, Tc, S)  # [B, Hq, Tc, S]
+
+
+def keep_counts(keep: Tensor, Hkv: int) -> tuple[Tensor, Tensor]:
+    """keep `[B, 1|Hq, Tc, Sc]` bool -> keys kept per query `[B, 1|Hq, Tc]` and per (query, KV head), the
+    union over the KV head's query heads, `[B, Hkv, Tc]` (int32)."""
+    B, H, Tc, Sc = keep.shape
+    activated = keep.sum(-1, dtype=torch.int32)  # [B, 1|Hq, Tc]
+    if H == 1:  # shared by every head
+        return activated, activated.expand(B, Hkv, Tc)
+    return activated, keep.view(B, Hkv, H // Hkv, Tc, Sc).any(2).sum(-1, dtype=torch.int32)
+
+
+def grouped_apply(p: Tensor, v: Tensor) -> Tensor:
+    """p `[B, Hq, Tc, S]`, v `[B, Hkv, S, Dv]` -> `p @ v` `[B, Hq, Tc, Dv]`."""
+    B, Hq, Tc, S = p.shape
+    Hkv, Dv = v.shape[1], v.shape[-1]
+    pg = p.reshape(B, Hkv, (Hq // Hkv) * Tc, S)  # [B, Hkv, G*Tc, S]
+    return (pg @ v).view(B, Hq, Tc, Dv)  # [B, Hq, Tc, Dv]
+
+
+def masked_softmax(logits: Tensor, keep: Tensor | None) -> Tensor:
+    """Softmax over kept keys (float32; None: all of them); a row with nothing kept (a padding query) is
+    all zeros.
+
+    Written out rather than `torch.softmax`: on a busy CPU, softmax's thread pool made each of H2O's
+    small per-query calls cost milliseconds; these element-wise ops stay on one thread when small.
+    """
+    x = logits.float() if keep is None else logits.float().masked_fill(~keep, -math.inf)
+    top = x.amax(-1, keepdim=True)
+    e = (x - top.masked_fill(top == -math.inf, 0.0)).exp()  # [..., S]
+    return (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)
+
+
+def group_sum(score: Tensor, Hkv: int) -> Tensor:
+    """`[B, Hq, Tc, S]` -> `[B, Hkv, Tc, S]`: summed over each KV head's group of query heads."""
+    B, Hq, Tc, S = score.shape
+    return score.view(B, Hkv, Hq // Hkv, Tc, S).sum(2)

@@ -8,8 +8,10 @@
 - positions: a key's position is its rank among the non-padding keys of its sequence, read off the
   model's 4D mask, so left and right padding marked in the attention mask count from the first real
   token (positions the mask does not mark as padding are ordinary tokens, and are counted).
-- caches: only a plain `DynamicCache` of full-attention layers (`check_cache`), whose keys are the
-  sequence so far with the new ones last.
+- caches: a plain `DynamicCache` of full-attention layers (`check_cache`), whose keys are the
+  sequence so far with the new ones last; or the methods' `StaticDecodeCache` (static_cache.py), whose
+  prompt runs on a `DynamicCache` and is copied in by the post-forward hook, and whose decode steps run
+  `static_decode.py`'s fixed-shape step (a CUDA graph can replay it).
 - chunking over queries: scores are materialised for at most `query_chunk` queries at a time
   (`[B, Hq, Tc, S]`), never `T x T`. A held, unpadded prefill is offered to the method first
   (`AttentionMethod.fast_prefill`): a method with kernels (nsa_eval/baseline_kernels/) takes it on a
@@ -37,7 +39,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nsa_eval.errors import UsageError
-from nsa_eval.methods.base import AttentionMethod, BudgetConfig, Chunk, Prefill
+from nsa_eval.methods.base import (
+    AttentionMethod,
+    BudgetConfig,
+    Chunk,
+    Prefill,
+    group_sum,
+    grouped_apply,
+    keep_counts,
+    masked_softmax,
+)
+from nsa_eval.methods.static_cache import StaticCounts, StaticDecodeCache
+from nsa_eval.methods.static_decode import fold_counts, static_attend
 from nsa_eval.methods.stats import AttentionStats, Tally
 
 ATTN_IMPLEMENTATION = "nsa_eval"
@@ -94,16 +107,22 @@ class AttentionController:
         self.config = config
         self.stats = AttentionStats()
         self.states: dict[int, LayerState] = {}  # replaced at each forward by the pre-hook
-        self.hook_handle = None
+        self.hook_handles: list = []  # the decoder's pre- and post-forward hooks (`apply_attention`)
         # decode steps' tallies whose budget check waits for `check_budget`: id -> (layer, tally)
         self._unchecked: dict[int, tuple[int, Tally]] = {}
+        self.static: StaticDecodeCache | None = None  # the static cache of the decode step in flight
+        self._filling: tuple | None = None  # a prompt in flight: (static, dynamic cache, 2D mask, heads)
+        self._static_counts: list[StaticCounts] = []  # static caches' steps not yet in `stats`
 
-    # ---- forward pre-hook on the decoder stack: find (or make) the cache, point at its state
+    # ---- forward hooks on the decoder stack: find (or make) the cache, point at its state
     def begin_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         from transformers import DynamicCache
 
         name = "past_key_values" if "past_key_values" in kwargs else "cache"
         cache = kwargs.get(name)
+        self.static = self._filling = None
+        if isinstance(cache, StaticDecodeCache):
+            return self._begin_static(module, cache, name, args, kwargs)
         if cache is not None:
             check_cache(cache, self.method.name)
         use_cache = kwargs.get("use_cache")
@@ -120,6 +139,62 @@ class AttentionController:
                 setattr(cache, STATE_ATTRIBUTE, {})
             self.states = getattr(cache, STATE_ATTRIBUTE)
         return args, kwargs
+
+    def _begin_static(self, module, cache: StaticDecodeCache, name: str, args: tuple, kwargs: dict):
+        """A forward on a static cache: its prompt runs on a fresh `DynamicCache` (copied in by
+        `end_forward`); a decode step gets the rows' positions and a stand-in 4D mask (transformers then
+        builds none: the attention reads the lengths off the cache)."""
+        from transformers import DynamicCache
+
+        if cache.controller is not None and cache.controller is not self:
+            raise UsageError("this StaticDecodeCache was filled under another apply_attention call; start a "
+                             "new cache for a new method")
+        x = kwargs.get("input_ids", args[0] if args else None)
+        x = kwargs.get("inputs_embeds") if x is None else x
+        if not cache.filled:
+            dynamic = DynamicCache(config=module.config)
+            kwargs[name] = dynamic
+            self.states = {}
+            setattr(dynamic, STATE_ATTRIBUTE, self.states)
+            mask = kwargs.get("attention_mask")
+            self._filling = (cache, dynamic, mask, module.config.num_attention_heads)
+            return args, kwargs
+        if x.shape[1] != 1 or x.shape[0] != cache.batch_size:
+            raise UsageError(f"a filled StaticDecodeCache takes one token for each of its {cache.batch_size} "
+                             f"rows per step, got input of shape {tuple(x.shape[:2])}")
+        cache.plan_step()
+        kwargs["position_ids"] = cache.lens[:, None]  # [B, 1] slot = position (the cache holds no padding)
+        kwargs["attention_mask"] = cache.step_mask
+        self.static, self.states = cache, {}
+        return args, kwargs
+
+    def end_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output):
+        """After the decoder stack: a prompt's dynamic cache copied into its static cache (which the output
+        then carries), or a static decode step's lengths advanced (on the device, inside a captured step
+        too)."""
+        if self._filling is not None:
+            cache, dynamic, mask, heads = self._filling
+            self._filling = None
+            cache.fill(dynamic, mask, self, self.states, heads)
+            self.states = {}
+            self.fold_static()  # earlier caches' steps, before a new one's begin
+            self._static_counts.append(cache.counts)
+            for field_name in ("cache", "past_key_values"):
+                if getattr(output, field_name, None) is dynamic:
+                    output[field_name] = cache
+        elif self.static is not None:
+            cache, self.static = self.static, None
+            cache.lens.add_(1)
+            if not (cache.lens.is_cuda and torch.cuda.is_current_stream_capturing()):
+                cache.step_done()  # a replayed step's host half is its caller's (hf_decode_graph.py)
+        return output
+
+    def fold_static(self) -> None:
+        """Put every static cache's decode steps so far into `stats` (device additions, no wait)."""
+        for counts in self._static_counts:
+            for layer, tally in fold_counts(counts, self.stats, self.method, self.config):
+                self._unchecked[id(tally)] = (layer, tally)
+        self._static_counts = [c for c in self._static_counts if c.alive]
 
     # ---- the attention function body
     def attend(
@@ -142,13 +217,17 @@ class AttentionController:
             raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
         layer = int(module.layer_idx)
         scaling = D**-0.5 if scaling is None else scaling
+        if self.static is not None:  # a decode step from a static cache: its own fixed-shape path
+            return static_attend(self, layer, query, key, value, scaling, self.static)
         phase = "decode" if T == 1 else "prefill"
         method, cfg = self.method, self.config
         held = method.sparse and layer >= cfg.dense_layers and (cfg.sparse_prefill or phase == "decode")
+        stateful = method.stateful and method.sparse and layer >= cfg.dense_layers
+        if attention_mask is None and not held and not stateful:  # `full`'s every call, on an unpadded batch
+            return self._dense_unpadded(module, query, key, value, scaling, kwargs, layer, phase)
 
         allowed = _allowed_keys(attention_mask, B, T, S)  # [B, T, S] bool or None
         kpos, qpos = _positions(allowed, B, T, S, query.device)  # [B, S], [B, T]
-        stateful = method.stateful and method.sparse and layer >= cfg.dense_layers
         state = self._layer_state(layer, B, Hq, S, T, query.device) if stateful else None
         tally = self.stats.tally(layer, phase, held)
         if held and allowed is None and T > 1:
@@ -194,7 +273,7 @@ class AttentionController:
             if stateful:
                 tensors = {name: t[..., :Sc] for name, t in state.tensors.items()}  # views: updates land
                 keep, probs = self._select_stateful(chunk, tensors, held, allowed is None)  # [B, Hq, Tc, Sc]
-                o = _grouped_apply(probs, v.float())  # [B, Hq, Tc, Dv]
+                o = grouped_apply(probs, v.float())  # [B, Hq, Tc, Dv]
             else:
                 keep = self._select(chunk, allowed is None)  # [B, 1|Hq, Tc, Sc]
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scaling, enable_gqa=True)
@@ -205,6 +284,20 @@ class AttentionController:
         return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
 
     # ---- pieces
+    def _dense_unpadded(self, module, query, key, value, scaling, kwargs, layer: int, phase: str) -> Tensor:
+        """`_dense` on an unpadded batch (no mask): query t of T sees the `S - T + t + 1` keys up to it, so
+        the counts are host integers and the call adds nothing to plain SDPA on the device."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        kwargs = {k: v for k, v in kwargs.items() if k in ("dropout", "is_causal")}
+        out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, **kwargs)
+        B, Hq, T, _ = query.shape
+        Hkv, S = key.shape[1], key.shape[2]
+        keys = T * (S - T) + T * (T + 1) // 2  # summed over the T queries
+        tally = self.stats.tally(layer, phase, False)
+        tally.add_host(B * Hq * T, B * Hq * keys, S, B * Hkv * T, B * Hkv * keys)
+        return out
+
     def _dense(self, module, query, key, value, mask, scaling, kwargs, allowed, qpos, tally) -> Tensor:
         """Plain SDPA (transformers' own function: `full` is bit-identical to `sdpa`); stats from the mask."""
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -247,8 +340,8 @@ class AttentionController:
             else:
                 tensors = {name: x[..., :Sc] for name, x in state.tensors.items()}  # views: updates land
                 keep, probs = self._select_stateful(chunk, tensors, True, True)  # [B, Hq, n, Sc]
-                out[:, :, t] = _grouped_apply(probs, value[:, :, :Sc].float())
-            activated, read = _keep_counts(keep, Hkv)
+                out[:, :, t] = grouped_apply(probs, value[:, :, :Sc].float())
+            activated, read = keep_counts(keep, Hkv)
             counts[:, :, t] = activated.to(counts.dtype)
             kv_read[:, :, t] = read.to(kv_read.dtype)
 
@@ -292,7 +385,7 @@ class AttentionController:
         candidates = visible & ~forced  # [B, 1, Tc, Sc]
         score = self.method.score(chunk)  # [B, Hq, Tc, Sc]
         if self.method.group_shared:
-            score = _group_sum(_masked_softmax(score, visible), chunk.key.shape[1])  # [B, Hkv, Tc, Sc]
+            score = group_sum(masked_softmax(score, visible), chunk.key.shape[1])  # [B, Hkv, Tc, Sc]
         best = _top_keys(score, candidates, picks, self.method.stable_ties)  # [B, Hq|Hkv, Tc, Sc]
         if self.method.group_shared:
             best = best.repeat_interleave(chunk.query.shape[1] // chunk.key.shape[1], dim=1)  # [B, Hq, ...]
@@ -370,7 +463,7 @@ class AttentionController:
         if method.stateful:
             chunk = Chunk(query, key, scaling, qpos, kpos, visible)
             keep, probs = self._decode_stateful(chunk, state.tensors, plan)  # [B, Hq, 1, S] each
-            o = _grouped_apply(probs, value.float())  # [B, Hq, 1, Dv]
+            o = grouped_apply(probs, value.float())  # [B, Hq, 1, Dv]
             state.length = S
         else:
             if plan.held:
@@ -378,13 +471,13 @@ class AttentionController:
                 chunk = Chunk(query, key, scaling, qpos, kpos, visible, prepared)
                 score = method.score(chunk)  # [B, Hq, 1, S]
                 if method.group_shared:
-                    score = _group_sum(_masked_softmax(score, None), Hkv)  # [B, Hkv, 1, S]
+                    score = group_sum(masked_softmax(score, None), Hkv)  # [B, Hkv, 1, S]
                 keep = self._decode_keep(score, plan, Hq)  # [B, Hq, 1, S]
             else:
                 keep = torch.ones(B, 1, 1, S, dtype=torch.bool, device=dev)  # all visible keys
             o = F.scaled_dot_product_attention(query, key, value, attn_mask=keep, scale=scaling,
                                                enable_gqa=True)
-        activated, kv_read = _keep_counts(keep, Hkv)  # [B, 1|Hq, 1], [B, Hkv, 1]
+        activated, kv_read = keep_counts(keep, Hkv)  # [B, 1|Hq, 1], [B, Hkv, 1]
         tally.add_unpadded(activated.expand(B, Hq, 1), kv_read)
         self._unchecked[id(tally)] = (layer, tally)
         return o.nan_to_num(0.0).to(query.dtype).transpose(1, 2).contiguous()  # [B, 1, Hq, Dv]
@@ -420,14 +513,14 @@ class AttentionController:
         method = self.method
         if not plan.held:  # attends densely
             keep = torch.ones(B, Hq, 1, S, dtype=torch.bool, device=logits.device)
-            probs = _masked_softmax(logits, None)  # [B, Hq, 1, S]
+            probs = masked_softmax(logits, None)  # [B, Hq, 1, S]
             method.update_state(tensors, probs, keep)
             return keep, probs
         score = method.state_score(tensors)  # [B, Hq, S]
         if method.group_shared:
-            score = _group_sum(score[:, :, None], chunk.key.shape[1])[:, :, 0]  # [B, Hkv, S]
+            score = group_sum(score[:, :, None], chunk.key.shape[1])[:, :, 0]  # [B, Hkv, S]
         row = self._decode_keep(score, plan, Hq)  # [B, Hq, S]
-        p = _masked_softmax(logits[:, :, 0], row)  # [B, Hq, S]
+        p = masked_softmax(logits[:, :, 0], row)  # [B, Hq, S]
         method.update_state(tensors, p[:, :, None], row[:, :, None])
         return row[:, :, None], p[:, :, None]
 
@@ -451,7 +544,7 @@ class AttentionController:
         keep = visible.expand(B, Hq, Tc, Sc).clone()  # [B, Hq, Tc, Sc]
         probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [B, Hq, Tc, Sc]
         if n_dense:  # the rows after them get their softmax in the loop below
-            probs[:, :, :n_dense] = _masked_softmax(logits[:, :, :n_dense], keep[:, :, :n_dense])
+            probs[:, :, :n_dense] = masked_softmax(logits[:, :, :n_dense], keep[:, :, :n_dense])
             method.update_state(tensors, probs[:, :, :n_dense], keep[:, :, :n_dense])
         if n_dense == Tc:
             return keep, probs
@@ -462,13 +555,13 @@ class AttentionController:
         for t in range(n_dense, Tc):
             score = method.state_score(tensors)  # [B, Hq, Sc]
             if method.group_shared:
-                score = _group_sum(score[:, :, None], chunk.key.shape[1])[:, :, 0]  # [B, Hkv, Sc]
+                score = group_sum(score[:, :, None], chunk.key.shape[1])[:, :, 0]  # [B, Hkv, Sc]
             best = _top_keys(score, candidates[:, :, t], picks[:, :, t])  # [B, Hq|Hkv, Sc]
             if method.group_shared:
                 best = best.repeat_interleave(G, dim=1)  # [B, Hq, Sc]
             row = torch.where(over[:, None, t, None], forced[:, :, t] | best, visible[:, :, t])  # [B, Hq, Sc]
             keep[:, :, t] = row
-            probs[:, :, t] = p = _masked_softmax(logits[:, :, t].contiguous(), row)  # [B, Hq, Sc]
+            probs[:, :, t] = p = masked_softmax(logits[:, :, t].contiguous(), row)  # [B, Hq, Sc]
             method.update_state(tensors, p[:, :, None], row[:, :, None])
         return keep, probs
 
@@ -476,7 +569,7 @@ class AttentionController:
         self, tally: Tally, keep: Tensor, Hq: int, Hkv: int, qpos: Tensor, held: bool, layer: int
     ) -> None:
         """Count keys per query (`keep` `[B, 1|Hq, Tc, Sc]`); fail if a held query is over budget."""
-        activated, kv_read = _keep_counts(keep, Hkv)
+        activated, kv_read = keep_counts(keep, Hkv)
         self._record_counts(tally, activated, kv_read, Hq, qpos, held, layer)
 
     def _record_counts(
@@ -590,43 +683,6 @@ def _positions(allowed: Tensor | None, B: int, T: int, S: int, device) -> tuple[
         kpos = torch.where(real, real.long().cumsum(-1) - 1, -1)  # [B, S]
     qpos = kpos[:, S - T :]  # [B, T]
     return kpos, qpos
-
-
-def _keep_counts(keep: Tensor, Hkv: int) -> tuple[Tensor, Tensor]:
-    """keep `[B, 1|Hq, Tc, Sc]` bool -> keys kept per query `[B, 1|Hq, Tc]` and per (query, KV head), the
-    union over the KV head's query heads, `[B, Hkv, Tc]` (int32)."""
-    B, H, Tc, Sc = keep.shape
-    activated = keep.sum(-1, dtype=torch.int32)  # [B, 1|Hq, Tc]
-    if H == 1:  # shared by every head
-        return activated, activated.expand(B, Hkv, Tc)
-    return activated, keep.view(B, Hkv, H // Hkv, Tc, Sc).any(2).sum(-1, dtype=torch.int32)
-
-
-def _grouped_apply(p: Tensor, v: Tensor) -> Tensor:
-    """p `[B, Hq, Tc, S]`, v `[B, Hkv, S, Dv]` -> `p @ v` `[B, Hq, Tc, Dv]`."""
-    B, Hq, Tc, S = p.shape
-    Hkv, Dv = v.shape[1], v.shape[-1]
-    pg = p.reshape(B, Hkv, (Hq // Hkv) * Tc, S)  # [B, Hkv, G*Tc, S]
-    return (pg @ v).view(B, Hq, Tc, Dv)  # [B, Hq, Tc, Dv]
-
-
-def _masked_softmax(logits: Tensor, keep: Tensor | None) -> Tensor:
-    """Softmax over kept keys (float32; None: all of them); a row with nothing kept (a padding query) is
-    all zeros.
-
-    Written out rather than `torch.softmax`: on a busy CPU, softmax's thread pool made each of H2O's
-    small per-query calls cost milliseconds; these element-wise ops stay on one thread when small.
-    """
-    x = logits.float() if keep is None else logits.float().masked_fill(~keep, -math.inf)
-    top = x.amax(-1, keepdim=True)
-    e = (x - top.masked_fill(top == -math.inf, 0.0)).exp()  # [..., S]
-    return (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)
-
-
-def _group_sum(score: Tensor, Hkv: int) -> Tensor:
-    """`[B, Hq, Tc, S]` -> `[B, Hkv, Tc, S]`: summed over each KV head's group of query heads."""
-    B, Hq, Tc, S = score.shape
-    return score.view(B, Hkv, Hq // Hkv, Tc, S).sum(2)
 
 
 def _top_keys(score: Tensor, candidates: Tensor, picks: Tensor, stable: bool = False) -> Tensor:

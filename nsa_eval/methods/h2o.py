@@ -54,6 +54,14 @@ class H2O(AttentionMethod):
             buffer[..., :old] = mass
         tensors["mass"] = buffer[..., :S]  # [B, Hq, S]
 
+    def static_state(self, key: Tensor, lens: Tensor, capacity: int,
+                     prefill: dict[str, Tensor] | None) -> dict[str, Tensor]:
+        """The mass `[B, Hq, capacity]` of a static cache: the prompt's (or a smaller buffer's), then 0."""
+        mass = prefill["mass"]  # [B, Hq, n]
+        grown = mass.new_zeros(*mass.shape[:2], capacity)
+        grown[..., : mass.shape[-1]] = mass
+        return {"mass": grown}
+
     def state_score(self, tensors: dict[str, Tensor]) -> Tensor:
         return tensors["mass"]  # [B, Hq, S]
 

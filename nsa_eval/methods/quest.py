@@ -101,6 +101,32 @@ class Quest(AttentionMethod):
         # a group's softmax needs the logits' scale; alone, only the order counts (kept bit for bit)
         return bounds * chunk.scaling if self.group_shared else bounds
 
+    def static_state(self, key: Tensor, lens: Tensor, capacity: int,
+                     prefill: dict[str, Tensor] | None) -> dict[str, Tensor]:
+        """The page summaries of a static cache, `key_min`/`key_max` `[B, Hkv, pages, D]` float32 over
+        `capacity` slots, from its keys (exact: a min or max does not depend on the order); pages without a
+        key hold zeros, never read."""
+        B, _, C, _ = key.shape
+        slots = torch.arange(C, device=key.device)  # [C]
+        page = torch.where(slots < lens[:, None], slots // self.page_size, -1)  # [B, C]
+        key_min, key_max = page_summaries(key.float(), page, -(-C // self.page_size))
+        return {"key_min": key_min.nan_to_num(0.0, 0.0, 0.0), "key_max": key_max.nan_to_num(0.0, 0.0, 0.0)}
+
+    def static_append(self, state: dict[str, Tensor], key: Tensor, slot: Tensor) -> None:
+        B, Hkv, _, D = key.shape
+        index = (slot // self.page_size).view(B, 1, 1, 1).expand(B, Hkv, 1, D)
+        first = (slot % self.page_size == 0).view(B, 1, 1, 1)  # the page's first key: its old row is stale
+        k = key.float()  # [B, Hkv, 1, D]
+        for name, pick in (("key_min", torch.minimum), ("key_max", torch.maximum)):
+            summary = state[name]  # [B, Hkv, pages, D]
+            summary.scatter_(2, index, torch.where(first, k, pick(summary.gather(2, index), k)))
+
+    def static_prepared(self, state: dict[str, Tensor], width: int) -> tuple[Tensor, Tensor, Tensor]:
+        key_min, key_max = state["key_min"], state["key_max"]  # [B, Hkv, pages, D]
+        pages = -(-width // self.page_size)
+        page = (torch.arange(width, device=key_min.device) // self.page_size).expand(key_min.shape[0], width)
+        return page, key_min[:, :, :pages], key_max[:, :, :pages]
+
     def forced_start(self, position: int) -> int:
         return position - position % self.page_size  # the query's own page
 

@@ -58,6 +58,18 @@ class Tally:
         self.sums[1::2] += totals
         self.add_host(activated.numel(), 0, 0, kv_read.numel(), 0)
 
+    def add_device_totals(self, totals: Tensor, queries: int, kv_queries: int) -> None:
+        """Totals a static cache's decode steps summed on the device (static_decode.py): `totals` int64 `[3]`
+        (keys attended, KV tokens read, the most keys one query attended) over `queries` query-head pairs
+        and `kv_queries` (query, KV head) pairs."""
+        if self.sums is None:
+            self.sums = torch.zeros(4, dtype=torch.int64, device=totals.device)
+            self.top = totals[2].clone()
+        else:
+            torch.maximum(self.top, totals[2], out=self.top)
+        self.sums[1::2] += totals[:2]
+        self.add_host(queries, 0, 0, kv_queries, 0)
+
     def add_host(self, queries: int, activated: int, top: int, kv_queries: int, kv_read: int) -> None:
         """Totals the host knows: query-head pairs, keys they attended (sum and max), (query, KV head)
         pairs and KV tokens they read."""

@@ -14,7 +14,11 @@ model_args (strings are cast; lm-eval already turns "3" into 3 and "true" into T
 - dtype, max_length, batch_size, device: as lm-eval's `hf` model;
 - truncation: `middle` (default; keep the head and tail of an over-long prompt, as official
   LongBench does) or `left` (lm-eval's default: keep the tail);
-- parallelize, max_memory_per_gpu: split one large model over GPUs (`device_map="auto"`).
+- parallelize, max_memory_per_gpu: split one large model over GPUs (`device_map="auto"`);
+- static_decode: `auto` (default: on a GPU), `true` or `false`: generate_until decodes from a static cache
+  (`nsa_eval.methods.StaticDecodeCache`), each step replayed from a CUDA graph on a GPU
+  (`models.hf_decode_graph`); `false` keeps transformers' dynamic cache and eager steps (and turns the NSA
+  model's decode graph off).
 
 loglikelihood, loglikelihood_rolling and generate_until all run through the chosen attention.
 Activated tokens per query: `lm.attention_stats()` (reset with `lm.reset_attention_stats()`), and in
@@ -35,6 +39,7 @@ from lm_eval.models.huggingface import HFLM
 
 from nsa_eval.budget import BudgetConfig
 from nsa_eval.errors import UsageError
+from nsa_eval.models.hf_decode_graph import CACHE_FIELD, enable_decode_graphs, static_cache_for
 from nsa_eval.models.loading import (
     attention_stats,
     attention_stats_paused,
@@ -114,6 +119,7 @@ class NSAEvalLM(HFLM):
         parallelize: bool = False,
         max_memory_per_gpu: str | None = None,
         trust_remote_code: bool = False,
+        static_decode: bool | str = "auto",
         **kwargs,
     ):
         if not isinstance(pretrained, str):
@@ -126,6 +132,8 @@ class NSAEvalLM(HFLM):
         budget, sink, local = as_int("budget", budget, 1), as_int("sink", sink), as_int("local", local, 1)
         sparse_prefill = as_bool("sparse_prefill", sparse_prefill)
         parallelize = as_bool("parallelize", parallelize)
+        static_decode = None if str(static_decode).strip().lower() == "auto" else as_bool("static_decode",
+                                                                                          static_decode)
         dense_layers = as_int("dense_layers", dense_layers)
         max_length = None if max_length in (None, "", "None") else as_int("max_length", max_length, 1)
         batch_size = batch_size if str(batch_size).startswith("auto") else as_int("batch_size", batch_size, 1)
@@ -157,8 +165,12 @@ class NSAEvalLM(HFLM):
             self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
             self._device = accelerator.device
         if is_nsa_model(self.model):  # compile the GPU decode for every length now, not mid-generation
+            if static_decode is False:
+                self.model.model.decode_cuda_graph = False
             batch_sizes = {1} | ({batch_size} if isinstance(batch_size, int) else set())
             self.model.warm_up_decode(batch_sizes=tuple(sorted(batch_sizes)), max_length=self.max_length)
+        elif not parallelize and (static_decode or static_decode is None and self.device.type == "cuda"):
+            enable_decode_graphs(self.model)
 
     # --- activated tokens ---
 
@@ -251,7 +263,12 @@ class NSAEvalLM(HFLM):
             return self.model(inps, attention_mask=mask, use_cache=False).logits
 
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs):
-        """NSA takes no padding: a left-padded batch is generated row by row and padded back together."""
+        """HFLM's generation: from a static cache of `max_length` tokens where static decoding is on (HFLM's
+        sampling and stop strings run on the host between the steps); NSA takes no padding, so a left-padded
+        batch is generated row by row and padded back together."""
+        cache = static_cache_for(self.model, max_length)
+        if cache is not None:
+            generation_kwargs[CACHE_FIELD] = cache
         mask = generation_kwargs.get("attention_mask")
         if not is_nsa_model(self.model) or mask is None or bool(mask.all()):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)

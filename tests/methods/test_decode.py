@@ -151,3 +151,45 @@ def test_decode_step_never_waits_for_the_gpu(method, group_shared):
                 controller.attend = attend
     assert len(calls) == 2 * 16 * 2  # prompts x steps x layers
     attention_stats(model)  # the deferred budget check passes
+
+
+def _aten_ops(model, ids, cache=None) -> list[str]:
+    """The aten ops one forward of `model` on `ids` dispatches (every tensor op, on any device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    record = Record()
+    with torch.no_grad(), record:
+        model(ids, past_key_values=cache, use_cache=cache is not None)
+    return record.ops
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_full_adds_no_tensor_op_to_plain_sdpa(batch):
+    """`full` on an unpadded batch counts its keys on the host: a prefill and a decode step dispatch exactly
+    the ops of transformers' `sdpa` (so eager decoding pays no per-layer device work for the statistics),
+    and the statistics still count every key."""
+    ids = torch.randint(3, 128, (batch, 21), generator=torch.Generator().manual_seed(2))
+    ops, caches = {}, {}
+    for name in ("sdpa", "full"):
+        model = tiny_llama()
+        if name == "sdpa":
+            model.set_attn_implementation("sdpa")
+        else:
+            apply_attention(model, "full")
+        with torch.no_grad():
+            caches[name] = model(ids[:, :20], use_cache=True).past_key_values
+        ops[name] = (_aten_ops(model, ids[:, :20]), _aten_ops(model, ids[:, 20:], caches[name]))
+    assert ops["full"] == ops["sdpa"]
+    stats = attention_stats(model)  # 20 + 1 queries per row, head and layer, each up to its own position
+    assert stats["queries"] == 2 * 4 * batch * 41 and stats["max"] == 21
+    assert stats["phases"]["decode"]["mean"] == 21
+    assert stats["phases"]["prefill"]["mean"] == pytest.approx(10.5)

@@ -17,13 +17,8 @@ from nsa_eval.baseline_kernels.h2o_prefill import (
     kv_read_from_evictions,
 )
 from nsa_eval.methods import apply_attention, attention_stats
-from nsa_eval.methods.base import BudgetConfig, Prefill, grouped_scores
-from nsa_eval.methods.controller import (
-    MODULE_ATTRIBUTE,
-    AttentionController,
-    _grouped_apply,
-    _masked_softmax,
-)
+from nsa_eval.methods.base import BudgetConfig, Prefill, grouped_apply, grouped_scores, masked_softmax
+from nsa_eval.methods.controller import MODULE_ATTRIBUTE, AttentionController
 from nsa_eval.methods.h2o import H2O
 from tests.methods.budget_inputs import cuda_ms, rel_rms
 from tests.methods.conftest import fake_module, layer_call, prefill_by, random_qkv, run_attend, tiny_llama
@@ -52,11 +47,11 @@ def dense_start(q, k, v, budget, scaling):
     """What the `budget` dense queries leave: mass `[B, Hq, T]` and output rows `[B, Hq, T, Dv]`."""
     B, Hq, T, _ = q.shape
     logits = grouped_scores(q[:, :, :budget].float(), k[:, :, :budget].float()) * scaling
-    p = _masked_softmax(logits, torch.ones(budget, budget, dtype=torch.bool, device=q.device).tril())
+    p = masked_softmax(logits, torch.ones(budget, budget, dtype=torch.bool, device=q.device).tril())
     mass = torch.zeros(B, Hq, T, device=q.device)
     mass[..., :budget] = p.sum(2)
     out = torch.zeros(B, Hq, T, v.shape[-1], dtype=q.dtype, device=q.device)
-    out[:, :, :budget] = _grouped_apply(p, v[:, :, :budget].float()).to(q.dtype)
+    out[:, :, :budget] = grouped_apply(p, v[:, :, :budget].float()).to(q.dtype)
     return mass, out
 
 

@@ -1,0 +1,222 @@
+"""One layer's decode step over a static cache (static_cache.py): the keys, output, state and counts of the
+controller's `_decode`, with every shape fixed by the cache's width and every length read on the device.
+
+Row b's query sits at position `p = lens[b]` and sees the `S = p + 1` slots before and at it (slot = position:
+the cache holds no padding). Everything `_decode_plan` worked out on the host is worked out here per row
+as device tensors of fixed shape, so the step is the same launches at every position and a CUDA graph can
+replay it (nsa_eval/models/hf_decode_graph.py):
+
+- dense (`full`, and `dense_layers`): attention over the slots below `S`; on CUDA in bf16/fp16 through
+  FlashAttention's varlen kernel with the lengths on the device (`flash_decode`), which reads only the
+  written keys; elsewhere SDPA with the slots masked;
+- `sink_window`: the `sink + local` slots gathered by index (`sink_and_local_decode`), as `_decode` cuts them;
+- selecting methods: sink `[0, sink)` and `[low, S)` forced (`low` from `forced_start`, on tensors), and the
+  best `budget - forced` candidates of `[sink, low)`: the method's scores over the `width` slots, the
+  candidates elsewhere masked, a top-k of the largest number any row may take, then each row's own count
+  by rank (a stable sort for `stable_ties`, Quest); H2O's mass is read and updated in its fixed buffer.
+
+Counts: a selecting layer adds its keys attended and KV tokens read to the cache's `StaticCounts.totals` on
+the device. Dense and `sink_window` layers count nothing per step: their keys are a function of the lengths,
+which the host knows (`fold_counts` adds them, as `_decode` adds `sink_window`'s).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nsa_eval.methods.base import Chunk, group_sum, grouped_apply, keep_counts, masked_softmax
+from nsa_eval.methods.static_cache import StaticCounts, StaticDecodeCache
+
+
+def static_attend(controller, layer: int, query: Tensor, key: Tensor, value: Tensor, scaling: float,
+                  cache: StaticDecodeCache) -> Tensor:
+    """query `[B, Hq, 1, D]`, key/value `[B, Hkv, W, D]` (the cache's first W slots, this step's token written
+    at `lens`) -> output `[B, 1, Hq, Dv]`."""
+    method, cfg = controller.method, controller.config
+    B, Hq, _, D = query.shape
+    Hkv, W = key.shape[1], key.shape[2]
+    S = cache.lens + 1  # [B] keys each row's query sees, its own included
+    if not method.sparse or layer < cfg.dense_layers:
+        return dense_decode(query, key, value, S, scaling, cache)
+    if not method.selects:
+        return sink_and_local_decode(query, key, value, S, scaling, cfg.sink, cfg.local)
+
+    state = cache.state[layer]
+    if state:
+        slot = cache.lens.view(B, 1, 1, 1)
+        method.static_append(state, key.gather(2, slot.expand(B, Hkv, 1, D)), cache.lens)
+    slots = torch.arange(W, device=query.device)  # [W] slot = position
+    visible = slots < S[:, None]  # [B, W]
+    p = S - 1  # [B]
+    low = torch.minimum(p - cfg.local + 1, method.forced_start(p)).clamp(min=0)  # [B] forced: [low, S)
+    forced = ((slots < cfg.sink) | (slots >= low[:, None])) & visible  # [B, W]
+    candidates = (slots >= cfg.sink) & (slots < low[:, None])  # [B, W]
+    picks = cfg.budget - torch.where(low <= cfg.sink, S, cfg.sink + S - low)  # [B] `_decode_plan`'s picks
+    held = S > cfg.budget  # [B]
+    chunk = Chunk(query, key, scaling, p[:, None], slots.expand(B, W), visible[:, None],
+                  method.static_prepared(state, W))
+    if method.stateful:
+        tensors = {name: t[..., :W] for name, t in state.items()}  # views: updates land in the buffers
+        score = method.state_score(tensors)[:, :, None]  # [B, Hq, 1, W]
+        if method.group_shared:
+            score = group_sum(score, Hkv)  # [B, Hkv, 1, W]
+    else:
+        score = method.score(chunk)  # [B, Hq, 1, W]
+        if method.group_shared:
+            score = group_sum(masked_softmax(score, visible[:, None, None]), Hkv)  # [B, Hkv, 1, W]
+    best = top_candidates(score, candidates[:, None, None], picks, max(0, cfg.selected), method.stable_ties)
+    if method.group_shared:
+        best = best.repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, 1, W]
+    keep = torch.where(held[:, None, None, None], forced[:, None, None] | best,
+                       visible[:, None, None])  # [B, Hq, 1, W]
+    if method.stateful:
+        probs = masked_softmax(chunk.logits, keep)  # [B, Hq, 1, W]
+        method.update_state(tensors, probs, keep)
+        out = grouped_apply(probs, value.float())  # [B, Hq, 1, Dv]
+    else:
+        out = grouped_sdpa(query, key, value, keep, scaling)  # [B, Hq, 1, Dv]
+    activated, kv_read = keep_counts(keep, Hkv)  # [B, Hq, 1], [B, Hkv, 1]
+    totals = cache.counts.totals[layer]  # [3]: keys attended, KV tokens read, most keys one query attended
+    totals[:2] += torch.stack([activated.sum(dtype=torch.int64), kv_read.sum(dtype=torch.int64)])
+    totals[2:].copy_(torch.maximum(totals[2:], activated.amax().long()))
+    return out.nan_to_num(0.0).to(query.dtype).transpose(1, 2).contiguous()  # [B, 1, Hq, Dv]
+
+
+def top_candidates(score: Tensor, candidates: Tensor, picks: Tensor, most: int, stable: bool) -> Tensor:
+    """Per row the `picks[b]` best-scoring candidates, as `_top_keys` takes them, in fixed shapes.
+
+    Args:
+        score: `[B, R, 1, W]` float, higher is better.
+        candidates: `[B, 1, 1, W]` bool.
+        picks: `[B]` int, keys to take per row (fewer if fewer candidates).
+        most: the largest `picks` can be (`budget - sink - local`): the top-k's fixed k.
+        stable: among equal scores prefer earlier slots (a full stable sort, as Quest's `_top_keys`).
+
+    Returns:
+        `[B, R, 1, W]` bool.
+    """
+    k = min(most, score.shape[-1])
+    chosen = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
+    if k == 0:
+        return chosen
+    masked = score.float().masked_fill(~candidates, -torch.inf)
+    if stable:
+        top = masked.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [B, R, 1, k]
+    else:
+        top = masked.topk(k, dim=-1).indices  # [B, R, 1, k], best first
+    rank_ok = torch.arange(k, device=score.device) < picks[:, None, None, None]  # [B, 1, 1, k]
+    chosen.scatter_(-1, top, rank_ok.expand_as(top))
+    return chosen & candidates
+
+
+def dense_decode(query: Tensor, key: Tensor, value: Tensor, S: Tensor, scaling: float,
+                 cache: StaticDecodeCache) -> Tensor:
+    """Each row's query over its first `S[b]` slots: query `[B, Hq, 1, D]`, key/value `[B, Hkv, W, D]` ->
+    `[B, 1, Hq, Dv]`. FlashAttention reads only the written slots where it runs (`flash_decode`); SDPA with
+    the rest masked is the reference and the fallback."""
+    if cache.flash is not False and flash_ready(query, key):
+        try:
+            out = flash_decode(query, key, value, S, scaling)
+            cache.flash = True
+            return out
+        except (RuntimeError, TypeError):  # a PyTorch without the kernel or its `seqused_k`
+            if cache.flash:  # it ran at an earlier step: this is a real error
+                raise
+            cache.flash = False
+    mask = (torch.arange(key.shape[2], device=key.device) < S[:, None])[:, None, None]  # [B, 1, 1, W]
+    return grouped_sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous()  # [B, 1, Hq, Dv]
+
+
+def grouped_sdpa(query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scaling: float) -> Tensor:
+    """Masked attention of one query per head: query `[B, Hq, 1, D]`, key/value `[B, Hkv, W, D]`, keep
+    `[B, 1|Hq, 1, W]` bool -> `[B, Hq, 1, Dv]`. Each KV head's G query heads go in as G queries of that
+    head, so SDPA reads each key once and needs no GQA support (PyTorch's masked GQA path copies the keys
+    and values per query head)."""
+    B, Hq, _, D = query.shape
+    Hkv, W = key.shape[1], key.shape[2]
+    mask = keep.expand(B, Hq, 1, W).reshape(B, Hkv, Hq // Hkv, W)  # [B, Hkv, G, W]
+    out = F.scaled_dot_product_attention(query.reshape(B, Hkv, Hq // Hkv, D), key, value, attn_mask=mask,
+                                         scale=scaling)  # [B, Hkv, G, Dv]
+    return out.reshape(B, Hq, 1, value.shape[-1])
+
+
+def flash_ready(query: Tensor, key: Tensor) -> bool:
+    """Whether FlashAttention takes these tensors: CUDA, half precision, a head dim it compiles for."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0
+            and query.shape[-1] <= 256 and key.stride(-1) == 1 and torch.backends.cuda.flash_sdp_enabled())
+
+
+def flash_decode(query: Tensor, key: Tensor, value: Tensor, S: Tensor, scaling: float) -> Tensor:
+    """`dense_decode` through FlashAttention's varlen forward, each (row, KV head) one sequence of its G query
+    heads against that head's slots, `seqused_k` its length on the device (FlashAttention splits a long one
+    over blocks for decoding, and never reads past it). key/value are views of `[B, Hkv, C, D]` buffers."""
+    B, Hq, _, D = query.shape
+    Hkv, W, C = key.shape[1], key.shape[2], key.stride(1) // key.stride(2)
+    n = B * Hkv
+    device = query.device
+    if key.stride(2) != D or value.stride(2) != value.shape[-1] or value.stride(1) != C * value.shape[-1]:
+        raise RuntimeError("flash_decode reads keys and values as [B, Hkv, C, D] buffers")
+    k = key.as_strided((n * C, 1, D), (D, D, 1))  # [B * Hkv * C, 1, D]
+    v = value.as_strided((n * C, 1, value.shape[-1]), (value.shape[-1],) * 2 + (1,))
+    q = query.reshape(n, Hq // Hkv, D)  # [B * Hkv, G, D]: one query token per sequence
+    cu_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+    cu_k = cu_q * C
+    used = S.to(torch.int32).repeat_interleave(Hkv)  # [B * Hkv]
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, 1, W, 0.0, False, False, scale=scaling,
+                                                  seqused_k=used)[0]  # [B * Hkv, G, Dv]
+    return out.view(B, 1, Hq, value.shape[-1])
+
+
+def sink_and_local_decode(query: Tensor, key: Tensor, value: Tensor, S: Tensor, scaling: float, sink: int,
+                          local: int) -> Tensor:
+    """`_decode`'s sink_window step: each row's sink slots and its `local` most recent, `sink + local` slots
+    gathered (all of the first `S` while the window has not left the sink). -> `[B, 1, Hq, Dv]`."""
+    B, Hkv, W, D = key.shape
+    n = sink + local
+    i = torch.arange(n, device=key.device)  # [n]
+    apart = S > sink + local  # [B]: the local window has left the sink
+    index = torch.where(apart[:, None] & (i >= sink), S[:, None] - n + i, i).clamp(max=W - 1)  # [B, n]
+    mask = apart[:, None] | (i < S[:, None])  # [B, n]
+    k = key.gather(2, index[:, None, :, None].expand(B, Hkv, n, D))  # [B, Hkv, n, D]
+    v = value.gather(2, index[:, None, :, None].expand(B, Hkv, n, value.shape[-1]))
+    out = grouped_sdpa(query, k, v, mask[:, None, None], scaling)  # [B, Hq, 1, Dv]
+    return out.transpose(1, 2).contiguous()
+
+
+def fold_counts(counts: StaticCounts, stats, method, config) -> list:
+    """Add the steps of `counts` since the last fold to `stats` (an `AttentionStats`) and start afresh.
+
+    A selecting layer's totals come from the device; a dense layer's query at step t of a row holding r
+    keys after its prompt attends `r + t` keys, a `sink_window` layer's `min(r + t, sink + local)`.
+    Returns the (layer, tally) pairs whose totals came from the device (for the budget check).
+    """
+    first, last = counts.folded, counts.steps
+    if last == first:
+        return []
+    B, steps = len(counts.rows), last - first
+    checked = []
+    for layer in range(len(counts.totals)):
+        held = method.sparse and layer >= config.dense_layers
+        tally = stats.tally(layer, "decode", held)
+        queries, kv_queries = B * counts.heads * steps, B * counts.kv_heads * steps
+        if held and method.selects:
+            tally.add_device_totals(counts.totals[layer], queries, kv_queries)
+            checked.append((layer, tally))
+            continue
+        cap = config.sink + config.local if held else None
+        keys = sum(_keys_summed(r, first, last, cap) for r in counts.rows)
+        top = max(r + last for r in counts.rows)
+        tally.add_host(queries, counts.heads * keys, top if cap is None else min(top, cap), kv_queries,
+                       counts.kv_heads * keys)
+    counts.totals.zero_()
+    counts.folded = last
+    return checked
+
+
+def _keys_summed(r: int, first: int, last: int, cap: int | None) -> int:
+    """The sum over steps t = first + 1 .. last of min(r + t, cap) (cap None: no cap)."""
+    upto = last if cap is None else min(last, max(first, cap - r))  # steps before the cap binds
+    below = (upto - first) * r + (upto * (upto + 1) - first * (first + 1)) // 2
+    return below + (last - upto) * (cap or 0)
