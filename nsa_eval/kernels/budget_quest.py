@@ -21,12 +21,14 @@ from nsa_eval.kernels._triton_utils import (
 from nsa_eval.kernels.budget_attention import (
     INT_MAX,
     _config,
+    _group_matrix,
     _grouped_scores,
     _kept_tile,
     _load_queries,
     _s,
     _store_rows,
     _tile_scores,
+    _tile_values,
 )
 
 # Quest's rule (methods/quest.py, the controller's `_select`): query `p` held to the budget keeps sink,
@@ -83,16 +85,19 @@ def _quest_fwd_kernel(
     # Grid (cdiv(T, BT), B * Hkv), as `_budget_fwd_kernel`. BITS `[B, Hq, T, W]` int32 and CUT `[B, Hq,
     # T]` int32 (contiguous): `quest_page_select`'s. ONE_WORD: a key tile's pages lie in one word of
     # the mask (BN divides 32 * PS), read once a row. SKIP: a tile no row keeps is not multiplied.
+    BTP: tl.constexpr = max(BT, 16)
+    DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
     i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
     q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, 0, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
     pos = S - T + r_t  # [M]
     row = (i_b * HQ + i_h) * T + r_t  # [M]
+    group = _group_matrix(m_r, GP, BT, BTP, DT)
     cut = tl.load(CUT + row, mask=m_r, other=2147483647)  # INT_MAX: rows not held keep every marked page
     cut_end = (cut // PS + 1) * PS  # keys cut < j < cut_end: the cut page's candidates past the cut
     near = tl.minimum(pos - local, pos // PS * PS - 1)  # keys j > near: local, or the query's own page
     m_i, l_i, acc = softmax_start(BT * GP, BDV)
     cnt = tl.zeros([BT * GP], tl.int32)
-    kvr = tl.zeros([BT], tl.int32)
+    kvr = tl.zeros([BTP], tl.int32)
     k_base = K + i_b * sk_b + i_hk * sk_h
     v_base = V + i_b * sv_b + i_hk * sv_h
     bits_row = BITS + row.to(tl.int64) * W  # [M]
@@ -101,16 +106,17 @@ def _quest_fwd_kernel(
         if SKIP:
             keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
             if tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0:
-                s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
-                m_i, l_i, acc, cnt, kvr = _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr,
-                                                     scale_log2, DV, BDV, BT, GP, BN, UPCAST)
+                s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, True, UPCAST)
+                v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, True, UPCAST)
+                m_i, l_i, acc, cnt, kvr = _kept_tile(s, keep, v, m_i, l_i, acc, cnt, kvr, group, scale_log2,
+                                                     DT)
         else:  # the mask's test after the product: its [M, BN] temporaries do not live across the dot
-            s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
+            s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, True, UPCAST)
             keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
-            m_i, l_i, acc, cnt, kvr = _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr,
-                                                 scale_log2, DV, BDV, BT, GP, BN, UPCAST)
+            v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, True, UPCAST)
+            m_i, l_i, acc, cnt, kvr = _kept_tile(s, keep, v, m_i, l_i, acc, cnt, kvr, group, scale_log2, DT)
     _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
-                so_t, DV, BDV, BT)
+                so_t, DV, BDV, BT, BTP)
 
 
 @triton.jit

@@ -57,7 +57,7 @@ def _collect_kernel(
     k_base = K + i_b * sk_b + i_hk * sk_h
     last = S - T + t_base + tl.minimum(t0 + BT, TC) - 1  # the program's last position
     for k0 in range(sink // BN * BN, last - local + 1, BN):  # the tiles holding candidates
-        s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
+        s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, True, UPCAST)
         cand = over[:, None] & (o_k >= sink)[None, :] & (o_k[None, :] <= pos[:, None] - local)
         n_above += tl.sum((cand & (s > hi[:, None])).to(tl.int32), 1)
         inside = (cand & (s >= lo[:, None]) & (s <= hi[:, None])).to(tl.int32)
@@ -99,8 +99,10 @@ def _select_kernel(BUF_S, BUF_P, N_IN, NEED, THR, CUT, R, CAP, BR: tl.constexpr,
     ties = need - tl.sum((key > lo[:, None]).to(tl.int32), 1)  # entries at the threshold still to take
     rank = tl.cumsum(tied.to(tl.int32), 1)
     p = tl.load(BUF_P + at, mask=m, other=-1)
+    cut = tl.max(tl.where(tied & (rank == ties[:, None]), p, -1), 1)
+    cut = tl.where(ties == tl.sum(tied.to(tl.int32), 1), 2147483647, cut)  # every tie kept: no cut
     tl.store(THR + o_r, tl.max(tl.where(tied, x, float("-inf")), 1), mask=m_r)
-    tl.store(CUT + o_r, tl.max(tl.where(tied & (rank == ties[:, None]), p, -1), 1), mask=m_r)
+    tl.store(CUT + o_r, cut, mask=m_r)
 
 
 def select_in_buffer(buf_s, buf_p, n_in, need):
@@ -131,7 +133,10 @@ def select_in_buffer_reference(buf_s, buf_p, n_in, need):
     vals = buf_s[..., :width].masked_fill(slots >= n_in[..., None], -math.inf)
     ordered, perm = vals.sort(dim=-1, descending=True, stable=True)
     j = (need - 1).clamp(0, width - 1).long()[..., None]
-    return ordered.gather(-1, j)[..., 0], buf_p[..., :width].gather(-1, perm.gather(-1, j))[..., 0]
+    thr = ordered.gather(-1, j)[..., 0]
+    cut = buf_p[..., :width].gather(-1, perm.gather(-1, j))[..., 0]
+    last_tie = (ordered.gather(-1, (j + 1).clamp(max=width - 1))[..., 0] != thr) | (j[..., 0] + 1 >= n_in)
+    return thr, torch.where(last_tie, INT_MAX, cut)  # every tie kept: no cut
 
 
 def collect(q, k, lo, hi, *, t_base: int, sink: int, local: int, budget: int, cap: int):
