@@ -211,15 +211,21 @@ def _cut_span(cut):
 
 
 @triton.jit
-def _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
-                so_t, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr, BTP: tl.constexpr):
-    # a program's outputs: its rows' attention, kept-key counts, and its positions' KV-head unions (kvr
-    # [BTP], the first BT used)
+def _store_out(O, m_i, l_i, acc, i_b, i_h, r_t, m_r, so_b, so_h, so_t, DV: tl.constexpr, BDV: tl.constexpr):
+    # a program's rows' attention output (0 for a row that kept nothing)
     o, _ = softmax_result(m_i, l_i, acc)
     o_dv = tl.arange(0, BDV)
     o_ptrs = O + i_b * so_b + i_h.to(tl.int64) * so_h + r_t.to(tl.int64) * so_t
     tl.store(o_ptrs[:, None] + o_dv[None, :], o.to(O.dtype.element_ty),
              mask=m_r[:, None] & (o_dv < DV)[None, :])
+
+
+@triton.jit
+def _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
+                so_t, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr, BTP: tl.constexpr):
+    # a program's outputs: its rows' attention, kept-key counts, and its positions' KV-head unions (kvr
+    # [BTP], the first BT used)
+    _store_out(O, m_i, l_i, acc, i_b, i_h, r_t, m_r, so_b, so_h, so_t, DV, BDV)
     tl.store(CNT + row, cnt, mask=m_r)
     o_p = tl.arange(0, BTP)
     HKV = HQ // G
@@ -233,13 +239,13 @@ def _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, 
 def _budget_fwd_kernel(
     Q, K, V, O, THR, CUT, CNT, KVR,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-    T, S, HQ, G, sink, local, scale_log2,
+    T, S, HQ, G, sink, local, scale_log2, SIZE,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
     BT: tl.constexpr, BN: tl.constexpr, SELECTS: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Grid (cdiv(T, BT), B * Hkv). O is q's layout; THR (float32), CUT (int32) and CNT (int32) are
     # contiguous [B, Hq, T], KVR (int32) [B, Hkv, T]. SELECTS False (sink_window): no THR/CUT, and no
-    # candidate tile is visited.
+    # candidate tile is visited. SIZE (S's bit length) only keys the autotuner (`_sink_window_fwd`).
     BTP: tl.constexpr = max(BT, 16)
     DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
     i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
@@ -295,6 +301,25 @@ def _budget_fwd_kernel(
                 so_t, DV, BDV, BT, BTP)
 
 
+# sink_window's launches, chosen per model shape and prompt-length class (S's bit length) by Triton's
+# autotuner (`_sink_window_fwd`): (BN, num_warps, num_stages), each warp holding 16 rows (16 / GP
+# positions). topk keeps BUDGET_CONFIG: its collect pass must score with the attention's tiles.
+SINK_WINDOW_CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 1), (32, 4, 2)]
+
+
+def _sixteen_rows_a_warp(configs, named_args, **kwargs):
+    # the configs whose BT positions x GP heads are 16 rows a warp
+    return [c for c in configs if c.kwargs["BT"] * kwargs["GP"] == 16 * c.num_warps]
+
+
+_sink_window_fwd = triton.autotune(
+    configs=[triton.Config(dict(BT=bt, BN=bn), num_warps=w, num_stages=st)
+             for bn, w, st in SINK_WINDOW_CONFIGS for bt in (1, 2, 4, 8, 16, 32, 64, 128)],
+    key=["G", "D", "DV", "SIZE"],
+    prune_configs_by=dict(early_config_prune=_sixteen_rows_a_warp),
+)(_budget_fwd_kernel)
+
+
 # ---------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------
@@ -318,14 +343,18 @@ def budget_attention(q, k, v, *, scale: float, sink: int, local: int, thr=None, 
     counts = torch.empty(B, HQ, T, device=q.device, dtype=torch.int32)
     kv_read = torch.empty(B, HKV, T, device=q.device, dtype=torch.int32)
     selects = thr is not None
+    args = (*_s(q), *_s(k), *_s(v), *_s(o), T, S, HQ, G, sink, local, scale * LOG2E, S.bit_length())
+    dims = dict(D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], UPCAST=interpreting())
+    if not selects and not interpreting() and q.dtype != torch.float32:
+        grid = lambda meta: (cdiv(T, meta["BT"]), B * HKV)  # noqa: E731
+        _sink_window_fwd[grid](q, k, v, o, o, counts, counts, kv_read, *args, SELECTS=False, **dims)
+        return o, counts, kv_read
     if selects:
         thr, cut = thr.float().contiguous(), cut.int().contiguous()
-    grid = (cdiv(T, cfg["BT"]), B * HKV)
-    launcher(_budget_fwd_kernel)[grid](
-        q, k, v, o, thr if selects else o, cut if selects else counts, counts, kv_read,
-        *_s(q), *_s(k), *_s(v), *_s(o), T, S, HQ, G, sink, local, scale * LOG2E,
-        D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], SELECTS=selects,
-        UPCAST=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    launcher(_budget_fwd_kernel)[(cdiv(T, cfg["BT"]), B * HKV)](
+        q, k, v, o, thr if selects else o, cut if selects else counts, counts, kv_read, *args,
+        BT=cfg["BT"], BN=cfg["BN"], SELECTS=selects, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **dims,
     )
     return o, counts, kv_read
 

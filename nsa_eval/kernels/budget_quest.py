@@ -24,9 +24,9 @@ its earliest candidates. Three steps:
    key j of a marked page is kept unless its page is the cut page (`cut // page_size`) and j > cut.
    Rows not held get every bit and cut INT_MAX.
 3. `_quest_fwd_kernel`: the attention of `budget_attention.py`'s tile ranges, whose candidate tiles
-   are a gather list (`_tile_list_kernel`): the key tiles holding a page some row of the program keeps
-   (the union over its BT positions x G heads), each masked per row by one small MMA of the rows' page
-   bits against the tile's page slots.
+   are a gather list (`_plan_kernel`, which also counts the kept keys from the masks): the key tiles
+   holding a page some row of the program keeps (the union over its BT positions x G heads), each
+   masked per row by one small MMA of the rows' page bits against the tile's page slots.
 
 Why a union per program and not a list per row: a row's kept pages differ from its neighbours', and a
 tensor-core product needs rows that share a key tile. Per row, the 1,920 chosen keys of a query cost
@@ -55,6 +55,7 @@ from nsa_eval.kernels._triton_utils import (
     group_rows,
     interpreting,
     launcher,
+    online_softmax_step,
     pow2,
     softmax_start,
 )
@@ -62,14 +63,12 @@ from nsa_eval.kernels.budget_attention import (
     INT_MAX,
     _config,
     _dense_tile,
-    _group_matrix,
     _grouped_scores,
-    _kept_tile,
     _load_queries,
     _masked_start,
     _near,
     _s,
-    _store_rows,
+    _store_out,
     _tile_ranges,
     _tile_scores,
     _tile_values,
@@ -80,8 +79,8 @@ QUEST_BOUND_ELEMS = 64 << 20
 # the page bitmask of one attention launch: at most this many bytes (longer prompts take several
 # launches over consecutive query ranges)
 QUEST_BITS_BYTES = 256 << 20
-# `_quest_fwd_kernel`'s launch beside `BUDGET_CONFIG` (rows as there); not yet measured on a GPU:
-# `test_gpu_quest_timing_against_full_attention` times the alternatives `tiles` offers.
+# `_quest_fwd_kernel`'s key tile beside `BUDGET_CONFIG`'s rows (its warps and stages where the
+# autotuner does not choose: float32, the interpreter, `tiles`)
 QUEST_CONFIG = dict(BN=64, num_warps=4, num_stages=2)
 # `_bounds_kernel`: BT positions x the group's heads, BP pages a program
 BOUNDS_CONFIG = dict(rows=64, BP=64, num_warps=4, num_stages=2)
@@ -142,15 +141,28 @@ def page_bounds(q, key_min, key_max, *, t_base: int, n: int, pages: int):
 # 2. The kept pages of each row
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _partial_page(h, c, key, thr, shift: tl.constexpr, MATCH: tl.constexpr, PS: tl.constexpr):
+    # the radix histogram h [BR, 256] (candidates a byte, PS a page) less what a partly filled page (c
+    # candidates, key) lacks, where it matches the bytes fixed so far (MATCH: some are)
+    hit = c > 0
+    if MATCH:
+        hit = hit & ((key >> (shift + 8)) == (thr >> (shift + 8)))
+    byte = ((key >> shift) & 255).to(tl.int32)
+    return h - tl.where(hit[:, None] & (tl.arange(0, 256)[None, :] == byte[:, None]), PS - c[:, None], 0)
+
+
+@triton.jit
 def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, budget,
                         PS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     # `quest_page_select` in one pass over the bounds: BR rows a program of BND `[B * Hq, n, Pc]` float32
     # (`page_bounds` of n queries at positions p0 .., their pages up to the last one). Row r = (bh, t)
     # writes its page mask to BITS `[B * Hq, L, W]` row (bh, t_off + t) (words past BC // 32 untouched:
     # the caller zeroes them) and its cut to CUT `[B * Hq, L]`. The picks-th candidate in (bound
-    # descending, page ascending) order: a bisection over the bounds' bits (uint32 keys ordered like the
-    # floats, 32 steps from the top bit) for the largest key with at least `picks` candidates at or above
-    # it, each page weighted by its candidates.
+    # descending, page ascending) order: the bounds map to uint32 keys ordered like the floats, and a
+    # radix select fixes the threshold's key one byte a pass (the largest key with at least `picks`
+    # candidates at or above it), from a histogram of the byte among the pages that match the bytes fixed
+    # so far, each page weighted by its candidates: PS each, less for the two pages where the
+    # candidates begin (the sink's) and end (the last candidate's), corrected after the count.
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
     m_r = o_r < R
     t = o_r % n
@@ -167,11 +179,30 @@ def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, 
     bits = x.to(tl.int32, bitcast=True)
     # uint32 keys ordered like the floats: negative floats' magnitude bits flipped, then the sign bit
     key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
+    bins = (tl.arange(0, BR) * 256)[:, None]  # each row's 256 bins in one histogram
+    o_d = tl.arange(0, 256)
+    first_pg = tl.zeros([BR], tl.int32) + sink // PS  # [BR] the pages a row's candidates may fill in part
+    last_pg = tl.maximum(hi_c, 0) // PS
+    c_first = tl.sum(tl.where(o_c[None, :] == first_pg[:, None], c, 0), 1)  # [BR]
+    c_last = tl.sum(tl.where(o_c[None, :] == last_pg[:, None], c, 0), 1) * (last_pg != first_pg)
+    k_first = tl.sum(tl.where(o_c[None, :] == first_pg[:, None], key, 0), 1)
+    k_last = tl.sum(tl.where(o_c[None, :] == last_pg[:, None], key, 0), 1)
     thr = tl.zeros([BR], tl.uint32)
-    for i in range(32):  # the largest key with at least `picks` candidates at or above it, bit by bit
-        trial = thr | (tl.full([BR], 1, tl.uint32) << (31 - i))
-        enough = tl.sum(tl.where(key >= trial[:, None], c, 0), 1) >= picks
-        thr = tl.where(enough, trial, thr)
+    want = picks  # candidates still to take at or below the bytes fixed so far
+    for i in tl.static_range(4):
+        shift = 24 - 8 * i
+        match = valid
+        if i > 0:
+            match = valid & ((key >> (shift + 8)) == (thr >> (shift + 8))[:, None])
+        digit = ((key >> shift) & 255).to(tl.int32)
+        h = tl.histogram(tl.reshape(bins + digit, [BR * BC]), BR * 256, mask=tl.reshape(match, [BR * BC]))
+        h = tl.reshape(h, [BR, 256]) * PS  # [BR, 256] candidates, were every page full
+        h = _partial_page(h, c_first, k_first, thr, shift, i > 0, PS)
+        h = _partial_page(h, c_last, k_last, thr, shift, i > 0, PS)
+        at_least = tl.sum(h, 1)[:, None] - tl.cumsum(h, 1) + h  # [BR, 256] candidates with this byte or above
+        byte = tl.sum((at_least >= want[:, None]).to(tl.int32), 1) - 1  # [BR]
+        want -= tl.sum(tl.where(o_d[None, :] > byte[:, None], h, 0), 1)
+        thr = thr | (byte.to(tl.uint32) << shift)
     above = valid & (key > thr[:, None])
     need = picks - tl.sum(tl.where(above, c, 0), 1)  # candidates still to take at the threshold
     tied = valid & (key == thr[:, None])
@@ -229,29 +260,67 @@ def _or(a, b):
 
 
 @triton.jit
-def _tile_list_kernel(
-    BITS, LIST, NLIST, T, S, HQ, G, sink, local, W, LW,
+def _popcount(x):
+    # set bits of each int32 (SWAR: pairs, nibbles, bytes, then the bytes summed by one multiply)
+    x = x.to(tl.uint32, bitcast=True)
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _page_bit(words, page, o_w):
+    # [R] bit `page` [R] of each row's mask words [R, BW]
+    word = tl.sum(tl.where(o_w[None, :] == (page // 32)[:, None], words, 0), 1)
+    return (word >> (page % 32)) & 1
+
+
+@triton.jit
+def _candidates_in(page, sink, near, PS: tl.constexpr):
+    # [R] candidates ([sink, near]) of page [R] of each row
+    return tl.maximum(tl.minimum(page * PS + PS - 1, near) - tl.maximum(page * PS, sink) + 1, 0)
+
+
+@triton.jit
+def _marked_candidates(words, sink, near, o_w, PS: tl.constexpr):
+    # [R] candidates of the pages marked in each row's words [R, BW] (only candidate pages are marked):
+    # PS a page, less what the sink's page and the last candidate's page lack
+    first = tl.zeros_like(near) + sink // PS
+    last = tl.maximum(near, 0) // PS
+    n = PS * tl.sum(_popcount(words), 1)
+    n -= _page_bit(words, first, o_w) * (PS - _candidates_in(first, sink, near, PS))
+    return n - _page_bit(words, last, o_w) * (PS - _candidates_in(last, sink, near, PS)) * (last != first)
+
+
+@triton.jit
+def _plan_kernel(
+    BITS, CUT, LIST, NLIST, CNT, KVR, T, S, HQ, G, sink, local, budget, W, LW,
     GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr, BW: tl.constexpr,
     TPW: tl.constexpr, READ_BITS: tl.constexpr,
 ):
-    # Grid (cdiv(T, BT), B * Hkv), the attention's programs. LIST [B * Hkv, cdiv(T, BT), LW] gets the
-    # starts of the program's candidate tiles (`_tile_ranges`' [e2, e3)) that hold a page some row of
-    # it keeps, ascending; NLIST how many. READ_BITS (pages of a power-of-two size, TPW = 32 PS / BN
-    # tiles to a mask word): tile j holds the pages of bits (j BN / PS) % 32 .. of word j / TPW;
-    # otherwise every candidate tile is listed.
+    # Grid (cdiv(T, BT), B * Hkv), the attention's programs; BITS [B, Hq, T, W] and CUT [B, Hq, T]
+    # (`_page_select_kernel`'s), T queries the last of S keys. For each program: LIST [B * Hkv, cdiv(T,
+    # BT), LW] gets the starts of its candidate tiles (`_tile_ranges`' [e2, e3)) that hold a page some row
+    # of it keeps, ascending, NLIST how many (READ_BITS: pages of a power-of-two size, TPW = 32 PS / BN
+    # tiles to a mask word; otherwise every candidate tile is listed). For each row, CNT [B, Hq, T]: the
+    # keys it keeps (forced, then its marked pages' candidates less the cut page's past the cut); for each
+    # position, KVR [B, Hkv, T]: the keys some head of the group keeps (the marked pages' union, where a
+    # page that is only ever a cut page counts its longest kept prefix).
     i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
+    i_h = i_hk * G + o_r % GP
+    row = ((i_b * HQ + i_h) * T + r_t).to(tl.int64)  # [M]
     first = S - T + t0
     last = S - T + tl.minimum(t0 + BT, T) - 1
     _, e2, e3, _, _, _ = _tile_ranges(first, last, sink, local, BN, PS)
     o_w = tl.arange(0, BW)
+    words = tl.load(BITS + row[:, None] * W + o_w[None, :], mask=m_r[:, None] & (o_w < W)[None, :],
+                    other=0)  # [M, BW]
+    # the gather list
     o_x = tl.arange(0, TPW)
     tile = o_w[:, None] * TPW + o_x[None, :]  # [BW, TPW]
     ok = (tile * BN >= e2) & (tile * BN < e3)
     if READ_BITS:
-        i_h = i_hk * G + o_r % GP
-        row = ((i_b * HQ + i_h) * T + r_t).to(tl.int64)  # [M]
-        words = tl.load(BITS + row[:, None] * W + o_w[None, :], mask=m_r[:, None] & (o_w < W)[None, :],
-                        other=0)  # [M, BW]
         union = tl.reduce(words, 0, _or)  # [BW]
         NPT: tl.constexpr = max(BN // PS, 1)  # pages a tile holds
         MASK: tl.constexpr = -1 if NPT >= 32 else (1 << NPT) - 1
@@ -261,6 +330,42 @@ def _tile_list_kernel(
     prog = (i_b * (HQ // G) + i_hk) * tl.num_programs(0) + tl.program_id(0)
     tl.store(LIST + prog * LW + slot, tl.reshape(tile, [BW * TPW]) * BN, mask=ok != 0)
     tl.store(NLIST + prog, tl.sum(ok, 0))
+    # the counts
+    pos = S - T + r_t  # [M]
+    near = _near(pos, local, PS)
+    forced = pos + 1 - tl.maximum(near - sink + 1, 0)
+    held = pos + 1 > budget
+    cut = tl.load(CUT + row, mask=m_r, other=2147483647)
+    has_cut = cut < 2147483647
+    c_pg = cut // PS  # [M] the cut page
+    tail = tl.where(has_cut, tl.minimum(c_pg * PS + PS - 1, near) - cut, 0)  # its candidates past the cut
+    cnt = forced + _marked_candidates(words, sink, near, o_w, PS) - tail
+    tl.store(CNT + row, tl.where(held, cnt, pos + 1), mask=m_r)
+    # the union over the group: every marked page, less a page that only some heads' cut falls in
+    # (counted to the longest of their kept prefixes)
+    in_cut_word = has_cut[:, None] & (o_w[None, :] == (c_pg // 32)[:, None])
+    full = tl.where(in_cut_word, words & ~(1 << (c_pg % 32))[:, None], words)  # [M, BW] but the cut page
+    union = tl.reduce(tl.reshape(words, [BT, GP, BW]), 1, _or)  # [BT, BW]
+    union_full = tl.reduce(tl.reshape(full, [BT, GP, BW]), 1, _or)
+    near_t = tl.max(tl.reshape(near, [BT, GP]), 1)  # [BT] (the same for a position's heads)
+    n_union = _marked_candidates(union, sink, near_t, o_w, PS)  # [BT]
+    full_rows = tl.reshape(tl.broadcast_to(tl.reshape(union_full, [BT, 1, BW]), [BT, GP, BW]), [BT * GP, BW])
+    only_cut = has_cut & m_r & (_page_bit(full_rows, c_pg, o_w) == 0)  # [M] a cut page no head keeps whole
+    prefix = cut - tl.maximum(c_pg * PS, sink) + 1  # [M] candidates the row keeps in its cut page
+    lack = _candidates_in(c_pg, sink, near, PS) - prefix
+    # one row per such page answers for it: the one keeping the longest prefix (the first head on ties)
+    c3 = tl.reshape(tl.where(only_cut, c_pg, -1), [BT, GP])
+    l3 = tl.reshape(lack, [BT, GP])
+    g = tl.arange(0, GP)
+    beaten = (c3[:, :, None] == c3[:, None, :]) & ((l3[:, None, :] < l3[:, :, None]) | (
+        (l3[:, None, :] == l3[:, :, None]) & (g[None, None, :] < g[None, :, None])))  # [BT, GP, GP]
+    answers = (c3 >= 0) & (tl.max(beaten.to(tl.int32), 2) == 0)
+    n_union -= tl.sum(tl.where(answers, l3, 0), 1)
+    pos_t = S - T + t0 + tl.arange(0, BT)
+    forced_t = pos_t + 1 - tl.maximum(near_t - sink + 1, 0)
+    o_t = t0 + tl.arange(0, BT)
+    kvr = tl.where(pos_t + 1 > budget, forced_t + n_union, pos_t + 1)
+    tl.store(KVR + (i_b * (HQ // G) + i_hk) * T + o_t, kvr, mask=o_t < T)
 
 
 @triton.jit
@@ -308,24 +413,23 @@ def _slot_keep(k0, bits_row, m_r, cut, slots, BN: tl.constexpr, PS: tl.constexpr
 
 @triton.jit
 def _quest_fwd_kernel(
-    Q, K, V, O, BITS, CUT, LIST, NLIST, CNT, KVR,
+    Q, K, V, O, BITS, CUT, LIST, NLIST,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-    T, S, HQ, G, sink, local, W, LW, scale_log2,
+    T, S, HQ, G, sink, local, W, LW, scale_log2, SIZE,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
     BT: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr, ONE_WORD: tl.constexpr, SLOTS: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     # Grid (cdiv(T, BT), B * Hkv), as `_budget_fwd_kernel`. BITS `[B, Hq, T, W]` int32 and CUT `[B, Hq,
-    # T]` int32 (contiguous): `_page_select_kernel`'s; LIST, NLIST: `_tile_list_kernel`'s. ONE_WORD: a key
-    # tile's pages lie in one word of the mask (BN divides 32 * PS); SLOTS: and a candidate tile's pages
-    # are aligned with it, at most 16 (`_slot_keep`), else the candidate tiles take `_quest_keep`.
-    BTP: tl.constexpr = max(BT, 16)
+    # T]` int32 (contiguous): `_page_select_kernel`'s; LIST, NLIST: `_plan_kernel`'s, which counts the
+    # kept keys too. ONE_WORD: a key tile's pages lie in one word of the mask (BN divides 32 * PS); SLOTS:
+    # and a candidate tile's pages are aligned with it, at most 16 (`_slot_keep`), else the candidate
+    # tiles take `_quest_keep`. SIZE (S's bit length) only keys the autotuner (`_quest_fwd`).
     DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
     i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
     q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, 0, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
     pos = S - T + r_t  # [M]
     row = (i_b * HQ + i_h) * T + r_t  # [M]
-    group = _group_matrix(m_r, GP, BT, BTP, DT)
     cut = tl.load(CUT + row, mask=m_r, other=2147483647)  # INT_MAX: rows not held keep every marked page
     cut_end = (cut // PS + 1) * PS  # keys cut < j < cut_end: the cut page's candidates past the cut
     near = _near(pos, local, PS)  # keys j > near: local, or the query's own page
@@ -336,8 +440,6 @@ def _quest_fwd_kernel(
     first = S - T + t0
     last = S - T + tl.minimum(t0 + BT, T) - 1
     e1, e2, e3, e4, e5, end = _tile_ranges(first, last, sink, local, BN, PS)
-    cnt = tl.zeros([BT * GP], tl.int32) + (e1 + e5 - e4)
-    kvr = tl.zeros([BTP], tl.int32) + (e1 + e5 - e4)
     for i in range(0, e1 + e5 - e4, BN):  # [0, e1), then [e4, e5): every row keeps them whole
         k0 = tl.where(i < e1, i, e4 + i - e1)
         m_i, l_i, acc = _dense_tile(q, k_base, v_base, sk_t, sv_t, k0, S, m_i, l_i, acc, scale_log2, D, DV,
@@ -352,7 +454,7 @@ def _quest_fwd_kernel(
         else:
             keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
         v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
-        m_i, l_i, acc, cnt, kvr = _kept_tile(s, keep, v, m_i, l_i, acc, cnt, kvr, group, scale_log2, DT)
+        m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
     for i in range(0, (e2 - e1) + (e4 - e3) + (end - e5), BN):  # the tiles that take the whole test
         k0 = _masked_start(i, e1, e2, e3, e4, e5)
         s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, True, UPCAST)
@@ -363,9 +465,17 @@ def _quest_fwd_kernel(
         else:
             keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
         v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, True, UPCAST)
-        m_i, l_i, acc, cnt, kvr = _kept_tile(s, keep, v, m_i, l_i, acc, cnt, kvr, group, scale_log2, DT)
-    _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
-                so_t, DV, BDV, BT, BTP)
+        m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
+    _store_out(O, m_i, l_i, acc, i_b, i_h, r_t, m_r, so_b, so_h, so_t, DV, BDV)
+
+
+# The attention's warps and stages, chosen per model shape and prompt-length class by Triton's autotuner;
+# its rows and key tiles stay `_quest_config`'s, which the plan's tile lists were made for.
+QUEST_LAUNCHES = [(4, 2), (4, 3), (8, 2)]  # (num_warps, num_stages)
+_quest_fwd = triton.autotune(
+    configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in QUEST_LAUNCHES],
+    key=["G", "D", "DV", "SIZE"],
+)(_quest_fwd_kernel)
 
 
 def _quest_config(G: int, dtype: torch.dtype, tiles: dict | None = None) -> dict:
@@ -379,10 +489,11 @@ def _quest_config(G: int, dtype: torch.dtype, tiles: dict | None = None) -> dict
     return cfg
 
 
-def tile_lists(bits, *, T: int, S: int, sink: int, local: int, page_size: int, G: int, cfg: dict):
-    """The candidate tiles of each attention program that hold a kept page: list `[B * Hkv, cdiv(T, BT),
-    LW]` int32 (tile starts, ascending; past n undefined) and n `[B * Hkv, cdiv(T, BT)]` int32, for the
-    bits `[B, Hq, T, W]` of T queries whose keys are S (`_tile_list_kernel`)."""
+def plan(bits, cut, *, T: int, S: int, sink: int, local: int, budget: int, page_size: int, G: int, cfg: dict):
+    """`_plan_kernel` for the bits `[B, Hq, T, W]` and cut `[B, Hq, T]` of T queries whose keys are S: the
+    candidate tiles of each attention program that hold a kept page, list `[B * Hkv, cdiv(T, BT), LW]`
+    int32 (tile starts, ascending; past n undefined) and n `[B * Hkv, cdiv(T, BT)]` int32, and the kept
+    keys' counts `[B, Hq, T]` and kv_read `[B, Hkv, T]` (int32)."""
     B, HQ, _, W = bits.shape
     HKV = HQ // G
     ps, BN = page_size, cfg["BN"]
@@ -391,12 +502,14 @@ def tile_lists(bits, *, T: int, S: int, sink: int, local: int, page_size: int, G
     TPW = 32 * ps // BN if read_bits else pow2(cdiv(cdiv(S, BN), BW), 1)
     n_prog = cdiv(T, cfg["BT"])
     lists = torch.empty(B * HKV, n_prog, BW * TPW, device=bits.device, dtype=torch.int32)
-    counts = torch.empty(B * HKV, n_prog, device=bits.device, dtype=torch.int32)
-    launcher(_tile_list_kernel)[(n_prog, B * HKV)](
-        bits, lists, counts, T, S, HQ, G, sink, local, W, BW * TPW,
+    n_list = torch.empty(B * HKV, n_prog, device=bits.device, dtype=torch.int32)
+    counts = torch.empty(B, HQ, T, device=bits.device, dtype=torch.int32)
+    kv_read = torch.empty(B, HKV, T, device=bits.device, dtype=torch.int32)
+    launcher(_plan_kernel)[(n_prog, B * HKV)](
+        bits, cut, lists, n_list, counts, kv_read, T, S, HQ, G, sink, local, budget, W, BW * TPW,
         GP=cfg["GP"], BT=cfg["BT"], BN=BN, PS=ps, BW=BW, TPW=TPW, READ_BITS=read_bits, num_warps=4,
     )
-    return lists, counts
+    return lists, n_list, counts, kv_read
 
 
 def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int, page_size: int,
@@ -446,18 +559,19 @@ def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int
             page_select_into(bounds, bits, cut, t_off=t0 - l0, p0=S - T + t0, sink=sink, local=local,
                              budget=budget, page_size=ps)
         Sl = S - T + l0 + L  # keys up to the launch's last query: its queries are their last L
-        lists, n_list = tile_lists(bits, T=L, S=Sl, sink=sink, local=local, page_size=ps, G=G, cfg=cfg)
-        cnt = torch.empty(B, HQ, L, device=q.device, dtype=torch.int32)
-        kvr = torch.empty(B, HKV, L, device=q.device, dtype=torch.int32)
+        lists, n_list, cnt, kvr = plan(bits, cut, T=L, S=Sl, sink=sink, local=local, budget=budget,
+                                       page_size=ps, G=G, cfg=cfg)
         qs, os_ = q[:, :, l0:l0 + L], o[:, :, l0:l0 + L]
         grid = (cdiv(L, cfg["BT"]), B * HKV)
-        launcher(_quest_fwd_kernel)[grid](
-            qs, k, v, os_, bits, cut, lists, n_list, cnt, kvr,
-            *_s(qs), *_s(k), *_s(v), *_s(os_), L, Sl, HQ, G, sink, local, W, lists.shape[-1], scale * LOG2E,
-            D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], BT=cfg["BT"], BN=BN, PS=ps,
-            ONE_WORD=one_word, SLOTS=slots, UPCAST=interpreting(),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        args = (qs, k, v, os_, bits, cut, lists, n_list, *_s(qs), *_s(k), *_s(v), *_s(os_), L, Sl, HQ, G,
+                sink, local, W, lists.shape[-1], scale * LOG2E, Sl.bit_length())
+        dims = dict(D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], BT=cfg["BT"], BN=BN, PS=ps,
+                    ONE_WORD=one_word, SLOTS=slots, UPCAST=interpreting())
+        if tiles is None and not interpreting() and q.dtype != torch.float32:
+            _quest_fwd[grid](*args, **dims)
+        else:
+            launcher(_quest_fwd_kernel)[grid](*args, **dims, num_warps=cfg["num_warps"],
+                                              num_stages=cfg["num_stages"])
         counts[:, :, l0:l0 + L] = cnt
         kv_read[:, :, l0:l0 + L] = kvr
     return o, counts, kv_read

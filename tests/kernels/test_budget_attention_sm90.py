@@ -6,6 +6,7 @@ local-memory load or store inside a loop: a spill there costs more than the tile
 
 from __future__ import annotations
 
+from nsa_eval.kernels.budget_attention import SINK_WINDOW_CONFIGS as ba_configs
 from tests.kernels.sm90 import H200_SHARED_LIMIT, json_from_fresh_python
 
 COMPILE = r"""
@@ -74,16 +75,27 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             one_word = (32 * PS) % qcfg["BN"] == 0
             consts = dict(D=D, DV=D, BD=pow2(D), BDV=pow2(D), PS=PS, ONE_WORD=one_word,
                           SLOTS=one_word and qcfg["BN"] // PS <= 16, **qtiles)
-            pointers = [p] * 4 + ["*i32"] * 6
+            pointers = [p] * 4 + ["*i32"] * 4
             out[f"quest PS={PS} G={G} D={D} {name}"] = usage(bq._quest_fwd_kernel, pointers, consts, qoptions)
         bcfg = bq.BOUNDS_CONFIG
         consts = dict(D=D, BD=pow2(D), GP=pow2(G, 1), BT=max(1, bcfg["rows"] // pow2(G, 1)), BP=bcfg["BP"],
                       UPCAST=False)
         boptions = dict(num_warps=bcfg["num_warps"], num_stages=options["num_stages"])
         out[f"bounds G={G} D={D} {name}"] = usage(bq._bounds_kernel, [p, p, p, "*fp32"], consts, boptions)
-for BW, TPW in ((16, 8), (128, 8), (256, 8)):  # Quest's tile lists at 8k, 64k and 128k tokens (pages of 16)
+# the autotuners' choices at the 1B shape (G = 4, d = 64, bf16)
+for BN, w, st in ba.SINK_WINDOW_CONFIGS:
+    consts = dict(D=64, DV=64, BD=64, BDV=64, SELECTS=False, GP=4, BT=4 * w, BN=BN, UPCAST=False)
+    out[f"sink_window BN={BN} warps={w} stages={st} G=4 D=64 bf16"] = usage(
+        ba._budget_fwd_kernel, ["*bf16"] * 4 + ["*fp32", "*i32", "*i32", "*i32"], consts,
+        dict(num_warps=w, num_stages=st))
+for w, st in bq.QUEST_LAUNCHES:
+    consts = dict(D=64, DV=64, BD=64, BDV=64, PS=16, ONE_WORD=True, SLOTS=True, GP=4, BT=16, BN=64,
+                  UPCAST=False)
+    out[f"quest warps={w} stages={st} G=4 D=64 bf16"] = usage(
+        bq._quest_fwd_kernel, ["*bf16"] * 4 + ["*i32"] * 4, consts, dict(num_warps=w, num_stages=st))
+for BW, TPW in ((16, 8), (128, 8), (256, 8)):  # Quest's plans at 8k, 64k and 128k tokens (pages of 16)
     consts = dict(GP=4, BT=16, BN=64, PS=16, BW=BW, TPW=TPW, READ_BITS=True)
-    out[f"tile list BW={BW}"] = usage(bq._tile_list_kernel, ["*i32"] * 3, consts, dict(num_warps=4))
+    out[f"plan BW={BW}"] = usage(bq._plan_kernel, ["*i32"] * 6, consts, dict(num_warps=4))
 for cap in (256, 4096):
     for pos in (False, True):
         pointers = ["*i64" if pos else "*fp32", "*i32", "*i32", "*fp32", "*i32"]
@@ -100,10 +112,10 @@ print(json.dumps(out))
 
 def test_budget_kernels_compile_and_fit_h200_shared_memory():
     usage = json_from_fresh_python(COMPILE)
-    assert len(usage) == 2 * 2 * 7 + 3 + 4 + 3
+    assert len(usage) == 2 * 2 * 7 + len(ba_configs) + 3 + 3 + 4 + 3
     too_big = {k: shared for k, (shared, _) in usage.items() if shared > H200_SHARED_LIMIT}
     assert not too_big, f"over the H200's {H200_SHARED_LIMIT} bytes of shared memory: {too_big}"
     hot = [k for k in usage if k.endswith("G=4 D=64 bf16") and not k.startswith("quest PS=1 ")]
-    assert len(hot) == 6
+    assert len(hot) == 6 + len(ba_configs) + 3
     spilled = {k: usage[k][1] for k in hot if usage[k][1]}
     assert not spilled, f"local loads/stores inside loops at the 1B shape: {spilled}"

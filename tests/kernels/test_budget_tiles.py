@@ -1,7 +1,8 @@
 """The tile bookkeeping of the budgeted prefill (kernels/budget_attention.py, budget_quest.py) under
 Triton's interpreter: `_tile_ranges` sorts a program's key tiles into what decides them, checked here
-key by key against the rule it encodes; Quest's `_tile_list_kernel` lists the candidate tiles holding a
-kept page, checked against the same list in PyTorch."""
+key by key against the rule it encodes; Quest's `_plan_kernel` lists the candidate tiles holding a kept
+page, checked against the same list in PyTorch, and counts the kept keys from the page masks, checked
+against the masks read key by key (`quest_keep_from_masks`)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def test_tile_ranges_hold_what_they_claim(BN, PS):
 
 
 def test_tile_lists_hold_the_union_of_kept_pages():
-    """`_tile_list_kernel` against PyTorch: random page masks (each row marks a few pages; rows of one
+    """`_plan_kernel`'s lists against PyTorch: random page masks (each row marks a few pages; rows of one
     program share none of them), for pages of a power of two (read from the masks) and not (every
     candidate tile listed)."""
     g = torch.Generator().manual_seed(7)
@@ -75,7 +76,9 @@ def test_tile_lists_hold_the_union_of_kept_pages():
         pages = torch.rand(B, Hq, T, W * 32, generator=g) < 0.05  # [B, Hq, T, pages]
         bits = bq._pack_bits(pages, W)  # [B, Hq, T, W]
         cfg = dict(BT=4, GP=4, BN=BN)
-        lists, n = bq.tile_lists(bits, T=T, S=S, sink=sink, local=local, page_size=ps, G=G, cfg=cfg)
+        cut = torch.full((B, Hq, T), bq.INT_MAX, dtype=torch.int32)
+        lists, n, _, _ = bq.plan(bits, cut, T=T, S=S, sink=sink, local=local, budget=0, page_size=ps, G=G,
+                                 cfg=cfg)
         for b, hk, prog in itertools.product(range(B), range(Hq // G), range(T // 4)):
             t0 = prog * 4
             first = S - T + t0
@@ -88,3 +91,46 @@ def test_tile_lists_hold_the_union_of_kept_pages():
                 want = list(range(e2, e3, BN))
             row = b * (Hq // G) + hk
             assert lists[row, prog, :n[row, prog]].tolist() == want
+
+
+@pytest.mark.parametrize("ps", [4, 16, 6])
+def test_plan_counts_the_keys_the_masks_keep(ps):
+    """Page masks as `_page_select_kernel` writes them (candidate pages only, one of them the cut page, cut
+    inside its candidates), drawn at random so that a group's heads often share their cut page with
+    other prefixes, or cut a page another head keeps whole; plus rows not held (every bit, INT_MAX) and
+    rows with nothing marked. `_plan_kernel`'s counts and kv_read against the masks read key by key."""
+    g = torch.Generator().manual_seed(ps)
+    B, Hq, G, T, S, sink, local, budget = 1, 8, 4, 48, 200, 5, 9, 40
+    P = -(-S // ps)
+    W = -(-P // 32)
+    pages = torch.zeros(B, Hq, T, W * 32, dtype=torch.bool)
+    cut = torch.full((B, Hq, T), bq.INT_MAX, dtype=torch.int32)
+    j = torch.arange(S)
+    for t in range(T):
+        p = S - T + t
+        if p + 1 <= budget:
+            pages[:, :, t] = True  # not held: every bit
+            continue
+        near = min(p - local, p // ps * ps - 1)
+        is_cand = ((j >= sink) & (j <= near)).long()
+        cand = torch.zeros(W * 32, dtype=torch.long).index_add_(0, j // ps, is_cand)  # candidates a page
+        usable = (cand > 0).nonzero()[:, 0]
+        shared = usable[torch.randint(len(usable), (1,), generator=g)]  # a page heads often cut together
+        for h in range(Hq):
+            if torch.rand(1, generator=g) < 0.1:
+                continue  # nothing marked
+            chosen = usable[torch.rand(len(usable), generator=g) < 0.3]
+            other = usable[torch.randint(len(usable), (1,), generator=g)]
+            c_pg = shared if torch.rand(1, generator=g) < 0.5 else other
+            pages[0, h, t, chosen] = True
+            pages[0, h, t, c_pg] = True
+            first = max(int(c_pg) * ps, sink)
+            last = min(int(c_pg) * ps + ps - 1, near)
+            cut[0, h, t] = first + int(torch.randint(last - first + 1, (1,), generator=g))
+    bits = bq._pack_bits(pages, W)
+    cfg = dict(BT=4, GP=4, BN=16)
+    _, _, counts, kv_read = bq.plan(bits, cut, T=T, S=S, sink=sink, local=local, budget=budget, page_size=ps,
+                                    G=G, cfg=cfg)
+    keep = bq.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local, page_size=ps)
+    assert torch.equal(counts, keep.sum(-1, dtype=torch.int32))
+    assert torch.equal(kv_read, keep.view(B, Hq // G, G, T, S).any(2).sum(-1, dtype=torch.int32))

@@ -368,9 +368,9 @@ def test_gpu_quest_memory_stays_low_at_64k():
 @pytest.mark.parametrize("T", [8192, 32768, 65536])
 def test_gpu_quest_timing_against_full_attention(T):
     """Prints one layer's Quest prefill (the controller's `_fast_prefill`) beside SDPA's causal attention on
-    the same tensors, time and peak memory, then its parts: the selection (bounds and select), the tile
-    lists, the attention, and the attention's key tiles (`tiles`) at other launches. No assertion: the
-    targets (issue 57: 2x, peak 1.1x) are read off these lines and the harness."""
+    the same tensors, time and peak memory, then its parts: the selection (bounds and select), the plan
+    (tile lists and counts), the attention, and the attention at other launches (`tiles`). No assertion:
+    the targets (issue 57: 2x, peak 1.1x) are read off these lines and the harness."""
     q, k, v = gpu_layer(T)
     ctrl = controller(2560, 128, 512)
     kpos = torch.arange(T, device="cuda").expand(1, T)
@@ -393,8 +393,9 @@ def test_gpu_quest_timing_against_full_attention(T):
     bounds = cuda_ms(lambda: selection(bounds_only=True))
     sel = cuda_ms(selection)
     cfg = bq._quest_config(4, q.dtype)
-    lists = cuda_ms(lambda: bq.tile_lists(bits, T=T, S=T, sink=128, local=512, page_size=16, G=4, cfg=cfg))
-    _, n_list = bq.tile_lists(bits, T=T, S=T, sink=128, local=512, page_size=16, G=4, cfg=cfg)
+    plan = dict(T=T, S=T, sink=128, local=512, budget=2560, page_size=16, G=4, cfg=cfg)
+    lists = cuda_ms(lambda: bq.plan(bits, cut, **plan))
+    _, n_list, _, _ = bq.plan(bits, cut, **plan)
     first = torch.arange(n_list.shape[1], device="cuda") * cfg["BT"]
     candidate_tiles = ((first - 512 + 1).clamp(min=0) // 64 * 64 - 128).clamp(min=0) // 64  # [programs]
     listed = n_list.sum().item() / max(1, candidate_tiles.sum().item() * n_list.shape[0])
@@ -404,6 +405,6 @@ def test_gpu_quest_timing_against_full_attention(T):
         name = "BN={BN} warps={num_warps} stages={num_stages}".format(**t)
         variants[name] = cuda_ms(lambda t=t: bq.quest_attention(q, k, v, tiles=t, **args))
     others = ", ".join(f"{n} {t:.2f} ms" for n, t in variants.items())
-    print(f"quest T={T}: {total:.2f} ms = bounds {bounds:.2f} + select {sel - bounds:.2f} + tile lists "
+    print(f"quest T={T}: {total:.2f} ms = bounds {bounds:.2f} + select {sel - bounds:.2f} + plan "
           f"{lists:.2f} + attention ~{total - sel - lists:.2f} ms; the lists hold {listed:.0%} of the "
           f"candidate tiles; tiles (default {bq.QUEST_CONFIG}): {others}")
