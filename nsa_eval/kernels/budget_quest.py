@@ -74,11 +74,13 @@ from nsa_eval.kernels.budget_attention import (
     _tile_values,
 )
 
-# The selection's working set: float32 bounds of at most this many (row, page) pairs a step (256 MiB)
-QUEST_BOUND_ELEMS = 64 << 20
-# the page bitmask of one attention launch: at most this many bytes (longer prompts take several
-# launches over consecutive query ranges)
-QUEST_BITS_BYTES = 256 << 20
+# The selection's working set: float32 bounds of at most this many (row, page) pairs a step (128 MiB,
+# about 250 queries at 64k and 32 heads: larger steps save host time, smaller ones memory)
+QUEST_BOUND_ELEMS = 32 << 20
+# the page bitmask of one attention launch: at most this many bytes (4,096 queries a launch at 64k); with
+# the bounds about 200 MiB of extra memory a layer, against the allowance of a tenth of the
+# model's prefill peak (about 3 GiB for the 1B model at 8k)
+QUEST_BITS_BYTES = 64 << 20
 # `_quest_fwd_kernel`'s key tile beside `BUDGET_CONFIG`'s rows (its warps and stages where the
 # autotuner does not choose: float32, the interpreter, `tiles`)
 QUEST_CONFIG = dict(BN=64, num_warps=4, num_stages=2)

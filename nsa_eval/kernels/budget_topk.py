@@ -37,9 +37,9 @@ from nsa_eval.kernels.budget_attention import (
     _tile_scores,
 )
 
-# The collect pass's buffers (scores and positions, 8 bytes a slot) take at most this many bytes a chunk
-# of queries; the sample's scores at most as many
-TOPK_BUFFER_BYTES = 128 << 20
+# The collect pass's buffer (8 bytes a slot) takes at most this many bytes a chunk of queries (about 220
+# queries at 64k and 32 heads: larger chunks save host time, smaller ones memory); the sample's scores less
+TOPK_BUFFER_BYTES = 256 << 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +325,7 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 1
     if cap is None:
         stride = max(1, cdiv(max(1, S - local - sink), sample))
         width = 2 * (z * math.sqrt(picks / stride) + 3) * stride  # expected keys within a bracket
-        cap = pow2(int(1.5 * width), 64)
+        cap = cdiv(int(1.5 * width), 64) * 64
     if chunk is None:
         chunk = max(1, TOPK_BUFFER_BYTES // (B * HQ * max(cap, sample) * 8))
     # the collect pass's row tiles are the attention's (same queries in the same rows of the product):
