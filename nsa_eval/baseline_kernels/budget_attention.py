@@ -12,19 +12,28 @@ padding: a key's index is its position). Query `p` keeps
 
 `topk` keeps its picks by a per-row threshold: key `j` is kept when `s > thr` or `s == thr and j <=
 cut` (`s` the float32 score of the kernels' own tile product), so that exactly `picks` candidates
-pass, ties at the threshold to the lower position; `budget_topk.topk_thresholds` finds `thr` and `cut`.
-Quest's pages are `budget_quest.py`'s, on the same tile machinery.
+pass, ties at the threshold to the lower position; `budget_topk.topk_thresholds` finds `thr` and `cut`
+(cut INT_MAX where every key tied at `thr` is kept). Quest's pages are `budget_quest.py`'s, on the same
+tile machinery.
 
 `_budget_fwd_kernel` is a flash-attention forward (online softmax) over the kept keys that also
 counts them: per (query, query head), and per (query, KV head) the union over the group (the
-controller's `kv_read`). For `sink_window` it visits only the sink tiles and the local tiles.
+controller's `kv_read`). A program holds `BT` query positions x the G heads of one KV head's group
+(`group_rows`), so a key tile is read once for the whole group, and sorts its key tiles by what decides
+them (`_tile_ranges`): tiles every row keeps whole (the sink's, and the local windows' interior) take
+no mask at all; tiles of candidates only take the rule alone (`topk`: one compare a score against a
+per-row threshold); the few tiles where a window begins or the diagonal lies take the whole test.
+`sink_window` never visits a candidate tile. The counts are two small MMAs of 0/1 matrices a tile
+(exact), not reductions across the rows of the group. Why the split: a tile's softmax alone is about 10
+instructions a score; compiled for sm_90 at the 1B shape, a tile costs 323 instructions a thread
+without a mask, 540 with the threshold and the counts, and about 850 with the whole test, where the
+kernel it replaces spent 1,000-1,200 on every tile.
 
-A program holds `BT` query positions x the G heads of one KV head's group (`group_rows`), so a key
-tile is read once for the whole group. The tile helpers here (`_tile_scores`, `_load_queries`,
-`_kept_tile`, `_store_rows`) serve the top-k collect pass and Quest's kernel too, so the scores are
-bit-identical wherever they are computed. `budget_attention_reference` and `reference_keep` below
-are the readable PyTorch versions (`tests/methods/test_fast_prefill.py` compares them, and the
-controller's own path, with the kernels under Triton's interpreter).
+The tile helpers here (`_tile_scores`, `_load_queries`, `_tile_ranges`, `_store_out`) serve the top-k
+collect pass and Quest's kernel too, so the scores are bit-identical wherever they are computed.
+`budget_attention_reference` and `reference_keep` below are the readable PyTorch versions
+(`tests/methods/test_fast_prefill.py` compares them, and the controller's own path, with the kernels
+under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from nsa_eval.kernels._triton_utils import (
     interpreting,
     launcher,
     online_softmax_step,
+    online_softmax_step_full,
     pow2,
     softmax_result,
     softmax_start,
@@ -52,7 +62,7 @@ INT_MAX = 2**31 - 1
 
 # Launch configuration shared by the collect pass and the attention: the scores must be bit-identical
 # between the two, so both take the same tiles (rows of BT positions x GP heads, BN keys) and warps.
-# 64 rows x 64 keys over 4 warps, as the window forward of band.py; not yet measured for these kernels.
+# 64 rows x 64 keys over 4 warps (one warpgroup's MMA rows), as the window forward of band.py.
 BUDGET_CONFIG = dict(rows=64, BN=64, num_warps=4, num_stages=2)
 
 
@@ -66,20 +76,44 @@ def _config(G: int, dtype: torch.dtype) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels
+# Tile helpers
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _tile_scores(q, k_base, sk_t, k0, S, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    # raw q . k of the key tile [k0, k0 + BN) (keys past S read as 0): s [M, BN] float32, positions [BN].
-    # The one score product of both kernels, so that the collect pass and the attention agree bit for bit
+                 MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    # raw q . k of the key tile [k0, k0 + BN): s [M, BN] float32, positions [BN]. MASKED: keys past S
+    # read as 0 (a tile that may cross S). The one score product of every kernel here, so that the
+    # collect pass and the attention agree bit for bit
     o_k = k0 + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
-    k = tl.load(k_base + o_k[:, None].to(tl.int64) * sk_t + o_d[None, :],
-                mask=(o_k < S)[:, None] & (o_d < D)[None, :], other=0.0)  # [BN, BD]
+    ptrs = k_base + o_k[:, None].to(tl.int64) * sk_t + o_d[None, :]
+    if MASKED:
+        k = tl.load(ptrs, mask=(o_k < S)[:, None] & (o_d < D)[None, :], other=0.0)  # [BN, BD]
+    elif BD != D:
+        k = tl.load(ptrs, mask=(o_d < D)[None, :], other=0.0)
+    else:
+        k = tl.load(ptrs)
     if UPCAST:
         k = k.to(tl.float32)
     return dot(q, tl.trans(k)), o_k
+
+
+@triton.jit
+def _tile_values(v_base, sv_t, k0, S, DV: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
+                 MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    # v [BN, BDV] of the key tile [k0, k0 + BN) (MASKED: keys past S read as 0)
+    o_k = k0 + tl.arange(0, BN)
+    o_dv = tl.arange(0, BDV)
+    ptrs = v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :]
+    if MASKED:
+        v = tl.load(ptrs, mask=(o_k < S)[:, None] & (o_dv < DV)[None, :], other=0.0)
+    elif BDV != DV:
+        v = tl.load(ptrs, mask=(o_dv < DV)[None, :], other=0.0)
+    else:
+        v = tl.load(ptrs)
+    if UPCAST:
+        v = v.to(tl.float32)
+    return v
 
 
 @triton.jit
@@ -95,108 +129,199 @@ def _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, t_base, sq_b, sq_h, sq_t, G, GP: 
     return q, i_h
 
 
-
-
-
-
-
-
+@triton.jit
+def _near(pos, local, PS: tl.constexpr):
+    # keys j > near are forced for the query at pos: its local window and, for Quest (PS > 0: pages of
+    # PS keys), the rest of its own page
+    near = pos - local
+    if PS > 0:
+        near = tl.minimum(near, pos // PS * PS - 1)
+    return near
 
 
 @triton.jit
-def _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr, scale_log2, DV: tl.constexpr,
-               BDV: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr):
-    # the key tile [k0, k0 + BN) (scores s [M, BN]) joins the online softmax and the counts of the rows
-    # that keep its keys
-    o_k = k0 + tl.arange(0, BN)
-    o_dv = tl.arange(0, BDV)
-    v = tl.load(v_base + o_k[:, None].to(tl.int64) * sv_t + o_dv[None, :],
-                mask=(o_k < S)[:, None] & (o_dv < DV)[None, :], other=0.0)  # [BN, BDV]
-    if UPCAST:
-        v = v.to(tl.float32)
+def _tile_ranges(first, last, sink, local, BN: tl.constexpr, PS: tl.constexpr):
+    # The key tiles [0, end) of a program whose positions are first .. last, in consecutive ranges
+    # (tile starts, multiples of BN): [0, e1) sink keys every row sees; [e1, e2) the sink's partial
+    # tile; [e2, e3) candidates of every row (keys in [sink, near(first)]: the rule alone decides);
+    # [e3, e4) where the rows' forced windows begin; [e4, e5) keys in every row's window and visible to
+    # every row; [e5, end) the diagonal. [0, e1) and [e4, e5) need no mask, [e2, e3) the rule's alone.
+    end = (last // BN + 1) * BN
+    e1 = tl.minimum(sink, first + 1) // BN * BN
+    e2 = tl.minimum((sink + BN - 1) // BN * BN, end)
+    e3 = tl.minimum(tl.maximum(tl.maximum(_near(first, local, PS) + 1, 0) // BN * BN, e2), end)
+    e4 = tl.minimum(tl.maximum((tl.maximum(_near(last, local, PS) + 1, 0) + BN - 1) // BN * BN, e3), end)
+    e5 = tl.minimum(tl.maximum((first + 1) // BN * BN, e4), end)
+    return e1, e2, e3, e4, e5, end
+
+
+@triton.jit
+def _masked_start(i, e1, e2, e3, e4, e5):
+    # the i-th key of the masked ranges [e1, e2), [e3, e4), [e5, ..) laid end to end: its tile start
+    n1 = e2 - e1
+    n2 = e4 - e3
+    return tl.where(i < n1, e1 + i, tl.where(i < n1 + n2, e3 + i - n1, e5 + i - n1 - n2))
+
+
+@triton.jit
+def _group_matrix(m_r, GP: tl.constexpr, BT: tl.constexpr, BTP: tl.constexpr, DT: tl.constexpr):
+    # [BTP, M] in DT: row t holds 1 at the (usable) rows of position t (BTP = BT padded to an MMA's 16)
+    o_r = tl.arange(0, BT * GP)
+    o_t = tl.arange(0, BTP)
+    return (((o_r // GP)[None, :] == o_t[:, None]) & m_r[None, :]).to(DT)
+
+
+@triton.jit
+def _count_kept(keep, group, cnt, kvr, DT: tl.constexpr):
+    # the counts of a tile's kept keys (keep [M, BN]), by two small MMAs of 0/1 matrices (exact): per
+    # row, and per position the keys some head of its group keeps (group: `_group_matrix`)
+    kb = keep.to(DT)
+    kvr += tl.sum((tl.dot(group, kb) > 0).to(tl.int32), 1)  # [BTP]
+    cnt += tl.max(tl.dot(kb, tl.full([kb.shape[1], 16], 1.0, DT)), 1).to(tl.int32)  # [M]
+    return cnt, kvr
+
+
+@triton.jit
+def _dense_tile(q, k_base, v_base, sk_t, sv_t, k0, S, m_i, l_i, acc, scale_log2, D: tl.constexpr,
+                DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
+                UPCAST: tl.constexpr):
+    # a key tile every row keeps whole (visible to all, inside S): no mask
+    s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST)
+    v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
+    return online_softmax_step_full(s, v, m_i, l_i, acc, scale_log2)
+
+
+@triton.jit
+def _kept_tile(s, keep, v, m_i, l_i, acc, cnt, kvr, group, scale_log2, DT: tl.constexpr):
+    # the kept keys of a tile (scores s, keep [M, BN], values v) join the online softmax and the counts
     m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
-    k32 = keep.to(tl.int32)
-    cnt += tl.sum(k32, 1)
-    kvr += tl.sum(tl.max(tl.reshape(k32, [BT, GP, BN]), 1), 1)  # the union over the group's heads
+    cnt, kvr = _count_kept(keep, group, cnt, kvr, DT)
     return m_i, l_i, acc, cnt, kvr
 
 
 @triton.jit
-def _budget_step(q, k_base, v_base, sk_t, sv_t, k0, S, pos, m_r, thr, cut, sink, local, m_i, l_i, acc,
-                 cnt, kvr, scale_log2, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-                 BDV: tl.constexpr, BT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
-                 SELECTS: tl.constexpr, UPCAST: tl.constexpr):
-    # one key tile of the budgeted attention: the kept keys of each row join its online softmax and counts
-    s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
-    visible = m_r[:, None] & (o_k[None, :] <= pos[:, None]) & (o_k < S)[None, :]
-    keep = visible & ((o_k < sink)[None, :] | (o_k[None, :] > pos[:, None] - local))
-    if SELECTS:
-        chosen = (s > thr[:, None]) | ((s == thr[:, None]) & (o_k[None, :] <= cut[:, None]))
-        keep = keep | (visible & chosen)
-    return _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr, scale_log2, DV, BDV, BT, GP, BN,
-                      UPCAST)
+def _next_up(x):
+    # the least float32 above x (x not NaN or +inf)
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(x > 0, bits + 1, tl.where(x < 0, bits - 1, 1)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
-                so_t, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr):
-    # a program's outputs: its rows' attention, kept-key counts, and its positions' KV-head unions
+def _cut_span(cut):
+    # the least and the greatest cut among a program's rows that drop some key tied at their threshold
+    # (0 <= cut < INT_MAX); (INT_MAX, -1) where none does
+    inside = (cut >= 0) & (cut < 2147483647)
+    return tl.min(tl.where(inside, cut, 2147483647), 0), tl.max(tl.where(inside, cut, -1), 0)
+
+
+@triton.jit
+def _store_out(O, m_i, l_i, acc, i_b, i_h, r_t, m_r, so_b, so_h, so_t, DV: tl.constexpr, BDV: tl.constexpr):
+    # a program's rows' attention output (0 for a row that kept nothing)
     o, _ = softmax_result(m_i, l_i, acc)
     o_dv = tl.arange(0, BDV)
     o_ptrs = O + i_b * so_b + i_h.to(tl.int64) * so_h + r_t.to(tl.int64) * so_t
     tl.store(o_ptrs[:, None] + o_dv[None, :], o.to(O.dtype.element_ty),
              mask=m_r[:, None] & (o_dv < DV)[None, :])
+
+
+@triton.jit
+def _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
+                so_t, DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr, BTP: tl.constexpr):
+    # a program's outputs: its rows' attention, kept-key counts, and its positions' KV-head unions (kvr
+    # [BTP], the first BT used)
+    _store_out(O, m_i, l_i, acc, i_b, i_h, r_t, m_r, so_b, so_h, so_t, DV, BDV)
     tl.store(CNT + row, cnt, mask=m_r)
-    o_t = t0 + tl.arange(0, BT)
+    o_p = tl.arange(0, BTP)
     HKV = HQ // G
-    tl.store(KVR + (i_b * HKV + i_hk) * T + o_t, kvr, mask=o_t < T)
+    tl.store(KVR + (i_b * HKV + i_hk) * T + t0 + o_p, kvr, mask=(o_p < BT) & (t0 + o_p < T))
 
 
+# ---------------------------------------------------------------------------------------------
+# The attention of sink_window and topk
+# ---------------------------------------------------------------------------------------------
 @triton.jit
 def _budget_fwd_kernel(
     Q, K, V, O, THR, CUT, CNT, KVR,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-    T, S, HQ, G, sink, local, scale_log2,
+    T, S, HQ, G, sink, local, scale_log2, SIZE,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
     BT: tl.constexpr, BN: tl.constexpr, SELECTS: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Grid (cdiv(T, BT), B * Hkv). O is q's layout; THR (float32), CUT (int32) and CNT (int32) are
-    # contiguous [B, Hq, T], KVR (int32) [B, Hkv, T]. SELECTS False (sink_window): no THR/CUT, and only
-    # the sink tiles and the tiles of the program's local windows are visited.
+    # contiguous [B, Hq, T], KVR (int32) [B, Hkv, T]. SELECTS False (sink_window): no THR/CUT, and no
+    # candidate tile is visited. SIZE (S's bit length) only keys the autotuner (`_sink_window_fwd`).
+    BTP: tl.constexpr = max(BT, 16)
+    DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
     i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
     q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, 0, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
     pos = S - T + r_t  # [M]
+    near = _near(pos, local, 0)  # [M]
     row = (i_b * HQ + i_h) * T + r_t  # [M]
-    thr = tl.zeros([BT * GP], tl.float32)
-    cut = tl.zeros([BT * GP], tl.int32)
-    if SELECTS:
-        thr = tl.load(THR + row, mask=m_r, other=float("inf"))
-        cut = tl.load(CUT + row, mask=m_r, other=-1)
+    group = _group_matrix(m_r, GP, BT, BTP, DT)
     m_i, l_i, acc = softmax_start(BT * GP, BDV)
-    cnt = tl.zeros([BT * GP], tl.int32)
-    kvr = tl.zeros([BT], tl.int32)
     k_base = K + i_b * sk_b + i_hk * sk_h
     v_base = V + i_b * sv_b + i_hk * sv_h
     first = S - T + t0
     last = S - T + tl.minimum(t0 + BT, T) - 1
+    e1, e2, e3, e4, e5, end = _tile_ranges(first, last, sink, local, BN, 0)
+    # every row keeps the dense tiles whole: counted once, here
+    cnt = tl.zeros([BT * GP], tl.int32) + (e1 + e5 - e4)
+    kvr = tl.zeros([BTP], tl.int32) + (e1 + e5 - e4)
+    for i in range(0, e1 + e5 - e4, BN):  # [0, e1), then [e4, e5)
+        k0 = tl.where(i < e1, i, e4 + i - e1)
+        m_i, l_i, acc = _dense_tile(q, k_base, v_base, sk_t, sv_t, k0, S, m_i, l_i, acc, scale_log2, D, DV,
+                                    BD, BDV, BN, UPCAST)
+    thr = tl.zeros([BT * GP], tl.float32)
+    cut = tl.zeros([BT * GP], tl.int32)
     if SELECTS:
-        for k0 in range(0, last + 1, BN):
-            m_i, l_i, acc, cnt, kvr = _budget_step(q, k_base, v_base, sk_t, sv_t, k0, S, pos, m_r, thr, cut,
-                                                   sink, local, m_i, l_i, acc, cnt, kvr, scale_log2, D, DV,
-                                                   BD, BDV, BT, GP, BN, SELECTS, UPCAST)
-    else:
-        sink_end = tl.minimum(sink, last + 1)
-        for k0 in range(0, sink_end, BN):  # the sink tiles
-            m_i, l_i, acc, cnt, kvr = _budget_step(q, k_base, v_base, sk_t, sv_t, k0, S, pos, m_r, thr, cut,
-                                                   sink, local, m_i, l_i, acc, cnt, kvr, scale_log2, D, DV,
-                                                   BD, BDV, BT, GP, BN, SELECTS, UPCAST)
-        start = tl.maximum(tl.maximum(first - local + 1, 0) // BN * BN, (sink_end + BN - 1) // BN * BN)
-        for k0 in range(start, last + 1, BN):  # the local tiles not visited above
-            m_i, l_i, acc, cnt, kvr = _budget_step(q, k_base, v_base, sk_t, sv_t, k0, S, pos, m_r, thr, cut,
-                                                   sink, local, m_i, l_i, acc, cnt, kvr, scale_log2, D, DV,
-                                                   BD, BDV, BT, GP, BN, SELECTS, UPCAST)
+        thr = tl.load(THR + row, mask=m_r, other=float("inf"))  # padding rows keep nothing
+        cut = tl.load(CUT + row, mask=m_r, other=-1)
+        up = _next_up(thr)
+        c_lo, c_hi = _cut_span(cut)
+        if c_lo <= c_hi:  # a row drops some key tied at its threshold: the whole test
+            for k0 in range(e2, e3, BN):  # candidates of every row: the threshold alone decides
+                s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST)
+                v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
+                keep = (s > thr[:, None]) | ((s == thr[:, None]) & (o_k[None, :] <= cut[:, None]))
+                m_i, l_i, acc, cnt, kvr = _kept_tile(s, keep, v, m_i, l_i, acc, cnt, kvr, group, scale_log2,
+                                                     DT)
+        else:  # each row keeps all its ties at thr (s >= thr) or none (s >= the next float up)
+            for k0 in range(e2, e3, BN):
+                s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST)
+                v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
+                keep = s >= tl.where(cut >= k0 + BN - 1, thr, up)[:, None]
+                m_i, l_i, acc, cnt, kvr = _kept_tile(s, keep, v, m_i, l_i, acc, cnt, kvr, group, scale_log2,
+                                                     DT)
+    for i in range(0, (e2 - e1) + (e4 - e3) + (end - e5), BN):  # the tiles that take the whole test
+        k0 = _masked_start(i, e1, e2, e3, e4, e5)
+        s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, True, UPCAST)
+        keep = (o_k < sink)[None, :] | (o_k[None, :] > near[:, None])
+        if SELECTS:
+            keep = keep | (s > thr[:, None]) | ((s == thr[:, None]) & (o_k[None, :] <= cut[:, None]))
+        keep = keep & m_r[:, None] & (o_k[None, :] <= pos[:, None])
+        v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, True, UPCAST)
+        m_i, l_i, acc, cnt, kvr = _kept_tile(s, keep, v, m_i, l_i, acc, cnt, kvr, group, scale_log2, DT)
     _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
-                so_t, DV, BDV, BT)
+                so_t, DV, BDV, BT, BTP)
+
+
+# sink_window's launches, chosen per model shape and prompt-length class (S's bit length) by Triton's
+# autotuner (`_sink_window_fwd`): (BN, num_warps, num_stages), each warp holding 16 rows (16 / GP
+# positions). topk keeps BUDGET_CONFIG: its collect pass must score with the attention's tiles.
+SINK_WINDOW_CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 1), (32, 4, 2)]
+
+
+def _sixteen_rows_a_warp(configs, named_args, **kwargs):
+    # the configs whose BT positions x GP heads are 16 rows a warp
+    return [c for c in configs if c.kwargs["BT"] * kwargs["GP"] == 16 * c.num_warps]
+
+
+_sink_window_fwd = triton.autotune(
+    configs=[triton.Config(dict(BT=bt, BN=bn), num_warps=w, num_stages=st)
+             for bn, w, st in SINK_WINDOW_CONFIGS for bt in (1, 2, 4, 8, 16, 32, 64, 128)],
+    key=["G", "D", "DV", "SIZE"],
+    prune_configs_by=dict(early_config_prune=_sixteen_rows_a_warp),
+)(_budget_fwd_kernel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,14 +347,18 @@ def budget_attention(q, k, v, *, scale: float, sink: int, local: int, thr=None, 
     counts = torch.empty(B, HQ, T, device=q.device, dtype=torch.int32)
     kv_read = torch.empty(B, HKV, T, device=q.device, dtype=torch.int32)
     selects = thr is not None
+    args = (*_s(q), *_s(k), *_s(v), *_s(o), T, S, HQ, G, sink, local, scale * LOG2E, S.bit_length())
+    dims = dict(D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], UPCAST=interpreting())
+    if not selects and not interpreting() and q.dtype != torch.float32:
+        grid = lambda meta: (cdiv(T, meta["BT"]), B * HKV)  # noqa: E731
+        _sink_window_fwd[grid](q, k, v, o, o, counts, counts, kv_read, *args, SELECTS=False, **dims)
+        return o, counts, kv_read
     if selects:
         thr, cut = thr.float().contiguous(), cut.int().contiguous()
-    grid = (cdiv(T, cfg["BT"]), B * HKV)
-    launcher(_budget_fwd_kernel)[grid](
-        q, k, v, o, thr if selects else o, cut if selects else counts, counts, kv_read,
-        *_s(q), *_s(k), *_s(v), *_s(o), T, S, HQ, G, sink, local, scale * LOG2E,
-        D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], SELECTS=selects,
-        UPCAST=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    launcher(_budget_fwd_kernel)[(cdiv(T, cfg["BT"]), B * HKV)](
+        q, k, v, o, thr if selects else o, cut if selects else counts, counts, kv_read, *args,
+        BT=cfg["BT"], BN=cfg["BN"], SELECTS=selects, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **dims,
     )
     return o, counts, kv_read
 

@@ -1,5 +1,44 @@
-"""Quest's Triton prefill: pages ranked by their bound, kept through a per-row page bitmask, on the tile
-machinery of budget_attention.py (shapes and the sink/local rule there)."""
+"""Quest's Triton prefill: page bounds, the kept pages of each query, and the attention over them, on the
+tile machinery of budget_attention.py (shapes and the sink/local rule there).
+
+Quest's rule (methods/quest.py, the controller's `_select`): query `p` held to the budget keeps sink,
+local and its own page, and `picks = budget - forced` candidates (the visible keys outside those) first
+in (page bound descending, position ascending) order. Every key of a page carries the page's bound, so
+the kept candidates are whole pages in (bound descending, page ascending) order, the last one cut to
+its earliest candidates. Three steps:
+
+1. `page_bounds`: Quest's bound `sum_d max(q_d kmin_d, q_d kmax_d) = q+ . kmax + q- . kmin` (q+ =
+   max(q, 0), q- = min(q, 0)) as two tensor-core products per tile of queries x pages. The operands
+   are exact in q's dtype (a clamp of q; kmin and kmax are keys), every product of two bf16 numbers is
+   exact in float32, and both products accumulate in float32, as `methods.quest.page_bounds` does in
+   PyTorch: the two differ only in the order of the float32 sums. (The form `q . c + |q| . r` with c,
+   r the pages' centres and radii would need c and r, which are not bf16 numbers: it would round the
+   operands, and so move the bounds by more than the order of a sum.) A bound within a few float32
+   ulps of the cut page's may therefore rank on either side of it here and in the chunked path, as it
+   already may between two chunk shapes of cuBLAS; `tests/methods/test_quest_fast.py` checks every
+   kept set against a float64 evaluation of the bounds up to exactly such near ties, and exactly where
+   the bounds are exact (small integers).
+2. `_page_select_kernel`: per row, the cut in (bound descending, page ascending) order, each page
+   weighted by its candidates, as a bitmask of the kept pages `[B, Hq, L, W]` (int32 words, W =
+   cdiv(pages, 32); bit i of word w: page 32 w + i) and `cut`, the last kept position of the cut page:
+   key j of a marked page is kept unless its page is the cut page (`cut // page_size`) and j > cut.
+   Rows not held get every bit and cut INT_MAX.
+3. `_quest_fwd_kernel`: the attention of `budget_attention.py`'s tile ranges, whose candidate tiles
+   are a gather list (`_plan_kernel`, which also counts the kept keys from the masks): the key tiles
+   holding a page some row of the program keeps (the union over its BT positions x G heads), each
+   masked per row by one small MMA of the rows' page bits against the tile's page slots.
+
+Why a union per program and not a list per row: a row's kept pages differ from its neighbours', and a
+tensor-core product needs rows that share a key tile. Per row, the 1,920 chosen keys of a query cost
+1,920 x 64 x 2 bytes x 2 (K and V) = 492 KB of reads for 4 x 1,920 x 64 = 0.5 MFLOP, on CUDA cores: 262k
+rows at 8k read 129 GB, against 16 MB of K/V. Per 64-row tile (16 positions x 4 heads) one K/V tile
+(16 KB) serves 64 rows; the price is that a tile is visited when any of them keeps a page in it. Each
+row keeps 120 of p/16 pages, so where the rows' choices are independent (random data) a tile is
+skipped with probability (1 - 4 x 120 / (p / 16))^64 ~ 0 at every length up to 64k: the list is then
+every candidate tile, and the kernel costs a masked dense pass. Where neighbouring queries and a
+group's heads choose alike (a trained model's attention), the union is a fraction of the pages and so
+is the work.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +51,11 @@ import triton.language as tl
 from nsa_eval.kernels._triton_utils import (
     LOG2E,
     cdiv,
+    dot,
     group_rows,
     interpreting,
     launcher,
+    online_softmax_step,
     pow2,
     softmax_start,
 )
@@ -22,96 +63,95 @@ from nsa_eval.kernels._triton_utils import (
 from .budget_attention import (
     INT_MAX,
     _config,
+    _dense_tile,
     _grouped_scores,
-    _kept_tile,
     _load_queries,
+    _masked_start,
+    _near,
     _s,
-    _store_rows,
+    _store_out,
+    _tile_ranges,
     _tile_scores,
+    _tile_values,
 )
 
-# Quest's rule (methods/quest.py, the controller's `_select`): query `p` held to the budget keeps sink,
-# local and its own page, and `picks = budget - forced` candidates (the visible keys outside those)
-# first in (page bound descending, position ascending) order. Every key of a page carries the page's
-# bound, so the kept candidates are whole pages in (bound descending, page ascending) order, the last
-# one cut to its earliest candidates. `quest_page_select` finds them per row from the bounds in
-# PyTorch (`page_bounds`, the chunked path's own function, float32) and hands the attention a bitmask
-# of the kept pages `[B, Hq, Tc, W]` (int32 words, W = cdiv(pages, 32); bit i of word w: page
-# 32 w + i) and `cut`, the last kept position of the cut page: key j of a marked page is kept unless
-# its page is the cut page (`cut // page_size`) and j > cut. Rows not held get every bit and cut
-# INT_MAX. The bounds are computed once, so the selection and the kernel's keep test cannot disagree.
-
-# PyTorch's working set of the selection: float32 bounds of at most this many (row, page) pairs a step
-# (256 MiB; a few temporaries of the same shape, bool and int32, come and go beside them)
-QUEST_BOUND_ELEMS = 64 << 20
-# the page bitmask of one attention launch: at most this many bytes (longer prompts take several
-# launches over consecutive query ranges)
-QUEST_BITS_BYTES = 256 << 20
-# `_quest_fwd_kernel`'s launch beside `BUDGET_CONFIG` (rows as there): compiled for sm_90 at G = 4,
-# d = 64, bf16, 4 warps over 64 x 64 tiles need 255 registers and spill 260 bytes (the sink + local test
-# alone takes 252); 8 warps spill 36 bytes, 64 x 32 tiles none (243 registers). Not yet measured on a
-# GPU: `test_gpu_quest_timing_against_full_attention` times the three.
-QUEST_CONFIG = dict(BN=64, num_warps=8, num_stages=2)
+# The selection's working set: float32 bounds of at most this many (row, page) pairs a step (128 MiB,
+# about 250 queries at 64k and 32 heads: larger steps save host time, smaller ones memory)
+QUEST_BOUND_ELEMS = 32 << 20
+# the page bitmask of one attention launch: at most this many bytes (4,096 queries a launch at 64k); with
+# the bounds about 200 MiB of extra memory a layer, against the issue's allowance of a tenth of the
+# model's prefill peak (about 3 GiB for the 1B model at 8k)
+QUEST_BITS_BYTES = 64 << 20
+# `_quest_fwd_kernel`'s key tile beside `BUDGET_CONFIG`'s rows (its warps and stages where the
+# autotuner does not choose: float32, the interpreter, `tiles`)
+QUEST_CONFIG = dict(BN=64, num_warps=4, num_stages=2)
+# `_bounds_kernel`: BT positions x the group's heads, BP pages a program
+BOUNDS_CONFIG = dict(rows=64, BP=64, num_warps=4, num_stages=2)
 
 
+# ---------------------------------------------------------------------------------------------
+# 1. Page bounds
+# ---------------------------------------------------------------------------------------------
 @triton.jit
-def _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN: tl.constexpr, PS: tl.constexpr,
-                ONE_WORD: tl.constexpr):
-    # [M, BN] the keys of tile [k0, k0 + BN) each row keeps: visible, and sink, local or own page (j >
-    # near), or in a marked page and not past the cut within the cut page (cut < j < cut_end)
-    o_k = k0 + tl.arange(0, BN)
-    pg = o_k // PS  # [BN]
-    visible = m_r[:, None] & (o_k[None, :] <= pos[:, None])
-    if ONE_WORD:  # the tile's pages, shifted to the low bits of the row's word, against constant masks
-        word = tl.load(bits_row + k0 // (32 * PS), mask=m_r, other=0) >> (k0 // PS % 32)  # [M]
-        bit = word[:, None] & (1 << (tl.arange(0, BN) // PS))[None, :]
-    else:
-        word = tl.load(bits_row[:, None] + (pg // 32)[None, :], mask=visible, other=0)  # [M, BN]
-        bit = (word >> (pg % 32)[None, :]) & 1
-    chosen = (bit != 0) & ((o_k[None, :] <= cut[:, None]) | (o_k[None, :] >= cut_end[:, None]))
-    return visible & ((o_k < sink)[None, :] | (o_k[None, :] > near[:, None]) | chosen)
-
-
-@triton.jit
-def _quest_fwd_kernel(
-    Q, K, V, O, BITS, CUT, CNT, KVR,
-    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-    T, S, HQ, G, sink, local, W, scale_log2,
-    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
-    BT: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr, ONE_WORD: tl.constexpr, SKIP: tl.constexpr,
+def _bounds_kernel(
+    Q, KMIN, KMAX, BND, sq_b, sq_h, sq_t, sm_b, sm_h, sm_p, n, Pc, t_base, HQ, G,
+    D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # Grid (cdiv(T, BT), B * Hkv), as `_budget_fwd_kernel`. BITS `[B, Hq, T, W]` int32 and CUT `[B, Hq,
-    # T]` int32 (contiguous): `quest_page_select`'s. ONE_WORD: a key tile's pages lie in one word of
-    # the mask (BN divides 32 * PS), read once a row. SKIP: a tile no row keeps is not multiplied.
-    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
-    q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, 0, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
-    pos = S - T + r_t  # [M]
-    row = (i_b * HQ + i_h) * T + r_t  # [M]
-    cut = tl.load(CUT + row, mask=m_r, other=2147483647)  # INT_MAX: rows not held keep every marked page
-    cut_end = (cut // PS + 1) * PS  # keys cut < j < cut_end: the cut page's candidates past the cut
-    near = tl.minimum(pos - local, pos // PS * PS - 1)  # keys j > near: local, or the query's own page
-    m_i, l_i, acc = softmax_start(BT * GP, BDV)
-    cnt = tl.zeros([BT * GP], tl.int32)
-    kvr = tl.zeros([BT], tl.int32)
-    k_base = K + i_b * sk_b + i_hk * sk_h
-    v_base = V + i_b * sv_b + i_hk * sv_h
-    bits_row = BITS + row.to(tl.int64) * W  # [M]
-    last = S - T + tl.minimum(t0 + BT, T) - 1
-    for k0 in range(0, last + 1, BN):
-        if SKIP:
-            keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
-            if tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0:
-                s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
-                m_i, l_i, acc, cnt, kvr = _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr,
-                                                     scale_log2, DV, BDV, BT, GP, BN, UPCAST)
-        else:  # the mask's test after the product: its [M, BN] temporaries do not live across the dot
-            s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
-            keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
-            m_i, l_i, acc, cnt, kvr = _kept_tile(s, v_base, sv_t, k0, S, keep, m_i, l_i, acc, cnt, kvr,
-                                                 scale_log2, DV, BDV, BT, GP, BN, UPCAST)
-    _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, row, t0, T, HQ, G, so_b, so_h,
-                so_t, DV, BDV, BT)
+    # Grid (cdiv(n, BT), B * Hkv, cdiv(Pc, BP)): the bounds of the queries t_base .. t_base + n of Q
+    # against pages [BP i, BP (i + 1)) of KMIN/KMAX ([B, Hkv, >= Pc, D], q's dtype), into BND [B * Hq, n,
+    # Pc] float32 (contiguous)
+    i_b, i_hk, _, o_r, r_t, m_r = group_rows(n, HQ, G, GP, BT)
+    q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, t_base, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
+    o_p = tl.program_id(2) * BP + tl.arange(0, BP)
+    o_d = tl.arange(0, BD)
+    m_p = (o_p < Pc)[:, None] & (o_d < D)[None, :]
+    at = i_b * sm_b + i_hk * sm_h + o_p[:, None].to(tl.int64) * sm_p + o_d[None, :]
+    kmin = tl.load(KMIN + at, mask=m_p, other=0.0)  # [BP, BD]
+    kmax = tl.load(KMAX + at, mask=m_p, other=0.0)
+    if UPCAST:
+        kmin = kmin.to(tl.float32)
+        kmax = kmax.to(tl.float32)
+    zero = tl.zeros_like(q)
+    bound = dot(tl.where(q > 0, q, zero), tl.trans(kmax))  # [M, BP]
+    bound += dot(tl.where(q < 0, q, zero), tl.trans(kmin))
+    out = ((i_b * HQ + i_h) * n + r_t).to(tl.int64) * Pc  # [M]
+    tl.store(BND + out[:, None] + o_p[None, :], bound, mask=m_r[:, None] & (o_p < Pc)[None, :])
+
+
+def page_bounds(q, key_min, key_max, *, t_base: int, n: int, pages: int):
+    """Quest's bounds of the queries `t_base .. t_base + n` of q `[B, Hq, T, D]` against the first `pages`
+    pages of key_min/key_max `[B, Hkv, >= pages, D]` (`quest_summaries`, in q's dtype) -> `[B, Hq, n,
+    pages]` float32 (`methods.quest.page_bounds`' values, the float32 sums in another order)."""
+    B, HQ, _, D = q.shape
+    HKV = key_min.shape[1]
+    G = HQ // HKV
+    GP = pow2(G, 1)
+    rows = 16 if interpreting() else BOUNDS_CONFIG["rows"]
+    BT, BP = max(1, rows // GP), (16 if interpreting() else BOUNDS_CONFIG["BP"])
+    stages = 1 if q.dtype == torch.float32 else BOUNDS_CONFIG["num_stages"]
+    out = torch.empty(B, HQ, n, pages, device=q.device, dtype=torch.float32)
+    grid = (cdiv(n, BT), B * HKV, cdiv(pages, BP))
+    launcher(_bounds_kernel)[grid](
+        q, key_min, key_max, out, *_s(q), *_s(key_min), n, pages, t_base, HQ, G,
+        D=D, BD=pow2(D), GP=GP, BT=BT, BP=BP, UPCAST=interpreting(), num_warps=BOUNDS_CONFIG["num_warps"],
+        num_stages=stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The kept pages of each row
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _partial_page(h, c, key, thr, shift: tl.constexpr, MATCH: tl.constexpr, PS: tl.constexpr):
+    # the radix histogram h [BR, 256] (candidates a byte, PS a page) less what a partly filled page (c
+    # candidates, key) lacks, where it matches the bytes fixed so far (MATCH: some are)
+    hit = c > 0
+    if MATCH:
+        hit = hit & ((key >> (shift + 8)) == (thr >> (shift + 8)))
+    byte = ((key >> shift) & 255).to(tl.int32)
+    return h - tl.where(hit[:, None] & (tl.arange(0, 256)[None, :] == byte[:, None]), PS - c[:, None], 0)
 
 
 @triton.jit
@@ -121,9 +161,11 @@ def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, 
     # (`page_bounds` of n queries at positions p0 .., their pages up to the last one). Row r = (bh, t)
     # writes its page mask to BITS `[B * Hq, L, W]` row (bh, t_off + t) (words past BC // 32 untouched:
     # the caller zeroes them) and its cut to CUT `[B * Hq, L]`. The picks-th candidate in (bound
-    # descending, page ascending) order: a bisection over the bounds' bits (uint32 keys ordered like the
-    # floats, 32 steps from the top bit) for the largest key with at least `picks` candidates at or above
-    # it, each page weighted by its candidates.
+    # descending, page ascending) order: the bounds map to uint32 keys ordered like the floats, and a
+    # radix select fixes the threshold's key one byte a pass (the largest key with at least `picks`
+    # candidates at or above it), from a histogram of the byte among the pages that match the bytes fixed
+    # so far, each page weighted by its candidates: PS each, less for the two pages where the
+    # candidates begin (the sink's) and end (the last candidate's), corrected after the count.
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
     m_r = o_r < R
     t = o_r % n
@@ -140,11 +182,30 @@ def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, 
     bits = x.to(tl.int32, bitcast=True)
     # uint32 keys ordered like the floats: negative floats' magnitude bits flipped, then the sign bit
     key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
+    bins = (tl.arange(0, BR) * 256)[:, None]  # each row's 256 bins in one histogram
+    o_d = tl.arange(0, 256)
+    first_pg = tl.zeros([BR], tl.int32) + sink // PS  # [BR] the pages a row's candidates may fill in part
+    last_pg = tl.maximum(hi_c, 0) // PS
+    c_first = tl.sum(tl.where(o_c[None, :] == first_pg[:, None], c, 0), 1)  # [BR]
+    c_last = tl.sum(tl.where(o_c[None, :] == last_pg[:, None], c, 0), 1) * (last_pg != first_pg)
+    k_first = tl.sum(tl.where(o_c[None, :] == first_pg[:, None], key, 0), 1)
+    k_last = tl.sum(tl.where(o_c[None, :] == last_pg[:, None], key, 0), 1)
     thr = tl.zeros([BR], tl.uint32)
-    for i in range(32):  # the largest key with at least `picks` candidates at or above it, bit by bit
-        trial = thr | (tl.full([BR], 1, tl.uint32) << (31 - i))
-        enough = tl.sum(tl.where(key >= trial[:, None], c, 0), 1) >= picks
-        thr = tl.where(enough, trial, thr)
+    want = picks  # candidates still to take at or below the bytes fixed so far
+    for i in tl.static_range(4):
+        shift = 24 - 8 * i
+        match = valid
+        if i > 0:
+            match = valid & ((key >> (shift + 8)) == (thr >> (shift + 8))[:, None])
+        digit = ((key >> shift) & 255).to(tl.int32)
+        h = tl.histogram(tl.reshape(bins + digit, [BR * BC]), BR * 256, mask=tl.reshape(match, [BR * BC]))
+        h = tl.reshape(h, [BR, 256]) * PS  # [BR, 256] candidates, were every page full
+        h = _partial_page(h, c_first, k_first, thr, shift, i > 0, PS)
+        h = _partial_page(h, c_last, k_last, thr, shift, i > 0, PS)
+        at_least = tl.sum(h, 1)[:, None] - tl.cumsum(h, 1) + h  # [BR, 256] candidates with this byte or above
+        byte = tl.sum((at_least >= want[:, None]).to(tl.int32), 1) - 1  # [BR]
+        want -= tl.sum(tl.where(o_d[None, :] > byte[:, None], h, 0), 1)
+        thr = thr | (byte.to(tl.uint32) << shift)
     above = valid & (key > thr[:, None])
     need = picks - tl.sum(tl.where(above, c, 0), 1)  # candidates still to take at the threshold
     tied = valid & (key == thr[:, None])
@@ -180,17 +241,6 @@ def page_select_into(bounds, bits, cut, *, t_off: int, p0: int, sink: int, local
                                                   num_warps=4 if BC <= 4096 else 8)
 
 
-def _quest_config(G: int, dtype: torch.dtype, tiles: dict | None = None) -> dict:
-    """`_config`'s rows with `QUEST_CONFIG`'s (or `tiles`') key tile, warps and stages (not under the
-    interpreter, whose small tiles stay)."""
-    cfg = _config(G, dtype)
-    if not interpreting():
-        cfg.update(QUEST_CONFIG if tiles is None else tiles)
-        if dtype == torch.float32:
-            cfg["num_stages"] = 1
-    return cfg
-
-
 def quest_summaries(k, page_size: int):
     """Per-page per-channel min and max of unpadded keys `[B, Hkv, S, D]` -> key_min, key_max `[B, Hkv,
     P, D]` float32 (P = cdiv(S, page_size)): `Quest.prepare`'s values, without its scatter."""
@@ -203,6 +253,336 @@ def quest_summaries(k, page_size: int):
     return lo.view(B, HKV, P, page_size, D).amin(3), hi.view(B, HKV, P, page_size, D).amax(3)
 
 
+
+# ---------------------------------------------------------------------------------------------
+# 3. The attention over the kept pages
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _popcount(x):
+    # set bits of each int32 (SWAR: pairs, nibbles, bytes, then the bytes summed by one multiply)
+    x = x.to(tl.uint32, bitcast=True)
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _page_bit(words, page, o_w):
+    # [R] bit `page` [R] of each row's mask words [R, BW]
+    word = tl.sum(tl.where(o_w[None, :] == (page // 32)[:, None], words, 0), 1)
+    return (word >> (page % 32)) & 1
+
+
+@triton.jit
+def _candidates_in(page, sink, near, PS: tl.constexpr):
+    # [R] candidates ([sink, near]) of page [R] of each row
+    return tl.maximum(tl.minimum(page * PS + PS - 1, near) - tl.maximum(page * PS, sink) + 1, 0)
+
+
+@triton.jit
+def _marked_candidates(words, sink, near, o_w, PS: tl.constexpr):
+    # [R] candidates of the pages marked in each row's words [R, BW] (only candidate pages are marked):
+    # PS a page, less what the sink's page and the last candidate's page lack
+    first = tl.zeros_like(near) + sink // PS
+    last = tl.maximum(near, 0) // PS
+    n = PS * tl.sum(_popcount(words), 1)
+    n -= _page_bit(words, first, o_w) * (PS - _candidates_in(first, sink, near, PS))
+    return n - _page_bit(words, last, o_w) * (PS - _candidates_in(last, sink, near, PS)) * (last != first)
+
+
+@triton.jit
+def _plan_kernel(
+    BITS, CUT, LIST, NLIST, CNT, KVR, T, S, HQ, G, sink, local, budget, W, LW,
+    GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr, BW: tl.constexpr,
+    TPW: tl.constexpr, READ_BITS: tl.constexpr,
+):
+    # Grid (cdiv(T, BT), B * Hkv), the attention's programs; BITS [B, Hq, T, W] and CUT [B, Hq, T]
+    # (`_page_select_kernel`'s), T queries the last of S keys. For each program: LIST [B * Hkv, cdiv(T,
+    # BT), LW] gets the starts of its candidate tiles (`_tile_ranges`' [e2, e3)) that hold a page some row
+    # of it keeps, ascending, NLIST how many (READ_BITS: pages of a power-of-two size, TPW = 32 PS / BN
+    # tiles to a mask word; otherwise every candidate tile is listed). For each row, CNT [B, Hq, T]: the
+    # keys it keeps (forced, then its marked pages' candidates less the cut page's past the cut); for each
+    # position, KVR [B, Hkv, T]: the keys some head of the group keeps (the marked pages' union, where a
+    # page that is only ever a cut page counts its longest kept prefix).
+    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
+    i_h = i_hk * G + o_r % GP
+    row = ((i_b * HQ + i_h) * T + r_t).to(tl.int64)  # [M]
+    first = S - T + t0
+    last = S - T + tl.minimum(t0 + BT, T) - 1
+    _, e2, e3, _, _, _ = _tile_ranges(first, last, sink, local, BN, PS)
+    o_w = tl.arange(0, BW)
+    words = tl.load(BITS + row[:, None] * W + o_w[None, :], mask=m_r[:, None] & (o_w < W)[None, :],
+                    other=0)  # [M, BW]
+    # the gather list
+    o_x = tl.arange(0, TPW)
+    tile = o_w[:, None] * TPW + o_x[None, :]  # [BW, TPW]
+    ok = (tile * BN >= e2) & (tile * BN < e3)
+    if READ_BITS:
+        union = tl.reduce(words, 0, _or)  # [BW]
+        NPT: tl.constexpr = max(BN // PS, 1)  # pages a tile holds
+        MASK: tl.constexpr = -1 if NPT >= 32 else (1 << NPT) - 1
+        ok = ok & (((union[:, None] >> ((o_x * BN) // PS)[None, :]) & MASK) != 0)
+    ok = tl.reshape(ok, [BW * TPW]).to(tl.int32)
+    slot = tl.cumsum(ok, 0) - 1
+    prog = (i_b * (HQ // G) + i_hk) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(LIST + prog * LW + slot, tl.reshape(tile, [BW * TPW]) * BN, mask=ok != 0)
+    tl.store(NLIST + prog, tl.sum(ok, 0))
+    # the counts
+    pos = S - T + r_t  # [M]
+    near = _near(pos, local, PS)
+    forced = pos + 1 - tl.maximum(near - sink + 1, 0)
+    held = pos + 1 > budget
+    cut = tl.load(CUT + row, mask=m_r, other=2147483647)
+    has_cut = cut < 2147483647
+    c_pg = cut // PS  # [M] the cut page
+    tail = tl.where(has_cut, tl.minimum(c_pg * PS + PS - 1, near) - cut, 0)  # its candidates past the cut
+    cnt = forced + _marked_candidates(words, sink, near, o_w, PS) - tail
+    tl.store(CNT + row, tl.where(held, cnt, pos + 1), mask=m_r)
+    # the union over the group: every marked page, less a page that only some heads' cut falls in
+    # (counted to the longest of their kept prefixes)
+    in_cut_word = has_cut[:, None] & (o_w[None, :] == (c_pg // 32)[:, None])
+    full = tl.where(in_cut_word, words & ~(1 << (c_pg % 32))[:, None], words)  # [M, BW] but the cut page
+    union = tl.reduce(tl.reshape(words, [BT, GP, BW]), 1, _or)  # [BT, BW]
+    union_full = tl.reduce(tl.reshape(full, [BT, GP, BW]), 1, _or)
+    near_t = tl.max(tl.reshape(near, [BT, GP]), 1)  # [BT] (the same for a position's heads)
+    n_union = _marked_candidates(union, sink, near_t, o_w, PS)  # [BT]
+    full_rows = tl.reshape(tl.broadcast_to(tl.reshape(union_full, [BT, 1, BW]), [BT, GP, BW]), [BT * GP, BW])
+    only_cut = has_cut & m_r & (_page_bit(full_rows, c_pg, o_w) == 0)  # [M] a cut page no head keeps whole
+    prefix = cut - tl.maximum(c_pg * PS, sink) + 1  # [M] candidates the row keeps in its cut page
+    lack = _candidates_in(c_pg, sink, near, PS) - prefix
+    # one row per such page answers for it: the one keeping the longest prefix (the first head on ties)
+    c3 = tl.reshape(tl.where(only_cut, c_pg, -1), [BT, GP])
+    l3 = tl.reshape(lack, [BT, GP])
+    g = tl.arange(0, GP)
+    beaten = (c3[:, :, None] == c3[:, None, :]) & ((l3[:, None, :] < l3[:, :, None]) | (
+        (l3[:, None, :] == l3[:, :, None]) & (g[None, None, :] < g[None, :, None])))  # [BT, GP, GP]
+    answers = (c3 >= 0) & (tl.max(beaten.to(tl.int32), 2) == 0)
+    n_union -= tl.sum(tl.where(answers, l3, 0), 1)
+    pos_t = S - T + t0 + tl.arange(0, BT)
+    forced_t = pos_t + 1 - tl.maximum(near_t - sink + 1, 0)
+    o_t = t0 + tl.arange(0, BT)
+    kvr = tl.where(pos_t + 1 > budget, forced_t + n_union, pos_t + 1)
+    tl.store(KVR + (i_b * (HQ // G) + i_hk) * T + o_t, kvr, mask=o_t < T)
+
+
+@triton.jit
+def _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN: tl.constexpr, PS: tl.constexpr,
+                ONE_WORD: tl.constexpr):
+    # [M, BN] the keys of tile [k0, k0 + BN) each row keeps: visible, and sink, local or own page (j >
+    # near), or in a marked page and not past the cut within the cut page (cut < j < cut_end)
+    o_k = k0 + tl.arange(0, BN)
+    pg = o_k // PS  # [BN]
+    visible = m_r[:, None] & (o_k[None, :] <= pos[:, None])
+    if ONE_WORD:  # the tile's pages, shifted to the low bits of the row's word, against constant masks
+        word = tl.load(bits_row + k0 // (32 * PS), mask=m_r, other=0) >> (k0 // PS % 32)  # [M]
+        bit = word[:, None] & (1 << (tl.arange(0, BN) // PS))[None, :]
+    else:
+        word = tl.load(bits_row[:, None] + (pg // 32)[None, :], mask=visible, other=0)  # [M, BN]
+        bit = (word >> (pg % 32)[None, :]) & 1
+    chosen = (bit != 0) & ((o_k[None, :] <= cut[:, None]) | (o_k[None, :] >= cut_end[:, None]))
+    return visible & ((o_k < sink)[None, :] | (o_k[None, :] > near[:, None]) | chosen)
+
+
+@triton.jit
+def _page_slots(BN: tl.constexpr, PS: tl.constexpr, DT: tl.constexpr):
+    # [16, BN] in DT: slot i (the i-th page of a tile aligned with the pages) holds BN - n at its keys n
+    o_i = tl.arange(0, 16)
+    o_n = tl.arange(0, BN)
+    return tl.where((o_n // PS)[None, :] == o_i[:, None], BN - o_n[None, :], 0).to(DT)
+
+
+@triton.jit
+def _slot_keep(k0, bits_row, m_r, cut, slots, BN: tl.constexpr, PS: tl.constexpr, DT: tl.constexpr):
+    # [M, BN] the keys of a candidate tile each row keeps, by one MMA: the rows' page bits [M, 16]
+    # (2 BN for a marked page, 1 for the cut page) times the slots (BN - n at key n of each page) give
+    # 2 BN (BN - n) >= 2 BN at a marked page's keys and BN - n at the cut page's; the cut page keeps
+    # key n where n <= cut - k0, i.e. where BN - n >= BN - (cut - k0). All values exact in bf16.
+    pg0 = k0 // PS
+    word = tl.load(bits_row + pg0 // 32, mask=m_r, other=0) >> (pg0 % 32)  # [M] slot i: bit i
+    o_i = tl.arange(0, 16)
+    bit = (word[:, None] >> o_i[None, :]) & 1  # [M, 16]
+    is_cut = (pg0 + o_i)[None, :] == (cut // PS)[:, None]
+    a = tl.where(bit != 0, tl.where(is_cut, 1, 2 * BN), 0).to(DT)
+    val = tl.dot(a, slots)  # [M, BN]
+    need = tl.minimum(tl.maximum(BN - (cut - k0), 1), BN + 1)  # [M]
+    return val >= need[:, None].to(tl.float32)
+
+
+@triton.jit
+def _quest_fwd_kernel(
+    Q, K, V, O, BITS, CUT, LIST, NLIST,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
+    T, S, HQ, G, sink, local, W, LW, scale_log2, SIZE,
+    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr, ONE_WORD: tl.constexpr, SLOTS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # Grid (cdiv(T, BT), B * Hkv), as `_budget_fwd_kernel`. BITS `[B, Hq, T, W]` int32 and CUT `[B, Hq,
+    # T]` int32 (contiguous): `_page_select_kernel`'s; LIST, NLIST: `_plan_kernel`'s, which counts the
+    # kept keys too. ONE_WORD: a key tile's pages lie in one word of the mask (BN divides 32 * PS); SLOTS:
+    # and a candidate tile's pages are aligned with it, at most 16 (`_slot_keep`), else the candidate
+    # tiles take `_quest_keep`. SIZE (S's bit length) only keys the autotuner (`_quest_fwd`).
+    DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
+    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
+    q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, 0, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
+    pos = S - T + r_t  # [M]
+    row = (i_b * HQ + i_h) * T + r_t  # [M]
+    cut = tl.load(CUT + row, mask=m_r, other=2147483647)  # INT_MAX: rows not held keep every marked page
+    cut_end = (cut // PS + 1) * PS  # keys cut < j < cut_end: the cut page's candidates past the cut
+    near = _near(pos, local, PS)  # keys j > near: local, or the query's own page
+    bits_row = BITS + row.to(tl.int64) * W  # [M]
+    m_i, l_i, acc = softmax_start(BT * GP, BDV)
+    k_base = K + i_b * sk_b + i_hk * sk_h
+    v_base = V + i_b * sv_b + i_hk * sv_h
+    first = S - T + t0
+    last = S - T + tl.minimum(t0 + BT, T) - 1
+    e1, e2, e3, e4, e5, end = _tile_ranges(first, last, sink, local, BN, PS)
+    for i in range(0, e1 + e5 - e4, BN):  # [0, e1), then [e4, e5): every row keeps them whole
+        k0 = tl.where(i < e1, i, e4 + i - e1)
+        m_i, l_i, acc = _dense_tile(q, k_base, v_base, sk_t, sv_t, k0, S, m_i, l_i, acc, scale_log2, D, DV,
+                                    BD, BDV, BN, UPCAST)
+    prog = (i_b * (HQ // G) + i_hk) * tl.num_programs(0) + tl.program_id(0)
+    slots = _page_slots(BN, PS, DT)
+    for i in range(0, tl.load(NLIST + prog)):  # the candidate tiles holding a page some row keeps
+        k0 = tl.load(LIST + prog * LW + i)
+        s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST)
+        if SLOTS:
+            keep = _slot_keep(k0, bits_row, m_r, cut, slots, BN, PS, DT)
+        else:
+            keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
+        v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
+        m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
+    for i in range(0, (e2 - e1) + (e4 - e3) + (end - e5), BN):  # the tiles that take the whole test
+        k0 = _masked_start(i, e1, e2, e3, e4, e5)
+        s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, True, UPCAST)
+        if SLOTS:  # a marked page's forced keys are kept anyway, so the slots' test serves here too
+            keep = (o_k < sink)[None, :] | (o_k[None, :] > near[:, None])
+            keep = keep | _slot_keep(k0, bits_row, m_r, cut, slots, BN, PS, DT)
+            keep = keep & m_r[:, None] & (o_k[None, :] <= pos[:, None])
+        else:
+            keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
+        v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, True, UPCAST)
+        m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
+    _store_out(O, m_i, l_i, acc, i_b, i_h, r_t, m_r, so_b, so_h, so_t, DV, BDV)
+
+
+# The attention's warps and stages, chosen per model shape and prompt-length class by Triton's autotuner;
+# its rows and key tiles stay `_quest_config`'s, which the plan's tile lists were made for.
+QUEST_LAUNCHES = [(4, 2), (4, 3), (8, 2)]  # (num_warps, num_stages)
+_quest_fwd = triton.autotune(
+    configs=[triton.Config({}, num_warps=w, num_stages=st) for w, st in QUEST_LAUNCHES],
+    key=["G", "D", "DV", "SIZE"],
+)(_quest_fwd_kernel)
+
+
+def _quest_config(G: int, dtype: torch.dtype, tiles: dict | None = None) -> dict:
+    """`_config`'s rows with `QUEST_CONFIG`'s (or `tiles`') key tile, warps and stages (not under the
+    interpreter, whose small tiles stay)."""
+    cfg = _config(G, dtype)
+    if not interpreting():
+        cfg.update(QUEST_CONFIG if tiles is None else tiles)
+        if dtype == torch.float32:
+            cfg["num_stages"] = 1
+    return cfg
+
+
+def plan(bits, cut, *, T: int, S: int, sink: int, local: int, budget: int, page_size: int, G: int, cfg: dict):
+    """`_plan_kernel` for the bits `[B, Hq, T, W]` and cut `[B, Hq, T]` of T queries whose keys are S: the
+    candidate tiles of each attention program that hold a kept page, list `[B * Hkv, cdiv(T, BT), LW]`
+    int32 (tile starts, ascending; past n undefined) and n `[B * Hkv, cdiv(T, BT)]` int32, and the kept
+    keys' counts `[B, Hq, T]` and kv_read `[B, Hkv, T]` (int32)."""
+    B, HQ, _, W = bits.shape
+    HKV = HQ // G
+    ps, BN = page_size, cfg["BN"]
+    read_bits = ps & (ps - 1) == 0 and BN <= 32 * ps
+    BW = pow2(W, 1)
+    TPW = 32 * ps // BN if read_bits else pow2(cdiv(cdiv(S, BN), BW), 1)
+    n_prog = cdiv(T, cfg["BT"])
+    lists = torch.empty(B * HKV, n_prog, BW * TPW, device=bits.device, dtype=torch.int32)
+    n_list = torch.empty(B * HKV, n_prog, device=bits.device, dtype=torch.int32)
+    counts = torch.empty(B, HQ, T, device=bits.device, dtype=torch.int32)
+    kv_read = torch.empty(B, HKV, T, device=bits.device, dtype=torch.int32)
+    launcher(_plan_kernel)[(n_prog, B * HKV)](
+        bits, cut, lists, n_list, counts, kv_read, T, S, HQ, G, sink, local, budget, W, BW * TPW,
+        GP=cfg["GP"], BT=cfg["BT"], BN=BN, PS=ps, BW=BW, TPW=TPW, READ_BITS=read_bits, num_warps=4,
+    )
+    return lists, n_list, counts, kv_read
+
+
+def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int, page_size: int,
+                    bound_elems: int | None = None, bits_bytes: int | None = None, select: str = "triton",
+                    tiles: dict | None = None):
+    """Quest's budgeted attention over unpadded keys: `budget_attention`'s shapes and returns (o, counts
+    `[B, Hq, T]`, kv_read `[B, Hkv, T]`), with the keys of the kept pages. The queries go in launches of
+    at most `bits_bytes` of page mask, each filled by selection steps of at most `bound_elems` bounds
+    (`page_bounds`), the kept pages found by `_page_select_kernel` (select "triton") or by
+    `quest_page_select` (select "torch", the readable reference, on `page_bounds_reference`); `tiles`
+    overrides `QUEST_CONFIG`."""
+    bound_elems = QUEST_BOUND_ELEMS if bound_elems is None else bound_elems
+    bits_bytes = QUEST_BITS_BYTES if bits_bytes is None else bits_bytes
+    B, HQ, T, D = q.shape
+    HKV, S, DV = k.shape[1], k.shape[2], v.shape[3]
+    G = HQ // HKV
+    ps = page_size
+    P = cdiv(S, ps)
+    W = cdiv(P, 32)
+    cfg = _quest_config(G, q.dtype, tiles)
+    BN = cfg["BN"]
+    one_word = (32 * ps) % BN == 0
+    slots = one_word and (BN % ps == 0 or ps % BN == 0) and BN // ps <= 16
+    key_min, key_max = quest_summaries(k, ps)
+    if select == "triton":  # exact in q's dtype: they are keys
+        key_min, key_max = key_min.to(q.dtype), key_max.to(q.dtype)
+    o = torch.empty(B, HQ, T, DV, device=q.device, dtype=q.dtype)
+    counts = torch.empty(B, HQ, T, device=q.device, dtype=torch.int32)
+    kv_read = torch.empty(B, HKV, T, device=q.device, dtype=torch.int32)
+    rows = max(cfg["BT"], bits_bytes // (B * HQ * W * 4) // cfg["BT"] * cfg["BT"])
+    for l0 in range(0, T, rows):
+        L = min(rows, T - l0)
+        bits = torch.zeros(B, HQ, L, W, device=q.device, dtype=torch.int32)
+        cut = torch.empty(B, HQ, L, device=q.device, dtype=torch.int32)
+        for t0, n in quest_steps(B * HQ, T, S, ps, l0, l0 + L, bound_elems):
+            if select == "torch":
+                bits[:, :, t0 - l0:t0 - l0 + n], cut[:, :, t0 - l0:t0 - l0 + n] = quest_page_select(
+                    q, key_min, key_max, t_base=t0, Tc=n, T=T, S=S, sink=sink, local=local, budget=budget,
+                    page_size=ps, W=W)
+                continue
+            if S - T + t0 + n <= budget:  # no query of the step is held: every key it sees
+                bits[:, :, t0 - l0:t0 - l0 + n] = -1
+                cut[:, :, t0 - l0:t0 - l0 + n] = INT_MAX
+                continue
+            Pc = (S - T + t0 + n - 1) // ps + 1
+            bounds = page_bounds(q, key_min, key_max, t_base=t0, n=n, pages=Pc)
+            page_select_into(bounds, bits, cut, t_off=t0 - l0, p0=S - T + t0, sink=sink, local=local,
+                             budget=budget, page_size=ps)
+        Sl = S - T + l0 + L  # keys up to the launch's last query: its queries are their last L
+        lists, n_list, cnt, kvr = plan(bits, cut, T=L, S=Sl, sink=sink, local=local, budget=budget,
+                                       page_size=ps, G=G, cfg=cfg)
+        qs, os_ = q[:, :, l0:l0 + L], o[:, :, l0:l0 + L]
+        grid = (cdiv(L, cfg["BT"]), B * HKV)
+        args = (qs, k, v, os_, bits, cut, lists, n_list, *_s(qs), *_s(k), *_s(v), *_s(os_), L, Sl, HQ, G,
+                sink, local, W, lists.shape[-1], scale * LOG2E, Sl.bit_length())
+        dims = dict(D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], BT=cfg["BT"], BN=BN, PS=ps,
+                    ONE_WORD=one_word, SLOTS=slots, UPCAST=interpreting())
+        if tiles is None and not interpreting() and q.dtype != torch.float32:
+            _quest_fwd[grid](*args, **dims)
+        else:
+            launcher(_quest_fwd_kernel)[grid](*args, **dims, num_warps=cfg["num_warps"],
+                                              num_stages=cfg["num_stages"])
+        counts[:, :, l0:l0 + L] = cnt
+        kv_read[:, :, l0:l0 + L] = kvr
+    return o, counts, kv_read
+
+
+# ---------------------------------------------------------------------------------------------
+# Readable references (PyTorch)
+# ---------------------------------------------------------------------------------------------
 def _pack_bits(keep_pg, W: int):
     """`[..., Pc]` bool -> `[..., W]` int32 words (bit i of word w: page 32 w + i)."""
     Pc = keep_pg.shape[-1]
@@ -238,7 +618,8 @@ def quest_page_select(q, key_min, key_max, *, t_base: int, Tc: int, T: int, S: i
     start = torch.arange(Pc, device=dev) * ps  # [Pc]
     c = (torch.minimum(start + ps - 1, hi_c[:, None]) - start.clamp(min=sink)[None, :] + 1).clamp(min=0)
     c = c.to(torch.int32)  # [n, Pc] candidates of each page
-    b = _page_bounds(q[:, :, t_base + h0:t_base + Tc].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
+    b = page_bounds_reference(q[:, :, t_base + h0:t_base + Tc].float(), key_min[:, :, :Pc].float(),
+                              key_max[:, :, :Pc].float())
     b.masked_fill_(c == 0, -math.inf)  # [B, Hq, n, Pc]
     K = min(Pc, cdiv(max(1, int(picks.max())), ps) + 2)  # pages enough to hold picks: <= 2 partial ones
     top_v, top_i = b.topk(K, dim=-1)  # [B, Hq, n, K] descending (any order among equal bounds)
@@ -270,9 +651,10 @@ def quest_page_select(q, key_min, key_max, *, t_base: int, Tc: int, T: int, S: i
     return bits, cut
 
 
-def _page_bounds(q, key_min, key_max):
+def page_bounds_reference(q, key_min, key_max):
     """`methods.quest.page_bounds` bit for bit (the same two products and one float32 sum; the methods
-    layer above is not imported here), holding one `[B, Hq, Tc, P]` temporary fewer."""
+    layer above is not imported here), holding one `[B, Hq, Tc, P]` temporary fewer: q `[B, Hq, Tc, D]`
+    float32, key_min/key_max `[B, Hkv, P, D]` float32 -> `[B, Hq, Tc, P]`."""
     bounds = _grouped_scores(q.clamp(min=0), key_max)  # [B, Hq, Tc, P]
     bounds += _grouped_scores(q.clamp(max=0), key_min)
     return bounds
@@ -289,64 +671,6 @@ def quest_steps(rows: int, T: int, S: int, page_size: int, t_lo: int, t_hi: int,
         n = min(n, t_hi - t0)
         yield t0, n
         t0 += n
-
-
-def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int, page_size: int,
-                    bound_elems: int | None = None, bits_bytes: int | None = None, skip: bool = False,
-                    select: str = "triton", tiles: dict | None = None):
-    """Quest's budgeted attention over unpadded keys: `budget_attention`'s shapes and returns (o, counts
-    `[B, Hq, T]`, kv_read `[B, Hkv, T]`), with the keys of `quest_page_select`'s pages. The queries go in
-    launches of at most `bits_bytes` of page mask, each filled by selection steps of at most
-    `bound_elems` bounds (`page_bounds`, PyTorch), the kept pages found by `_page_select_kernel` (select
-    "triton") or `quest_page_select` (select "torch", the readable reference); `skip`: the kernel
-    multiplies only key tiles some row of its program keeps; `tiles` overrides `QUEST_CONFIG`."""
-    bound_elems = QUEST_BOUND_ELEMS if bound_elems is None else bound_elems
-    bits_bytes = QUEST_BITS_BYTES if bits_bytes is None else bits_bytes
-    B, HQ, T, D = q.shape
-    HKV, S, DV = k.shape[1], k.shape[2], v.shape[3]
-    G = HQ // HKV
-    ps = page_size
-    P = cdiv(S, ps)
-    W = cdiv(P, 32)
-    cfg = _quest_config(G, q.dtype, tiles)
-    key_min, key_max = quest_summaries(k, ps)
-    o = torch.empty(B, HQ, T, DV, device=q.device, dtype=q.dtype)
-    counts = torch.empty(B, HQ, T, device=q.device, dtype=torch.int32)
-    kv_read = torch.empty(B, HKV, T, device=q.device, dtype=torch.int32)
-    rows = max(cfg["BT"], bits_bytes // (B * HQ * W * 4) // cfg["BT"] * cfg["BT"])
-    for l0 in range(0, T, rows):
-        L = min(rows, T - l0)
-        bits = torch.zeros(B, HQ, L, W, device=q.device, dtype=torch.int32)
-        cut = torch.empty(B, HQ, L, device=q.device, dtype=torch.int32)
-        for t0, n in quest_steps(B * HQ, T, S, ps, l0, l0 + L, bound_elems):
-            if select == "torch":
-                bits[:, :, t0 - l0:t0 - l0 + n], cut[:, :, t0 - l0:t0 - l0 + n] = quest_page_select(
-                    q, key_min, key_max, t_base=t0, Tc=n, T=T, S=S, sink=sink, local=local, budget=budget,
-                    page_size=ps, W=W)
-                continue
-            if S - T + t0 + n <= budget:  # no query of the step is held: every key it sees
-                bits[:, :, t0 - l0:t0 - l0 + n] = -1
-                cut[:, :, t0 - l0:t0 - l0 + n] = INT_MAX
-                continue
-            Pc = (S - T + t0 + n - 1) // ps + 1
-            bounds = _page_bounds(q[:, :, t0:t0 + n].float(), key_min[:, :, :Pc], key_max[:, :, :Pc])
-            page_select_into(bounds, bits, cut, t_off=t0 - l0, p0=S - T + t0, sink=sink, local=local,
-                             budget=budget, page_size=ps)
-        Sl = S - T + l0 + L  # keys up to the launch's last query: its queries are their last L
-        cnt = torch.empty(B, HQ, L, device=q.device, dtype=torch.int32)
-        kvr = torch.empty(B, HKV, L, device=q.device, dtype=torch.int32)
-        qs, os_ = q[:, :, l0:l0 + L], o[:, :, l0:l0 + L]
-        grid = (cdiv(L, cfg["BT"]), B * HKV)
-        launcher(_quest_fwd_kernel)[grid](
-            qs, k, v, os_, bits, cut, cnt, kvr,
-            *_s(qs), *_s(k), *_s(v), *_s(os_), L, Sl, HQ, G, sink, local, W, scale * LOG2E,
-            D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], PS=ps,
-            ONE_WORD=(32 * ps) % cfg["BN"] == 0, SKIP=skip, UPCAST=interpreting(),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-        counts[:, :, l0:l0 + L] = cnt
-        kv_read[:, :, l0:l0 + L] = kvr
-    return o, counts, kv_read
 
 
 def quest_keep_from_masks(bits, cut, *, t_base: int, T: int, S: int, sink: int, local: int, page_size: int):

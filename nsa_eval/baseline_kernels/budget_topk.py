@@ -2,16 +2,21 @@
 shapes and the keep rule `s > thr or (s == thr and j <= cut)`).
 
 `topk_thresholds` finds each row's `thr` and `cut` in three steps:
-1. a bracket `[lo, hi]` per row from a strided sample of the candidates' scores (`sample_brackets`,
-   PyTorch);
+1. a bracket `[lo, hi]` per row from a strided sample of the candidates' scores (`sample_brackets`:
+   `_sample_kernel` scores the sample columns, `_select_kernel` picks two of its order statistics);
 2. `_collect_kernel`, which computes every candidate's score with the same tile product as the
    attention (`budget_attention._tile_scores`: same tiles, same `dot`, bit-identical scores), counts
    those above `hi` and writes those within the bracket, with their positions, to a per-row buffer of
-   `cap` slots;
-3. `_select_kernel`, an exact select over that buffer (a bisection over the scores' bits; ties to the
-   lower position, as a stable sort: `select_in_buffer_reference`).
+   `cap` slots in key order (each tile's slots by one MMA of its 0/1 matrix against a triangle of ones);
+3. `_select_kernel`, an exact select over that buffer: a radix select over the scores' bits, one byte a
+   pass, by per-row histograms (ties to the lower position, as a stable sort: `select_in_buffer_reference`).
 A row whose bracket misses (fewer than `picks` above `lo`, more above `hi`, or more than `cap` inside)
 is reported `failed`; the caller computes those queries with the reference path.
+
+Where the time goes, per query row: the collect pass scores every candidate (the attention scores them
+again: bit-identical scores need the same product), and writes the bracket's keys, about
+`2 z C sqrt(f (1 - f) / n)` of them for C candidates, `f = picks / C` and a sample of n; the sample
+costs n scores. Both grow with the prompt, so at 8k they are a large part of a layer's time.
 """
 
 from __future__ import annotations
@@ -22,126 +27,202 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import cdiv, group_rows, interpreting, launcher, pow2
+from nsa_eval.kernels._triton_utils import cdiv, dot, group_rows, interpreting, launcher, pow2
 
 from .budget_attention import (
     INT_MAX,
     _config,
-    _grouped_scores,
     _load_queries,
     _s,
+    _tile_ranges,
     _tile_scores,
 )
+
+# The collect pass's buffer (8 bytes a slot) takes at most this many bytes a chunk of queries (about 220
+# queries at 64k and 32 heads: larger chunks save host time, smaller ones memory); the sample's scores less
+TOPK_BUFFER_BYTES = 256 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _sample_kernel(
+    Q, K, OUT, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
+    TC, t_base, T, S, HQ, G, sink, local, stride, NS,
+    D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BNS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # Grid (cdiv(TC, BT), B * Hkv) over the queries t_base .. t_base + TC of T: the scores of each row
+    # against the sample columns sink + i * stride (i < NS) into OUT [B * Hq, TC, NS] float32. A row's
+    # usable columns (<= p - local) are a prefix of them; the columns past every row's prefix are not
+    # written.
+    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(TC, HQ, G, GP, BT)
+    q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, t_base, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
+    pos = S - T + t_base + r_t  # [M]
+    row = ((i_b * HQ + i_h) * TC + r_t).to(tl.int64)  # [M]
+    k_base = K + i_b * sk_b + i_hk * sk_h
+    last = S - T + t_base + tl.minimum(t0 + BT, TC) - 1
+    n_cols = tl.minimum(NS, tl.maximum(last - local - sink, -1) // stride + 1)  # columns some row uses
+    o_d = tl.arange(0, BD)
+    for c0 in range(0, n_cols, BNS):
+        o_c = c0 + tl.arange(0, BNS)
+        cols = sink + o_c * stride
+        k = tl.load(k_base + cols[:, None].to(tl.int64) * sk_t + o_d[None, :],
+                    mask=(o_c < n_cols)[:, None] & (o_d < D)[None, :], other=0.0)  # [BNS, BD]
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = dot(q, tl.trans(k))  # [M, BNS]
+        s = tl.where(cols[None, :] <= pos[:, None] - local, s, float("-inf"))
+        tl.store(OUT + row[:, None] * NS + o_c[None, :], s, mask=m_r[:, None] & (o_c < n_cols)[None, :])
+
+
+@triton.jit
+def _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, upper, CAP, sink, local,
+                  D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, MASKED: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    # one key tile of the collect pass: the candidates above hi are counted, those within [lo, hi]
+    # written at the row's next slots (buf_row [M]: each row's first) in key order, as one int64 each:
+    # the score's bits above the key's position. MASKED: the tile may hold keys that are not some
+    # row's candidates.
+    s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, MASKED, UPCAST)
+    above = s > hi[:, None]
+    inside = (s >= lo[:, None]) & (s <= hi[:, None])
+    if MASKED:
+        cand = (o_k >= sink)[None, :] & (o_k[None, :] <= pos[:, None] - local)
+        above = above & cand
+        inside = inside & cand
+    n_above += tl.sum(above.to(tl.int32), 1)
+    before = tl.dot(tl.where(inside, 1.0, 0.0).to(DT), upper).to(tl.int32)  # [M, BN] inside, before each
+    slot = n_in[:, None] + before
+    write = inside & (slot < CAP)
+    packed = (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | o_k[None, :].to(tl.int64)
+    tl.store(buf_row[:, None] + slot, packed, mask=write)
+    n_in += tl.sum(inside.to(tl.int32), 1)
+    return n_above, n_in
 
 
 @triton.jit
 def _collect_kernel(
-    Q, K, LO, HI, N_ABOVE, N_IN, BUF_S, BUF_P,
+    Q, K, LO, HI, N_ABOVE, N_IN, BUF,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
-    TC, t_base, T, S, HQ, G, sink, local, budget, CAP,
+    TC, t_base, T, S, HQ, G, sink, local, CAP,
     D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # Grid (cdiv(TC, BT), B * Hkv) over the queries t_base .. t_base + TC of T. Per row of a query held
-    # to the budget: N_ABOVE, the candidates scoring above HI, and N_IN, those within [LO, HI], the
-    # first CAP of them (in key order) written to BUF_S (score) and BUF_P (position). Row arrays are
-    # [B, Hq, TC] and the buffers [B, Hq, TC, CAP], contiguous.
+    # Grid (cdiv(TC, BT), B * Hkv) over the queries t_base .. t_base + TC of T. Per row: N_ABOVE, the
+    # candidates scoring above HI, and N_IN, those within [LO, HI], the first CAP of them (in key order)
+    # written to BUF (int64: score bits << 32 | position). Row arrays are [B, Hq, TC] and BUF [B, Hq,
+    # TC, CAP], contiguous. A row whose LO is +inf (a row not held to the budget) counts nothing.
+    DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
     i_b, i_hk, t0, o_r, r_t, m_r = group_rows(TC, HQ, G, GP, BT)
     q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, t_base, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
     pos = S - T + t_base + r_t  # [M]
-    row = (i_b * HQ + i_h) * TC + r_t  # [M]
-    over = m_r & (pos + 1 > budget)
-    lo = tl.load(LO + row, mask=over, other=0.0)
-    hi = tl.load(HI + row, mask=over, other=0.0)
+    row = ((i_b * HQ + i_h) * TC + r_t).to(tl.int64)  # [M]
+    lo = tl.load(LO + row, mask=m_r, other=float("inf"))
+    hi = tl.load(HI + row, mask=m_r, other=float("inf"))
+    buf_row = BUF + row * CAP  # [M]
+    o_n = tl.arange(0, BN)
+    upper = (o_n[:, None] < o_n[None, :]).to(DT)  # [BN, BN]: key n' comes before key n
     n_above = tl.zeros([BT * GP], tl.int32)
     n_in = tl.zeros([BT * GP], tl.int32)
     k_base = K + i_b * sk_b + i_hk * sk_h
+    first = S - T + t_base + t0
     last = S - T + t_base + tl.minimum(t0 + BT, TC) - 1  # the program's last position
-    for k0 in range(sink // BN * BN, last - local + 1, BN):  # the tiles holding candidates
-        s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, UPCAST)
-        cand = over[:, None] & (o_k >= sink)[None, :] & (o_k[None, :] <= pos[:, None] - local)
-        n_above += tl.sum((cand & (s > hi[:, None])).to(tl.int32), 1)
-        inside = (cand & (s >= lo[:, None]) & (s <= hi[:, None])).to(tl.int32)
-        slot = n_in[:, None] + tl.cumsum(inside, 1) - 1  # [M, BN]: key order within the row
-        keep = (inside != 0) & (slot < CAP)
-        at = row[:, None].to(tl.int64) * CAP + slot
-        tl.store(BUF_S + at, s, mask=keep)
-        tl.store(BUF_P + at, (o_k[None, :] + 0 * slot).to(tl.int32), mask=keep)
-        n_in += tl.sum(inside, 1)
+    e1, e2, e3, _, _, _ = _tile_ranges(first, last, sink, local, BN, 0)
+    for k0 in range(e2, e3, BN):  # candidates of every row
+        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, upper,
+                                      CAP, sink, local, D, BD, BN, DT, False, UPCAST)
+    ends = tl.maximum(tl.maximum(last - local, -1) // BN + 1, 0) * BN  # the tiles up to the last candidate
+    n1 = e2 - e1
+    for i in range(0, n1 + tl.maximum(ends - e3, 0), BN):  # the sink's partial tile; where candidates end
+        k0 = tl.where(i < n1, e1 + i, e3 + i - n1)
+        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, upper,
+                                      CAP, sink, local, D, BD, BN, DT, True, UPCAST)
     tl.store(N_ABOVE + row, n_above, mask=m_r)
     tl.store(N_IN + row, n_in, mask=m_r)
 
 
 @triton.jit
-def _select_kernel(BUF_S, BUF_P, N_IN, NEED, THR, CUT, R, CAP, BR: tl.constexpr, BC: tl.constexpr):
-    # BR rows of the collect buffers ([R, CAP], the first N_IN slots written) a program: the NEED-th
-    # entry (1-based, NEED in 1..N_IN) in (score descending, slot ascending) order, as its score THR and
-    # position CUT. Scores are mapped to int64 keys ordered like the floats, and a bisection over the
-    # keys finds the largest k with at least NEED entries >= k: 33 counts of the rows, held in registers
+def _select_kernel(BUF, N_IN, NEED, THR, CUT, R, CAP, BR: tl.constexpr, BC: tl.constexpr, POS: tl.constexpr):
+    # BR rows of a buffer [R, CAP] a program (a row's first N_IN slots written): the NEED-th entry
+    # (1-based, NEED in 1..N_IN) in (score descending, slot ascending) order: THR its score and, with
+    # POS, CUT its position, or INT_MAX where every entry tied at THR is taken. BUF holds float32 scores,
+    # or with POS int64 entries `score bits << 32 | position` (`_collect_kernel`'s). Scores map to
+    # uint32 keys ordered like the floats; a radix select fixes the threshold's key one byte a pass,
+    # from a histogram of the byte among the row's entries that match the bytes fixed so far.
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
     m_r = o_r < R
-    n = tl.load(N_IN + o_r, mask=m_r, other=0)
-    need = tl.load(NEED + o_r, mask=m_r, other=1)
+    n = tl.minimum(tl.load(N_IN + o_r, mask=m_r, other=0), CAP)
+    want = tl.load(NEED + o_r, mask=m_r, other=1)  # entries still to take at or below the fixed bytes
     o_c = tl.arange(0, BC)
-    m = m_r[:, None] & (o_c[None, :] < n[:, None]) & (o_c < CAP)[None, :]  # [BR, BC]
+    m = m_r[:, None] & (o_c[None, :] < n[:, None])  # [BR, BC]
     at = o_r[:, None] * CAP + o_c[None, :]
-    x = tl.load(BUF_S + at, mask=m, other=float("-inf"))
-    bits = x.to(tl.int32, bitcast=True).to(tl.int64)
-    key = tl.where(bits < 0, -2147483648 - bits, bits)  # negative floats: larger magnitude, lower key
-    key = tl.where(m, key, -4294967296)  # empty slots below every score
-    lo = tl.full([BR], -2147483649, tl.int64)
-    hi = tl.full([BR], 2147483647, tl.int64)
-    for _ in range(33):
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((key >= mid[:, None]).to(tl.int32), 1) >= need
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    tied = m & (key == lo[:, None])
-    ties = need - tl.sum((key > lo[:, None]).to(tl.int32), 1)  # entries at the threshold still to take
-    rank = tl.cumsum(tied.to(tl.int32), 1)
-    p = tl.load(BUF_P + at, mask=m, other=-1)
+    if POS:
+        entry = tl.load(BUF + at, mask=m, other=0)
+        x = tl.where(m, (entry >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
+    else:
+        x = tl.load(BUF + at, mask=m, other=float("-inf"))
+    bits = (x + 0.0).to(tl.int32, bitcast=True)  # -0 as +0: the keep rule's compares hold them equal
+    # negative floats: magnitude bits flipped; then the sign bit, so that larger floats get larger keys
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
+    bins = (tl.arange(0, BR) * 256)[:, None]  # each row's 256 bins in one histogram
+    o_d = tl.arange(0, 256)
+    prefix = tl.zeros([BR], tl.uint32)
+    for i in tl.static_range(4):
+        shift = 24 - 8 * i
+        match = m
+        if i > 0:
+            match = m & ((key >> (shift + 8)) == (prefix >> (shift + 8))[:, None])
+        digit = ((key >> shift) & 255).to(tl.int32)
+        h = tl.histogram(tl.reshape(bins + digit, [BR * BC]), BR * 256, mask=tl.reshape(match, [BR * BC]))
+        h = tl.reshape(h, [BR, 256])
+        at_least = tl.sum(h, 1)[:, None] - tl.cumsum(h, 1) + h  # [BR, 256] entries with this byte or above
+        byte = tl.sum((at_least >= want[:, None]).to(tl.int32), 1) - 1  # [BR]
+        want -= tl.sum(tl.where(o_d[None, :] > byte[:, None], h, 0), 1)
+        prefix = prefix | (byte.to(tl.uint32) << shift)
+    tied = m & (key == prefix[:, None])
     tl.store(THR + o_r, tl.max(tl.where(tied, x, float("-inf")), 1), mask=m_r)
-    tl.store(CUT + o_r, tl.max(tl.where(tied & (rank == ties[:, None]), p, -1), 1), mask=m_r)
+    if POS:
+        rank = tl.cumsum(tied.to(tl.int32), 1)
+        p = (entry & 0xFFFFFFFF).to(tl.int32)
+        cut = tl.max(tl.where(tied & (rank == want[:, None]), p, -1), 1)
+        cut = tl.where(want == tl.sum(tied.to(tl.int32), 1), 2147483647, cut)  # every tie kept: no cut
+        tl.store(CUT + o_r, cut, mask=m_r)
 
 
-def select_in_buffer(buf_s, buf_p, n_in, need):
-    """The `need`-th of each row's collected candidates, in (score descending, position ascending) order.
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+def select_in_buffer(buf, n_in, need, *, positions: bool):
+    """The `need`-th of each row's entries, in (score descending, slot ascending) order.
 
-    buf_s `[..., cap]` float32, buf_p `[..., cap]` int32 (`collect`'s, slots in key order), n_in and need
-    `[...]` int (1 <= need <= n_in <= cap where used; other rows get garbage) -> thr `[...]` float32, cut
-    `[...]` int32. `select_in_buffer_reference` is the same by a stable sort.
+    buf `[..., cap]`: float32 scores, or with `positions` `collect`'s int64 entries (score bits above
+    the position, slots in key order); n_in and need `[...]` int (1 <= need <= n_in <= cap where used;
+    other rows get garbage) -> thr `[...]` float32 and cut `[...]` int32 (the need-th entry's position,
+    INT_MAX where every entry tied at thr is taken; None without `positions`).
+    `select_in_buffer_reference` is the same by a stable sort.
     """
-    cap = buf_s.shape[-1]
-    rows = buf_s.numel() // cap
-    thr = torch.empty(buf_s.shape[:-1], device=buf_s.device, dtype=torch.float32)
-    cut = torch.empty(buf_s.shape[:-1], device=buf_s.device, dtype=torch.int32)
+    cap = buf.shape[-1]
+    rows = buf.numel() // cap
+    thr = torch.empty(buf.shape[:-1], device=buf.device, dtype=torch.float32)
+    cut = torch.empty(buf.shape[:-1], device=buf.device, dtype=torch.int32) if positions else None
     if rows:
-        need = need.clamp(1, cap).int().contiguous()
         BC = pow2(cap)
-        BR = 64 if interpreting() else max(1, 4096 // BC)  # ~4,096 slots a program, in registers
-        launcher(_select_kernel)[(cdiv(rows, BR),)](buf_s, buf_p, n_in.int().contiguous(), need, thr, cut,
-                                                    rows, cap, BR=BR, BC=BC, num_warps=4)
+        BR = max(1, (256 if interpreting() else 4096) // BC)  # ~4,096 slots a program, in registers
+        launcher(_select_kernel)[(cdiv(rows, BR),)](
+            buf, n_in.int().contiguous(), need.clamp(1, cap).int().contiguous(), thr,
+            cut if positions else thr, rows, cap, BR=BR, BC=BC, POS=positions, num_warps=4)
     return thr, cut
 
 
-def select_in_buffer_reference(buf_s, buf_p, n_in, need):
-    """`select_in_buffer` by a stable sort (the buffer's slots are in key order, so ties go to the lower
-    position)."""
-    width = max(1, int(n_in.clamp(max=buf_s.shape[-1]).max()))
-    slots = torch.arange(width, device=buf_s.device)
-    vals = buf_s[..., :width].masked_fill(slots >= n_in[..., None], -math.inf)
-    ordered, perm = vals.sort(dim=-1, descending=True, stable=True)
-    j = (need - 1).clamp(0, width - 1).long()[..., None]
-    return ordered.gather(-1, j)[..., 0], buf_p[..., :width].gather(-1, perm.gather(-1, j))[..., 0]
-
-
-def collect(q, k, lo, hi, *, t_base: int, sink: int, local: int, budget: int, cap: int):
+def collect(q, k, lo, hi, *, t_base: int, sink: int, local: int, cap: int):
     """The collect pass over the queries `t_base .. t_base + Tc` of q `[B, Hq, T, D]` (k `[B, Hkv, S, D]`).
 
-    lo, hi: `[B, Hq, Tc]` float32 brackets on the raw score `q . k`. Returns n_above, n_in `[B, Hq, Tc]`
-    int32 (candidates above hi; within [lo, hi]) and buf_s `[B, Hq, Tc, cap]` float32, buf_p (int32): the
-    first `cap` of those within, in key order (slots past n_in are undefined). Rows not held to the
-    budget (`p + 1 <= budget`) count nothing.
+    lo, hi: `[B, Hq, Tc]` float32 brackets on the raw score `q . k` (lo = +inf: the row counts nothing).
+    Returns n_above, n_in `[B, Hq, Tc]` int32 (candidates above hi; within [lo, hi]) and buf `[B, Hq, Tc,
+    cap]` int64: the first `cap` of those within, in key order, each its score's float32 bits above its
+    position (`unpack` splits them; slots past n_in are undefined).
     """
     B, HQ, T, D = q.shape
     HKV, S = k.shape[1], k.shape[2]
@@ -150,59 +231,78 @@ def collect(q, k, lo, hi, *, t_base: int, sink: int, local: int, budget: int, ca
     cfg = _config(G, q.dtype)
     n_above = torch.empty(B, HQ, Tc, device=q.device, dtype=torch.int32)
     n_in = torch.empty_like(n_above)
-    buf_s = torch.empty(B, HQ, Tc, cap, device=q.device, dtype=torch.float32)
-    buf_p = torch.empty(B, HQ, Tc, cap, device=q.device, dtype=torch.int32)
+    buf = torch.empty(B, HQ, Tc, cap, device=q.device, dtype=torch.int64)
     grid = (cdiv(Tc, cfg["BT"]), B * HKV)
     launcher(_collect_kernel)[grid](
-        q, k, lo.float().contiguous(), hi.float().contiguous(), n_above, n_in, buf_s, buf_p,
-        *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local, budget, cap,
+        q, k, lo.float().contiguous(), hi.float().contiguous(), n_above, n_in, buf,
+        *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local, cap,
         D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], UPCAST=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return n_above, n_in, buf_s, buf_p
+    return n_above, n_in, buf
+
+
+def unpack(buf):
+    """`collect`'s int64 entries -> scores (float32) and positions (int32), same shape."""
+    return (buf >> 32).to(torch.int32).view(torch.float32), (buf & 0xFFFFFFFF).to(torch.int32)
+
+
+def sample_scores(q, k, *, t_base: int, Tc: int, sink: int, local: int, stride: int, n: int):
+    """`_sample_kernel`: the scores `[B, Hq, Tc, n]` float32 of the queries `t_base .. t_base + Tc` against
+    the keys `sink + i * stride` (i < n); a row's usable columns (<= p - local) are a prefix, the rest
+    undefined."""
+    B, HQ, T, D = q.shape
+    HKV, S = k.shape[1], k.shape[2]
+    G = HQ // HKV
+    cfg = _config(G, q.dtype)
+    out = torch.empty(B, HQ, Tc, n, device=q.device, dtype=torch.float32)
+    launcher(_sample_kernel)[(cdiv(Tc, cfg["BT"]), B * HKV)](
+        q, k, out, *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local, stride, n,
+        D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BNS=cfg["BN"], UPCAST=interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
 
 
 def sample_brackets(q, k, *, t_base: int, Tc: int, sink: int, local: int, budget: int,
-                    sample: int = 2048, z: float = 4.0):
+                    sample: int = 1024, z: float = 4.0):
     """`[lo, hi]` around each row's `picks`-th largest candidate score, from a strided sample.
 
     q `[B, Hq, T, D]`, k `[B, Hkv, S, D]`; the rows are queries `t_base .. t_base + Tc`. At most `sample`
-    candidate columns (every `stride`-th key from `sink`) are scored in float32; a row whose sample holds
-    `n` of its `C` candidates expects its pick at rank `r = picks * n / C` of them, and the bracket spans
-    the sample's ranks `r -/+ (z * sqrt(r (1 - picks / C)) + 2)` (binomial spread, and rounding). Returns
+    candidate columns (every `stride`-th key from `sink`) are scored; a row whose sample holds `n` of its
+    `C` candidates expects its pick at rank `r = picks * n / C` of them, and the bracket spans the
+    sample's ranks `r -/+ (z * sqrt(r (1 - picks / C)) + 2)` (binomial spread, and rounding). Returns
     lo, hi `[B, Hq, Tc]` float32 (-inf / +inf where a rank falls off the sample) and the stride.
     """
     B, HQ, T, _ = q.shape
     S = k.shape[2]
     picks = budget - sink - local
-    pos = torch.arange(S - T + t_base, S - T + t_base + Tc, device=q.device)  # [Tc]
-    widest = max(1, int(pos[-1]) - local - sink + 1)
+    first, last = S - T + t_base, S - T + t_base + Tc - 1
+    widest = max(1, last - local - sink + 1)
     stride = max(1, cdiv(widest, sample))
-    cols = torch.arange(sink, sink + widest, stride, device=q.device)  # [n]
     lo = torch.full((B, HQ, Tc), -math.inf, device=q.device)
     hi = torch.full((B, HQ, Tc), math.inf, device=q.device)
-    over = pos + 1 > budget  # [Tc]
-    if not bool(over.any()):
+    if last + 1 <= budget:  # no row is held
         return lo, hi, stride
-    scores = _grouped_scores(q[:, :, t_base:t_base + Tc].float(), k[:, :, cols].float())  # [B, Hq, Tc, n]
-    valid = cols[None, :] <= (pos - local)[:, None]  # [Tc, n]
-    scores = scores.masked_fill(~valid, -math.inf)
-    n = valid.sum(-1).double()  # [Tc]
+    n_cols = cdiv(widest, stride)
+    scores = sample_scores(q, k, t_base=t_base, Tc=Tc, sink=sink, local=local, stride=stride, n=n_cols)
+    pos = torch.arange(first, last + 1, device=q.device)  # [Tc]
+    n = ((pos - local - sink).clamp(min=-1) // stride + 1).clamp(max=n_cols)  # [Tc] usable columns
     C = (pos - local - sink + 1).clamp(min=1).double()  # [Tc]
-    rank = picks * n / C
+    rank = picks * n.double() / C
     margin = z * (rank * (1 - picks / C).clamp(min=0)).sqrt() + 2
     r_hi = (rank - margin).floor().long()  # 1-based ranks; < 1: hi = +inf
     r_lo = (rank + margin).ceil().long()  # > n: lo = -inf
-    deepest = int(r_lo.clamp(max=cols.numel()).max())
-    top = scores.topk(max(deepest, 1), dim=-1).values  # [B, Hq, Tc, deepest] descending
-    take = lambda r: top.gather(-1, (r - 1).clamp(0, top.shape[-1] - 1)[None, None, :, None]
-                                .expand(B, HQ, Tc, 1))[..., 0]  # noqa: E731
-    hi = torch.where((r_hi >= 1) & over, take(r_hi), hi)
-    lo = torch.where((r_lo <= n.long()) & over, take(r_lo), lo)
+    rows = n.expand(B, HQ, Tc)
+    over = pos + 1 > budget
+    top, _ = select_in_buffer(scores, rows, r_hi.expand(B, HQ, Tc), positions=False)
+    bottom, _ = select_in_buffer(scores, rows, r_lo.expand(B, HQ, Tc), positions=False)
+    hi = torch.where((r_hi >= 1) & over, top, hi)
+    lo = torch.where((r_lo <= n) & over, bottom, lo)
     return lo, hi, stride
 
 
-def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 2048, z: float = 4.0,
+def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 1024, z: float = 4.0,
                     cap: int | None = None, chunk: int | None = None, brackets=None):
     """Per-row thresholds of exact top-k: `budget_attention`'s `thr`, `cut` and the rows that failed.
 
@@ -211,8 +311,8 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 2
     the `budget - sink - local` candidates first in (score descending, position ascending) order; a row
     not held keeps every key (thr -inf). A failed row's bracket missed: its thr/cut are meaningless and
     the caller computes it otherwise. The queries go in chunks (`chunk`, by default as many as keep the
-    collect buffers near 512 MiB); `cap` slots a row (default from the expected bracket width);
-    `brackets(t_base, Tc) -> (lo, hi)` replaces `sample_brackets` (tests force failures with it).
+    collect buffers within `TOPK_BUFFER_BYTES`); `cap` slots a row (default from the expected bracket
+    width); `brackets(t_base, Tc) -> (lo, hi)` replaces `sample_brackets` (tests force failures with it).
     """
     B, HQ, T, D = q.shape
     S = k.shape[2]
@@ -226,9 +326,9 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 2
     if cap is None:
         stride = max(1, cdiv(max(1, S - local - sink), sample))
         width = 2 * (z * math.sqrt(picks / stride) + 3) * stride  # expected keys within a bracket
-        cap = pow2(int(1.5 * width), 64)
+        cap = cdiv(int(1.5 * width), 64) * 64
     if chunk is None:
-        chunk = max(1, (512 << 20) // (B * HQ * cap * 8))
+        chunk = max(1, TOPK_BUFFER_BYTES // (B * HQ * max(cap, sample) * 8))
     # the collect pass's row tiles are the attention's (same queries in the same rows of the product):
     # a product's rounding may depend on where a row sits in its tile
     BT = _config(HQ // k.shape[1], q.dtype)["BT"]
@@ -240,14 +340,34 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 2
                                         sample=sample, z=z)
         else:
             lo, hi = brackets(t0, Tc)
-        n_above, n_in, buf_s, buf_p = collect(q, k, lo, hi, t_base=t0, sink=sink, local=local,
-                                              budget=budget, cap=cap)
+        held = torch.arange(S - T + t0, S - T + t0 + Tc, device=q.device) + 1 > budget  # [Tc]
+        lo, hi = torch.where(held, lo, math.inf), torch.where(held, hi, math.inf)
+        n_above, n_in, buf = collect(q, k, lo, hi, t_base=t0, sink=sink, local=local, cap=cap)
         need = picks - n_above  # [B, Hq, Tc] picks still to take from within the bracket
         ok = (need >= 0) & (need <= n_in) & (n_in <= cap)
-        t_thr, t_cut = select_in_buffer(buf_s, buf_p, n_in, need)
+        t_thr, t_cut = select_in_buffer(buf, n_in, need, positions=True)
         none = need == 0  # every pick lies above hi
-        held = torch.arange(S - T + t0, S - T + t0 + Tc, device=q.device) + 1 > budget  # [Tc]
         thr[:, :, t0:t0 + Tc] = torch.where(held, torch.where(none, hi, t_thr), -math.inf)
         cut[:, :, t0:t0 + Tc] = torch.where(held, torch.where(none, -1, t_cut), INT_MAX)
         failed[:, :, t0:t0 + Tc] = held & ~ok
     return thr, cut, failed
+
+
+# ---------------------------------------------------------------------------------------------
+# Readable references (PyTorch)
+# ---------------------------------------------------------------------------------------------
+def select_in_buffer_reference(buf, n_in, need, *, positions: bool):
+    """`select_in_buffer` by a stable sort (the buffer's slots are in key order, so ties go to the lower
+    position)."""
+    buf_s, buf_p = unpack(buf) if positions else (buf, None)
+    width = max(1, int(n_in.clamp(max=buf_s.shape[-1]).max()))
+    slots = torch.arange(width, device=buf_s.device)
+    vals = buf_s[..., :width].masked_fill(slots >= n_in[..., None], -math.inf)
+    ordered, perm = vals.sort(dim=-1, descending=True, stable=True)
+    j = (need - 1).clamp(0, width - 1).long()[..., None]
+    thr = ordered.gather(-1, j)[..., 0]
+    if buf_p is None:
+        return thr, None
+    cut = buf_p[..., :width].gather(-1, perm.gather(-1, j))[..., 0]
+    last_tie = (ordered.gather(-1, (j + 1).clamp(max=width - 1))[..., 0] != thr) | (j[..., 0] + 1 >= n_in)
+    return thr, torch.where(last_tie, INT_MAX, cut)  # every tie kept: no cut

@@ -59,3 +59,28 @@ def fast_and_chunked(fast_ctrl, chunked_ctrl, module, q, k, v):
     err = rel_rms(fast, out)
     assert err < 1e-2, err
     return fast_counts, counts
+
+
+def peak_bytes(fn) -> int:
+    """The most GPU memory allocated while `fn()` runs (what was allocated before it included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def against_full_attention(label: str, fn, q, k, v, n: int = 3) -> tuple[float, float]:
+    """Times `fn()` (one layer's prefill over q `[B, Hq, T, D]`, k, v `[B, Hkv, T, D]`) and SDPA's causal
+    attention on the same tensors in the same run, and their peak memory (inputs included); prints one
+    line and returns (time ratio, peak ratio) to full attention."""
+    import torch.nn.functional as F
+
+    def full():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    full_ms, ms = cuda_ms(full, n), cuda_ms(fn, n)
+    full_peak, peak = peak_bytes(full), peak_bytes(fn)
+    print(f"{label} T={q.shape[2]}: {ms:.2f} ms, full attention {full_ms:.2f} ms ({ms / full_ms:.2f}x); peak "
+          f"{peak / 2**20:.0f} MiB, full {full_peak / 2**20:.0f} MiB ({peak / full_peak:.2f}x)")
+    return ms / full_ms, peak / full_peak

@@ -15,7 +15,13 @@ from nsa_eval.baseline_kernels import budget_topk as bt
 from nsa_eval.methods import METHODS
 from nsa_eval.methods.base import AttentionMethod, BudgetConfig, Prefill, grouped_scores
 from nsa_eval.methods.controller import AttentionController
-from tests.methods.budget_inputs import cuda_ms, fast_and_chunked, interpreter_only, qkv
+from tests.methods.budget_inputs import (
+    against_full_attention,
+    cuda_ms,
+    fast_and_chunked,
+    interpreter_only,
+    qkv,
+)
 from tests.methods.conftest import fake_module, layer_call, prefill_by
 
 CASES = [  # (B, Hq, Hkv, T, S, D, dtype, sink, local, budget)
@@ -210,33 +216,44 @@ def test_gpu_topk_brackets_hold_and_memory_stays_low_at_64k():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [8192, 32768])
-def test_gpu_timing_against_full_attention(T):
-    """Prints one layer's prefill time of each fast path beside SDPA's causal attention (no assertion: the
-    harness measures the model; this shows where a layer's time goes)."""
-    import torch.nn.functional as F
-
-    q, k, v, _ = gpu_layer(T, "topk")
-
-    full = cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    sw = cuda_ms(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512))
-    th = cuda_ms(lambda: bt.topk_thresholds(q, k, sink=128, local=512, budget=2560))
-    thr, cut, _ = bt.topk_thresholds(q, k, sink=128, local=512, budget=2560)
-    at = cuda_ms(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512, thr=thr, cut=cut))
-    print(f"T={T}: full {full:.2f} ms, sink_window {sw:.2f} ms ({sw / full:.2f}x), topk thresholds "
-          f"{th:.2f} + attention {at:.2f} ms ({(th + at) / full:.2f}x)")
+@pytest.mark.parametrize("T", [8192, 32768, 65536])
+@pytest.mark.parametrize("method", ["sink_window", "topk"])
+def test_gpu_timing_against_full_attention(method, T):
+    """Prints one layer call through the fast prefill (thresholds, attention, counts: the controller's
+    `attend`) beside SDPA's causal attention on the same tensors, time and peak memory; for topk also its
+    parts. No assertion: the targets (issue 57: topk 2x, sink_window 1x; peak 1.1x) are read off these
+    lines and the harness."""
+    q, k, v, ctrl = gpu_layer(T, method)
+    module = fake_module(groups=4)
+    against_full_attention(method, lambda: ctrl.attend(module, q, k, v, None, None), q, k, v)
+    if method == "topk":
+        th = cuda_ms(lambda: bt.topk_thresholds(q, k, sink=128, local=512, budget=2560))
+        thr, cut, failed = bt.topk_thresholds(q, k, sink=128, local=512, budget=2560)
+        at = cuda_ms(lambda: ba.budget_attention(q, k, v, scale=0.125, sink=128, local=512, thr=thr, cut=cut))
+        print(f"topk T={T}: thresholds {th:.2f} ms + attention {at:.2f} ms; failed rows {int(failed.sum())} "
+              f"of {failed.numel()}")
 
 
 @interpreter_only
-def test_the_buffer_select_is_a_stable_sort():
-    """Random buffers with repeated scores (ties), negative and positive, every `need` from 1 to n_in."""
+@pytest.mark.parametrize("positions", [True, False])
+def test_the_buffer_select_is_a_stable_sort(positions):
+    """Random buffers with repeated scores (ties), negative and positive, every `need` from 1 to n_in; the
+    entries as `collect` packs them (score bits above the position), or scores alone (the sample's)."""
     g = torch.Generator().manual_seed(4)
     rows, cap = 24, 32
     buf_s = torch.randint(-6, 6, (rows, cap), generator=g).float() * 0.75
     buf_s[::3] = torch.randn(8, cap, generator=g)
+    buf_s[1, :6] = torch.tensor([-0.0, 0.0, -math.inf, 1e-45, -1e-45, 0.0])  # signed zeros, -inf, denormals
+    buf_s[2, :8] = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -0.0, 2.0, 0.0])
     buf_p = torch.arange(cap, dtype=torch.int32).expand(rows, cap) * 3 + 5
     n_in = torch.randint(1, cap + 1, (rows,), generator=g)
+    n_in[1] = n_in[2] = cap
     need = (torch.rand(rows, generator=g) * n_in).long() + 1
-    thr, cut = bt.select_in_buffer(buf_s, buf_p.contiguous(), n_in, need)
-    thr_ref, cut_ref = bt.select_in_buffer_reference(buf_s, buf_p, n_in, need)
-    assert torch.equal(thr, thr_ref) and torch.equal(cut, cut_ref)
+    need[2] = 4  # among the zeros of both signs, equal to the keep rule: ties in slot order
+    buf = (buf_s.view(torch.int32).long() << 32) | buf_p.long() if positions else buf_s
+    thr, cut = bt.select_in_buffer(buf, n_in, need, positions=positions)
+    thr_ref, cut_ref = bt.select_in_buffer_reference(buf, n_in, need, positions=positions)
+    assert torch.equal(thr, thr_ref)
+    if positions:
+        assert torch.equal(cut, cut_ref)
+        assert (cut == bt.INT_MAX).any() and (cut < bt.INT_MAX).any()  # both kinds of rows occur
