@@ -91,6 +91,8 @@ def run_long_recipe(out: str | Path, data_dir: str | Path, *, device: str | None
     import multiprocessing
     import os
 
+    import torch
+
     out = Path(out)
     stages = long_stages(out) if stages is None else stages
     if workers is None:
@@ -110,7 +112,8 @@ def run_long_recipe(out: str | Path, data_dir: str | Path, *, device: str | None
             echo(f"{stage.name}: {'resuming' if resume else 'starting'} ({stage.config.attention}, "
                  f"{stage.config.seq_len} tokens, init {stage.config.init_from or 'random'})")
             process = context.Process(target=_train_stage, args=(stage, str(out / stage.name), str(data_dir),
-                                                                 device, workers, left, resume))
+                                                                 device, workers, left, resume,
+                                                                 torch.get_num_threads()))
             process.start()
             running[stage.name], tried = process, tried | {stage.name}
         if not running:
@@ -133,11 +136,16 @@ def run_long_recipe(out: str | Path, data_dir: str | Path, *, device: str | None
     return finished
 
 
-def _train_stage(stage: Stage, stage_dir: str, data_dir: str, device, workers: int, minutes, resume: bool):
-    """A child process: one stage's `train` call, its lines prefixed by the stage's name."""
+def _train_stage(stage: Stage, stage_dir: str, data_dir: str, device, workers: int, minutes, resume: bool,
+                 threads: int):
+    """A child process: one stage's `train` call, its lines prefixed by the stage's name. It takes the
+    parent's CPU thread count, on which a CPU run's arithmetic (and so a resumed run's bits) depends."""
+    import torch
+
     from nsa_eval.train.data import load_corpus
     from nsa_eval.train.recipe import train
 
+    torch.set_num_threads(threads)
     train(stage.config, load_corpus(data_dir), stage_dir, device=device, workers=workers,
           echo=lambda line: print(f"{stage.name}: {line}", flush=True), stop_after_minutes=minutes,
           resume=resume)
