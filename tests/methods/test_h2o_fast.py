@@ -99,12 +99,13 @@ def test_walk_matches_controller_reference(case, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_kernel_matches_walk(case, dtype):
-    """The Triton walk evicts the same keys at the same queries as the PyTorch walk."""
+    """The Triton walk evicts the same keys at the same queries as the PyTorch walk (a frontier of 4
+    least-mass candidates: blocks end early and restart, and the bound's search runs each block)."""
     budget, sink, local = case[5:]
     q, k, v = qkv(case, dtype, seed=sum(case), device=DEVICE)
     out_ref, ev_ref, mass_ref = walk(h2o_sparse_prefill_reference, q, k, v, budget, sink, local)
     out, ev, mass = walk(h2o_sparse_prefill, q, k, v, budget, sink, local, block_queries=16, block_keys=16,
-                         num_warps=4)
+                         frontier=4, num_warps=4)
     assert torch.equal(ev, ev_ref)
     assert (ev < q.shape[2]).sum() > 0  # something was evicted
     assert torch.equal(mass == 0, mass_ref == 0)
@@ -124,6 +125,26 @@ def test_kernel_default_launch():
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("frontier", [2, 64])
+def test_frontier_blocks(frontier):
+    """A frontier too short for its block ends blocks early (more blocks than ceil((T - budget) / 16)),
+    one wide enough for every candidate never does; both evict what the PyTorch walk evicts."""
+    case = (1, 4, 2, 130, 16, 40, 4, 16)
+    budget, sink, local = case[5:]
+    q, k, v = qkv(case, torch.float32, seed=5, device=DEVICE)
+    _, ev_ref, mass_ref = walk(h2o_sparse_prefill_reference, q, k, v, budget, sink, local)
+    blocks = torch.zeros(1, 4, dtype=torch.int32, device=DEVICE)
+    _, ev, mass = walk(h2o_sparse_prefill, q, k, v, budget, sink, local, block_queries=16, block_keys=16,
+                       frontier=frontier, num_warps=4, blocks=blocks)
+    assert torch.equal(ev, ev_ref)
+    torch.testing.assert_close(mass, mass_ref, rtol=1e-5, atol=1e-6)
+    least = -(-(case[3] - budget) // 16)
+    if frontier == 2:
+        assert (blocks > least).all(), blocks
+    else:  # 64 >= every candidate (budget - sink - local + 1 = 21)
+        assert (blocks == least).all(), blocks
+
+
 def test_ties_evict_the_oldest():
     """Keys no query attends to (probability exactly 0) tie at mass 0: the walk, kernel and PyTorch
     alike, evicts them oldest first, which `torch.topk` in the reference does not promise."""
@@ -137,7 +158,7 @@ def test_ties_evict_the_oldest():
     q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
     _, ev_ref, mass_ref = walk(h2o_sparse_prefill_reference, q, k, v, budget, sink, local)
     _, ev, _ = walk(h2o_sparse_prefill, q, k, v, budget, sink, local, block_queries=16, block_keys=16,
-                    num_warps=4)
+                    frontier=2, num_warps=4)
     assert torch.equal(ev, ev_ref)
     dead = (torch.arange(T, device=DEVICE) % 3 == 0) & (torch.arange(T, device=DEVICE) >= sink)
     order = ev[0, 0][dead & (ev[0, 0] < T)]
@@ -210,27 +231,29 @@ def test_fallbacks_keep_the_reference():
 
 COMPILE = """
 import json
-from tests.kernels.sm90 import compile_sm90
-from nsa_eval.kernels.h2o_prefill import BLOCK_KEYS, BLOCK_QUERIES, NUM_WARPS, _h2o_prefill_kernel
+from tests.kernels.sm90 import shared_bytes
+from nsa_eval.kernels._triton_utils import pow2
+from nsa_eval.kernels.h2o_prefill import BLOCK_KEYS, BLOCK_QUERIES, FRONTIER, NUM_WARPS, _h2o_walk_kernel
 out = {}
 for dtype in ("bf16", "fp32"):
-    consts = dict(SINK=128, LOCAL=512, BUDGET=2560, NS=4096, BT=BLOCK_QUERIES, BN=BLOCK_KEYS, D=64, DV=64,
-                  BD=64, BDV=64, UPCAST=False)
-    types = ["*" + dtype] * 4 + ["*fp32", "*i32", "*fp32", "*i32"] + ["i32"] * 15 + ["fp32"]
-    kernel = compile_sm90(_h2o_prefill_kernel, types, consts, dict(num_warps=NUM_WARPS))
-    out[dtype] = kernel.metadata.shared
+    for bt, w, warps in ((BLOCK_QUERIES, FRONTIER, NUM_WARPS), (128, 256, 8)):
+        consts = dict(SINK=128, LOCAL=512, BUDGET=2560, NS=4096, BT=bt, BN=BLOCK_KEYS, W=w,
+                      FW=pow2(w + 2 * bt), D=64, DV=64, BD=64, BDV=64, UPCAST=False)
+        pointers = ["*" + dtype] * 4 + ["*fp32", "*i32", "*i32", "*fp32", "*i32", "*i32", "*i32", "*fp32",
+                                        "*fp32", "*i32"]
+        out[f"{dtype} BT={bt}"] = shared_bytes(_h2o_walk_kernel, pointers, consts, dict(num_warps=warps))
 print(json.dumps(out))
 """
 
 
 def test_kernel_compiles_for_sm90():
-    """The kernel at the paper's budget and a 1B Llama's head dim compiles for sm_90 (no GPU needed),
-    within the H200's shared memory."""
+    """The walk at the paper's budget and a 1B Llama's head dim compiles for sm_90 (no GPU needed), at the
+    default launch and the sweep's largest, within the H200's shared memory."""
     from tests.kernels.sm90 import H200_SHARED_LIMIT, json_from_fresh_python
 
     shared = json_from_fresh_python(COMPILE)
-    assert set(shared) == {"bf16", "fp32"}
-    assert max(shared.values()) <= H200_SHARED_LIMIT
+    assert len(shared) == 4
+    assert max(shared.values()) <= H200_SHARED_LIMIT, shared
 
 
 # ----------------------------------------------------------------------------------------------------------
