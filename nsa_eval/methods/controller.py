@@ -154,8 +154,8 @@ class AttentionController:
         stateful = method.stateful and method.sparse and layer >= cfg.dense_layers
         state = self._layer_state(layer, B, Hq, S, T, query.device) if stateful else None
         tally = self.stats.tally(layer, phase, held)
-        if stateful and held and self._stateful_kernel_applies(query, allowed, S, T):
-            return self._stateful_prefill(query, key, value, scaling, qpos, state, tally, layer)
+        if stateful and self._stateful_kernel_applies(query, allowed, S, T):
+            return self._stateful_prefill(query, key, value, scaling, qpos, state, tally, held)
 
         if not held and not stateful:
             return self._dense(
@@ -521,40 +521,40 @@ class AttentionController:
         return keep, probs
 
     def _stateful_kernel_applies(self, query: Tensor, allowed: Tensor | None, S: int, T: int) -> bool:
-        """Whether this layer call's H2O prefill takes the walk of kernels/h2o_prefill.py: an unpadded
-        prompt (no mask) with no cached keys before it and queries past the budget, per-head selection,
-        on CUDA tensors (or where `stateful_kernel` says), and no capture of each query's keys."""
+        """Whether this layer call's H2O prefill takes the Triton kernels (`_stateful_prefill`): an unpadded
+        prompt (no mask) with no cached keys before it, per-head selection, on CUDA tensors (or where
+        `stateful_kernel` says), and no capture of each query's keys."""
         from nsa_eval.methods.h2o import H2O
 
         use = query.is_cuda if self.stateful_kernel is None else self.stateful_kernel
         return (use and isinstance(self.method, H2O) and not self.method.group_shared and allowed is None
-                and self.capture is None and S == T > self.config.budget)
+                and self.capture is None and S == T)
 
     def _stateful_prefill(self, query: Tensor, key: Tensor, value: Tensor, scaling: float, qpos: Tensor,
-                          state: LayerState, tally: Tally, layer: int) -> Tensor:
-        """H2O's prefill of an unpadded prompt: the `budget` leading queries attend densely in chunks as
-        in `attend`, the rest in one Triton walk (`h2o_sparse_prefill`); the same output `[B, T, Hq, Dv]`,
-        mass state and counts as the chunked path (up to rounding, and the walk's tie rule)."""
+                          state: LayerState, tally: Tally, held: bool) -> Tensor:
+        """H2O's prefill of an unpadded prompt: the queries that see at most `budget` keys (all of them
+        where the prefill is not held, `sparse_prefill: false`) attend densely and leave their mass
+        (`kernels/h2o_dense.py`), the rest take one Triton walk (`h2o_sparse_prefill`); the same output
+        `[B, T, Hq, Dv]`, mass state and counts as the chunked path (up to rounding, and the walk's tie
+        rule)."""
+        from nsa_eval.kernels.h2o_dense import dense_prefill
         from nsa_eval.kernels.h2o_prefill import h2o_sparse_prefill, kv_read_from_evictions
 
         B, Hq, T, _ = query.shape
-        Hkv, budget = key.shape[1], self.config.budget
+        Hkv, cfg = key.shape[1], self.config
+        n = min(T, cfg.budget) if held else T  # the dense queries
         mass = state.tensors["mass"]  # [B, Hq, T], updated in place
-        out = query.new_empty(B, Hq, T, value.shape[-1])  # [B, Hq, T, Dv]
-        chunk_len = self._chunk_len(B, Hq, T, T)
-        for t0 in range(0, budget, chunk_len):
-            t1 = min(budget, t0 + chunk_len)
-            kp = torch.arange(t1, device=query.device).expand(B, t1)  # [B, t1]
-            visible = kp[:, None, :] <= qpos[:, t0:t1, None]  # [B, Tc, t1]
-            chunk = Chunk(query[:, :, t0:t1], key[:, :, :t1], scaling, qpos[:, t0:t1], kp, visible)
-            keep, probs = self._select_stateful(chunk, {"mass": mass[..., :t1]}, True, True)  # all dense
-            out[:, :, t0:t1] = _grouped_apply(probs, value[:, :, :t1].float())
-            self._record(tally, keep, Hq, Hkv, qpos[:, t0:t1], True, layer)
-        cfg = self.config
-        evictions = h2o_sparse_prefill(query, key, value, mass, out, scaling, cfg.sink, cfg.local, budget)
-        activated = torch.full((1, 1, 1), budget, device=query.device).expand(B, Hq, T - budget)
-        kv_read = kv_read_from_evictions(evictions, Hq // Hkv, cfg.sink, cfg.local, budget)  # [B, Hkv, n]
-        tally.add(activated, kv_read, qpos[:, budget:] >= 0)
+        out, dense_mass = dense_prefill(query[:, :, :n], key[:, :, :n], value[:, :, :n], scaling)
+        mass[..., :n] = dense_mass
+        seen = (qpos[:, :n] + 1).int()[:, None]  # [B, 1, n] keys each dense query attends to
+        tally.add(seen.expand(B, Hq, n), seen.expand(B, Hkv, n), qpos[:, :n] >= 0)
+        if n < T:
+            dense_out, out = out, query.new_empty(B, Hq, T, value.shape[-1])  # [B, Hq, T, Dv]
+            out[:, :, :n] = dense_out
+            evictions = h2o_sparse_prefill(query, key, value, mass, out, scaling, cfg.sink, cfg.local, n)
+            activated = torch.full((1, 1, 1), n, device=query.device).expand(B, Hq, T - n)
+            kv_read = kv_read_from_evictions(evictions, Hq // Hkv, cfg.sink, cfg.local, n)  # [B, Hkv, T - n]
+            tally.add(activated, kv_read, qpos[:, n:] >= 0)
         state.length = T
         return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]
 
