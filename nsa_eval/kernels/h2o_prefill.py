@@ -36,22 +36,23 @@ starts. One program per (sequence, query head) walks its queries in blocks:
 
 - select: the frontier, the `W` candidates of least (mass, position) as the block starts (a threshold
   found by a search warm-started at the previous block's), the keys that become candidates during the
-  block (`t - local`) and the block's own keys: `W + 2 BT` slots (FW, a power of two);
-- A (parallel, tensor cores): the block's logits against the pool; each row's max `m` and the sum
-  `zsafe` of `exp(s - m)` over the pool keys outside the frontier (they stay all block), and the
-  frontier's `exp(s - m)` to a `[BT, FW]` scratch;
-- B (sequential, over the frontier only): per query one min-reduction (mass, position and frontier
-  slot packed in one int64) and one sum, in parallel: the victim, then the query's normaliser
-  `zsafe + (sum over the frontier keys it keeps)` and the frontier's new masses;
-- C (parallel, tensor cores): the outputs `P @ V` and every pool key's new mass (column sums of P),
-  P recomputed from the logits, `m` and the normalisers.
+  block (`t - local`), and the block's own keys where they can become candidates within it (`BT > local`);
+- A (parallel, tensor cores): the block's logits against the pool; each row's max `m` and `zsafe`, the
+  sum of `exp(s - m)` over the keys that stay all block (the pool's outside the frontier, the block's
+  own), and the frontier's `exp(s - m)` (a product with its gathered keys) to a `[BT, FW]` scratch;
+- B (sequential, over the frontier only): per query one reduction: the victim (mass, position and
+  frontier slot packed in one int64) and the sum of the row's other frontier values, so the query's
+  normaliser `zsafe + that sum` and the frontier's new masses follow. Every warp holds the whole
+  frontier (`FW <= 128` slots), so the reduction needs no shared memory and no barrier;
+- C (parallel, tensor cores): the outputs `P @ V` and every pool key's new mass (its column sum of P),
+  P recomputed from the logits, `m` and the normalisers, keys as rows so a column sum stays in a warp.
 
 B is exact as long as no key outside the frontier would have been the victim. It checks each step:
 the victim must come before the least (mass, position) outside the frontier as the block started (those
 masses only grow since). A step that fails ends the block early (its query starts the next block, with
 a new frontier), so the walk evicts exactly what the reference does, only slower on such blocks.
-B * Hq programs run at once (32 for a 1B Llama at batch 1); a step costs two reductions over FW
-registers, not a pass over `budget` keys.
+B * Hq programs run at once (32 for a 1B Llama at batch 1); a step costs one warp's reduction over the
+frontier, not a pass over `budget` keys.
 """
 
 from __future__ import annotations
@@ -67,10 +68,11 @@ from nsa_eval.kernels._triton_utils import LOG2E, dot, interpreting, launcher, p
 
 # Launch constants (not yet measured on a GPU; `tests/methods/test_h2o_fast.py::test_gpu_launch_sweep`
 # prints the sweep): queries per block (the logits and outputs of a block are tile products), pool slots
-# per tile of phases A and C, least-mass candidates in the frontier (W), warps.
+# per tile of phases A and C, least-mass candidates in the frontier (W: W + 64 = 128 slots, the most a
+# warp holds at 4 per lane), warps.
 BLOCK_QUERIES = 64
 BLOCK_KEYS = 64
-FRONTIER = 128
+FRONTIER = 64
 NUM_WARPS = 4
 KEY_BITS = 20  # a (mass, position) pair packs the position in the low 20 bits: T <= 2**20
 SLOT_BITS = 12  # B's packed victim adds the frontier slot below: FW <= 2**12
@@ -211,8 +213,14 @@ def _frontier_bound(outside, packed, tau, W: tl.constexpr):
 
 
 @triton.jit
-def _least_and_sum(a, x, b, y):
-    return tl.minimum(a, b), x + y
+def _victim_and_rest(least_a, row_a, rest_a, least_b, row_b, rest_b):
+    # combines two (least packed, its row value, the sum of the other row values): the victim and, exactly
+    # (no cancellation), what the row keeps without it
+    a_wins = least_a < least_b
+    least = tl.where(a_wins, least_a, least_b)
+    row = tl.where(a_wins, row_a, row_b)
+    rest = rest_a + rest_b + tl.where(a_wins, row_b, row_a)
+    return least, row, rest
 
 
 @triton.jit
@@ -241,12 +249,13 @@ def _select_frontier(pkey_p, pmass_p, fslot_p, fpos_p, books_p, b0, n, tau, SINK
 
 
 @triton.jit
-def _block_logits(q, k_base, sk_t, pkey_p, fpos_p, ef_p, zr_p, b0, n, scale_log2, BUDGET: tl.constexpr,
-                  BT: tl.constexpr, BN: tl.constexpr, FW: tl.constexpr, POOL_F: tl.constexpr, D: tl.constexpr,
-                  BD: tl.constexpr, UPCAST: tl.constexpr):
+def _block_logits(q, k_base, sk_t, pkey_p, fpos_p, fslot_p, ef_p, zr_p, b0, n, n_front, scale_log2,
+                  BUDGET: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, FW: tl.constexpr,
+                  POOL_F: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, OWN_IN_FRONT: tl.constexpr,
+                  UPCAST: tl.constexpr):
     # A: the block's logits (log2 units) against the pool and its own keys. Each row's max m [BT] is
-    # returned; zsafe (the sum of exp2(s - m) over pool keys outside the frontier) goes to ZR and the
-    # frontier's raw logits to EF
+    # returned; zsafe (the sum of exp2(s - m) over the keys that stay all block: the pool's outside the
+    # frontier, and the block's own unless OWN_IN_FRONT) goes to ZR, the frontier's exp2(s - m) to EF
     o_t = tl.arange(0, BT)
     o_n = tl.arange(0, BN)
     o_d = tl.arange(0, BD)
@@ -256,75 +265,92 @@ def _block_logits(q, k_base, sk_t, pkey_p, fpos_p, ef_p, zr_p, b0, n, scale_log2
     for n0 in range(0, BUDGET, BN):
         cols = n0 + o_n
         kk = tl.load(pkey_p + cols, mask=cols < BUDGET, other=-1)  # [BN]
-        fp = tl.load(fpos_p + cols, mask=cols < BUDGET, other=-1)
+        outside = tl.load(fpos_p + cols, mask=cols < BUDGET, other=-1) < 0
         k = _load_rows(k_base, kk, kk >= 0, sk_t, o_d, D, UPCAST)  # [BN, BD]
         s = dot(q, tl.trans(k)) * scale_log2  # [BT, BN]
         s = tl.where(m_rows[:, None] & (kk >= 0)[None, :], s, float("-inf"))
-        tl.store(ef_p + o_t[:, None] * FW + fp[None, :], s, mask=m_rows[:, None] & (fp >= 0)[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = tl.where((fp < 0)[None, :], tl.exp2(s - m_safe[:, None]), 0.0)
+        e = tl.where(outside[None, :], tl.exp2(s - m_safe[:, None]), 0.0)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(e, 1)
         m_i = m_new
     k = _load_rows(k_base, b0 + o_t, m_rows, sk_t, o_d, D, UPCAST)  # [BT, BD]
     s = dot(q, tl.trans(k)) * scale_log2
     s = tl.where((o_t[None, :] <= o_t[:, None]) & m_rows[:, None], s, float("-inf"))
-    tl.store(ef_p + o_t[:, None] * FW + POOL_F + o_t[None, :], s)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    tl.store(zr_p + o_t, l_i * tl.exp2(m_i - m_safe))
+    l_i = l_i * tl.exp2(m_i - m_safe)
+    if not OWN_IN_FRONT:
+        l_i += tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+    tl.store(zr_p + o_t, l_i)
+    # the frontier's keys gathered (the block's own, where in it, from their own row on)
+    o_f = tl.arange(0, FW)
+    fslot = tl.load(fslot_p + o_f, mask=o_f < n_front, other=-1)
+    fkey = tl.load(pkey_p + fslot, mask=fslot >= 0, other=-1)  # [FW]
+    if OWN_IN_FRONT:
+        fkey = tl.where((o_f >= POOL_F) & (o_f < POOL_F + n), b0 + o_f - POOL_F, fkey)
+    k = _load_rows(k_base, fkey, fkey >= 0, sk_t, o_d, D, UPCAST)  # [FW, BD]
+    s = dot(q, tl.trans(k)) * scale_log2  # [BT, FW]
+    seen = m_rows[:, None] & (fkey >= 0)[None, :] & (fkey[None, :] <= b0 + o_t[:, None])
+    e = tl.exp2(tl.where(seen, s - m_safe[:, None], float("-inf")))
+    tl.store(ef_p + o_t[:, None] * FW + o_f[None, :], e)
     return m_safe
 
 
 @triton.jit
 def _walk_block(pkey_p, pmass_p, fslot_p, ef_p, zr_p, books_p, ev_ptr, mass_ptr, b0, n, n_front, least_out,
                 SINK: tl.constexpr, LOCAL: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr,
-                FW: tl.constexpr, POOL_F: tl.constexpr):
+                FW: tl.constexpr, POOL_F: tl.constexpr, OWN_IN_FRONT: tl.constexpr, NW: tl.constexpr):
     # B: one step per query over the frontier, until a step could have evicted a key outside it. Returns
-    # the steps done; writes the evictions, each step's normaliser (ZR) and frontier victim (BOOKS)
-    o_f = tl.arange(0, FW)
+    # the steps done; writes the evictions, each step's normaliser (ZR) and frontier victim (BOOKS). Every
+    # warp holds the whole frontier ([NW, FW], one row per warp, FW = 32 x 4 slots or fewer), so a step's
+    # one reduction stays within a warp: no shared memory, no barrier; warp 0 writes the books
+    o_w = tl.arange(0, NW)[:, None]
+    o_f = tl.arange(0, FW)[None, :] + 0 * o_w  # [NW, FW]
     c = o_f - POOL_F
-    fslot = tl.load(fslot_p + o_f, mask=o_f < n_front, other=-1)  # [FW]
-    fkey = tl.where(o_f < POOL_F, tl.load(pkey_p + fslot, mask=fslot >= 0, other=-1),
-                    tl.where((c >= 0) & (c < n), b0 + c, -1))
+    fslot = tl.load(fslot_p + o_f, mask=o_f < n_front, other=-1)
+    fkey = tl.load(pkey_p + fslot, mask=fslot >= 0, other=-1)
+    if OWN_IN_FRONT:  # the block's keys, from their own step on
+        fkey = tl.where((c >= 0) & (c < n), b0 + c, fkey)
     fmass = tl.load(pmass_p + fslot, mask=fslot >= 0, other=0.0)
     alive = fkey >= 0
     row = tl.load(ef_p + o_f)
-    zsafe = tl.load(zr_p)
-    i = b0 * 0
-    go = n > 0
-    while go:
+    live = o_w >= 0  # [NW, 1]: no step has failed yet
+    # the books, kept in the frontier's own layout until the block ends (frontier slot i: step i)
+    victim = o_f * 0
+    victim_key = o_f * 0 - 1
+    norm = row * 0.0
+    for i in range(0, n):
         t = b0 + i
         next_row = tl.load(ef_p + (i + 1) * FW + o_f, mask=i + 1 < n, other=0.0)  # for the next step
-        next_zsafe = tl.load(zr_p + i + 1, mask=i + 1 < n, other=1.0)
         present = alive & ((fkey < b0) | (fkey <= t))
         victims = present & (fkey >= SINK) & (fkey <= t - LOCAL)
         # mass >= 0, so its bits order as the floats do: the smallest mass, then the oldest key
         packed = (fmass.to(tl.int32, bitcast=True).to(tl.int64) << 32) | \
             (fkey.to(tl.int64) << _SLOT_BITS) | o_f
-        # one reduction: the victim, and the row's sum over the frontier before the victim leaves it
-        least, kept = tl.reduce((tl.where(victims, packed, _NEVER), tl.where(present, row, 0.0)), 0,
-                                _least_and_sum)
-        ok = (least >> _SLOT_BITS) < least_out
-        fv = (least & _SLOT_MASK).to(tl.int32)
-        key_v = ((least >> _SLOT_BITS) & _KEY_MASK).to(tl.int32)
-        hit = o_f == fv
-        row_v = tl.load(ef_p + i * FW + fv, mask=ok, other=0.0)
-        z = zsafe + kept - row_v
-        stay = present & ~hit
-        if row_v > 0.5 * (zsafe + kept):  # the victim held most of the row: sum the rest afresh
-            z = zsafe + tl.sum(tl.where(stay, row, 0.0), 0)
+        row_p = tl.where(present, row, 0.0)
+        least, _, rest = tl.reduce((tl.where(victims, packed, _NEVER), row_p, tl.zeros_like(row_p)), 1,
+                                   _victim_and_rest)
+        least = least[:, None]
+        live = live & ((least >> _SLOT_BITS) < least_out)
+        fv = (least & _SLOT_MASK).to(tl.int32)  # [NW, 1]
+        z = tl.load(zr_p + i) + rest[:, None]
+        hit = (o_f == fv) & live
+        stay = present & ~hit & live
         fmass = tl.where(stay, fmass + row * (1.0 / z), tl.where(hit, 0.0, fmass))
         alive = alive & ~hit
-        tl.store(ev_ptr + key_v, t, mask=ok)
-        tl.store(mass_ptr + key_v, 0.0, mask=ok)
-        tl.store(zr_p + i, z, mask=ok)
-        tl.store(books_p + NS + BT + i, fv, mask=ok)
-        i += ok.to(tl.int32)
-        go = ok & (i < n)
+        step = (o_f == i) & live
+        victim = tl.where(step, fv, victim)
+        victim_key = tl.where(step, ((least >> _SLOT_BITS) & _KEY_MASK).to(tl.int32), victim_key)
+        norm = tl.where(step, z, norm)
         row = next_row
-        zsafe = next_zsafe
-    return i
+    done = tl.sum(((o_w == 0) & (victim_key >= 0)).to(tl.int32))
+    books = (o_w == 0) & (o_f < done)
+    tl.store(ev_ptr + victim_key, b0 + o_f, mask=books)
+    tl.store(mass_ptr + victim_key, 0.0, mask=books)
+    tl.store(zr_p + o_f, norm, mask=books)
+    tl.store(books_p + NS + BT + o_f, victim, mask=books)
+    return done
 
 
 @triton.jit
@@ -367,13 +393,14 @@ def _block_outputs(q, m_i, k_base, v_base, o_base, sk_t, sv_t, so_t, pkey_p, pma
         kk = tl.load(pkey_p + cols, mask=cols < BUDGET, other=-1)  # [BN]
         until = tl.load(books_p + cols, mask=cols < BUDGET, other=0)
         k = _load_rows(k_base, kk, kk >= 0, sk_t, o_d, D, UPCAST)  # [BN, BD]
-        s = dot(q, tl.trans(k)) * scale_log2  # [BT, BN]
-        keep = live_rows[:, None] & (o_t[:, None] < until[None, :]) & (kk >= 0)[None, :]
-        p = tl.exp2(tl.where(keep, s - m_i[:, None], float("-inf"))) * inv_z[:, None]
+        # keys as rows: a key's column sum stays within a warp (queries as rows spread it over the warps)
+        s = dot(k, tl.trans(q)) * scale_log2  # [BN, BT]
+        keep = live_rows[None, :] & (o_t[None, :] < until[:, None]) & (kk >= 0)[:, None]
+        p = tl.exp2(tl.where(keep, s - m_i[None, :], float("-inf"))) * inv_z[None, :]  # [BN, BT]
         v = _load_rows(v_base, kk, kk >= 0, sv_t, o_dv, DV, UPCAST)  # [BN, BDV]
-        acc += dot(p.to(v.dtype), v)
+        acc += dot(tl.trans(p).to(v.dtype), v)
         stays = (kk >= 0) & (until >= done)
-        column_mass = tl.load(pmass_p + cols, mask=stays, other=0.0) + tl.sum(p, 0)
+        column_mass = tl.load(pmass_p + cols, mask=stays, other=0.0) + tl.sum(p, 1)
         tl.store(pmass_p + cols, column_mass, mask=stays)
     k = _load_rows(k_base, rows, o_t < n, sk_t, o_d, D, UPCAST)  # [BT, BD]
     s = dot(q, tl.trans(k)) * scale_log2
@@ -394,22 +421,25 @@ def _h2o_walk_kernel(
     T, HQ, G, scale_log2,
     SINK: tl.constexpr, LOCAL: tl.constexpr, BUDGET: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr,
     BN: tl.constexpr, W: tl.constexpr, FW: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-    BDV: tl.constexpr, UPCAST: tl.constexpr,
+    BDV: tl.constexpr, NW: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # One program per (sequence, query head) walks queries BUDGET .. T - 1 in blocks of at most BT. Its
     # scratch (global, contiguous per program): the pool, slot -> key PKEY [NS] int32 (-1: unused) and
-    # mass PMASS [NS]; the frontier, frontier slot -> pool slot FSLOT [FW] (the block's keys: the pool slot
-    # each takes) and pool slot -> frontier slot FPOS [NS] (-1: outside); BOOKS [NS + 2 BT] int32, the step
-    # at which each pool slot's key, then each block key, was evicted (BT: not in this block), then the
-    # frontier slot evicted at each step; EF [BT, FW] float32, the frontier's exp2(s - m) per row; ZR
-    # [BT], zsafe, then each query's normaliser. BLOCKS [B * Hq] int32 receives the number of blocks.
-    # Frontier slots: [0, W + BT) the pool's (at most W) least-mass candidates and the keys that become
-    # candidates during the block (compacted), [W + BT, W + 2 BT) the block's keys b0 + c, then unused.
+    # mass PMASS [NS]; the frontier, frontier slot -> pool slot FSLOT [W + 2 BT] (from W + BT on: the
+    # pool slot each block key takes) and pool slot -> frontier slot FPOS [NS] (-1: outside); BOOKS
+    # [NS + 2 BT] int32, the step at which each pool slot's key, then each block key, was evicted (BT: not
+    # in this block), then the frontier slot evicted at each step; EF [BT, FW] float32, the frontier's
+    # exp2(s - m) per row; ZR [BT], zsafe, then each query's normaliser. BLOCKS [B * Hq] int32 receives
+    # the number of blocks. Frontier slots: [0, W + BT) the pool's (at most W) least-mass candidates and
+    # the keys that become candidates during the block (compacted), then where BT > LOCAL (the block's
+    # keys can become candidates in their own block) [W + BT, W + 2 BT) the block's keys b0 + c; the rest
+    # (up to FW, a power of two) unused.
     i_bh = tl.program_id(0)
     i_b = (i_bh // HQ).to(tl.int64)
     i_h = i_bh % HQ
     i_hk = i_h // G
     POOL_F: tl.constexpr = W + BT
+    OWN_IN_FRONT: tl.constexpr = BT > LOCAL
     q_base = Q + i_b * sq_b + i_h * sq_h
     k_base = K + i_b * sk_b + i_hk * sk_h
     v_base = V + i_b * sv_b + i_hk * sv_h
@@ -418,14 +448,13 @@ def _h2o_walk_kernel(
     ev_ptr = EV + i_bh.to(tl.int64) * T
     pkey_p = PKEY + i_bh.to(tl.int64) * NS
     pmass_p = PMASS + i_bh.to(tl.int64) * NS
-    fslot_p = FSLOT + i_bh.to(tl.int64) * FW
+    fslot_p = FSLOT + i_bh.to(tl.int64) * (POOL_F + BT)
     fpos_p = FPOS + i_bh.to(tl.int64) * NS
     books_p = BOOKS + i_bh.to(tl.int64) * (NS + 2 * BT)
     ef_p = EF + i_bh.to(tl.int64) * (BT * FW)
     zr_p = ZR + i_bh.to(tl.int64) * BT
     slot = tl.arange(0, NS)
     o_t = tl.arange(0, BT)
-    o_f = tl.arange(0, FW)
     o_d = tl.arange(0, BD)
     # the pool before query BUDGET: every key so far, with the dense queries' masses
     tl.store(pkey_p + slot, tl.where(slot < BUDGET, slot, -1))
@@ -440,15 +469,11 @@ def _h2o_walk_kernel(
                                                    SINK, LOCAL, NS, BT, W)
         tl.debug_barrier()  # A reads the frontier's positions
         q = _load_rows(q_base, b0 + o_t, o_t < n, sq_t, o_d, D, UPCAST)  # [BT, BD]
-        m_i = _block_logits(q, k_base, sk_t, pkey_p, fpos_p, ef_p, zr_p, b0, n, scale_log2, BUDGET, BT, BN,
-                            FW, POOL_F, D, BD, UPCAST)
-        tl.debug_barrier()  # the frontier's logits come from every thread
-        ef = ef_p + o_t[:, None] * FW + o_f[None, :]
-        written = (o_t < n)[:, None] & ((o_f < n_front) | ((o_f >= POOL_F) & (o_f < POOL_F + BT)))[None, :]
-        tl.store(ef, tl.exp2(tl.load(ef, mask=written, other=float("-inf")) - m_i[:, None]))
-        tl.debug_barrier()
+        m_i = _block_logits(q, k_base, sk_t, pkey_p, fpos_p, fslot_p, ef_p, zr_p, b0, n, n_front, scale_log2,
+                            BUDGET, BT, BN, FW, POOL_F, D, BD, OWN_IN_FRONT, UPCAST)
+        tl.debug_barrier()  # B reads the frontier's rows, written by every thread
         done = _walk_block(pkey_p, pmass_p, fslot_p, ef_p, zr_p, books_p, ev_ptr, mass_ptr, b0, n, n_front,
-                           least_out, SINK, LOCAL, NS, BT, FW, POOL_F)
+                           least_out, SINK, LOCAL, NS, BT, FW, POOL_F, OWN_IN_FRONT, NW)
         tl.debug_barrier()  # the books read B's, written by single threads
         _block_books(fslot_p, books_p, done, NS, BT, LOCAL, POOL_F)
         tl.debug_barrier()
@@ -457,7 +482,7 @@ def _h2o_walk_kernel(
                                      BDV, UPCAST)
         tl.debug_barrier()  # C's pool reads come before the block's keys take their slots
         takes = (o_t < done) & (tl.load(books_p + NS + o_t) >= done)
-        new_slot = tl.load(fslot_p + POOL_F + o_t)
+        new_slot = tl.load(fslot_p + POOL_F + o_t, mask=takes, other=0)
         tl.store(pkey_p + new_slot, b0 + o_t, mask=takes)
         tl.store(pmass_p + new_slot, column_mass, mask=takes)
         tl.debug_barrier()
@@ -469,18 +494,20 @@ def _h2o_walk_kernel(
 
 
 def h2o_sparse_prefill(query: Tensor, key: Tensor, value: Tensor, mass: Tensor, out: Tensor, scaling: float,
-                       sink: int, local: int, budget: int, *, block_queries: int = BLOCK_QUERIES,
-                       block_keys: int = BLOCK_KEYS, frontier: int = FRONTIER,
-                       num_warps: int = NUM_WARPS, blocks: Tensor | None = None) -> Tensor:
+                       sink: int, local: int, budget: int, *, block_queries: int | None = None,
+                       block_keys: int | None = None, frontier: int = FRONTIER, num_warps: int = NUM_WARPS,
+                       blocks: Tensor | None = None) -> Tensor:
     """`h2o_sparse_prefill_reference` in one Triton launch: same arguments, same result up to rounding.
 
     Args:
         query: `[B, Hq, T, D]`; key, value: `[B, Hkv, T, D|Dv]`, CUDA (or CPU under TRITON_INTERPRET=1).
         mass: `[B, Hq, T]` float32 contiguous, updated in place (see the reference).
         out: `[B, Hq, T, Dv]` with unit stride in Dv: rows `budget ..` are written.
-        block_queries, block_keys: queries per block and pool slots per tile (powers of two, >= 16).
-        frontier: least-mass candidates in each block's frontier (>= 2; it holds `2 * block_queries`
-            more slots).
+        block_queries, block_keys: queries per block and pool slots per tile (powers of two, >= 16;
+            default `BLOCK_QUERIES`, `BLOCK_KEYS`, 16 under Triton's interpreter).
+        frontier: least-mass candidates in each block's frontier (>= 2); it holds `block_queries` more
+            slots (the keys entering candidacy), twice that where `block_queries > local`. A frontier of
+            128 slots or fewer keeps each step's reduction within a warp.
         blocks: optional `[B, Hq]` int32, receives the number of blocks each (sequence, head) walked: more
             than `ceil((T - budget) / block_queries)` where blocks ended early (a short frontier).
 
@@ -497,16 +524,23 @@ def h2o_sparse_prefill(query: Tensor, key: Tensor, value: Tensor, mass: Tensor, 
                          f"(T={T}, budget={budget}, sink={sink}, local={local}, mass {tuple(mass.shape)})")
     if mass.dtype != torch.float32 or not mass.is_contiguous():
         raise ValueError("h2o_sparse_prefill: mass must be float32 and contiguous")
-    slots, width = pow2(budget, block_keys), pow2(frontier + 2 * block_queries)
+    # the frontier: W least-mass candidates, the keys entering candidacy, and the block's own keys where
+    # they can become candidates in their own block
+    if block_queries is None:
+        block_queries = 16 if interpreting() else BLOCK_QUERIES
+    if block_keys is None:
+        block_keys = 16 if interpreting() else BLOCK_KEYS
+    own = block_queries if block_queries > local else 0
+    slots, width = pow2(budget, block_keys), pow2(frontier + block_queries + own)
     if T > 2**KEY_BITS or frontier < 2 or width > 2**SLOT_BITS:
         raise ValueError(f"h2o_sparse_prefill: needs T <= {2**KEY_BITS} and 2 <= frontier <= "
-                         f"{2**SLOT_BITS - 2 * block_queries} (T={T}, frontier={frontier})")
+                         f"{2**SLOT_BITS - block_queries - own} (T={T}, frontier={frontier})")
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     evictions = torch.full((B, Hq, T), T, dtype=torch.int32, device=query.device)
     programs, dev = B * Hq, query.device
     pool_key = torch.empty(programs, slots, dtype=torch.int32, device=dev)
     pool_mass = torch.empty(programs, slots, dtype=torch.float32, device=dev)
-    frontier_slot = torch.empty(programs, width, dtype=torch.int32, device=dev)
+    frontier_slot = torch.empty(programs, frontier + 2 * block_queries, dtype=torch.int32, device=dev)
     frontier_pos = torch.empty(programs, slots, dtype=torch.int32, device=dev)
     books = torch.empty(programs, slots + 2 * block_queries, dtype=torch.int32, device=dev)
     frontier_exp = torch.empty(programs, block_queries, width, dtype=torch.float32, device=dev)
@@ -520,7 +554,8 @@ def h2o_sparse_prefill(query: Tensor, key: Tensor, value: Tensor, mass: Tensor, 
         value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(1), out.stride(2),
         T, Hq, Hq // Hkv, scaling * LOG2E,
         SINK=sink, LOCAL=local, BUDGET=budget, NS=slots, BT=block_queries, BN=block_keys, W=frontier,
-        FW=width, D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), UPCAST=interpreting(),
+        FW=width, D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), NW=1 if interpreting() else num_warps,
+        UPCAST=interpreting(),
         num_warps=num_warps,
     )
     return evictions

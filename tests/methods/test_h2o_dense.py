@@ -8,6 +8,8 @@ counts. On a GPU the forward is SDPA's own kernel asked for its lse (`_sdpa_lse`
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from nsa_eval.kernels import h2o_dense as hd
 from nsa_eval.methods import apply_attention, attention_stats
@@ -16,6 +18,7 @@ from nsa_eval.methods.controller import MODULE_ATTRIBUTE, AttentionController
 from nsa_eval.methods.h2o import H2O
 from tests.methods.budget_inputs import rel_rms
 from tests.methods.conftest import fake_module, random_qkv, tiny_llama
+from tests.methods.interpreter_bounds import in_bounds
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,7 +40,8 @@ def test_key_mass_matches_reference(shape, dtype):
     q, k, v = qkv(shape, dtype, seed=sum(shape))
     scale = shape[-1] ** -0.5
     _, lse = hd.attention_lse_reference(q, k, v, scale)
-    mass = hd.key_mass(q, k, lse, scale)
+    with in_bounds():
+        mass = hd.key_mass(q, k, lse, scale)
     torch.testing.assert_close(mass, hd.key_mass_reference(q, k, lse, scale), rtol=1e-5, atol=1e-6)
     T = shape[3]
     torch.testing.assert_close(mass.sum(-1), torch.full_like(mass[..., 0], T), rtol=1e-5, atol=0)
@@ -50,10 +54,24 @@ def test_triton_forward_matches_reference(shape, dtype):
     q, k, v = qkv(shape, dtype, seed=sum(shape) + 1)
     scale = shape[-1] ** -0.5
     out_ref, lse_ref = hd.attention_lse_reference(q, k, v, scale)
-    out, lse = hd.attention_lse_triton(q, k, v, scale)
+    with in_bounds():
+        out, lse = hd.attention_lse_triton(q, k, v, scale)
     torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), out_ref, rtol=tol, atol=tol)
+
+
+@triton.jit
+def _one_past_the_end(X, N):
+    tl.store(X + tl.arange(0, 16), 1.0, mask=tl.arange(0, 16) <= N)  # writes X[N], one past the end
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's check")
+def test_bounds_check_catches_a_stray_store():
+    """`in_bounds` fails a kernel that writes one element past its tensor (its own honest check)."""
+    x = torch.zeros(8)
+    with pytest.raises(Exception, match="outside its tensors"), in_bounds():
+        _one_past_the_end[(1,)](x, 8)
 
 
 def layer_call(q, k, v, budget, sink, local, kernel, sparse_prefill=False, G=None):
