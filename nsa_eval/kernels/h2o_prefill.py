@@ -264,24 +264,22 @@ def _block_logits(q, k_base, sk_t, pkey_p, fpos_p, fslot_p, ef_p, zr_p, b0, n, n
     l_i = tl.zeros([BT], tl.float32)
     for n0 in range(0, BUDGET, BN):
         cols = n0 + o_n
-        kk = tl.load(pkey_p + cols, mask=cols < BUDGET, other=-1)  # [BN]
-        outside = tl.load(fpos_p + cols, mask=cols < BUDGET, other=-1) < 0
-        k = _load_rows(k_base, kk, kk >= 0, sk_t, o_d, D, UPCAST)  # [BN, BD]
-        s = dot(q, tl.trans(k)) * scale_log2  # [BT, BN]
-        s = tl.where(m_rows[:, None] & (kk >= 0)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        e = tl.where(outside[None, :], tl.exp2(s - m_safe[:, None]), 0.0)
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(e, 1)
+        kk = tl.load(pkey_p + cols, mask=cols < BUDGET, other=0)  # [BN]: every slot below BUDGET holds a key
+        outside = tl.load(fpos_p + cols, mask=cols < BUDGET, other=0) < 0
+        k = _load_rows(k_base, kk, cols < BUDGET, sk_t, o_d, D, UPCAST)  # [BN, BD]
+        s = dot(q, tl.trans(k))  # [BT, BN]; rows past the block's (q = 0) stay finite and unused
+        if BUDGET % BN != 0:
+            s = tl.where((cols < BUDGET)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # scale_log2 > 0: the max of the products
+        e = tl.exp2(s * scale_log2 - m_new[:, None])
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.where(outside[None, :], e, 0.0), 1)
         m_i = m_new
     k = _load_rows(k_base, b0 + o_t, m_rows, sk_t, o_d, D, UPCAST)  # [BT, BD]
-    s = dot(q, tl.trans(k)) * scale_log2
-    s = tl.where((o_t[None, :] <= o_t[:, None]) & m_rows[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    l_i = l_i * tl.exp2(m_i - m_safe)
+    s = tl.where(o_t[None, :] <= o_t[:, None], dot(q, tl.trans(k)), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
+    l_i = l_i * tl.exp2(m_i - m_new)
     if not OWN_IN_FRONT:
-        l_i += tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        l_i += tl.sum(tl.exp2(s * scale_log2 - m_new[:, None]), 1)
     tl.store(zr_p + o_t, l_i)
     # the frontier's keys gathered (the block's own, where in it, from their own row on)
     o_f = tl.arange(0, FW)
@@ -290,11 +288,11 @@ def _block_logits(q, k_base, sk_t, pkey_p, fpos_p, fslot_p, ef_p, zr_p, b0, n, n
     if OWN_IN_FRONT:
         fkey = tl.where((o_f >= POOL_F) & (o_f < POOL_F + n), b0 + o_f - POOL_F, fkey)
     k = _load_rows(k_base, fkey, fkey >= 0, sk_t, o_d, D, UPCAST)  # [FW, BD]
-    s = dot(q, tl.trans(k)) * scale_log2  # [BT, FW]
+    s = dot(q, tl.trans(k))  # [BT, FW]
     seen = m_rows[:, None] & (fkey >= 0)[None, :] & (fkey[None, :] <= b0 + o_t[:, None])
-    e = tl.exp2(tl.where(seen, s - m_safe[:, None], float("-inf")))
-    tl.store(ef_p + o_t[:, None] * FW + o_f[None, :], e)
-    return m_safe
+    tl.store(ef_p + o_t[:, None] * FW + o_f[None, :],
+             tl.exp2(tl.where(seen, s * scale_log2 - m_new[:, None], float("-inf"))))
+    return m_new
 
 
 @triton.jit
@@ -385,32 +383,32 @@ def _block_outputs(q, m_i, k_base, v_base, o_base, sk_t, sv_t, so_t, pkey_p, pma
     o_d = tl.arange(0, BD)
     o_dv = tl.arange(0, BDV)
     rows = b0 + o_t
-    live_rows = o_t < done
-    inv_z = 1.0 / tl.load(zr_p + o_t, mask=live_rows, other=1.0)
+    # p = exp2(s * scale - m - log2 z): the normaliser in the exponent; none past the steps done
+    z = tl.load(zr_p + o_t, mask=o_t < done, other=1.0)
+    shift = tl.where(o_t < done, m_i + tl.log2(z), float("inf"))  # [BT]
     acc = tl.zeros([BT, BDV], tl.float32)
     for n0 in range(0, BUDGET, BN):
         cols = n0 + o_n
-        kk = tl.load(pkey_p + cols, mask=cols < BUDGET, other=-1)  # [BN]
+        kk = tl.load(pkey_p + cols, mask=cols < BUDGET, other=0)  # [BN]
         until = tl.load(books_p + cols, mask=cols < BUDGET, other=0)
-        k = _load_rows(k_base, kk, kk >= 0, sk_t, o_d, D, UPCAST)  # [BN, BD]
+        k = _load_rows(k_base, kk, cols < BUDGET, sk_t, o_d, D, UPCAST)  # [BN, BD]
         # keys as rows: a key's column sum stays within a warp (queries as rows spread it over the warps)
-        s = dot(k, tl.trans(q)) * scale_log2  # [BN, BT]
-        keep = live_rows[None, :] & (o_t[None, :] < until[:, None]) & (kk >= 0)[:, None]
-        p = tl.exp2(tl.where(keep, s - m_i[None, :], float("-inf"))) * inv_z[None, :]  # [BN, BT]
-        v = _load_rows(v_base, kk, kk >= 0, sv_t, o_dv, DV, UPCAST)  # [BN, BDV]
+        s = dot(k, tl.trans(q))  # [BN, BT]
+        p = tl.exp2(tl.where(o_t[None, :] < until[:, None], s * scale_log2 - shift[None, :], float("-inf")))
+        v = _load_rows(v_base, kk, cols < BUDGET, sv_t, o_dv, DV, UPCAST)  # [BN, BDV]
         acc += dot(tl.trans(p).to(v.dtype), v)
-        stays = (kk >= 0) & (until >= done)
+        stays = (cols < BUDGET) & (until >= done)
         column_mass = tl.load(pmass_p + cols, mask=stays, other=0.0) + tl.sum(p, 1)
         tl.store(pmass_p + cols, column_mass, mask=stays)
     k = _load_rows(k_base, rows, o_t < n, sk_t, o_d, D, UPCAST)  # [BT, BD]
-    s = dot(q, tl.trans(k)) * scale_log2
+    s = dot(q, tl.trans(k))
     until = tl.load(books_p + NS + o_t)  # [BT] (as columns)
-    keep = (o_t[None, :] <= o_t[:, None]) & live_rows[:, None] & (o_t[:, None] < until[None, :])
-    p = tl.exp2(tl.where(keep, s - m_i[:, None], float("-inf"))) * inv_z[:, None]
+    keep = (o_t[None, :] <= o_t[:, None]) & (o_t[:, None] < until[None, :])
+    p = tl.exp2(tl.where(keep, s * scale_log2 - shift[:, None], float("-inf")))
     v = _load_rows(v_base, rows, o_t < n, sv_t, o_dv, DV, UPCAST)
     acc += dot(p.to(v.dtype), v)
     tl.store(o_base + rows[:, None].to(tl.int64) * so_t + o_dv[None, :], acc.to(O.dtype.element_ty),
-             mask=live_rows[:, None] & (o_dv < DV)[None, :])
+             mask=(o_t < done)[:, None] & (o_dv < DV)[None, :])
     return tl.sum(p, 0)
 
 

@@ -341,8 +341,9 @@ def test_gpu_launch_sweep():
         sdpa = cuda_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True,
                                          enable_gqa=True))
         print(f"\nT={T}: SDPA causal {sdpa:.2f} ms per layer call")
-        for bt, w, bn, warps in ((64, 128, 64, 4), (64, 128, 64, 8), (64, 64, 64, 4), (64, 256, 64, 4),
-                                 (32, 64, 64, 4), (128, 256, 64, 8), (128, 128, 64, 4), (64, 128, 128, 4)):
+        # W + BT <= 128 keeps a step's reduction within a warp; the last two rows cross warps
+        for bt, w, bn, warps in ((64, 64, 64, 4), (64, 64, 64, 8), (64, 32, 64, 4), (32, 96, 64, 4),
+                                 (32, 32, 64, 4), (64, 64, 128, 4), (64, 192, 64, 4), (128, 128, 64, 8)):
             blocks = torch.zeros(1, 32, dtype=torch.int32, device="cuda")
             ms = cuda_ms(functools.partial(fresh_walk, q, k, v, mass, out, block_queries=bt, frontier=w,
                                            block_keys=bn, num_warps=warps, blocks=blocks))
