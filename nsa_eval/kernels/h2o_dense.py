@@ -46,12 +46,13 @@ from nsa_eval.kernels._triton_utils import (
     softmax_start,
 )
 
-# Launch constants (not yet measured on a GPU; tests/methods/test_h2o_dense.py::test_gpu_dense_prefill_sweep
-# prints a sweep): the mass pass holds MASS_KEYS keys and streams MASS_QUERIES queries a step; the
-# fallback forward FWD_ROWS queries against FWD_KEYS keys a step.
+# Launch constants (not yet measured on a GPU; tests/methods/test_h2o_dense.py::test_gpu_mass_sweep prints
+# a sweep): the mass pass holds MASS_KEYS keys and streams MASS_QUERIES queries a step (sm_90 code: about
+# 5.5 instructions per score, under the 8 at which one exp2 per score bounds it); the fallback forward
+# FWD_ROWS queries against FWD_KEYS keys a step.
 MASS_KEYS = 128
 MASS_QUERIES = 64
-MASS_WARPS = 8
+MASS_WARPS = 4
 FWD_ROWS = 128
 FWD_KEYS = 64
 FWD_WARPS = 8

@@ -190,3 +190,31 @@ def test_gpu_dense_prefill_matches_chunked_path(T):
     assert rel_rms(out, out_ref) < 1e-2
     assert rel_rms(mass, mass_ref) < 1e-4
     assert stats == stats_ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [8192, 32768])
+def test_gpu_mass_sweep(T):
+    """Prints the dense prefill's parts per 1B layer call beside SDPA: the forward with its lse (SDPA's own
+    kernel, and the Triton fallback) and the mass pass at a few launches (keys held, queries a step,
+    warps). The mass pass does one exp2 per score, as the forward does: about half the forward's time is
+    its floor where exp2 bounds both."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from tests.methods.budget_inputs import cuda_ms
+    from tests.methods.test_h2o_fast import llama_layer_qkv
+
+    q, k, v = llama_layer_qkv(T)
+    sdpa = cuda_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True,
+                                     enable_gqa=True))
+    lse_ms = cuda_ms(functools.partial(hd.attention_lse, q, k, v, 0.125))
+    triton_ms = cuda_ms(functools.partial(hd.attention_lse_triton, q, k, v, 0.125))
+    print(f"\nT={T}: SDPA causal {sdpa:.2f} ms; with lse {lse_ms:.2f} ms ({lse_ms / sdpa:.2f}x), Triton "
+          f"forward {triton_ms:.2f} ms ({triton_ms / sdpa:.2f}x)")
+    _, lse = hd.attention_lse(q, k, v, 0.125)
+    for bk, bq, warps in ((128, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8), (64, 64, 4), (256, 64, 8)):
+        ms = cuda_ms(functools.partial(hd.key_mass, q, k, lse, 0.125, block_keys=bk, block_queries=bq,
+                                       num_warps=warps))
+        print(f"  mass pass keys={bk} queries={bq} warps={warps}: {ms:.2f} ms ({ms / sdpa:.2f}x SDPA)")
