@@ -346,7 +346,7 @@ def _walk_block(pkey_p, pmass_p, fslot_p, ef_p, zr_p, books_p, ev_ptr, mass_ptr,
     books = (o_w == 0) & (o_f < done)
     tl.store(ev_ptr + victim_key, b0 + o_f, mask=books)
     tl.store(mass_ptr + victim_key, 0.0, mask=books)
-    tl.store(zr_p + o_f, norm, mask=books)
+    tl.store(zr_p + BT + o_f, norm, mask=books)  # beside zsafe: a warp still in the loop reads that
     tl.store(books_p + NS + BT + o_f, victim, mask=books)
     return done
 
@@ -384,7 +384,7 @@ def _block_outputs(q, m_i, k_base, v_base, o_base, sk_t, sv_t, so_t, pkey_p, pma
     o_dv = tl.arange(0, BDV)
     rows = b0 + o_t
     # p = exp2(s * scale - m - log2 z): the normaliser in the exponent; none past the steps done
-    z = tl.load(zr_p + o_t, mask=o_t < done, other=1.0)
+    z = tl.load(zr_p + BT + o_t, mask=o_t < done, other=1.0)
     shift = tl.where(o_t < done, m_i + tl.log2(z), float("inf"))  # [BT]
     acc = tl.zeros([BT, BDV], tl.float32)
     for n0 in range(0, BUDGET, BN):
@@ -427,7 +427,7 @@ def _h2o_walk_kernel(
     # pool slot each block key takes) and pool slot -> frontier slot FPOS [NS] (-1: outside); BOOKS
     # [NS + 2 BT] int32, the step at which each pool slot's key, then each block key, was evicted (BT: not
     # in this block), then the frontier slot evicted at each step; EF [BT, FW] float32, the frontier's
-    # exp2(s - m) per row; ZR [BT], zsafe, then each query's normaliser. BLOCKS [B * Hq] int32 receives
+    # exp2(s - m) per row; ZR [2 BT], zsafe, then each query's normaliser. BLOCKS [B * Hq] int32 receives
     # the number of blocks. Frontier slots: [0, W + BT) the pool's (at most W) least-mass candidates and
     # the keys that become candidates during the block (compacted), then where BT > LOCAL (the block's
     # keys can become candidates in their own block) [W + BT, W + 2 BT) the block's keys b0 + c; the rest
@@ -450,7 +450,7 @@ def _h2o_walk_kernel(
     fpos_p = FPOS + i_bh.to(tl.int64) * NS
     books_p = BOOKS + i_bh.to(tl.int64) * (NS + 2 * BT)
     ef_p = EF + i_bh.to(tl.int64) * (BT * FW)
-    zr_p = ZR + i_bh.to(tl.int64) * BT
+    zr_p = ZR + i_bh.to(tl.int64) * (2 * BT)
     slot = tl.arange(0, NS)
     o_t = tl.arange(0, BT)
     o_d = tl.arange(0, BD)
@@ -542,7 +542,7 @@ def h2o_sparse_prefill(query: Tensor, key: Tensor, value: Tensor, mass: Tensor, 
     frontier_pos = torch.empty(programs, slots, dtype=torch.int32, device=dev)
     books = torch.empty(programs, slots + 2 * block_queries, dtype=torch.int32, device=dev)
     frontier_exp = torch.empty(programs, block_queries, width, dtype=torch.float32, device=dev)
-    norm = torch.empty(programs, block_queries, dtype=torch.float32, device=dev)
+    norm = torch.empty(programs, 2 * block_queries, dtype=torch.float32, device=dev)
     if blocks is None:
         blocks = torch.empty(B, Hq, dtype=torch.int32, device=dev)
     launcher(_h2o_walk_kernel)[(programs,)](
