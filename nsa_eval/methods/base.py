@@ -76,8 +76,9 @@ class Chunk:
 
 @dataclass
 class Prefill:
-    """One layer call that a method's kernels may take: a prefill held to the budget, of an unpadded
-    batch (no mask, so a key's index is its position), the T queries the last T of the S keys.
+    """One layer call that a method's kernels may take: a prefill of an unpadded batch (no mask, so a
+    key's index is its position), the T queries the last T of the S keys, held to the budget or (a
+    stateful method's, `held` False) dense while its state gathers.
 
     Attributes:
         query: `[B, Hq, T, D]`; key, value: `[B, Hkv, S, D]`, `[B, Hkv, S, Dv]` (model dtype).
@@ -89,6 +90,8 @@ class Prefill:
             `rows` `[n]` (ascending indices into T), written into out `[B, Hq, T, Dv]`, counts `[B, Hq, T]`
             and kv_read `[B, Hkv, T]`; a stateful method's rows are its leading queries (each updates
             the state the next one reads).
+        held: the queries are held to the budget (False: a stateful method's dense prefill, e.g. H2O's
+            `sparse_prefill: false`, where only the state is the method's).
     """
 
     query: Tensor
@@ -98,6 +101,7 @@ class Prefill:
     config: BudgetConfig
     state: dict[str, Tensor] | None = None
     reference: Callable[[Tensor, Tensor, Tensor, Tensor], None] | None = None
+    held: bool = True
 
     def kernel_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
         """query, key and value with unit stride in the head dim, as the kernels read them, after the
@@ -170,8 +174,9 @@ class AttentionMethod:
 
     # ---- a method with its own kernels: the prefill without the chunked path
     def fast_prefill(self, call: Prefill) -> PrefillResult | None:
-        """What the controller asks first for a held prefill of an unpadded batch: `triton_prefill` on
-        CUDA tensors (the kernels compile for the GPU), None elsewhere (the chunked path then runs)."""
+        """What the controller asks first for a held (or stateful) prefill of an unpadded batch:
+        `triton_prefill` on CUDA tensors (the kernels compile for the GPU), None elsewhere (the chunked
+        path then runs)."""
         return self.triton_prefill(call) if call.query.is_cuda else None
 
     def triton_prefill(self, call: Prefill) -> PrefillResult | None:

@@ -230,13 +230,14 @@ class AttentionController:
         kpos, qpos = _positions(allowed, B, T, S, query.device)  # [B, S], [B, T]
         state = self._layer_state(layer, B, Hq, S, T, query.device) if stateful else None
         tally = self.stats.tally(layer, phase, held)
-        if held and allowed is None and T > 1:
+        if (held or stateful) and allowed is None and T > 1:
             reference = functools.partial(self._reference_rows, query, key, value, scaling, kpos, qpos, state)
-            call = Prefill(query, key, value, scaling, cfg, state.tensors if stateful else None, reference)
+            call = Prefill(query, key, value, scaling, cfg, state.tensors if stateful else None, reference,
+                           held)
             fast = method.fast_prefill(call)
             if fast is not None:
                 out, activated, kv_read = fast  # [B, Hq, T, Dv], [B, Hq, T], [B, Hkv, T]
-                self._record_counts(tally, activated, kv_read, Hq, qpos, True, layer)
+                self._record_counts(tally, activated, kv_read, Hq, qpos, held, layer)
                 if state is not None:
                     state.length = S
                 return out.transpose(1, 2).contiguous()  # [B, T, Hq, Dv]

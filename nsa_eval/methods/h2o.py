@@ -77,26 +77,31 @@ class H2O(AttentionMethod):
             mass.mul_(row | ~row.any(-1, keepdim=True))
 
     def triton_prefill(self, call: Prefill) -> PrefillResult | None:
-        """An unpadded prompt with no cached keys before it and queries past the budget, per-head selection:
-        the `budget` leading queries attend densely through the chunked path (`call.reference`, which
-        adds their rows to the mass), the rest in one Triton walk (`h2o_sparse_prefill`), the same
-        output, mass and counts as the chunked path (up to rounding, and the walk's tie rule)."""
+        """An unpadded prompt with no cached keys before it, per-head selection: the queries that see at
+        most `budget` keys (every query where the prefill is not held, `sparse_prefill: false`) attend
+        densely and leave their mass (`h2o_dense.dense_prefill`: attention with its log-sum-exp, then
+        the mass without P @ V), the rest take one Triton walk (`h2o_sparse_prefill`); the same output,
+        mass and counts as the chunked path (up to rounding, and the walk's tie rule)."""
         B, Hq, T, _ = call.query.shape
         Hkv, S = call.key.shape[1], call.key.shape[2]
         cfg = call.config
-        budget = cfg.budget
-        if self.group_shared or not S == T > budget:
+        if self.group_shared or S != T:
             return None
+        from nsa_eval.baseline_kernels.h2o_dense import dense_prefill
         from nsa_eval.baseline_kernels.h2o_prefill import h2o_sparse_prefill, kv_read_from_evictions
 
-        device = call.query.device
-        out = call.query.new_empty(B, Hq, T, call.value.shape[-1])  # [B, Hq, T, Dv]
-        counts = torch.empty(B, Hq, T, dtype=torch.int32, device=device)
-        kv_read = torch.empty(B, Hkv, T, dtype=torch.int32, device=device)
-        call.reference(torch.arange(budget, device=device), out, counts, kv_read)
+        n = min(T, cfg.budget) if call.held else T  # the dense queries
+        q, k, v = call.query, call.key, call.value
+        dense_out, dense_mass = dense_prefill(q[:, :, :n], k[:, :, :n], v[:, :, :n], call.scaling)
         mass = call.state["mass"]  # [B, Hq, T], updated in place
-        evictions = h2o_sparse_prefill(call.query, call.key, call.value, mass, out, call.scaling, cfg.sink,
-                                       cfg.local, budget)
-        counts[:, :, budget:] = budget
-        kv_read[:, :, budget:] = kv_read_from_evictions(evictions, Hq // Hkv, cfg.sink, cfg.local, budget)
+        mass[..., :n] = dense_mass
+        seen = torch.arange(1, T + 1, device=q.device, dtype=torch.int32).clamp(max=n)  # [T]
+        counts = seen.expand(B, Hq, T).contiguous()  # a dense query sees its position + 1 keys
+        kv_read = seen.expand(B, Hkv, T).contiguous()
+        if n == T:
+            return dense_out, counts, kv_read
+        out = q.new_empty(B, Hq, T, v.shape[-1])  # [B, Hq, T, Dv]
+        out[:, :, :n] = dense_out
+        evictions = h2o_sparse_prefill(q, k, v, mass, out, call.scaling, cfg.sink, cfg.local, n)
+        kv_read[:, :, n:] = kv_read_from_evictions(evictions, Hq // Hkv, cfg.sink, cfg.local, n)
         return out, counts, kv_read
