@@ -25,8 +25,10 @@ class H2O(AttentionMethod):
     their whole rows. The mass is `[B, Hq, S]` float32 on the cache (`LayerState.tensors["mass"]`) and
     grows by one key per decode step (a view onto a buffer with room for `GROWTH` more keys).
     Selection is sequential over queries (one step per query past the budget), the costliest method at
-    prefill; on CUDA an unpadded prompt's queries past the budget
-    take the O(budget)-per-query walk of `nsa_eval/kernels/h2o_prefill.py` (docs/methods.md).
+    prefill. On CUDA an unpadded prompt's dense queries (all of them with `sparse_prefill: false`) take
+    attention with its log-sum-exp and one pass for the mass (`nsa_eval/kernels/h2o_dense.py`), and its
+    queries past the budget the O(budget)-per-query walk of `nsa_eval/kernels/h2o_prefill.py`
+    (docs/methods.md).
 
     GQA: mass and selection are per query head, as in H2O's code (after `repeat_kv`), so a KV head
     serves the union of its G heads' heavy hitters.
