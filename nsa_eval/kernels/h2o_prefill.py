@@ -461,6 +461,7 @@ def _h2o_walk_kernel(
     tau = (T * 0).to(tl.int64) + _ONE
     b0 = T * 0 + BUDGET
     blocks = T * 0
+    stuck = T * 0
     while b0 < T:
         n = tl.minimum(T - b0, BT)
         least_out, n_front, tau = _select_frontier(pkey_p, pmass_p, fslot_p, fpos_p, books_p, b0, n, tau,
@@ -484,9 +485,12 @@ def _h2o_walk_kernel(
         tl.store(pkey_p + new_slot, b0 + o_t, mask=takes)
         tl.store(pmass_p + new_slot, column_mass, mask=takes)
         tl.debug_barrier()
-        b0 += done
+        # a block's first step always passes its check (the frontier holds the least candidates); were
+        # it ever not to, skip the query rather than loop for good, and say so in BLOCKS (negative)
+        stuck = tl.where(done == 0, 1, stuck)
+        b0 += tl.maximum(done, 1)
         blocks += 1
-    tl.store(BLOCKS + i_bh, blocks)
+    tl.store(BLOCKS + i_bh, tl.where(stuck == 0, blocks, -blocks))
     key = tl.load(pkey_p + slot)
     tl.store(mass_ptr + key, tl.load(pmass_p + slot), mask=key >= 0)
 
@@ -507,7 +511,8 @@ def h2o_sparse_prefill(query: Tensor, key: Tensor, value: Tensor, mass: Tensor, 
             slots (the keys entering candidacy), twice that where `block_queries > local`. A frontier of
             128 slots or fewer keeps each step's reduction within a warp.
         blocks: optional `[B, Hq]` int32, receives the number of blocks each (sequence, head) walked: more
-            than `ceil((T - budget) / block_queries)` where blocks ended early (a short frontier).
+            than `ceil((T - budget) / block_queries)` where blocks ended early (a short frontier);
+            negative where a block could not take a step (never, by the frontier's construction).
 
     Returns:
         evictions `[B, Hq, T]` int32 (T for a key never evicted).

@@ -348,6 +348,7 @@ def test_gpu_launch_sweep():
             ms = cuda_ms(functools.partial(fresh_walk, q, k, v, mass, out, block_queries=bt, frontier=w,
                                            block_keys=bn, num_warps=warps, blocks=blocks))
             least = -(-(T - 2560) // bt)
+            assert (blocks > 0).all(), "a block could not take a step"
             print(f"  h2o walk BT={bt} W={w} BN={bn} warps={warps}: {ms:.2f} ms ({ms / sdpa:.1f}x SDPA), "
                   f"{(T - 2560) / ms:.0f} queries/ms, blocks {int(blocks.max())} (fewest {least})")
 
