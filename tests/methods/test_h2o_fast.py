@@ -245,8 +245,8 @@ for dtype in ("bf16", "fp32"):
     for bt, w, warps in ((BLOCK_QUERIES, FRONTIER, NUM_WARPS), (128, 128, 8)):
         consts = dict(SINK=128, LOCAL=512, BUDGET=2560, NS=4096, BT=bt, BN=BLOCK_KEYS, W=w, FW=pow2(w + bt),
                       D=64, DV=64, BD=64, BDV=64, NW=warps, UPCAST=False)
-        pointers = ["*" + dtype] * 4 + ["*fp32", "*i32", "*i32", "*fp32", "*i32", "*i32", "*i32", "*fp32",
-                                        "*fp32", "*i32"]
+        pointers = ["*" + dtype] * 4 + ["*fp32", "*i32", "*i32", "*fp32", "*i32", "*i32", "*fp32", "*i32",
+                                        "*i32", "*fp32", "*fp32", "*i32"]
         out[f"{dtype} BT={bt}"] = shared_bytes(_h2o_walk_kernel, pointers, consts, dict(num_warps=warps))
 print(json.dumps(out))
 """
