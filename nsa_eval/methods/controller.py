@@ -551,6 +551,7 @@ class AttentionController:
         if n < T:
             dense_out, out = out, query.new_empty(B, Hq, T, value.shape[-1])  # [B, Hq, T, Dv]
             out[:, :, :n] = dense_out
+            del dense_out  # not held through the walk and the copy below (peak memory)
             evictions = h2o_sparse_prefill(query, key, value, mass, out, scaling, cfg.sink, cfg.local, n)
             activated = torch.full((1, 1, 1), n, device=query.device).expand(B, Hq, T - n)
             kv_read = kv_read_from_evictions(evictions, Hq // Hkv, cfg.sink, cfg.local, n)  # [B, Hkv, T - n]
