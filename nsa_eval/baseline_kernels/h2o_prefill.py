@@ -224,15 +224,17 @@ def _victim_and_rest(least_a, row_a, rest_a, least_b, row_b, rest_b):
 
 
 @triton.jit
-def _select_frontier(pkey_p, pmass_p, fslot_p, fpos_p, books_p, b0, n, tau, SINK: tl.constexpr,
-                     LOCAL: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, W: tl.constexpr):
+def _select_frontier(pkey_p, pmass_p, fslot_p, fkey_p, fmass_p, fpos_p, books_p, b0, n, tau,
+                     SINK: tl.constexpr, LOCAL: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr,
+                     W: tl.constexpr):
     # The block's frontier: the pool's candidates below the bound and the keys that become candidates
-    # in the block, compacted to FSLOT / FPOS; its books reset. Returns (the least packed (mass, key)
+    # in the block, compacted to FSLOT (pool slots), FKEY and FMASS (their keys and masses: B and A read
+    # them as rows, not gathers) and FPOS; its books reset. Returns (the least packed (mass, key)
     # outside it, its pool slots, the next search start).
     slot = tl.arange(0, NS)
     key = tl.load(pkey_p + slot)  # [NS]
-    packed = (tl.load(pmass_p + slot).to(tl.int32, bitcast=True).to(tl.int64) << _KEY_BITS) | \
-        tl.maximum(key, 0).to(tl.int64)
+    mass = tl.load(pmass_p + slot)
+    packed = (mass.to(tl.int32, bitcast=True).to(tl.int64) << _KEY_BITS) | tl.maximum(key, 0).to(tl.int64)
     candidate = key >= SINK
     outside = candidate & (key < b0 - LOCAL)
     entering = candidate & (key >= b0 - LOCAL) & (key < b0 + n - LOCAL)
@@ -242,6 +244,8 @@ def _select_frontier(pkey_p, pmass_p, fslot_p, fpos_p, books_p, b0, n, tau, SINK
     front = chosen | entering
     pos = tl.cumsum(front.to(tl.int32), 0) - 1
     tl.store(fslot_p + pos, slot, mask=front)
+    tl.store(fkey_p + pos, key, mask=front)
+    tl.store(fmass_p + pos, mass, mask=front)
     tl.store(fpos_p + slot, tl.where(front, pos, -1))
     tl.store(books_p + slot, BT)
     tl.store(books_p + NS + tl.arange(0, BT), BT)
@@ -249,7 +253,7 @@ def _select_frontier(pkey_p, pmass_p, fslot_p, fpos_p, books_p, b0, n, tau, SINK
 
 
 @triton.jit
-def _block_logits(q, k_base, sk_t, pkey_p, fpos_p, fslot_p, ef_p, zr_p, b0, n, n_front, scale_log2,
+def _block_logits(q, k_base, sk_t, pkey_p, fpos_p, fkey_p, ef_p, zr_p, b0, n, n_front, scale_log2,
                   BUDGET: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, FW: tl.constexpr,
                   POOL_F: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, OWN_IN_FRONT: tl.constexpr,
                   UPCAST: tl.constexpr):
@@ -283,8 +287,7 @@ def _block_logits(q, k_base, sk_t, pkey_p, fpos_p, fslot_p, ef_p, zr_p, b0, n, n
     tl.store(zr_p + o_t, l_i)
     # the frontier's keys gathered (the block's own, where in it, from their own row on)
     o_f = tl.arange(0, FW)
-    fslot = tl.load(fslot_p + o_f, mask=o_f < n_front, other=-1)
-    fkey = tl.load(pkey_p + fslot, mask=fslot >= 0, other=-1)  # [FW]
+    fkey = tl.load(fkey_p + o_f, mask=o_f < n_front, other=-1)  # [FW]
     if OWN_IN_FRONT:
         fkey = tl.where((o_f >= POOL_F) & (o_f < POOL_F + n), b0 + o_f - POOL_F, fkey)
     k = _load_rows(k_base, fkey, fkey >= 0, sk_t, o_d, D, UPCAST)  # [FW, BD]
@@ -296,7 +299,7 @@ def _block_logits(q, k_base, sk_t, pkey_p, fpos_p, fslot_p, ef_p, zr_p, b0, n, n
 
 
 @triton.jit
-def _walk_block(pkey_p, pmass_p, fslot_p, ef_p, zr_p, books_p, ev_ptr, mass_ptr, b0, n, n_front, least_out,
+def _walk_block(fkey_p, fmass_p, ef_p, zr_p, books_p, ev_ptr, mass_ptr, b0, n, n_front, least_out,
                 SINK: tl.constexpr, LOCAL: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr,
                 FW: tl.constexpr, POOL_F: tl.constexpr, OWN_IN_FRONT: tl.constexpr, NW: tl.constexpr):
     # B: one step per query over the frontier, until a step could have evicted a key outside it. Returns
@@ -306,11 +309,10 @@ def _walk_block(pkey_p, pmass_p, fslot_p, ef_p, zr_p, books_p, ev_ptr, mass_ptr,
     o_w = tl.arange(0, NW)[:, None]
     o_f = tl.arange(0, FW)[None, :] + 0 * o_w  # [NW, FW]
     c = o_f - POOL_F
-    fslot = tl.load(fslot_p + o_f, mask=o_f < n_front, other=-1)
-    fkey = tl.load(pkey_p + fslot, mask=fslot >= 0, other=-1)
+    fkey = tl.load(fkey_p + o_f, mask=o_f < n_front, other=-1)
     if OWN_IN_FRONT:  # the block's keys, from their own step on
         fkey = tl.where((c >= 0) & (c < n), b0 + c, fkey)
-    fmass = tl.load(pmass_p + fslot, mask=fslot >= 0, other=0.0)
+    fmass = tl.load(fmass_p + o_f, mask=o_f < n_front, other=0.0)
     alive = fkey >= 0
     row = tl.load(ef_p + o_f)
     live = o_w >= 0  # [NW, 1]: no step has failed yet
@@ -414,7 +416,7 @@ def _block_outputs(q, m_i, k_base, v_base, o_base, sk_t, sv_t, so_t, pkey_p, pma
 
 @triton.jit
 def _h2o_walk_kernel(
-    Q, K, V, O, MASS, EV, PKEY, PMASS, FSLOT, FPOS, BOOKS, EF, ZR, BLOCKS,
+    Q, K, V, O, MASS, EV, PKEY, PMASS, FSLOT, FKEY, FMASS, FPOS, BOOKS, EF, ZR, BLOCKS,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
     T, HQ, G, scale_log2,
     SINK: tl.constexpr, LOCAL: tl.constexpr, BUDGET: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr,
@@ -424,7 +426,8 @@ def _h2o_walk_kernel(
     # One program per (sequence, query head) walks queries BUDGET .. T - 1 in blocks of at most BT. Its
     # scratch (global, contiguous per program): the pool, slot -> key PKEY [NS] int32 (-1: unused) and
     # mass PMASS [NS]; the frontier, frontier slot -> pool slot FSLOT [W + 2 BT] (from W + BT on: the
-    # pool slot each block key takes) and pool slot -> frontier slot FPOS [NS] (-1: outside); BOOKS
+    # pool slot each block key takes), the keys FKEY and masses FMASS [W + 2 BT] of its slots as the
+    # block starts, and pool slot -> frontier slot FPOS [NS] (-1: outside); BOOKS
     # [NS + 2 BT] int32, the step at which each pool slot's key, then each block key, was evicted (BT: not
     # in this block), then the frontier slot evicted at each step; EF [BT, FW] float32, the frontier's
     # exp2(s - m) per row; ZR [2 BT], zsafe, then each query's normaliser. BLOCKS [B * Hq] int32 receives
@@ -448,6 +451,8 @@ def _h2o_walk_kernel(
     pmass_p = PMASS + i_bh.to(tl.int64) * NS
     fslot_p = FSLOT + i_bh.to(tl.int64) * (POOL_F + BT)
     fpos_p = FPOS + i_bh.to(tl.int64) * NS
+    fkey_p = FKEY + i_bh.to(tl.int64) * (POOL_F + BT)
+    fmass_p = FMASS + i_bh.to(tl.int64) * (POOL_F + BT)
     books_p = BOOKS + i_bh.to(tl.int64) * (NS + 2 * BT)
     ef_p = EF + i_bh.to(tl.int64) * (BT * FW)
     zr_p = ZR + i_bh.to(tl.int64) * (2 * BT)
@@ -461,16 +466,17 @@ def _h2o_walk_kernel(
     tau = (T * 0).to(tl.int64) + _ONE
     b0 = T * 0 + BUDGET
     blocks = T * 0
+    stuck = T * 0
     while b0 < T:
         n = tl.minimum(T - b0, BT)
-        least_out, n_front, tau = _select_frontier(pkey_p, pmass_p, fslot_p, fpos_p, books_p, b0, n, tau,
-                                                   SINK, LOCAL, NS, BT, W)
+        least_out, n_front, tau = _select_frontier(pkey_p, pmass_p, fslot_p, fkey_p, fmass_p, fpos_p, books_p,
+                                                   b0, n, tau, SINK, LOCAL, NS, BT, W)
         tl.debug_barrier()  # A reads the frontier's positions
         q = _load_rows(q_base, b0 + o_t, o_t < n, sq_t, o_d, D, UPCAST)  # [BT, BD]
-        m_i = _block_logits(q, k_base, sk_t, pkey_p, fpos_p, fslot_p, ef_p, zr_p, b0, n, n_front, scale_log2,
+        m_i = _block_logits(q, k_base, sk_t, pkey_p, fpos_p, fkey_p, ef_p, zr_p, b0, n, n_front, scale_log2,
                             BUDGET, BT, BN, FW, POOL_F, D, BD, OWN_IN_FRONT, UPCAST)
         tl.debug_barrier()  # B reads the frontier's rows, written by every thread
-        done = _walk_block(pkey_p, pmass_p, fslot_p, ef_p, zr_p, books_p, ev_ptr, mass_ptr, b0, n, n_front,
+        done = _walk_block(fkey_p, fmass_p, ef_p, zr_p, books_p, ev_ptr, mass_ptr, b0, n, n_front,
                            least_out, SINK, LOCAL, NS, BT, FW, POOL_F, OWN_IN_FRONT, NW)
         tl.debug_barrier()  # the books read B's, written by single threads
         _block_books(fslot_p, books_p, done, NS, BT, LOCAL, POOL_F)
@@ -484,9 +490,12 @@ def _h2o_walk_kernel(
         tl.store(pkey_p + new_slot, b0 + o_t, mask=takes)
         tl.store(pmass_p + new_slot, column_mass, mask=takes)
         tl.debug_barrier()
-        b0 += done
+        # a block's first step always passes its check (the frontier holds the least candidates); were
+        # it ever not to, skip the query rather than loop for good, and say so in BLOCKS (negative)
+        stuck = tl.where(done == 0, 1, stuck)
+        b0 += tl.maximum(done, 1)
         blocks += 1
-    tl.store(BLOCKS + i_bh, blocks)
+    tl.store(BLOCKS + i_bh, tl.where(stuck == 0, blocks, -blocks))
     key = tl.load(pkey_p + slot)
     tl.store(mass_ptr + key, tl.load(pmass_p + slot), mask=key >= 0)
 
@@ -507,7 +516,8 @@ def h2o_sparse_prefill(query: Tensor, key: Tensor, value: Tensor, mass: Tensor, 
             slots (the keys entering candidacy), twice that where `block_queries > local`. A frontier of
             128 slots or fewer keeps each step's reduction within a warp.
         blocks: optional `[B, Hq]` int32, receives the number of blocks each (sequence, head) walked: more
-            than `ceil((T - budget) / block_queries)` where blocks ended early (a short frontier).
+            than `ceil((T - budget) / block_queries)` where blocks ended early (a short frontier);
+            negative where a block could not take a step (never, by the frontier's construction).
 
     Returns:
         evictions `[B, Hq, T]` int32 (T for a key never evicted).
@@ -539,6 +549,8 @@ def h2o_sparse_prefill(query: Tensor, key: Tensor, value: Tensor, mass: Tensor, 
     pool_key = torch.empty(programs, slots, dtype=torch.int32, device=dev)
     pool_mass = torch.empty(programs, slots, dtype=torch.float32, device=dev)
     frontier_slot = torch.empty(programs, frontier + 2 * block_queries, dtype=torch.int32, device=dev)
+    frontier_key = torch.empty(programs, frontier + 2 * block_queries, dtype=torch.int32, device=dev)
+    frontier_mass = torch.empty(programs, frontier + 2 * block_queries, dtype=torch.float32, device=dev)
     frontier_pos = torch.empty(programs, slots, dtype=torch.int32, device=dev)
     books = torch.empty(programs, slots + 2 * block_queries, dtype=torch.int32, device=dev)
     frontier_exp = torch.empty(programs, block_queries, width, dtype=torch.float32, device=dev)
@@ -546,8 +558,8 @@ def h2o_sparse_prefill(query: Tensor, key: Tensor, value: Tensor, mass: Tensor, 
     if blocks is None:
         blocks = torch.empty(B, Hq, dtype=torch.int32, device=dev)
     launcher(_h2o_walk_kernel)[(programs,)](
-        query, key, value, out, mass, evictions, pool_key, pool_mass, frontier_slot, frontier_pos, books,
-        frontier_exp, norm, blocks,
+        query, key, value, out, mass, evictions, pool_key, pool_mass, frontier_slot, frontier_key,
+        frontier_mass, frontier_pos, books, frontier_exp, norm, blocks,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(1), out.stride(2),
         T, Hq, Hq // Hkv, scaling * LOG2E,

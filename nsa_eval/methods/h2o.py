@@ -25,8 +25,10 @@ class H2O(AttentionMethod):
     their whole rows. The mass is `[B, Hq, S]` float32 on the cache (`LayerState.tensors["mass"]`) and
     grows by one key per decode step (a view onto a buffer with room for `GROWTH` more keys).
     Selection is sequential over queries (one step per query past the budget), the costliest method at
-    prefill; on CUDA an unpadded prompt's queries past the budget take the O(budget)-per-query walk
-    of `nsa_eval/baseline_kernels/h2o_prefill.py` (`triton_prefill`; docs/methods.md).
+    prefill. On CUDA an unpadded prompt's dense queries (all of them with `sparse_prefill: false`) take
+    attention with its log-sum-exp and one pass for the mass (`nsa_eval/baseline_kernels/h2o_dense.py`),
+    and its queries past the budget the O(budget)-per-query walk of `nsa_eval/baseline_kernels/h2o_prefill.py`
+    (docs/methods.md).
 
     GQA: mass and selection are per query head, as in H2O's code (after `repeat_kv`), so a KV head
     serves the union of its G heads' heavy hitters.
@@ -102,6 +104,7 @@ class H2O(AttentionMethod):
             return dense_out, counts, kv_read
         out = q.new_empty(B, Hq, T, v.shape[-1])  # [B, Hq, T, Dv]
         out[:, :, :n] = dense_out
+        del dense_out  # not held through the walk (peak memory)
         evictions = h2o_sparse_prefill(q, k, v, mass, out, call.scaling, cfg.sink, cfg.local, n)
         kv_read[:, :, n:] = kv_read_from_evictions(evictions, Hq // Hkv, cfg.sink, cfg.local, n)
         return out, counts, kv_read
