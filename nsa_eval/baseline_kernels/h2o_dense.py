@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_eval.baseline_kernels.h2o_prefill import _load_rows
 from nsa_eval.kernels._triton_utils import (
     LOG2E,
     cdiv,
@@ -109,13 +110,8 @@ def dense_prefill_reference(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tu
 
 @triton.jit
 def _rows(base, rows, m_rows, stride, DIM: tl.constexpr, BDIM: tl.constexpr, UPCAST: tl.constexpr):
-    # rows `rows` [R] of a [T, DIM] head (unit stride in DIM), rows where m_rows is false as 0: [R, BDIM]
-    o_d = tl.arange(0, BDIM)
-    x = tl.load(base + rows[:, None].to(tl.int64) * stride + o_d[None, :],
-                mask=m_rows[:, None] & (o_d < DIM)[None, :], other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
+    # rows `rows` [R] of a [T, DIM] head, rows where m_rows is false as 0: [R, BDIM] (the walk's loader)
+    return _load_rows(base, rows, m_rows, stride, tl.arange(0, BDIM), DIM, UPCAST)
 
 
 @triton.jit

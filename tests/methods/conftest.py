@@ -109,3 +109,19 @@ def layer_call(method, q, k, v, mask=None, budget=32, sink=4, local=8, **params)
 def run_attend(method, q, k, v, mask=None, budget=32, sink=4, local=8, **params):
     """Run one layer call of `method` on raw tensors; returns (out `[B, T, Hq, D]`, keep `[B, Hq, T, S]`)."""
     return layer_call(method, q, k, v, mask, budget, sink, local, **params)[:2]
+
+
+def prefill_then_decode(model, ids, prompt: int):
+    """The first `prompt` tokens of `ids` `[1, T]` as one prefill, then one decode step per later token:
+    (logits `[1, T, V]`, the model's attention statistics)."""
+    import torch
+
+    from nsa_eval.methods import attention_stats
+
+    with torch.no_grad():
+        out = model(ids[:, :prompt], use_cache=True)
+        logits = [out.logits]
+        for t in range(prompt, ids.shape[1]):
+            out = model(ids[:, t:t + 1], cache=out.past_key_values, use_cache=True)
+            logits.append(out.logits)
+    return torch.cat(logits, 1), attention_stats(model)

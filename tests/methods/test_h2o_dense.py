@@ -12,12 +12,12 @@ import triton
 import triton.language as tl
 
 from nsa_eval.baseline_kernels import h2o_dense as hd
-from nsa_eval.methods import apply_attention, attention_stats
+from nsa_eval.methods import apply_attention
 from nsa_eval.methods.base import BudgetConfig
 from nsa_eval.methods.controller import MODULE_ATTRIBUTE, AttentionController
 from nsa_eval.methods.h2o import H2O
 from tests.methods.budget_inputs import rel_rms
-from tests.methods.conftest import fake_module, prefill_by, random_qkv, tiny_llama
+from tests.methods.conftest import fake_module, prefill_by, prefill_then_decode, random_qkv, tiny_llama
 from tests.methods.interpreter_bounds import in_bounds
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,13 +110,7 @@ def test_model_dense_prefill_then_decode():
         apply_attention(model, "h2o", budget=24, sink=2, local=8, sparse_prefill=False)
         for layer in model.model.layers:
             prefill_by(getattr(layer.self_attn, MODULE_ATTRIBUTE).method, kernel)
-        with torch.no_grad():
-            out = model(ids[:, :60], use_cache=True)
-            logits = [out.logits]
-            for t in range(60, 70):
-                out = model(ids[:, t:t + 1], cache=out.past_key_values, use_cache=True)
-                logits.append(out.logits)
-        runs.append((torch.cat(logits, 1), attention_stats(model)))
+        runs.append(prefill_then_decode(model, ids, 60))
     (logits_ref, stats_ref), (logits, stats) = runs
     torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
     assert stats == stats_ref

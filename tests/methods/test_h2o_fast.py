@@ -18,12 +18,20 @@ from nsa_eval.baseline_kernels.h2o_prefill import (
     keep_from_evictions,
     kv_read_from_evictions,
 )
-from nsa_eval.methods import apply_attention, attention_stats
+from nsa_eval.methods import apply_attention
 from nsa_eval.methods.base import BudgetConfig, Prefill, grouped_apply, grouped_scores, masked_softmax
 from nsa_eval.methods.controller import MODULE_ATTRIBUTE, AttentionController
 from nsa_eval.methods.h2o import H2O
 from tests.methods.budget_inputs import cuda_ms, rel_rms
-from tests.methods.conftest import fake_module, layer_call, prefill_by, random_qkv, run_attend, tiny_llama
+from tests.methods.conftest import (
+    fake_module,
+    layer_call,
+    prefill_by,
+    prefill_then_decode,
+    random_qkv,
+    run_attend,
+    tiny_llama,
+)
 from tests.methods.interpreter_bounds import in_bounds
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,13 +201,7 @@ def test_model_prefill_then_decode():
         model = tiny_llama().to(DEVICE)
         apply_attention(model, "h2o", budget=24, sink=2, local=8)
         prefill_by(getattr(model.model.layers[0].self_attn, MODULE_ATTRIBUTE).method, kernel)
-        with torch.no_grad():
-            out = model(ids[:, :60], use_cache=True)
-            logits = [out.logits]
-            for t in range(60, 70):
-                out = model(ids[:, t:t + 1], cache=out.past_key_values, use_cache=True)
-                logits.append(out.logits)
-        runs.append((torch.cat(logits, 1), attention_stats(model)))
+        runs.append(prefill_then_decode(model, ids, 60))
     (logits_ref, stats_ref), (logits, stats) = runs
     torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-4)
     assert stats == stats_ref
