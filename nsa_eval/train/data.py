@@ -193,7 +193,7 @@ def _versions(sources) -> dict:
 # retrieval samples (NIAH format)
 
 def make_retrieval_doc(tokenizer, context_length: int, depth_percent: float, seed: int,
-                       distractors: int = 0) -> dict:
+                       distractors: int = 0, pool_length: int | None = None) -> dict:
     """One training NIAH document in the evaluation's format: {"prompt", "answer", "key", ...}.
 
     The template, key words and builtin haystack grammar are `nsa_eval.tasks.niah`'s. Its
@@ -206,6 +206,9 @@ def make_retrieval_doc(tokenizer, context_length: int, depth_percent: float, see
     `distractors` adds that many needles of other keys (distinct, random values, uniform depths),
     so the answer needs the asked key, not just any magic number (RULER's multi-key NIAH). With 0
     the document is the evaluation's single-needle format.
+
+    `pool_length` sizes the haystack pool the window is drawn from (default `context_length`; a
+    batch passes its longest retrieval length), so a document is a pure function of the arguments.
     """
     from nsa_eval.tasks import niah
 
@@ -219,7 +222,7 @@ def make_retrieval_doc(tokenizer, context_length: int, depth_percent: float, see
     for other in rng.sample([k for k in niah.NEEDLE_KEYS if k != key], distractors) if distractors else []:
         needles.append(template.needle.format(key=other, value=rng.randint(1_000_000, 9_999_999)))
     fixed = len(tokenizer(head + " ".join(needles) + tail)["input_ids"])
-    hay, offsets = _haystack_pool(tokenizer, context_length)
+    hay, offsets = _haystack_pool(tokenizer, max(context_length, pool_length or 0))
     budget = min(max(0, context_length - fixed), len(offsets) // 2)  # haystack tokens
     first = rng.randrange(1, len(offsets) - budget - 1)  # a random window of the pool
     depths = [round(depth_percent / 100 * budget)] + [rng.randint(0, budget) for _ in needles[1:]]
@@ -238,21 +241,27 @@ def _haystack_text(hay: str, offsets, start: int, stop: int) -> str:
     return hay[offsets[start][0] : offsets[stop - 1][1]].strip() if stop > start else ""
 
 
-_POOL: dict[int, tuple[str, list]] = {}
+_POOLS: dict[tuple[int, int], tuple[object, str, list]] = {}
+_POOLS_KEPT = 2  # a run needs its batches' pool and at most one for longer probes
 
 
 def _haystack_pool(tokenizer, context_length: int):
-    """(builtin haystack text, its token offsets) of ~400 * context_length characters (>= 50k).
+    """(builtin haystack text, its token offsets) of max(50k, 400 * context_length) characters.
 
-    Generated once per tokenizer and process, and again only if a longer context needs more.
+    Its size is a function of `context_length` alone, never of what this process built before:
+    documents drawn from it must not depend on call history. Kept per tokenizer and size.
     """
     from nsa_eval.tasks.haystack import builtin_haystack
 
     n_chars = max(50_000, 400 * context_length)
-    if id(tokenizer) not in _POOL or len(_POOL[id(tokenizer)][0]) < n_chars:
+    key = (id(tokenizer), n_chars)
+    if key not in _POOLS:
+        while len(_POOLS) >= _POOLS_KEPT:
+            del _POOLS[next(iter(_POOLS))]
         hay = builtin_haystack(n_chars, random.Random("nsa-train-haystack"))
-        _POOL[id(tokenizer)] = hay, tokenizer(hay, return_offsets_mapping=True)["offset_mapping"]
-    return _POOL[id(tokenizer)]
+        # the tokenizer is held so that its id is not reused while the pool is kept
+        _POOLS[key] = tokenizer, hay, tokenizer(hay, return_offsets_mapping=True)["offset_mapping"]
+    return _POOLS[key][1:]
 
 
 def tokenizer_training_texts(n_chars: int = 2_000_000) -> list[str]:
@@ -269,12 +278,12 @@ def tokenizer_training_texts(n_chars: int = 2_000_000) -> list[str]:
 
 
 def retrieval_segment(tokenizer, context_length: int, depth_percent: float, seed: int, answer_weight: float,
-                      distractors: int = 0):
+                      distractors: int = 0, pool_length: int | None = None):
     """Token ids and loss weights of one retrieval sample, prompt then " <value>." then EOS.
 
     Returns (ids int64 [L], weights float32 [L]); weights[i] applies to predicting ids[i].
     """
-    doc = make_retrieval_doc(tokenizer, context_length, depth_percent, seed, distractors)
+    doc = make_retrieval_doc(tokenizer, context_length, depth_percent, seed, distractors, pool_length)
     prompt = tokenizer(doc["prompt"])["input_ids"]
     answer = tokenizer(" " + str(doc["answer"]) + ".")["input_ids"] + [tokenizer.eos_token_id]
     ids = np.asarray(prompt + answer, dtype=np.int64)  # [L]
@@ -336,7 +345,7 @@ def _retrieval_row(corpus, rng, length: int, mix: MixConfig, seed: int, step: in
         depth = float(rng.uniform(0, 100))
         niah_seed = TRAIN_SEED_OFFSET + ((seed * 1_000_003 + step) * 64 + row) * 64 + k
         seg_ids, seg_w = retrieval_segment(corpus.tokenizer, context, depth, niah_seed, mix.answer_weight,
-                                           mix.distractors)
+                                           mix.distractors, pool_length=max(mix.retrieval_lengths))
         seg_ids, seg_w = seg_ids[: length - filled], seg_w[: length - filled]
         ids[filled : filled + seg_ids.size] = seg_ids
         weights[filled : filled + seg_ids.size] = seg_w
@@ -354,14 +363,18 @@ def heldout_text_batches(corpus: Corpus, seq_len: int, n_rows: int, batch_size: 
     return [rows[i : i + batch_size] for i in range(0, n_rows, batch_size)]
 
 
-def heldout_retrieval_samples(corpus: Corpus, lengths: tuple[int, ...], n_per_length: int):
-    """Fixed held-out NIAH samples (seeds disjoint from training): list of (ids [L], weights [L])."""
+def heldout_retrieval_samples(corpus: Corpus, lengths: tuple[int, ...], n_per_length: int,
+                              pool_length: int | None = None):
+    """Fixed held-out NIAH samples (seeds disjoint from training): list of (ids [L], weights [L]).
+
+    `pool_length`: as `make_retrieval_doc`'s (training passes its batches' longest retrieval length).
+    """
     out = []
     for i, context in enumerate(lengths):
         for j in range(n_per_length):
             depth = 100.0 * j / max(1, n_per_length - 1)
             seed = HELDOUT_SEED_OFFSET + i * 1000 + j
-            out.append(retrieval_segment(corpus.tokenizer, context, depth, seed, 1.0))
+            out.append(retrieval_segment(corpus.tokenizer, context, depth, seed, 1.0, pool_length=pool_length))
     return out
 
 

@@ -252,7 +252,8 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
         _attention_inputs_in_bf16(model)
 
     heldout_text = heldout_text_batches(corpus, cfg.seq_len, cfg.heldout_rows, cfg.batch_size)
-    probe = heldout_retrieval_samples(corpus, cfg.probe_lengths, cfg.probe_per_length)
+    probe = heldout_retrieval_samples(corpus, cfg.probe_lengths, cfg.probe_per_length,
+                                      pool_length=max(cfg.mix.retrieval_lengths))
     tokens_per_step = cfg.batch_size * cfg.seq_len
     step_times: list[float] = []
     process_start = time.perf_counter()

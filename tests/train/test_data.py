@@ -69,6 +69,17 @@ def test_corpus_round_trip(tiny_corpus, tmp_path):
     assert loaded.tokenizer("x = 1234")["input_ids"] == again.tokenizer("x = 1234")["input_ids"]
 
 
+def test_a_batch_does_not_depend_on_what_the_process_built_before(tiny_corpus):
+    """Resuming replays batches in a fresh process: one built after longer documents must not differ."""
+    from dataclasses import replace
+
+    mix = replace(MIX, retrieval_lengths=(200, 300))
+    first = make_batch(tiny_corpus, 0, 3, 2, 512, mix)
+    make_retrieval_doc(tiny_corpus.tokenizer, 2000, 50.0, seed=1)  # a larger haystack pool in between
+    again = make_batch(tiny_corpus, 0, 3, 2, 512, mix)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+
+
 def test_distractors_add_needles_of_other_keys(tiny_corpus):
     import re
 
