@@ -1,5 +1,6 @@
 """The report's numbers and document: scores per task and method, paired differences with bootstrap
-intervals, NIAH heatmaps, score-vs-budget curves and activated tokens, rebuilt from a run's cells.
+intervals, NIAH heatmaps, score-vs-budget curves (NSA's top-n too) and activated tokens, rebuilt
+from a run's cells.
 
 The protocol and environment sections (what ran, how) are protocol.py's; writing the files is
 write_report's (report/__init__.py).
@@ -79,6 +80,7 @@ class ReportBuilder:
             self._task_section(doc, task)
         self._niah_section(doc)
         self._budget_section(doc)
+        self._selection_sweep_section(doc)
         self._activation_section(doc)
         protocol_section(doc, self)
         environment_section(doc, run)
@@ -307,6 +309,69 @@ class ReportBuilder:
             budget_plot(curves, refs, task, "score", path)
             paths.append((path, f"score vs budget: {task}"))
         doc.images(paths)
+
+    def _selection_sweep_section(self, doc: Document) -> None:
+        """NSA's selection cut at inference: one curve per NSA checkpoint that ran at several top-n,
+        the other models of each task (full attention, the baselines at their budget) as lines."""
+        sweeps = defaultdict(dict)  # pretrained -> {top-n: model}
+        for model in self.models:
+            spec = self.run.model_spec(model)
+            n = self._num_selected(model)
+            if spec["attention"] == "nsa" and n is not None:
+                sweeps[spec["pretrained"]].setdefault(n, model)
+        sweeps = {p: dict(sorted(by_n.items())) for p, by_n in sweeps.items() if len(by_n) > 1}
+        if not sweeps:
+            return
+        swept = {m for by_n in sweeps.values() for m in by_n.values()}
+        doc.heading("NSA's selection budget")
+        doc.para("The same NSA checkpoint with its top-n (selected blocks per query, the forced initial "
+                 "and local blocks included) cut at inference; every other model of the task as a "
+                 "dashed line. How far can selection be cut before the score goes?")
+        paths = []
+        for task in self.tasks:
+            curves = {}
+            for pretrained, by_n in sweeps.items():
+                points = [(n, s) for n, m in by_n.items() if (s := self._average(m, task)) is not None]
+                if len(points) > 1:
+                    curves[f"{Path(pretrained).name} (NSA)" if len(sweeps) > 1 else "NSA"] = points
+            if not curves:
+                continue
+            refs = {m: v for m in self.models_of(task)
+                    if m not in swept and (v := self._average(m, task)) is not None}
+            path = self.out / "figures" / f"selection_{slug(task)}.png"
+            budget_plot(curves, refs, task, "score", path, xlabel="selected blocks per query (top-n)")
+            paths.append((path, f"score vs NSA's top-n: {task}"))
+        doc.images(paths)
+        rows = []
+        for by_n in sweeps.values():
+            for n, model in by_n.items():
+                tokens = self._mean_activated_tokens(model)
+                rows.append([model, str(n), "" if tokens is None else f"{tokens:,.0f}"]
+                            + [_fmt(self._average(model, task)) for task in self.tasks])
+        doc.table(["model", "top-n", "activated tokens per query (mean)"] + self.tasks, rows,
+                  "Each setting's score per task; activated tokens are NSA's compressed, selected and "
+                  "window tokens, averaged over every query the model ran.")
+
+    def _num_selected(self, model: str) -> int | None:
+        """The top-n an NSA model ran with: as its statistics record it, else as its entry sets it."""
+        for cell in self.run.cells:
+            stats = (cell.results.get("nsa_eval") or {}).get("activated_tokens")
+            if cell.model == model and isinstance(stats, dict):
+                n = (stats.get("params") or {}).get("num_selected")
+                if isinstance(n, int):
+                    return n
+        n = (self.run.model_spec(model).get("params") or {}).get("num_selected")
+        return n if isinstance(n, int) else None
+
+    def _mean_activated_tokens(self, model: str) -> float | None:
+        """Activated tokens per query over all of the model's cells, weighted by their queries."""
+        total = count = 0.0
+        for cell in self.run.cells:
+            stats = (cell.results.get("nsa_eval") or {}).get("activated_tokens")
+            if cell.model == model and isinstance(stats, dict) and stats.get("queries"):
+                total += float(stats["mean"]) * stats["queries"]
+                count += stats["queries"]
+        return total / count if count else None
 
     # ------------------------------------------------------------ activated tokens
 

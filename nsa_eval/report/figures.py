@@ -1,4 +1,5 @@
-"""PNG figures: NIAH heatmaps (one per method, one colour scale) and score-vs-budget curves."""
+"""PNG figures: NIAH heatmaps (one per method, one colour scale) and score-vs-budget curves (the
+baselines' budgets, NSA's selected blocks)."""
 
 from __future__ import annotations
 
@@ -52,11 +53,12 @@ def niah_heatmap(grid: np.ndarray, lengths: list[int], depths: list[float], titl
 
 
 def budget_plot(curves: dict[str, list[tuple[int, float]]], references: dict[str, float], title: str,
-                ylabel: str, path: Path) -> Path:
-    """Score vs activated-token budget, one line per method; unbudgeted methods as dashed lines.
+                ylabel: str, path: Path, xlabel: str = "budget (activated tokens per query)") -> Path:
+    """Score vs budget, one line per method; methods run at one setting as dashed lines.
 
     Args:
-        curves: method -> [(budget, score), ...]; references: label -> score (full attention, NSA).
+        curves: method -> [(budget, score), ...], budget on a log2 axis (activated tokens per query,
+            or NSA's selected blocks per query); references: label -> score (full attention, NSA).
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.6, 3.6), dpi=110)
@@ -68,7 +70,7 @@ def budget_plot(curves: dict[str, list[tuple[int, float]]], references: dict[str
     ax.set_xscale("log", base=2)
     budgets = sorted({b for points in curves.values() for b, _ in points})
     ax.set_xticks(budgets, [str(b) for b in budgets])
-    ax.set_xlabel("budget (activated tokens per query)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
