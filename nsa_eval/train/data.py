@@ -374,7 +374,8 @@ def heldout_retrieval_samples(corpus: Corpus, lengths: tuple[int, ...], n_per_le
         for j in range(n_per_length):
             depth = 100.0 * j / max(1, n_per_length - 1)
             seed = HELDOUT_SEED_OFFSET + i * 1000 + j
-            out.append(retrieval_segment(corpus.tokenizer, context, depth, seed, 1.0, pool_length))
+            out.append(retrieval_segment(corpus.tokenizer, context, depth, seed, answer_weight=1.0,
+                                         pool_length=pool_length))
     return out
 
 
