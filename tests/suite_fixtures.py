@@ -63,3 +63,25 @@ def tiny_suite_text(model_dir: Path, name: str = "tiny", methods: str = "[full, 
             gen_kwargs:
               max_gen_toks: 4
         {extra}""")
+
+
+def choice_task_yaml(task: str, data_file: Path) -> str:
+    """An lm-eval multiple-choice task over a JSONL file of {"q", "choices", "label"} rows, scored by acc."""
+    return textwrap.dedent(f"""\
+        task: {task}
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {data_file}
+        test_split: test
+        output_type: multiple_choice
+        doc_to_text: "{{{{q}}}}"
+        doc_to_choice: "{{{{choices}}}}"
+        doc_to_target: label
+        metric_list:
+          - metric: acc
+            aggregation: mean
+            higher_is_better: true
+        metadata:
+          version: 1.0
+        """)

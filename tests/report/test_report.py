@@ -16,7 +16,7 @@ from nsa_eval.errors import UsageError
 from nsa_eval.report import ReportBuilder, load_run, write_report
 from nsa_eval.report.builder import _interval
 from nsa_eval.report.protocol import documents
-from tests.suite_fixtures import make_tiny_llama
+from tests.suite_fixtures import choice_task_yaml, make_tiny_llama
 
 CHOICES = ["the", "quick", "dog", "fox"]
 LABELS = {"a": [1, 0, 0], "b": [0, 3, 3, 0, 1, 3, 2, 0, 3, 3, 0, 1]}
@@ -32,26 +32,7 @@ def _task_files(folder: Path) -> None:
             for i, label in enumerate(labels)
         ]
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (folder / f"rt_{name}.yaml").write_text(
-            textwrap.dedent(f"""\
-            task: rt_{name}
-            dataset_path: json
-            dataset_kwargs:
-              data_files:
-                test: {folder / f"{name}.jsonl"}
-            test_split: test
-            output_type: multiple_choice
-            doc_to_text: "{{{{q}}}}"
-            doc_to_choice: "{{{{choices}}}}"
-            doc_to_target: label
-            metric_list:
-              - metric: acc
-                aggregation: mean
-                higher_is_better: true
-            metadata:
-              version: 1.0
-            """)
-        )
+        (folder / f"rt_{name}.yaml").write_text(choice_task_yaml(f"rt_{name}", folder / f"{name}.jsonl"))
     for group, by_size in (("rt_pooled", "true"), ("rt_macro", "false")):
         (folder / f"{group}.yaml").write_text(
             textwrap.dedent(f"""\

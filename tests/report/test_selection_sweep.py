@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from nsa_eval.report import write_report
+from tests.suite_fixtures import choice_task_yaml
 
 N_DOCS = 12
 # documents each model answers right, NSA by label, the others by method: the trained top-n (8) as
@@ -52,24 +53,7 @@ def sweep_report(tmp_path_factory):
     (root / "tasks").mkdir()
     rows = [{"q": f"question {i}", "choices": ["yes", "no"], "label": 0} for i in range(N_DOCS)]
     (root / "tasks" / "yn.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "tasks" / "yn.yaml").write_text(textwrap.dedent(f"""\
-        task: sweep_yn
-        dataset_path: json
-        dataset_kwargs:
-          data_files:
-            test: {root / "tasks" / "yn.jsonl"}
-        test_split: test
-        output_type: multiple_choice
-        doc_to_text: "{{{{q}}}}"
-        doc_to_choice: "{{{{choices}}}}"
-        doc_to_target: label
-        metric_list:
-          - metric: acc
-            aggregation: mean
-            higher_is_better: true
-        metadata:
-          version: 1.0
-        """))
+    (root / "tasks" / "yn.yaml").write_text(choice_task_yaml("sweep_yn", root / "tasks" / "yn.jsonl"))
     suite = root / "suite.yaml"
     suite.write_text(textwrap.dedent("""\
         name: sweep_test
