@@ -10,6 +10,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`-n N`), each worker's torch takes its share of the cores, not all of them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
