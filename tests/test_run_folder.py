@@ -306,23 +306,20 @@ def tiny_model(tmp_path_factory):
 
 def test_ctrl_c_exits_130_with_two_lines_and_the_run_resumes(tiny_model, tmp_path):
     suite = tmp_path / "tiny.yaml"
-    # six cells of full attention: Ctrl-C lands after the first whatever the machine's load, and the
-    # five after it cannot all finish in the moment between
-    suite.write_text(tiny_suite_text(tiny_model, lengths="[128, 144, 160, 176, 192, 208]"))
-    n = 6
+    suite.write_text(tiny_suite_text(tiny_model))
     run_dir = tmp_path / "run"
-    # at the lowest priority, so that this process (polling) sees the first cell before the run can
-    # finish the other five, even with every core busy (CI runs tests in parallel workers)
-    command = [sys.executable, "-m", "nsa_eval", "run", str(suite), "--output", str(run_dir), "--no-report",
-               "--only", "full/*"]
-    proc = subprocess.Popen(["nice", "-n", "19", *command], cwd=tmp_path, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Ctrl-C's default action in the run, whatever this process inherited: a shell's background job
+    # ignores SIGINT, and an ignored signal stays ignored across exec (the run would finish every cell)
+    proc = subprocess.Popen([sys.executable, "-m", "nsa_eval", "run", str(suite), "--output", str(run_dir),
+                             "--no-report", "--only", "full/*"], cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
             if (run_dir / "cells").is_dir() and any(is_done(f) for f in (run_dir / "cells").iterdir()):
                 break
-            time.sleep(0.01)
+            time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the foreground process group
         _, err = proc.communicate(timeout=120)
     finally:
@@ -330,12 +327,12 @@ def test_ctrl_c_exits_130_with_two_lines_and_the_run_resumes(tiny_model, tmp_pat
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     done = [f for f in (run_dir / "cells").iterdir() if is_done(f)]
-    assert 1 <= len(done) < n, "Ctrl-C should land after the first cell and before the last"
+    assert 1 <= len(done) < 3, "Ctrl-C should land after the first cell and before the last"
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err
     lines = err.strip().splitlines()[-2:]
     assert lines[0].startswith("nsa-eval: interrupted during cell full/niah@")
-    assert lines[0].endswith(f"{len(done)} of {n} cells are done and kept in {run_dir}")
+    assert lines[0].endswith(f"{len(done)} of 3 cells are done and kept in {run_dir}")
     assert lines[1] == "nsa-eval: run the same command again to resume (the cell in flight starts over)"
     summary = run_suite(load_suite(suite), run_dir, only="full/*", progress=False)
-    assert (summary.computed, summary.skipped, summary.recomputed) == (n - len(done), len(done), [])
+    assert (summary.computed, summary.skipped, summary.recomputed) == (3 - len(done), len(done), [])
