@@ -215,6 +215,29 @@ def _cut_span(cut):
 
 
 @triton.jit
+def _float_key(x):
+    # int32 keys ordered like the float32 values x, -0 as +0 (the keep rule's compares hold them equal):
+    # a negative float's magnitude bits flipped
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _kth_key(key, weight, want):
+    # per row of key [BR, BC] int32: the largest k with sum(weight where key >= k) >= want [BR], the
+    # want-th largest key with each entry counted weight times (0: not at all). A binary search over the
+    # key's bits, the sign first, by compares and row sums alone: the same code under the interpreter and
+    # on the GPU (no histogram lowering to trust). A row whose weights never reach want gets INT_MIN.
+    reach = tl.sum(tl.where(key >= 0, weight, 0), 1)
+    thr = tl.where(reach >= want, 0, -2147483648)
+    for i in tl.static_range(31):
+        step = thr | (1 << (30 - i))
+        reach = tl.sum(tl.where(key >= step[:, None], weight, 0), 1)
+        thr = tl.where(reach >= want, step, thr)
+    return thr
+
+
+@triton.jit
 def _store_out(O, m_i, l_i, acc, i_b, i_h, r_t, m_r, so_b, so_h, so_t, DV: tl.constexpr, BDV: tl.constexpr):
     # a program's rows' attention output (0 for a row that kept nothing)
     o, _ = softmax_result(m_i, l_i, acc)

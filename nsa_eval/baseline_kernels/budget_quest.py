@@ -64,7 +64,9 @@ from .budget_attention import (
     INT_MAX,
     _config,
     _dense_tile,
+    _float_key,
     _grouped_scores,
+    _kth_key,
     _load_queries,
     _masked_start,
     _near,
@@ -144,28 +146,15 @@ def page_bounds(q, key_min, key_max, *, t_base: int, n: int, pages: int):
 # 2. The kept pages of each row
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _partial_page(h, c, key, thr, shift: tl.constexpr, MATCH: tl.constexpr, PS: tl.constexpr):
-    # the radix histogram h [BR, 256] (candidates a byte, PS a page) less what a partly filled page (c
-    # candidates, key) lacks, where it matches the bytes fixed so far (MATCH: some are)
-    hit = c > 0
-    if MATCH:
-        hit = hit & ((key >> (shift + 8)) == (thr >> (shift + 8)))
-    byte = ((key >> shift) & 255).to(tl.int32)
-    return h - tl.where(hit[:, None] & (tl.arange(0, 256)[None, :] == byte[:, None]), PS - c[:, None], 0)
-
-
-@triton.jit
 def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, budget,
                         PS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     # `quest_page_select` in one pass over the bounds: BR rows a program of BND `[B * Hq, n, Pc]` float32
     # (`page_bounds` of n queries at positions p0 .., their pages up to the last one). Row r = (bh, t)
     # writes its page mask to BITS `[B * Hq, L, W]` row (bh, t_off + t) (words past BC // 32 untouched:
     # the caller zeroes them) and its cut to CUT `[B * Hq, L]`. The picks-th candidate in (bound
-    # descending, page ascending) order: the bounds map to uint32 keys ordered like the floats, and a
-    # radix select fixes the threshold's key one byte a pass (the largest key with at least `picks`
-    # candidates at or above it), from a histogram of the byte among the pages that match the bytes fixed
-    # so far, each page weighted by its candidates: PS each, less for the two pages where the
-    # candidates begin (the sink's) and end (the last candidate's), corrected after the count.
+    # descending, page ascending) order: the bounds map to int32 keys ordered like the floats, and
+    # `_kth_key` finds the largest key with at least `picks` candidates at or above it, each page
+    # weighted by its candidates (PS, fewer where the sink's candidates begin and the last one ends).
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
     m_r = o_r < R
     t = o_r % n
@@ -178,34 +167,9 @@ def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, 
     c = tl.maximum(c, 0).to(tl.int32)  # [BR, BC] candidates of each page
     valid = m_r[:, None] & (o_c < Pc)[None, :] & (c > 0)
     c = tl.where(valid, c, 0)
-    x = tl.load(BND + o_r[:, None] * Pc + o_c[None, :], mask=valid, other=float("-inf")) + 0.0  # -0 -> +0
-    bits = x.to(tl.int32, bitcast=True)
-    # uint32 keys ordered like the floats: negative floats' magnitude bits flipped, then the sign bit
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
-    bins = (tl.arange(0, BR) * 256)[:, None]  # each row's 256 bins in one histogram
-    o_d = tl.arange(0, 256)
-    first_pg = tl.zeros([BR], tl.int32) + sink // PS  # [BR] the pages a row's candidates may fill in part
-    last_pg = tl.maximum(hi_c, 0) // PS
-    c_first = tl.sum(tl.where(o_c[None, :] == first_pg[:, None], c, 0), 1)  # [BR]
-    c_last = tl.sum(tl.where(o_c[None, :] == last_pg[:, None], c, 0), 1) * (last_pg != first_pg)
-    k_first = tl.sum(tl.where(o_c[None, :] == first_pg[:, None], key, 0), 1)
-    k_last = tl.sum(tl.where(o_c[None, :] == last_pg[:, None], key, 0), 1)
-    thr = tl.zeros([BR], tl.uint32)
-    want = picks  # candidates still to take at or below the bytes fixed so far
-    for i in tl.static_range(4):
-        shift = 24 - 8 * i
-        match = valid
-        if i > 0:
-            match = valid & ((key >> (shift + 8)) == (thr >> (shift + 8))[:, None])
-        digit = ((key >> shift) & 255).to(tl.int32)
-        h = tl.histogram(tl.reshape(bins + digit, [BR * BC]), BR * 256, mask=tl.reshape(match, [BR * BC]))
-        h = tl.reshape(h, [BR, 256]) * PS  # [BR, 256] candidates, were every page full
-        h = _partial_page(h, c_first, k_first, thr, shift, i > 0, PS)
-        h = _partial_page(h, c_last, k_last, thr, shift, i > 0, PS)
-        at_least = tl.sum(h, 1)[:, None] - tl.cumsum(h, 1) + h  # [BR, 256] candidates with this byte or above
-        byte = tl.sum((at_least >= want[:, None]).to(tl.int32), 1) - 1  # [BR]
-        want -= tl.sum(tl.where(o_d[None, :] > byte[:, None], h, 0), 1)
-        thr = thr | (byte.to(tl.uint32) << shift)
+    x = tl.load(BND + o_r[:, None] * Pc + o_c[None, :], mask=valid, other=float("-inf"))
+    key = _float_key(x)
+    thr = _kth_key(key, c, picks)
     above = valid & (key > thr[:, None])
     need = picks - tl.sum(tl.where(above, c, 0), 1)  # candidates still to take at the threshold
     tied = valid & (key == thr[:, None])

@@ -8,8 +8,8 @@ shapes and the keep rule `s > thr or (s == thr and j <= cut)`).
    attention (`budget_attention._tile_scores`: same tiles, same `dot`, bit-identical scores), counts
    those above `hi` and writes those within the bracket, with their positions, to a per-row buffer of
    `cap` slots in key order (each tile's slots by one MMA of its 0/1 matrix against a triangle of ones);
-3. `_select_kernel`, an exact select over that buffer: a radix select over the scores' bits, one byte a
-   pass, by per-row histograms (ties to the lower position, as a stable sort: `select_in_buffer_reference`).
+3. `_select_kernel`, an exact select over that buffer: a binary search over the scores' bits, by
+   per-row counts (ties to the lower position, as a stable sort: `select_in_buffer_reference`).
 A row whose bracket misses (fewer than `picks` above `lo`, more above `hi`, or more than `cap` inside)
 is reported `failed`; the caller computes those queries with the reference path.
 
@@ -32,6 +32,8 @@ from nsa_eval.kernels._triton_utils import cdiv, dot, group_rows, interpreting, 
 from .budget_attention import (
     INT_MAX,
     _config,
+    _float_key,
+    _kth_key,
     _load_queries,
     _s,
     _tile_ranges,
@@ -149,12 +151,11 @@ def _select_kernel(BUF, N_IN, NEED, THR, CUT, R, CAP, BR: tl.constexpr, BC: tl.c
     # (1-based, NEED in 1..N_IN) in (score descending, slot ascending) order: THR its score and, with
     # POS, CUT its position, or INT_MAX where every entry tied at THR is taken. BUF holds float32 scores,
     # or with POS int64 entries `score bits << 32 | position` (`_collect_kernel`'s). Scores map to
-    # uint32 keys ordered like the floats; a radix select fixes the threshold's key one byte a pass,
-    # from a histogram of the byte among the row's entries that match the bytes fixed so far.
+    # int32 keys ordered like the floats, and `_kth_key` finds the NEED-th largest.
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
     m_r = o_r < R
     n = tl.minimum(tl.load(N_IN + o_r, mask=m_r, other=0), CAP)
-    want = tl.load(NEED + o_r, mask=m_r, other=1)  # entries still to take at or below the fixed bytes
+    want = tl.load(NEED + o_r, mask=m_r, other=1)
     o_c = tl.arange(0, BC)
     m = m_r[:, None] & (o_c[None, :] < n[:, None])  # [BR, BC]
     at = o_r[:, None] * CAP + o_c[None, :]
@@ -163,25 +164,10 @@ def _select_kernel(BUF, N_IN, NEED, THR, CUT, R, CAP, BR: tl.constexpr, BC: tl.c
         x = tl.where(m, (entry >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
     else:
         x = tl.load(BUF + at, mask=m, other=float("-inf"))
-    bits = (x + 0.0).to(tl.int32, bitcast=True)  # -0 as +0: the keep rule's compares hold them equal
-    # negative floats: magnitude bits flipped; then the sign bit, so that larger floats get larger keys
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
-    bins = (tl.arange(0, BR) * 256)[:, None]  # each row's 256 bins in one histogram
-    o_d = tl.arange(0, 256)
-    prefix = tl.zeros([BR], tl.uint32)
-    for i in tl.static_range(4):
-        shift = 24 - 8 * i
-        match = m
-        if i > 0:
-            match = m & ((key >> (shift + 8)) == (prefix >> (shift + 8))[:, None])
-        digit = ((key >> shift) & 255).to(tl.int32)
-        h = tl.histogram(tl.reshape(bins + digit, [BR * BC]), BR * 256, mask=tl.reshape(match, [BR * BC]))
-        h = tl.reshape(h, [BR, 256])
-        at_least = tl.sum(h, 1)[:, None] - tl.cumsum(h, 1) + h  # [BR, 256] entries with this byte or above
-        byte = tl.sum((at_least >= want[:, None]).to(tl.int32), 1) - 1  # [BR]
-        want -= tl.sum(tl.where(o_d[None, :] > byte[:, None], h, 0), 1)
-        prefix = prefix | (byte.to(tl.uint32) << shift)
-    tied = m & (key == prefix[:, None])
+    key = _float_key(x)
+    thr = _kth_key(key, m.to(tl.int32), want)
+    want -= tl.sum((m & (key > thr[:, None])).to(tl.int32), 1)  # entries to take at the threshold
+    tied = m & (key == thr[:, None])
     tl.store(THR + o_r, tl.max(tl.where(tied, x, float("-inf")), 1), mask=m_r)
     if POS:
         rank = tl.cumsum(tied.to(tl.int32), 1)
