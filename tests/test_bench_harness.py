@@ -74,8 +74,10 @@ def test_harness_times_every_method_beside_full_attention(tmp_path):
 def test_a_method_past_the_cap_is_reported_and_the_table_goes_on(tmp_path):
     """topk sleeps 6 s before every forward against a 5 s cap: its prefill stops after the first
     forward, is reported past the cap, and the figures it decides are skipped; quest's batch-2 decode
-    runs out of memory (raised as a GPU would) and its longer batch-2 figure is skipped; everything
+    runs out of memory (raised as a GPU would) and its longer batch-2 figure is skipped; h2o's first
+    forward raises another error, which its cell shows, and a later run measures again; everything
     else is measured."""
+    from nsa_eval.methods import BudgetExceededError
 
     def sleep(module, args):
         time.sleep(6.0)
@@ -84,11 +86,17 @@ def test_a_method_past_the_cap_is_reported_and_the_table_goes_on(tmp_path):
         if args[0].shape[0] == 2:
             raise torch.OutOfMemoryError("CUDA out of memory (the batch's cache does not fit)")
 
-    config = tiny(methods=("full", "topk", "quest"), lengths=(160, 192), decode_batches=(1, 2), cap_s=5.0)
+    def over_budget(module, args):
+        raise BudgetExceededError("layer 0: a query attended to 40 keys, over the budget of 32 (method h2o)\n"
+                                  "a second line")
+
+    config = tiny(methods=("full", "topk", "quest", "h2o"), lengths=(160, 192), decode_batches=(1, 2),
+                  cap_s=5.0)
     lines = []
     figures = by_key(run_harness(config, HarnessStore(tmp_path / "h"), log=lines.append,
-                                         load=loader({"topk": sleep, "quest": no_memory_at_batch_2})))
-    assert len(figures) == 3 * 2 * 3
+                                 load=loader({"topk": sleep, "quest": no_memory_at_batch_2,
+                                              "h2o": over_budget})))
+    assert len(figures) == 4 * 2 * 3
     prefill = figures[("prefill", "topk", 160, 1)]
     assert prefill.status == "timeout" and prefill.ms is None
     assert 6.0 <= prefill.seconds < 9.0  # stopped at the first check past the cap, not after every call
@@ -105,6 +113,13 @@ def test_a_method_past_the_cap_is_reported_and_the_table_goes_on(tmp_path):
     assert "| quest | OOM | skipped |" in report.split("Decode per token, batch 2")[1]
     assert "- topk decode at 160, batch 1: skipped, the batch-1 prefill ran past the cap at 160" in report
     assert any(line.startswith("[") and "topk 160 prefill, batch 1: timeout" in line for line in lines)
+    error = figures[("prefill", "h2o", 160, 1)]
+    assert error.status == "error" and error.ms is None and not error.settled(5.0)
+    assert error.note == "BudgetExceededError: layer 0: a query attended to 40 keys, over the budget of 32 " \
+                         "(method h2o)"
+    assert figures[("prefill", "h2o", 192, 1)].note == "the batch-1 prefill failed at 160"
+    assert "| h2o | error | skipped |" in report
+    assert "- h2o prefill at 160, batch 1: error, BudgetExceededError: layer 0: a query" in report
 
 
 class KilledAfter(HarnessStore):

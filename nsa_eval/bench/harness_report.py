@@ -31,8 +31,8 @@ def _cell(figure: Figure | None, value: float | None) -> str | None:
         return ""
     if figure.status == "OOM":
         return "OOM"
-    if figure.status == "skipped":
-        return "skipped"
+    if figure.status in ("skipped", "error"):
+        return figure.status
     if value is None:
         return f"> {figure.cap_s:g} s cap" if figure.status == "timeout" else ""
     return None
@@ -108,8 +108,8 @@ def markdown_report(figures: list[Figure], info: dict) -> str:
         "(nsa_eval/bench/floor.py gives each method's rule), at the copy bandwidth measured in the run; "
         "each decode figure is shown as a multiple of it.",
         "- Memory: GiB above the weights; the cache is what the prefill leaves allocated.",
-        "- `> N s cap`: the figure ran past its time cap; `OOM`: out of GPU memory; `skipped`: not run, "
-        "for the reason listed under the tables.",
+        "- `> N s cap`: the figure ran past its time cap; `OOM`: out of GPU memory; `error`: it raised "
+        "another error; `skipped`: not run; the errors and the reasons are listed under the tables.",
         "",
     ]
     for run in runs:
@@ -135,7 +135,7 @@ def markdown_report(figures: list[Figure], info: dict) -> str:
                                   lambda f: f.peak_gib, 2)
         lines += _compilations(tables)
     lines += _throughput(figures, info.get("aime"))
-    skipped = [f for f in figures if f.status == "skipped" or (f.status == "timeout" and f.note)]
+    skipped = [f for f in figures if f.status in ("skipped", "error") or (f.status == "timeout" and f.note)]
     if skipped:
         lines += ["Figures not measured in full:", ""]
         lines += [f"- {f.method} {f.kind} at {f.length}, batch {f.batch}: {f.status}, {f.note}"

@@ -246,17 +246,17 @@ def planned(config: HarnessConfig, method: str) -> list[tuple]:
 
 def skip_reason(key: tuple, figures: dict[tuple, Figure], cap_s: float) -> str:
     """Why the figure `key` need not run, given the figures so far ("" when it must run): a method whose
-    batch-1 prefill ran past the cap or out of memory at some length is neither prefilled nor decoded
-    from there on; a batch is not decoded past the length where it ran out of time or memory; and a
+    batch-1 prefill ran past the cap, out of memory or into an error at some length is neither prefilled
+    nor decoded from there on; a batch is not decoded past the length where it did so; and a
     batch whose prefill alone would take longer than the cap (batch x the batch-1 prefill) is not
     started."""
     kind, method, length, batch, _ = key
     if kind == "throughput":
         return ""
     for (k, m, t, b, _), f in figures.items():
-        if m != method or f.status not in ("timeout", "OOM"):
+        if m != method or f.status not in ("timeout", "OOM", "error"):
             continue
-        what = "ran past the cap" if f.status == "timeout" else "ran out of memory"
+        what = {"timeout": "ran past the cap", "OOM": "ran out of memory", "error": "failed"}[f.status]
         if k == "prefill" and (t < length or (t == length and kind == "decode")):
             return f"the batch-1 prefill {what} at {t}"
         if k == "decode" and kind == "decode" and b == batch and t < length:
@@ -322,15 +322,21 @@ def run_harness(config: HarnessConfig, store: HarnessStore, *, fresh: bool = Fal
                                     cap_s=config.cap_of(kind_), note=reason, new_tokens=key[4])
                 else:
                     log(f"[{clock.elapsed:7.1f} s] {label} ...")
-                    if kind_ == "prefill":
-                        figure, prefilled = measure_prefill(loaded, length, config)
-                        if ("decode", method, length, 1, None) not in todo:
+                    try:
+                        if kind_ == "prefill":
+                            figure, prefilled = measure_prefill(loaded, length, config)
+                            if ("decode", method, length, 1, None) not in todo:
+                                prefilled = None
+                        elif kind_ == "decode":
+                            figure = measure_decode(loaded, length, batch, config, bandwidth, prefilled)
                             prefilled = None
-                    elif kind_ == "decode":
-                        figure = measure_decode(loaded, length, batch, config, bandwidth, prefilled)
+                        else:
+                            figure = measure_throughput(loaded, config)
+                    except Exception as error:  # one method's failure is a cell of the table, not its end
+                        message = (str(error).strip().splitlines() or [""])[0][:200]
+                        figure = Figure(kind_, method, length, batch, status="error",
+                                        note=f"{type(error).__name__}: {message}", new_tokens=key[4])
                         prefilled = None
-                    else:
-                        figure = measure_throughput(loaded, config)
                     _free(device)
                 figures[key] = figure
                 store.append(figure)

@@ -28,7 +28,7 @@ from pathlib import Path
 from nsa_eval.errors import UsageError
 
 FILES = ("harness.json", "harness.csv", "harness.md")
-STATUSES = ("ok", "timeout", "OOM", "skipped")
+STATUSES = ("ok", "timeout", "OOM", "error", "skipped")
 
 
 @dataclass
@@ -70,7 +70,9 @@ class Figure:
 
     def settled(self, cap_s: float) -> bool:
         """Whether a new run under `cap_s` keeps this figure: measured, out of memory, or cut off by a
-        cap at least as long (a longer cap runs it again)."""
+        cap at least as long (a longer cap runs it again). A figure that raised an error runs again."""
+        if self.status == "error":
+            return False
         return self.status in ("ok", "OOM") or (self.cap_s is not None and self.cap_s >= cap_s)
 
 
