@@ -234,15 +234,13 @@ def test_gpu_timing_against_full_attention(method, T):
               f"of {failed.numel()}")
 
 
-@interpreter_only
-@pytest.mark.parametrize("positions", [True, False])
-def test_the_buffer_select_is_a_stable_sort(positions):
-    """Random buffers with repeated scores (ties), negative and positive, every `need` from 1 to n_in; the
-    entries as `collect` packs them (score bits above the position), or scores alone (the sample's)."""
+def check_buffer_select(positions: bool, rows: int, cap: int, device: str = "cpu"):
+    """Random buffers of `rows` x `cap` with repeated scores (ties), negative and positive, and `need` from 1
+    to n_in: `select_in_buffer` against its stable sort; the entries as `collect` packs them (score bits
+    above the position), or scores alone (the sample's)."""
     g = torch.Generator().manual_seed(4)
-    rows, cap = 24, 32
     buf_s = torch.randint(-6, 6, (rows, cap), generator=g).float() * 0.75
-    buf_s[::3] = torch.randn(8, cap, generator=g)
+    buf_s[::3] = torch.randn(len(range(0, rows, 3)), cap, generator=g)
     buf_s[1, :6] = torch.tensor([-0.0, 0.0, -math.inf, 1e-45, -1e-45, 0.0])  # signed zeros, -inf, denormals
     buf_s[2, :8] = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -0.0, 2.0, 0.0])
     buf_p = torch.arange(cap, dtype=torch.int32).expand(rows, cap) * 3 + 5
@@ -251,9 +249,24 @@ def test_the_buffer_select_is_a_stable_sort(positions):
     need = (torch.rand(rows, generator=g) * n_in).long() + 1
     need[2] = 4  # among the zeros of both signs, equal to the keep rule: ties in slot order
     buf = (buf_s.view(torch.int32).long() << 32) | buf_p.long() if positions else buf_s
+    buf, n_in, need = buf.to(device), n_in.to(device), need.to(device)
     thr, cut = bt.select_in_buffer(buf, n_in, need, positions=positions)
     thr_ref, cut_ref = bt.select_in_buffer_reference(buf, n_in, need, positions=positions)
     assert torch.equal(thr, thr_ref)
     if positions:
         assert torch.equal(cut, cut_ref)
         assert (cut == bt.INT_MAX).any() and (cut < bt.INT_MAX).any()  # both kinds of rows occur
+
+
+@interpreter_only
+@pytest.mark.parametrize("positions", [True, False])
+def test_the_buffer_select_is_a_stable_sort(positions):
+    check_buffer_select(positions, rows=24, cap=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "cap"), [(24, 32), (3000, 1024), (40, 4096)])
+@pytest.mark.parametrize("positions", [True, False])
+def test_gpu_buffer_select_is_a_stable_sort(positions, rows, cap):
+    """The same compiled: many rows a program at small caps, one at the largest."""
+    check_buffer_select(positions, rows, cap, device="cuda")

@@ -121,8 +121,8 @@ def kernel_select(q, k, *, sink, local, budget, page_size, step, L=None, bounds=
     bits, cut = [], []
     for l0 in range(0, T, L):
         n_l = min(L, T - l0)
-        b = torch.zeros(B, Hq, n_l, W, dtype=torch.int32)
-        c = torch.empty(B, Hq, n_l, dtype=torch.int32)
+        b = torch.zeros(B, Hq, n_l, W, dtype=torch.int32, device=q.device)
+        c = torch.empty(B, Hq, n_l, dtype=torch.int32, device=q.device)
         for t0 in range(l0, l0 + n_l, step):
             n = min(step, l0 + n_l - t0)
             Pc = (S - T + t0 + n - 1) // page_size + 1
@@ -145,6 +145,17 @@ def test_the_select_kernel_keeps_the_reference_selections_keys(case):
     `quest_page_select` (topk over pages, in PyTorch), in steps of 11 queries and launches of 24."""
     B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page = case
     q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=1)
+    bits, cut = kernel_select(q, k, sink=sink, local=local, budget=budget, page_size=page, step=11, L=24)
+    got = bq.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local, page_size=page)
+    assert torch.equal(got, selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_gpu_select_kernel_keeps_the_reference_selections_keys(case):
+    """The same compiled for the GPU."""
+    B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page = case
+    q, k, _ = (x.cuda() for x in qkv(B, Hq, Hkv, T, S, D, dtype, seed=1))
     bits, cut = kernel_select(q, k, sink=sink, local=local, budget=budget, page_size=page, step=11, L=24)
     got = bq.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local, page_size=page)
     assert torch.equal(got, selected_keep(q, k, sink=sink, local=local, budget=budget, page_size=page))
