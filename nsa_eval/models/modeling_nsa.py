@@ -80,6 +80,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+class LayerShared(dict):
+    """What every layer of one forward works out alike (the tokens' positions, the rotary tables), worked
+    out by the first layer that asks and reused by the rest: a decode step's dozens of small kernels for
+    them run once instead of once per layer."""
+
+    def get_or(self, key, compute):
+        if key not in self:
+            self[key] = compute()
+        return self[key]
+
+
 # --- compression: l raw tokens, d apart, -> one compressed key or value (paper Eq. 7) ---
 
 
@@ -157,17 +168,24 @@ class NSAAttention(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.Dk, self.config.rope_theta, dtype)
 
-    def compress(self, k_in: torch.Tensor, v_in: torch.Tensor, first_block: int | torch.Tensor):
-        """Inputs `[B, L, Hkv, D]` from block `first_block` (an int, or int64 `[1]` on the device) on
-        -> k_cmp, v_cmp `[B, Tc, Hkv, D]`."""
+    def compress(self, k_in: torch.Tensor, v_in: torch.Tensor, first_block: int | torch.Tensor,
+                 shared: LayerShared | None = None):
+        """Inputs `[B, L, Hkv, D]` from block `first_block` (an int, or int64 `[1]` on the device, the same
+        object for every layer of a forward) on -> k_cmp, v_cmp `[B, Tc, Hkv, D]`."""
         k_cmp, v_cmp = self.compress_k(k_in), self.compress_v(v_in)
         if self.config.compression == "mlp":  # rotate compressed key i at its first token, i * stride
-            block_ids = first_block + torch.arange(k_cmp.shape[1], device=k_cmp.device)
-            cos, sin = self.rope(block_ids * self.config.stride, k_cmp.dtype)
+            Tc = k_cmp.shape[1]
+
+            def tables():
+                block_ids = first_block + torch.arange(Tc, device=k_cmp.device)
+                return self.rope(block_ids * self.config.stride, k_cmp.dtype)
+
+            where = first_block if isinstance(first_block, int) else id(first_block)
+            cos, sin = (shared or LayerShared()).get_or(("rope of blocks", where, Tc, k_cmp.dtype), tables)
             k_cmp = apply_rope(k_cmp, cos, sin)
         return k_cmp, v_cmp
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, shared: LayerShared | None = None) -> dict:
         """Hidden states `[B, T, C]` at `positions` `[T]` -> every per-branch tensor the kernels need.
 
         All come out in the value projection's dtype: the model's, or autocast's under autocast. There
@@ -176,7 +194,7 @@ class NSAAttention(nn.Module):
         """
         B, T, _ = x.shape
         Hq, Hkv, Dk, Dv = self.Hq, self.Hkv, self.Dk, self.Dv
-        cos, sin = self.rope(positions, x.dtype)
+        cos, sin = (shared or LayerShared()).get_or(("rope", x.dtype), lambda: self.rope(positions, x.dtype))
         v = self.v_proj(x).view(B, T, Hkv, Dv)  # [B, T, Hkv, Dv]
         dtype = v.dtype
         q = apply_rope(self.q_proj(x).view(B, T, Hq, Dk), cos, sin).to(dtype)  # [B, T, Hq, Dk]
@@ -212,10 +230,11 @@ class NSAAttention(nn.Module):
         kwargs["window"] = max(kwargs["window"], 1)  # window 0 runs a 1-token window gated by 0
         return kwargs
 
-    def prefill(self, p: dict, cache: NSACache | None, rows: slice = slice(None)) -> torch.Tensor:
+    def prefill(self, p: dict, cache: NSACache | None, rows: slice = slice(None),
+                shared: LayerShared | None = None) -> torch.Tensor:
         """All T queries at once from position 0 (training, scoring, the prompt), written to the cache's
         batch rows `rows`: `[B, T, Hq, Dv]`."""
-        k_cmp, v_cmp = self.compress(p["k_cmp_in"], p["v_cmp_in"], 0)  # [B, Tc, Hkv, D]
+        k_cmp, v_cmp = self.compress(p["k_cmp_in"], p["v_cmp_in"], 0, shared)  # [B, Tc, Hkv, D]
         k_cmp, v_cmp = k_cmp.to(p["v"].dtype), v_cmp.to(p["v"].dtype)  # the MLP compressor may autocast
         if cache is not None:
             cache.prefill(self.layer_idx, {name: p[name] for name in CACHED}, k_cmp, v_cmp, rows)
@@ -230,7 +249,7 @@ class NSAAttention(nn.Module):
                                                self.config.select_size)  # [B, T, Hkv]
         return o
 
-    def decode(self, p: dict, cache: NSACache) -> torch.Tensor:
+    def decode(self, p: dict, cache: NSACache, shared: LayerShared | None = None) -> torch.Tensor:
         """T new queries after the cached tokens, one at a time through nsa_decode: `[B, T, Hq, Dv]`.
 
         On the GPU the Triton kernels read the whole buffers and take the length from the device, so a
@@ -243,7 +262,8 @@ class NSAAttention(nn.Module):
             step = {name: None if x is None else x[:, t : t + 1] for name, x in p.items()}
             where = cache.step(t, step["q"].device, B)  # position and rows, on this layer's GPU
             new = {name: step[name] for name in CACHED}
-            layer = cache.decode(self.layer_idx, where, new, self.compress)
+            layer = cache.decode(self.layer_idx, where, new,
+                                 lambda k_in, v_in, first: self.compress(k_in, v_in, first, shared))
             if step["q"].is_cuda and self.config.kernel_impl != "reference":
                 rows, rows_cmp = cache.capacity, cache.capacity_cmp
                 lens = where.lens
@@ -267,16 +287,21 @@ class NSAAttention(nn.Module):
             self.selected_tokens = torch.cat(counts, dim=1)  # [B, T, Hkv]
         return torch.cat(outputs, dim=1)  # [B, T, Hq, Dv]
 
-    def forward(self, x: torch.Tensor, cache: NSACache | None = None,
-                rows: slice = slice(None)) -> torch.Tensor:
-        """x `[B, T, C]` -> `[B, T, C]`; a prompt's keys/values go to the cache's batch rows `rows`."""
+    def forward(self, x: torch.Tensor, cache: NSACache | None = None, rows: slice = slice(None),
+                shared: LayerShared | None = None) -> torch.Tensor:
+        """x `[B, T, C]` -> `[B, T, C]`; a prompt's keys/values go to the cache's batch rows `rows`. `shared`:
+        what the forward's other layers worked out already (`LayerShared`)."""
         B, T, _ = x.shape
+        shared = LayerShared() if shared is None else shared
         if cache is None or cache.length == 0:
-            p = self.project(x, torch.arange(T, device=x.device))
-            o = self.prefill(p, cache, rows)  # [B, T, Hq, Dv]
+            positions = shared.get_or("positions", lambda: torch.arange(T, device=x.device))
+            p = self.project(x, positions, shared)
+            o = self.prefill(p, cache, rows, shared)  # [B, T, Hq, Dv]
         else:
-            p = self.project(x, cache.position.to(x.device) + torch.arange(T, device=x.device))
-            o = self.decode(p, cache)
+            positions = shared.get_or(
+                "positions", lambda: cache.position.to(x.device) + torch.arange(T, device=x.device))
+            p = self.project(x, positions, shared)
+            o = self.decode(p, cache, shared)
         del p  # every branch's keys/values of T tokens: freed before the output projection allocates
         return self.o_proj(o.reshape(B, T, self.Hq * self.Dv))  # [B, T, C]
 
@@ -341,9 +366,9 @@ class NSABlock(nn.Module):
         use_moe = config.num_experts > 0 and layer_idx >= config.first_dense_layers
         self.mlp = MoE(config) if use_moe else SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cache: NSACache | None = None,
-                rows: slice = slice(None)) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache, rows)
+    def forward(self, x: torch.Tensor, cache: NSACache | None = None, rows: slice = slice(None),
+                shared: LayerShared | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache, rows, shared)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -587,9 +612,9 @@ class NSAModel(NSAPreTrainedModel):
         normalised hidden states `[B, T, C]` and, when the layers count their selected blocks,
         `[layers, B, T, Hkv]` selected tokens (else None)."""
         per_block = self.layers[0].attn.counts_selected_blocks if len(self.layers) else False
-        selected = []
+        selected, shared = [], LayerShared()
         for layer in self.layers:
-            x = layer(x, cache, rows)
+            x = layer(x, cache, rows, shared)
             if per_block:
                 selected.append(layer.attn.selected_tokens)  # [B, T, Hkv]
                 layer.attn.selected_tokens = None

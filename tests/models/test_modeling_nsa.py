@@ -47,6 +47,33 @@ def test_prefill_equals_step_by_step_decode(layout):
             torch.testing.assert_close(inc, full, atol=2e-5, rtol=1e-4)
 
 
+def test_a_forward_computes_its_rotary_tables_once_for_every_layer():
+    """A prefill and a decode step compute cos/sin once for the tokens and once for the compressed blocks,
+    whatever the number of layers (on the GPU each is a handful of kernels a step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCos(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountCos.calls += func is torch.ops.aten.cos.default
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(0, 97, (1, 21))
+    for layers in (1, 3):
+        torch.manual_seed(0)
+        model = NSAForCausalLM(tiny_nsa_config(num_hidden_layers=layers)).eval()
+        with torch.no_grad():
+            CountCos.calls = 0
+            with CountCos():
+                cache = getattr(model(ids[:, :20], use_cache=True), CACHE_FIELD)
+            assert CountCos.calls == 2, layers  # the tokens', the compressed blocks'
+            CountCos.calls = 0
+            with CountCos():
+                model(ids[:, 20:], cache=cache)
+            assert CountCos.calls == 2, layers
+
+
 def test_cache_holds_what_prefill_computes():
     model = build("paper")
     ids = torch.randint(0, 97, (1, 30))
