@@ -94,6 +94,10 @@ class TrainConfig:
     # a checkpoint (bundled name or directory) whose weights start the run instead of a fresh
     # initialisation: continued pretraining at a longer context, as the paper's long-context stage
     init_from: str | None = None
+    # (n, steps): an NSA model selects n blocks a query for the first `steps` steps, then its own top-n
+    # (`model.num_selected`, which its evaluations and checkpoint use throughout). A continuation at a
+    # longer context otherwise rarely selects a far needle, and so rarely learns to attend to one.
+    wide_selection: tuple[int, int] | None = None
     mix: MixConfig = field(default_factory=MixConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -230,6 +234,10 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
 
     if cfg.steps is None and cfg.minutes is None:
         raise ValueError("give steps or minutes")
+    if cfg.wide_selection is not None and (cfg.attention != "nsa"
+                                           or cfg.wide_selection[0] < cfg.model.num_selected):
+        raise ValueError(f"wide_selection {cfg.wide_selection}: NSA runs only, with n >= the model's "
+                         f"num_selected ({cfg.model.num_selected})")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     saved = load_resume_state(out_dir) if resume else None
@@ -283,6 +291,7 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
 
     while step < total:
         t_step = time.perf_counter()
+        _train_selection(model, cfg, step)
         ids, weights = stream.get(step)
         ids = torch.from_numpy(ids).to(device, non_blocking=True)  # [B, T+1]
         weights = torch.from_numpy(weights).to(device, non_blocking=True)  # [B, T+1]
@@ -297,6 +306,7 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        _train_selection(model, cfg, None)  # evaluations, the resume state and the checkpoint: its own
 
         if calibrating and step <= cfg.calibration_steps + 2:
             _sync(device)
@@ -353,6 +363,13 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
     logger.close()
     (out_dir / RESUME_FILE).unlink(missing_ok=True)
     return summary
+
+
+def _train_selection(model, cfg: TrainConfig, step: int | None) -> None:
+    """An NSA model's top-n for training step `step` (`cfg.wide_selection`), or its own for None."""
+    if cfg.wide_selection is not None:
+        n, steps = cfg.wide_selection
+        model.config.num_selected = n if step is not None and step < steps else cfg.model.num_selected
 
 
 def _attention_inputs_in_bf16(model) -> None:

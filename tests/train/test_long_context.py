@@ -19,6 +19,7 @@ def test_the_window_ablation_pretrains_on_nsa_tinys_tokens(tmp_path):
     stages = {s.name: s for s in long_stages(tmp_path)}
     pretrain = json.loads(json.dumps(asdict(stages["nsa-nowindow-2k"].config)))
     assert pretrain.pop("init_from") is None
+    assert pretrain.pop("wide_selection") is None  # a field added after nsa-tiny was trained
     assert pretrain["model"].pop("window") == 0
     bundled["model"].pop("window")
     assert pretrain == bundled
@@ -33,6 +34,7 @@ def test_the_long_models_continue_on_identical_tokens(tmp_path):
     data = {(c.seed, c.seq_len, c.batch_size, c.steps, repr(c.mix)) for c in long}
     assert len(data) == 1 and {c.seq_len for c in long} == {LONG_CONTEXT} and LONG_CONTEXT >= 16384
     assert [c.model.window for c in long] == [256, 256, 0]
+    assert [c.wide_selection for c in long] == [(64, 800), None, (64, 800)]  # NSA's first third on 64 blocks
     assert all(c.model.max_position_embeddings >= 65536 for c in long)  # NIAH to 64k
 
 

@@ -77,6 +77,32 @@ def test_nsa_trains_a_few_steps(tiny_corpus, tmp_path):
     assert torch.isfinite(torch.tensor(summary["final_eval"]["heldout_loss"]))
 
 
+def test_wide_selection_trains_its_first_steps_on_more_blocks(tiny_corpus, tmp_path, monkeypatch):
+    """`wide_selection=(4, 2)`: steps 0-1 select 4 blocks a query and steps 2-3 the model's 3; every
+    evaluation (probes included) and the checkpoint use 3."""
+    from nsa_eval.models import modeling_nsa
+
+    plain, seen = modeling_nsa.nsa_attention, []
+
+    def recording(*args, **kwargs):
+        seen.append((torch.is_grad_enabled(), kwargs["num_selected"]))
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_nsa, "nsa_attention", recording)
+    summary = train(tiny_config("nsa", steps=4, num_evals=2, wide_selection=(4, 2)), tiny_corpus, tmp_path)
+    layers = 2
+    training = [n for grad, n in seen if grad]
+    assert training == [4] * (2 * layers) + [3] * (2 * layers)
+    assert {n for grad, n in seen if not grad} == {3}  # the evaluations at steps 0, 2 and 4
+    assert load_checkpoint(tmp_path / "checkpoint")[0].config.num_selected == 3
+    assert summary["config"]["wide_selection"] == [4, 2]
+    with pytest.raises(ValueError, match=r"wide_selection \(2, 2\): NSA runs only, with n >= the model's "
+                                         r"num_selected \(3\)"):
+        train(tiny_config("nsa", steps=1, wide_selection=(2, 2)), tiny_corpus, tmp_path / "narrow")
+    with pytest.raises(ValueError, match="NSA runs only"):
+        train(tiny_config("full", steps=1, wide_selection=(4, 2)), tiny_corpus, tmp_path / "full")
+
+
 def test_minutes_budget_fixes_the_step_count(tiny_corpus, tmp_path):
     cfg = replace(tiny_config("full"), steps=None, minutes=0.05, calibration_steps=2)
     summary = train(cfg, tiny_corpus, tmp_path)
