@@ -235,6 +235,15 @@ def test_nsa_attention_triton_gradients(gate_in_branches):
                                  gate_in_branches=gate_in_branches)
 
 
+def test_nsa_attention_with_the_long_recipes_wide_start():
+    """The long recipe's NSA heads (8 query and 4 KV heads of 32) with its first steps' 64 selected blocks
+    (`TrainConfig.wide_selection`: the top-k's arg-max path, past the lean filter's 32) and window 256, at
+    8k: blocks, output and gradients against the float32 reference."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    assert_nsa_matches_reference(with_gates(make(1, 8192, 8, 4, 32, grad=True), g), g,
+                                 params=dict(num_selected=64, window=256))
+
+
 NSA_ARGS = ["q", "k", "v", "k_cmp", "v_cmp", "g_cmp", "g_slc", "g_swa"]  # nsa_attention's, in order
 
 
@@ -246,16 +255,17 @@ def with_gates(x, g):
     return x
 
 
-def assert_nsa_matches_reference(x, g, **options):
-    """nsa_attention(impl="triton", **options) on x against the float32 reference: blocks, output and
-    the gradients of every input; returns the output."""
+def assert_nsa_matches_reference(x, g, params=None, **options):
+    """nsa_attention(impl="triton", **params, **options) on x against the float32 reference with `params`:
+    blocks, output and the gradients of every input; returns the output."""
     from nsa_eval import kernels
 
+    params = params or {}
     x32 = {n: t.detach().float().requires_grad_() for n, t in x.items()}
     o, idx = kernels.nsa_attention(*[x[n] for n in NSA_ARGS], impl="triton", return_block_indices=True,
-                                   **options)
+                                   **params, **options)
     o_ref, idx_ref = kernels.nsa_attention(*[x32[n] for n in NSA_ARGS], impl="reference",
-                                           return_block_indices=True)
+                                           return_block_indices=True, **params)
     # near-ties may pick other blocks in bf16: few rows, so the whole-tensor errors stay small
     assert (idx != idx_ref).any(-1).float().mean() < 0.01
     assert rel_err(o, o_ref) < BF16_TOL
