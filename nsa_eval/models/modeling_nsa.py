@@ -181,7 +181,8 @@ class NSAAttention(nn.Module):
                 return self.rope(block_ids * self.config.stride, k_cmp.dtype)
 
             where = first_block if isinstance(first_block, int) else id(first_block)
-            cos, sin = (shared or LayerShared()).get_or(("rope of blocks", where, Tc, k_cmp.dtype), tables)
+            shared = LayerShared() if shared is None else shared  # an empty one is falsy: no `or`
+            cos, sin = shared.get_or(("rope of blocks", where, Tc, k_cmp.dtype), tables)
             k_cmp = apply_rope(k_cmp, cos, sin)
         return k_cmp, v_cmp
 
@@ -194,7 +195,8 @@ class NSAAttention(nn.Module):
         """
         B, T, _ = x.shape
         Hq, Hkv, Dk, Dv = self.Hq, self.Hkv, self.Dk, self.Dv
-        cos, sin = (shared or LayerShared()).get_or(("rope", x.dtype), lambda: self.rope(positions, x.dtype))
+        shared = LayerShared() if shared is None else shared
+        cos, sin = shared.get_or(("rope", x.dtype), lambda: self.rope(positions, x.dtype))
         v = self.v_proj(x).view(B, T, Hkv, Dv)  # [B, T, Hkv, Dv]
         dtype = v.dtype
         q = apply_rope(self.q_proj(x).view(B, T, Hq, Dk), cos, sin).to(dtype)  # [B, T, Hq, Dk]

@@ -7,7 +7,13 @@ import torch
 
 from nsa_eval.models import cache_nsa
 from nsa_eval.models.cache_nsa import NSACache, num_compressed
-from nsa_eval.models.modeling_nsa import CACHE_FIELD, NSAForCausalLM, activated_tokens, selected_tokens
+from nsa_eval.models.modeling_nsa import (
+    CACHE_FIELD,
+    LayerShared,
+    NSAForCausalLM,
+    activated_tokens,
+    selected_tokens,
+)
 from tests.models.conftest import tiny_nsa_config
 
 LAYOUTS = {
@@ -72,6 +78,9 @@ def test_a_forward_computes_its_rotary_tables_once_for_every_layer():
             with CountCos():
                 model(ids[:, 20:], cache=cache)
             assert CountCos.calls == 2, layers
+    shared = LayerShared()
+    model.model.layers[0].attn.project(torch.randn(1, 3, 32), torch.arange(3), shared)
+    assert ("rope", torch.float32) in shared  # an empty memo is filled, not replaced by a new one
 
 
 def test_cache_holds_what_prefill_computes():
