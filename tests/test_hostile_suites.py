@@ -107,9 +107,10 @@ def checkpoint_config(text: str) -> Callable[[Path], None]:
     return make
 
 
-def remote_code_checkpoint(root: Path) -> None:
-    """A model transformers does not know, whose config.json points at code beside it (which must not run)."""
-    checkpoint_config('{"model_type": "my_custom_lm", "max_position_embeddings": 4096, "auto_map": '
+def remote_code_checkpoint(root: Path, model_type_key: str = '"model_type": "my_custom_lm", ') -> None:
+    """A model transformers does not know, whose config.json points at code beside it (which must not run);
+    `model_type_key` is its config.json's model_type as JSON, empty for none."""
+    checkpoint_config('{' + model_type_key + '"max_position_embeddings": 4096, "auto_map": '
                       '{"AutoConfig": "configuration_mine.MyConfig", '
                       '"AutoModelForCausalLM": "modeling_mine.MyModel"}}')(root)
     for module in ("configuration_mine.py", "modeling_mine.py"):
@@ -191,6 +192,22 @@ CASES = {
                    "pretrained: @ROOT@/ckpt"),
         "ckpt/config.json: transformers @VERSION@ has no model_type 'my_custom_lm', so the checkpoint "
         "cannot load"),
+    "a checkpoint of remote code (auto_map) without model_type": (
+        with_files(lambda root: remote_code_checkpoint(root, ""), "pretrained: full-tiny",
+                   "pretrained: @ROOT@/ckpt"),
+        "ckpt/config.json: no model_type, which transformers @VERSION@ needs to know what model it is; its "
+        "auto_map names remote code (configuration_mine.MyConfig, modeling_mine.MyModel), which nsa-eval "
+        "does not run"),
+    "a config.json without model_type": (
+        with_files(checkpoint_config('{"max_position_embeddings": 4096}'), "pretrained: full-tiny",
+                   "pretrained: @ROOT@/ckpt"),
+        "ckpt/config.json: no model_type, which transformers @VERSION@ needs to know what model it is, so "
+        "the checkpoint cannot load"),
+    "a model_type with no causal LM": (
+        with_files(checkpoint_config('{"model_type": "t5"}'), "pretrained: full-tiny",
+                   "pretrained: @ROOT@/ckpt"),
+        "ckpt/config.json: transformers @VERSION@ has no causal LM (AutoModelForCausalLM) for model_type "
+        "'t5', so the checkpoint cannot load"),
     # folders nsa-eval must not write in
     "output: / (the filesystem root)": (
         replace("output: @ROOT@/run", "output: /"),
@@ -286,7 +303,8 @@ def test_a_hostile_suite_is_refused_by_validate(case, tmp_path, capsys, monkeypa
 
 @pytest.mark.parametrize("case", ["report: a folder of the user's", "output: '' (the current directory)",
                                   "report: / (the filesystem root)", "billion laughs in params",
-                                  "a checkpoint of remote code (auto_map)"])
+                                  "a checkpoint of remote code (auto_map)",
+                                  "a checkpoint of remote code (auto_map) without model_type"])
 def test_run_refuses_them_too_before_anything_is_written(case, tmp_path, capsys, monkeypatch, no_hang):
     monkeypatch.chdir(tmp_path)
     edit, message = CASES[case]
