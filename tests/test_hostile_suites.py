@@ -319,6 +319,32 @@ def test_run_refuses_them_too_before_anything_is_written(case, tmp_path, capsys,
         assert (tmp_path / "mine" / "report.md").read_text() == "my notes"
 
 
+def test_validate_never_offers_to_run_a_tokenizers_remote_code(tmp_path, capsys, monkeypatch):
+    """The NIAH fit check loads the tokenizer; one whose tokenizer_config.json maps AutoTokenizer to
+    code beside it would make transformers ask on stdin and run that code on a yes."""
+    import json
+    import shutil
+
+    from nsa_eval.models.loading import CHECKPOINTS_DIR
+
+    prompts: list = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": prompts.append(prompt) or "y")
+    ckpt = shutil.copytree(CHECKPOINTS_DIR / "full-tiny", tmp_path / "ckpt")
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(
+        config | {"tokenizer_class": "MyTokenizer",
+                  "auto_map": {"AutoTokenizer": ["tokenization_mine.MyTokenizer", None]}}))
+    (ckpt / "tokenization_mine.py").write_text("raise SystemExit('remote code ran')\n")
+    # 134 tokens leave 2 beside a 128-token prompt and 4 new ones, so the tokenizer is measured
+    path = write_suite(tmp_path, replace("pretrained: full-tiny", f"pretrained: {ckpt}, max_length: 134"))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"nsa-eval: error: {path}: tasks[0] (nsa_niah) on models (entry 'full'): cannot "
+                          f"measure the NIAH prompt's framing with {ckpt}'s tokenizer (The repository "
+                          f"{ckpt} contains custom code"), err
+    assert len(err.splitlines()) == 1 and prompts == []
+
+
 def test_a_suite_file_that_is_a_fifo_is_refused(tmp_path, capsys, no_hang):
     os.mkfifo(tmp_path / "suite.yaml")
     assert main(["validate", str(tmp_path / "suite.yaml")]) == 2

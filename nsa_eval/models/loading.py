@@ -164,7 +164,8 @@ def _hub_config(name: str) -> dict:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(name).to_dict()  # online hub lookup
+        # online hub lookup; unset, trust_remote_code has transformers ask on stdin to run an auto_map's code
+        return AutoConfig.from_pretrained(name, trust_remote_code=False).to_dict()
     except (OSError, ValueError) as err:  # not on the hub, no network, offline mode, unknown model_type
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UsageError(
@@ -417,6 +418,8 @@ def _load(resolved: Resolved, dtype, device, device_map, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = _torch_dtype(dtype)
+    # unset, transformers asks on stdin whether to run an auto_map's code and runs it on a yes
+    kwargs.setdefault("trust_remote_code", False)
     if resolved.kind == "fla":
         from nsa_eval.models.convert_fla import load_fla_model
 
@@ -430,9 +433,11 @@ def _load(resolved: Resolved, dtype, device, device_map, **kwargs):
     if device_map is None and device is not None:
         model = model.to(device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path,
+                                                  trust_remote_code=kwargs["trust_remote_code"])
     except (OSError, ValueError) as err:
-        raise UsageError(f"{resolved.path}: no usable tokenizer ({err})") from None
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"{resolved.path}: no usable tokenizer ({reason})") from None
     return model.eval(), tokenizer
 
 
