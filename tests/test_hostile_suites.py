@@ -107,9 +107,10 @@ def checkpoint_config(text: str) -> Callable[[Path], None]:
     return make
 
 
-def remote_code_checkpoint(root: Path) -> None:
-    """A model transformers does not know, whose config.json points at code beside it (which must not run)."""
-    checkpoint_config('{"model_type": "my_custom_lm", "max_position_embeddings": 4096, "auto_map": '
+def remote_code_checkpoint(root: Path, model_type_key: str = '"model_type": "my_custom_lm", ') -> None:
+    """A model transformers does not know, whose config.json points at code beside it (which must not run);
+    `model_type_key` is its config.json's model_type as JSON, empty for none."""
+    checkpoint_config('{' + model_type_key + '"max_position_embeddings": 4096, "auto_map": '
                       '{"AutoConfig": "configuration_mine.MyConfig", '
                       '"AutoModelForCausalLM": "modeling_mine.MyModel"}}')(root)
     for module in ("configuration_mine.py", "modeling_mine.py"):
@@ -191,6 +192,22 @@ CASES = {
                    "pretrained: @ROOT@/ckpt"),
         "ckpt/config.json: transformers @VERSION@ has no model_type 'my_custom_lm', so the checkpoint "
         "cannot load"),
+    "a checkpoint of remote code (auto_map) without model_type": (
+        with_files(lambda root: remote_code_checkpoint(root, ""), "pretrained: full-tiny",
+                   "pretrained: @ROOT@/ckpt"),
+        "ckpt/config.json: no model_type, which transformers @VERSION@ needs to know what model it is; its "
+        "auto_map names remote code (configuration_mine.MyConfig, modeling_mine.MyModel), which nsa-eval "
+        "does not run"),
+    "a config.json without model_type": (
+        with_files(checkpoint_config('{"max_position_embeddings": 4096}'), "pretrained: full-tiny",
+                   "pretrained: @ROOT@/ckpt"),
+        "ckpt/config.json: no model_type, which transformers @VERSION@ needs to know what model it is, so "
+        "the checkpoint cannot load"),
+    "a model_type with no causal LM": (
+        with_files(checkpoint_config('{"model_type": "t5"}'), "pretrained: full-tiny",
+                   "pretrained: @ROOT@/ckpt"),
+        "ckpt/config.json: transformers @VERSION@ has no causal LM (AutoModelForCausalLM) for model_type "
+        "'t5', so the checkpoint cannot load"),
     # folders nsa-eval must not write in
     "output: / (the filesystem root)": (
         replace("output: @ROOT@/run", "output: /"),
@@ -286,7 +303,8 @@ def test_a_hostile_suite_is_refused_by_validate(case, tmp_path, capsys, monkeypa
 
 @pytest.mark.parametrize("case", ["report: a folder of the user's", "output: '' (the current directory)",
                                   "report: / (the filesystem root)", "billion laughs in params",
-                                  "a checkpoint of remote code (auto_map)"])
+                                  "a checkpoint of remote code (auto_map)",
+                                  "a checkpoint of remote code (auto_map) without model_type"])
 def test_run_refuses_them_too_before_anything_is_written(case, tmp_path, capsys, monkeypatch, no_hang):
     monkeypatch.chdir(tmp_path)
     edit, message = CASES[case]
@@ -299,6 +317,32 @@ def test_run_refuses_them_too_before_anything_is_written(case, tmp_path, capsys,
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     if (tmp_path / "mine").is_dir():
         assert (tmp_path / "mine" / "report.md").read_text() == "my notes"
+
+
+def test_validate_never_offers_to_run_a_tokenizers_remote_code(tmp_path, capsys, monkeypatch):
+    """The NIAH fit check loads the tokenizer; one whose tokenizer_config.json maps AutoTokenizer to
+    code beside it would make transformers ask on stdin and run that code on a yes."""
+    import json
+    import shutil
+
+    from nsa_eval.models.loading import CHECKPOINTS_DIR
+
+    prompts: list = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": prompts.append(prompt) or "y")
+    ckpt = shutil.copytree(CHECKPOINTS_DIR / "full-tiny", tmp_path / "ckpt")
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(
+        config | {"tokenizer_class": "MyTokenizer",
+                  "auto_map": {"AutoTokenizer": ["tokenization_mine.MyTokenizer", None]}}))
+    (ckpt / "tokenization_mine.py").write_text("raise SystemExit('remote code ran')\n")
+    # 134 tokens leave 2 beside a 128-token prompt and 4 new ones, so the tokenizer is measured
+    path = write_suite(tmp_path, replace("pretrained: full-tiny", f"pretrained: {ckpt}, max_length: 134"))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"nsa-eval: error: {path}: tasks[0] (nsa_niah) on models (entry 'full'): cannot "
+                          f"measure the NIAH prompt's framing with {ckpt}'s tokenizer (The repository "
+                          f"{ckpt} contains custom code"), err
+    assert len(err.splitlines()) == 1 and prompts == []
 
 
 def test_a_suite_file_that_is_a_fifo_is_refused(tmp_path, capsys, no_hang):

@@ -379,6 +379,81 @@ def test_nsa_attention_needs_an_nsa_checkpoint(tmp_path):
         check_suite(load_suite(path), check_tasks=False, check_data=False)
 
 
+def checkpoint_folder(root: Path, config: dict) -> Path:
+    """A checkpoint folder of config.json alone, with the Python files its auto_map names beside it:
+    importing one raises SystemExit, so a check that ran them would stop the test."""
+    import json
+
+    folder = root / "ckpt"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    for module in ("configuration_mine.py", "modeling_mine.py"):
+        (folder / module).write_text("raise SystemExit('remote code ran')\n")
+    return folder
+
+
+AUTO_MAP = {"AutoConfig": "configuration_mine.MyConfig", "AutoModelForCausalLM": "modeling_mine.MyModel"}
+REMOTE = ("; its auto_map names remote code (configuration_mine.MyConfig, modeling_mine.MyModel), which "
+          "nsa-eval does not run (no trust_remote_code)")
+
+
+def causal_lm_expected() -> str:
+    from transformers import __version__
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return (f"; expected a model_type transformers {__version__} loads as a causal LM without remote code "
+            f"({len(MODEL_FOR_CAUSAL_LM_MAPPING)} of them: llama, mistral, qwen2, gpt2, ...), nsa_eval or "
+            "fla's nsa")
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"model_type": "my_custom_lm", "auto_map": AUTO_MAP}, "transformers @V@ has no model_type 'my_custom_lm'"
+     + REMOTE),
+    ({"auto_map": AUTO_MAP}, "no model_type, which transformers @V@ needs to know what model it is" + REMOTE),
+    ({}, "no model_type, which transformers @V@ needs to know what model it is, so the checkpoint "
+         "cannot load"),
+    ({"model_type": "t5", "auto_map": {"AutoModelForCausalLM": "modeling_mine.MyModel"}},
+     "transformers @V@ has no causal LM (AutoModelForCausalLM) for model_type 't5'; its auto_map names "
+     "remote code (modeling_mine.MyModel), which nsa-eval does not run (no trust_remote_code)"),
+    ({"model_type": "t5"},
+     "transformers @V@ has no causal LM (AutoModelForCausalLM) for model_type 't5', so the checkpoint "
+     "cannot load"),
+], ids=["unknown model_type, auto_map", "no model_type, auto_map", "no model_type", "t5, auto_map", "t5"])
+def test_a_checkpoint_transformers_cannot_load_as_a_causal_lm_without_remote_code_is_refused(
+        tmp_path, config, problem):
+    """Each of these loads at `run` only by running the auto_map's code (which transformers would
+    offer on a prompt) or not at all; validate refuses it from config.json, naming the folder."""
+    from transformers import __version__
+
+    folder = checkpoint_folder(tmp_path, config)
+    path = write(tmp_path, BASE.replace("pretrained: smollm2-135m", f"pretrained: {folder}"))
+    with pytest.raises(UsageError) as err:
+        check_suite(load_suite(path), check_tasks=False, check_data=False)
+    assert str(err.value) == (f"{path}: models (entry 'full').pretrained: {folder}/config.json: "
+                              + problem.replace("@V@", __version__) + causal_lm_expected())
+
+
+def test_a_known_causal_lm_with_an_auto_map_passes_and_vllm_is_not_held_to_automodel(tmp_path):
+    """transformers loads a llama config with its own class and leaves the auto_map's code alone; a
+    vllm entry is not refused for a model_type AutoModelForCausalLM lacks (vllm has its own classes)."""
+    import importlib.util
+
+    folder = checkpoint_folder(tmp_path, {"model_type": "llama", "auto_map": AUTO_MAP})
+    path = write(tmp_path, BASE.replace("pretrained: smollm2-135m", f"pretrained: {folder}"))
+    check_suite(load_suite(path), check_tasks=False, check_data=False)
+    checkpoint_folder(tmp_path, {"model_type": "t5"})
+    vllm = write(tmp_path, f"""\
+        name: t
+        models: [{{pretrained: {folder}, attention: full, backend: vllm}}]
+        tasks: [nsa_niah]
+        """, "vllm.yaml")
+    if importlib.util.find_spec("vllm") is not None:
+        check_suite(load_suite(vllm), check_tasks=False, check_data=False)
+    else:
+        with pytest.raises(UsageError, match=r"models \(entry 'full'\).backend: vllm is not installed"):
+            check_suite(load_suite(vllm), check_tasks=False, check_data=False)
+
+
 def test_nsa_selection_budget_sweeps_through_params(tmp_path):
     """num_selected overrides the checkpoint's at load: one model variant (and cell key) per value; an
     entry without it keeps the keys it had before the key existed."""

@@ -164,7 +164,8 @@ def _hub_config(name: str) -> dict:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(name).to_dict()  # online hub lookup
+        # online hub lookup; unset, trust_remote_code has transformers ask on stdin to run an auto_map's code
+        return AutoConfig.from_pretrained(name, trust_remote_code=False).to_dict()
     except (OSError, ValueError) as err:  # not on the hub, no network, offline mode, unknown model_type
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UsageError(
@@ -343,29 +344,47 @@ def nsa_checkpoint_config(resolved: Resolved):
     return _config_object(Path(resolved.path))
 
 
-def check_builtin_model(resolved: Resolved) -> None:
-    """UsageError when a local checkpoint's config.json names a model_type transformers does not know:
+def check_builtin_model(resolved: Resolved, causal_lm: bool = True) -> None:
+    """UsageError when a local checkpoint's config.json names no model_type, one transformers does not
+    know, or (`causal_lm`, the hf backend's AutoModelForCausalLM) one it has no causal LM class for:
     it would load only through the Python code its `auto_map` names (remote code), which a suite
-    never runs, or not at all. Reads config.json only."""
-    if resolved.kind != "hf" or resolved.model_type is None or not Path(resolved.path).is_dir():
-        return  # no model_type: transformers guesses the class from the path, as at load
+    never runs, or not at all. vllm entries pass `causal_lm=False` (vllm has its own model classes).
+    Reads config.json only."""
+    if resolved.kind != "hf" or not Path(resolved.path).is_dir():
+        return
     from transformers import __version__ as transformers_version
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    if not isinstance(resolved.model_type, str) or resolved.model_type not in CONFIG_MAPPING:
-        config_file = Path(resolved.path) / "config.json"
-        known = f"transformers {transformers_version} has no model_type {resolved.model_type!r}"
-        auto_map = (local_config(resolved.path) or {}).get("auto_map")
-        if auto_map:
-            code = ", ".join(sorted({str(v) for v in (auto_map.values() if isinstance(auto_map, dict)
-                                                      else [auto_map])}))
-            raise UsageError(f"{config_file}: {known}; its auto_map names remote code ({code}), which "
-                             "nsa-eval does not run (no trust_remote_code); expected a model_type "
-                             f"transformers ships (llama, mistral, qwen2, ...), {NSA_MODEL_TYPE} or fla's "
-                             f"{FLA_MODEL_TYPE}")
-        raise UsageError(f"{config_file}: {known}, so the checkpoint cannot load; expected a model_type "
-                         f"transformers ships (llama, mistral, qwen2, ...), {NSA_MODEL_TYPE} or fla's "
-                         f"{FLA_MODEL_TYPE}")
+    model_type = resolved.model_type
+    known = isinstance(model_type, str) and model_type in CONFIG_MAPPING
+    # by config class, as AutoModelForCausalLM looks it up (a registered model_type included)
+    if known and (not causal_lm or CONFIG_MAPPING[model_type] in MODEL_FOR_CAUSAL_LM_MAPPING):
+        return
+    config_file = Path(resolved.path) / "config.json"
+    transformers = f"transformers {transformers_version}"
+    if model_type is None:  # transformers >= 5.17 (required) does not guess it from the folder name
+        problem = f"no model_type, which {transformers} needs to know what model it is"
+    elif not known:
+        problem = f"{transformers} has no model_type {model_type!r}"
+    else:
+        problem = f"{transformers} has no causal LM (AutoModelForCausalLM) for model_type {model_type!r}"
+    auto_map = (local_config(resolved.path) or {}).get("auto_map")
+    if auto_map:
+        values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+        names = {str(v) for value in values for v in (value if isinstance(value, list) else [value])
+                 if v is not None}
+        problem += (f"; its auto_map names remote code ({', '.join(sorted(names))}), which nsa-eval does "
+                    "not run (no trust_remote_code)")
+    else:
+        problem += ", so the checkpoint cannot load"
+    if causal_lm:
+        expected = (f"a model_type {transformers} loads as a causal LM without remote code ("
+                    f"{len(MODEL_FOR_CAUSAL_LM_MAPPING)} of them: llama, mistral, qwen2, gpt2, ...), "
+                    f"{NSA_MODEL_TYPE} or fla's {FLA_MODEL_TYPE}")
+    else:
+        expected = f"a model_type {transformers} ships (llama, mistral, qwen2, gpt2, ...)"
+    raise UsageError(f"{config_file}: {problem}; expected {expected}")
 
 
 def _torch_dtype(dtype: Any):
@@ -399,6 +418,8 @@ def _load(resolved: Resolved, dtype, device, device_map, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = _torch_dtype(dtype)
+    # unset, transformers asks on stdin whether to run an auto_map's code and runs it on a yes
+    kwargs.setdefault("trust_remote_code", False)
     if resolved.kind == "fla":
         from nsa_eval.models.convert_fla import load_fla_model
 
@@ -412,9 +433,11 @@ def _load(resolved: Resolved, dtype, device, device_map, **kwargs):
     if device_map is None and device is not None:
         model = model.to(device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path,
+                                                  trust_remote_code=kwargs["trust_remote_code"])
     except (OSError, ValueError) as err:
-        raise UsageError(f"{resolved.path}: no usable tokenizer ({err})") from None
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"{resolved.path}: no usable tokenizer ({reason})") from None
     return model.eval(), tokenizer
 
 

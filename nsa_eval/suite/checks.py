@@ -151,7 +151,7 @@ def _check_checkpoint(model: ModelSpec, key: str) -> None:
             resolved = loading.Resolved(path=model.pretrained, kind="hf", model_type="llama")
         else:
             resolved = loading.inspect_checkpoint(model.pretrained)
-            loading.check_builtin_model(resolved)
+            loading.check_builtin_model(resolved, causal_lm=model.backend == "hf")
         loading.check_attention(resolved, model.attention, model.budget or 0, model.sink or 0,
                                 model.local or 0)
     except UsageError as err:

@@ -180,11 +180,12 @@ def _named_tokenizer(name: str):
     """Loaded once per process: every NIAH and LongBench cell, and the suite's context check, ask."""
     from transformers import AutoTokenizer
 
+    # trust_remote_code=False: unset, transformers asks on stdin whether to run an auto_map's code
     if os.path.exists(name) or "/" in name:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
     from nsa_eval.models import resolve_checkpoint  # short names: the tokenizer files, not the weights
 
-    return AutoTokenizer.from_pretrained(resolve_checkpoint(name))
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(name), trust_remote_code=False)
 
 
 def framing_tokens(tokenizer, *, chat: bool = False, system_instruction: str | None = None,

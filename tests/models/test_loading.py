@@ -135,3 +135,42 @@ def test_fingerprint_follows_weights_config_and_tokenizer(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\1" * 64)
     prints.add(loading.checkpoint_fingerprint(tmp_path))
     assert len(prints) == 5
+
+
+@pytest.fixture
+def yes_to_every_prompt(monkeypatch) -> list:
+    """Answers yes on stdin (transformers' "run the custom code?" prompt) and records each question."""
+    prompts: list = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": prompts.append(prompt) or "y")
+    return prompts
+
+
+def test_a_load_never_offers_to_run_remote_code(tmp_path, tiny_llama_dir, yes_to_every_prompt):
+    """Left unset, trust_remote_code makes transformers ask on stdin and run an auto_map's code on a
+    yes: a load without it refuses instead, for the model's config.json and the tokenizer's files."""
+    import shutil
+
+    from nsa_eval.tasks import niah
+
+    ckpt = shutil.copytree(tiny_llama_dir, tmp_path / "ckpt")
+    for module in ("configuration_mine", "modeling_mine", "tokenization_mine"):
+        (ckpt / f"{module}.py").write_text("raise SystemExit('remote code ran')\n")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(
+        {k: v for k, v in config.items() if k != "model_type"}
+        | {"auto_map": {"AutoConfig": "configuration_mine.MyConfig",
+                        "AutoModelForCausalLM": "modeling_mine.MyModel"}}))
+    with pytest.raises(ValueError, match="contains custom code"):
+        load_pretrained(ckpt, dtype="float32")
+    (ckpt / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(
+        tokenizer_config | {"tokenizer_class": "MyTokenizer",
+                            "auto_map": {"AutoTokenizer": ["tokenization_mine.MyTokenizer", None]}}))
+    with pytest.raises(UsageError) as err:
+        load_pretrained(ckpt, dtype="float32")
+    assert str(err.value).startswith(f"{ckpt}: no usable tokenizer (The repository {ckpt} contains custom "
+                                     "code") and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="contains custom code"):
+        niah.load_tokenizer(str(ckpt))  # the NIAH and LongBench tasks' tokenizer, and validate's
+    assert yes_to_every_prompt == []
