@@ -55,6 +55,9 @@ def register(subparsers) -> None:
     p.add_argument("--layers", type=int, help="decoder layers of both models (default 6)")
     p.add_argument("--num-selected", type=int, help="NSA selection blocks per query, forced ones included")
     p.add_argument("--window", type=int, help="NSA sliding-window length in tokens (0: no window branch)")
+    p.add_argument("--compress-norm", action="store_true", default=None,
+                   help="NSA: an RMSNorm over the compressed keys, bounding the compression logits "
+                        "(not in the paper; docs/training.md)")
     p.add_argument("--retrieval-lengths", type=int, nargs="+", metavar="TOKENS",
                    help="NIAH context lengths of the retrieval rows (default: the recipe's)")
     p.add_argument("--retrieval-fraction", type=float, metavar="F",
@@ -211,6 +214,8 @@ def _validated_config(args):
                         ("kv_heads", "num_kv_heads"), ("layers", "num_layers")):
         if getattr(args, flag) is not None:
             cfg = replace(cfg, model=replace(cfg.model, **{field: getattr(args, flag)}))
+    if args.compress_norm:
+        cfg = replace(cfg, model=replace(cfg.model, compress_norm=True))
     if args.retrieval_lengths:
         cfg = replace(cfg, mix=replace(cfg.mix, retrieval_lengths=_retrieval_lengths(args, cfg)))
     if args.retrieval_fraction is not None:
@@ -235,7 +240,7 @@ def _validated_config(args):
 
 CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "retrieval_lengths",
                 "retrieval_fraction", "distractors", "head_dim", "kv_heads", "layers", "num_selected",
-                "window")
+                "window", "compress_norm")
 
 
 def _resumed_config(args, out: Path):

@@ -68,6 +68,10 @@ class NSAConfig(PretrainedConfig):
         window: int = 512,  # w: sliding window; 0 switches the window branch off (as fla's window_size=0)
         shared_kv: bool = False,  # False: separate keys/values per branch (paper); True: one set (fla)
         gate_hidden_size: int | None = None,  # None: one Linear (fla's g_proj); int: Linear-SiLU-Linear
+        # True: an RMSNorm (learned scale) over each compressed key before its rotation, which bounds the
+        # compression logits; without it they can grow until the softmax, and so the selection's
+        # importance, is one block and exact zeros (not in the paper; docs/training.md)
+        compress_norm: bool = False,
         kernel_impl: str = "auto",  # nsa_eval.kernels impl: "auto" (Triton on CUDA), "reference", "triton"
         # --- mixture of experts (DeepSeekMoE); num_experts=0 keeps a dense SwiGLU MLP ---
         num_experts: int = 0,  # routed experts
@@ -109,6 +113,7 @@ class NSAConfig(PretrainedConfig):
         self.window = window
         self.shared_kv = shared_kv
         self.gate_hidden_size = gate_hidden_size
+        self.compress_norm = bool(compress_norm)
         self.kernel_impl = kernel_impl
         self.num_experts = num_experts
         self.num_experts_per_tok = num_experts_per_tok

@@ -162,6 +162,7 @@ class NSAAttention(nn.Module):
             self.g_proj = nn.Linear(C, 3 * Hq, bias=False)
         self.compress_k = BlockCompressor(config, Dk)
         self.compress_v = BlockCompressor(config, Dv)
+        self.k_cmp_norm = RMSNorm(Dk, config.rms_norm_eps) if config.compress_norm else None
         self.o_proj = nn.Linear(Hq * Dv, C, bias=False)
         self.selected_tokens: torch.Tensor | None = None  # [B, T, Hkv] of the last call (num_local = 0)
 
@@ -173,6 +174,8 @@ class NSAAttention(nn.Module):
         """Inputs `[B, L, Hkv, D]` from block `first_block` (an int, or int64 `[1]` on the device, the same
         object for every layer of a forward) on -> k_cmp, v_cmp `[B, Tc, Hkv, D]`."""
         k_cmp, v_cmp = self.compress_k(k_in), self.compress_v(v_in)
+        if self.k_cmp_norm is not None:
+            k_cmp = self.k_cmp_norm(k_cmp)
         if self.config.compression == "mlp":  # rotate compressed key i at its first token, i * stride
             Tc = k_cmp.shape[1]
 

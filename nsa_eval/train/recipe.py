@@ -69,6 +69,7 @@ class ModelConfig:
     select_size: int = 64  # l'
     num_selected: int = 8  # n, including 1 initial + 2 local blocks
     window: int = 256  # w
+    compress_norm: bool = False  # an RMSNorm over the compressed keys (NSAConfig.compress_norm)
     kernel_impl: str = "auto"  # NSA kernels while training; checkpoints always say "auto"
 
 
@@ -156,6 +157,7 @@ def build_model(attention: str, model_config: ModelConfig, tokenizer):
             num_init=1,
             num_local=2,
             window=model_config.window,
+            compress_norm=model_config.compress_norm,
             kernel_impl=model_config.kernel_impl,
             **common,
         )

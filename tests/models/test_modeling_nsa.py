@@ -23,6 +23,7 @@ LAYOUTS = {
     "moe": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=16,
                 first_dense_layers=1),
     "mqa_dk_ne_dv": dict(num_key_value_heads=1, head_dim=12, v_head_dim=6),
+    "compress_norm": dict(compress_norm=True),
 }
 
 
@@ -129,6 +130,30 @@ def test_save_reload_identical_logits(tmp_path):
     ids = torch.randint(0, 97, (2, 21))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reloaded(ids).logits)
+
+
+def test_compress_norm_bounds_the_compressed_keys_and_survives_a_reload(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    plain, normed = build("paper"), build("compress_norm")
+    # off by default: the checkpoints saved before the option load as they did
+    assert not any("k_cmp_norm" in name for name, _ in plain.named_parameters())
+    attn = normed.model.layers[0].attn
+    with torch.no_grad():
+        for module in (plain.model.layers[0].attn, attn):
+            module.compress_k.fc2.weight.mul_(1000.0)  # what a long run did to nsa-long's compressor
+        k_in = torch.randn(1, 40, attn.Hkv, attn.Dk)
+        wild, _ = plain.model.layers[0].attn.compress(k_in, k_in, 0)
+        bounded, _ = attn.compress(k_in, k_in, 0)
+    rms = bounded.pow(2).mean(-1).sqrt()  # RoPE keeps each pair's norm, so the RMSNorm's 1 stays
+    assert torch.allclose(rms, torch.ones_like(rms), atol=1e-3)
+    assert wild.pow(2).mean(-1).sqrt().min() > 5 * rms.max()
+    normed.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.compress_norm and reloaded.model.layers[0].attn.k_cmp_norm is not None
+    ids = torch.randint(0, 97, (1, 40))
+    with torch.no_grad():
+        assert torch.equal(normed(ids).logits, reloaded(ids).logits)
 
 
 def test_greedy_generate_matches_argmax_loop():

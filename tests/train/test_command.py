@@ -59,9 +59,10 @@ def test_nsa_geometry_flags_reach_the_model(tmp_path, tiny_corpus_dir):
     out = tmp_path / "nsa"
     assert main(["train", "--attention", "nsa", "--out", str(out), "--tiny", "--steps", "1",
                  "--data", str(tiny_corpus_dir), "--num-selected", "4", "--window", "32",
-                 "--head-dim", "32", "--kv-heads", "4", "--layers", "3"]) == 0
+                 "--head-dim", "32", "--kv-heads", "4", "--layers", "3", "--compress-norm"]) == 0
     config = json.loads((out / "checkpoint" / "config.json").read_text())
     assert (config["num_selected"], config["window"], config["head_dim"]) == (4, 32, 32)
+    assert config["compress_norm"] is True
     assert (config["num_key_value_heads"], config["num_hidden_layers"]) == (4, 3)
     assert main(["train", "--attention", "nsa", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
