@@ -7,6 +7,7 @@
     nsa-eval train --attention nsa --out runs/n --steps 9000 --stop-after-minutes 8   # a first part
     nsa-eval train --attention nsa --out runs/n --resume --stop-after-minutes 8       # the next
     nsa-eval train --recipe long --out runs/long --stop-after-minutes 9   # the long pair, in parts
+    nsa-eval train --recipe long --compress-norm --out runs/long-cnorm    # its NSA with normed keys
 
 `--match RUN` copies the step count, batch, sequence length, learning rate and retrieval mix of an
 earlier run, so both models see identical tokens. `--attention both` trains NSA into <out>/nsa
@@ -117,8 +118,9 @@ def run_train(args) -> int:
 
 def _run_recipe(args) -> int:
     """`--recipe long`: the stages of nsa_eval/train/long_context.py, resumed where they stopped."""
+    recipe_flags = ("compress_norm",)  # the flags that choose a variant of the recipe
     given = [f"--{f.replace('_', '-')}" for f in ("attention", *CONFIG_FLAGS, "corpus_sources")
-             if getattr(args, f) not in (None, False)]
+             if f not in recipe_flags and getattr(args, f) not in (None, False)]
     given += [flag for flag, on in (("--tiny", args.tiny), ("--resume", args.resume),
                                     ("--overwrite", args.overwrite)) if on]
     if given:
@@ -131,8 +133,14 @@ def _run_recipe(args) -> int:
                          "and --kernel-impl")
     from nsa_eval.models.loading import resolve_checkpoint
     from nsa_eval.train.data import build_corpus, corpus_exists, corpus_manifest
-    from nsa_eval.train.long_context import run_long_recipe
+    from nsa_eval.train.long_context import foreign_stages, long_stages, run_long_recipe
 
+    stages = long_stages(args.out, compress_norm=bool(args.compress_norm))
+    foreign = foreign_stages(args.out, stages)
+    if foreign:
+        raise UsageError(f"--out {args.out} holds stages of another configuration ({', '.join(foreign)}): "
+                         f"expected this recipe's{' with --compress-norm' if args.compress_norm else ''}; "
+                         "give another --out (each variant of the recipe has its own)")
     data_dir = Path(args.data or DEFAULT_DATA)
     if not corpus_exists(data_dir):
         print(f"building the corpus and tokenizer in {data_dir}")
@@ -143,7 +151,7 @@ def _run_recipe(args) -> int:
                          f"(sha256 differs; its sources and versions: {bundled['sources']}, "
                          f"{bundled['versions']}): the long models would not continue on the same data")
     finished = run_long_recipe(args.out, data_dir, device=args.device, workers=args.workers,
-                               stop_after_minutes=args.stop_after_minutes)
+                               stop_after_minutes=args.stop_after_minutes, stages=stages)
     if not finished:
         print(f"unfinished: run the same command again to continue ({args.out})", flush=True)
     return 0

@@ -8,6 +8,11 @@ Four stages, each an ordinary `train` run in its own folder under `out`:
 - `full`: full-tiny continued at 16,384 tokens, on the same tokens as `nsa`;
 - `nsa-nowindow`: `nsa-nowindow-2k` continued at 16,384 tokens, on the same tokens again, as `nsa`.
 
+With `compress_norm` (`nsa-eval train --recipe long --compress-norm`, into another `--out`) every
+NSA stage has an RMSNorm on its compressed keys (`NSAConfig.compress_norm`). nsa-tiny has none, so a
+fifth stage, `nsa-2k`, first trains NSA with it from scratch on nsa-tiny's exact tokens, and `nsa`
+continues from there.
+
 The paper pretrains at 8k and then adapts to 32k in a second stage; this is that schedule in
 miniature (2,048, then 16,384). The three long models start from models that saw identical tokens
 and continue on identical tokens, so they differ in attention alone. The window ablation tests the
@@ -43,8 +48,9 @@ class Stage:
     after: str | None = None  # a stage whose checkpoint is `config.init_from`
 
 
-def long_stages(out: str | Path) -> list[Stage]:
-    """The recipe's stages in dependency order; `out` is where their folders go."""
+def long_stages(out: str | Path, *, compress_norm: bool = False) -> list[Stage]:
+    """The recipe's stages in dependency order; `out` is where their folders go. `compress_norm`: the
+    NSA stages' models norm their compressed keys, and NSA's 2k start is trained rather than nsa-tiny."""
     bundled = replace(TrainConfig(), steps=6000)  # nsa-tiny's recipe (tests/train check it)
     extension = replace(
         TrainConfig(),
@@ -61,20 +67,46 @@ def long_stages(out: str | Path) -> list[Stage]:
         # the paper's n = 16 selected blocks: at 16k, 8 blocks of 64 leave 5 free choices among 256
         model=replace(ModelConfig(), max_position_embeddings=LONG_MAX_POSITIONS, num_selected=16),
     )
-    no_window = replace(ModelConfig(), window=0)
+    nsa_model = replace(ModelConfig(), compress_norm=compress_norm)
+    nsa_long_model = replace(extension.model, compress_norm=compress_norm)
+    no_window = replace(nsa_model, window=0)
     pretrained = str(Path(out) / "nsa-nowindow-2k" / "checkpoint")
     # NSA's first third on 64 blocks a query (a quarter of 16k, the share nsa-tiny's 8 blocks had of 2k):
     # with 16 it seldom selects a far needle, so its selection branch never learns to attend that far
     # (docs/training.md); then the paper's 16
     wide = dict(wide_selection=(64, 800))
+    nsa_start = [] if not compress_norm else [Stage("nsa-2k", replace(bundled, model=nsa_model))]
+    nsa_from = "nsa-tiny" if not compress_norm else str(Path(out) / "nsa-2k" / "checkpoint")
     return [
+        *nsa_start,
         Stage("nsa-nowindow-2k", replace(bundled, model=no_window)),
-        Stage("nsa", replace(extension, init_from="nsa-tiny", **wide)),
+        Stage("nsa", replace(extension, init_from=nsa_from, model=nsa_long_model, **wide),
+              after="nsa-2k" if compress_norm else None),
         Stage("full", replace(extension, attention="full", init_from="full-tiny")),
         Stage("nsa-nowindow", replace(extension, init_from=pretrained,
-                                      model=replace(extension.model, window=0), **wide),
+                                      model=replace(nsa_long_model, window=0), **wide),
               after="nsa-nowindow-2k"),
     ]
+
+
+def foreign_stages(out: str | Path, stages: list[Stage]) -> list[str]:
+    """The stage folders under `out` whose run recorded another configuration than the stage's (another
+    variant of the recipe, or a recipe since changed): a finished one would otherwise count as done."""
+    import json
+
+    from nsa_eval.train.recipe import config_from_dict, load_resume_state
+
+    foreign = []
+    for stage in stages:
+        folder = Path(out) / stage.name
+        state = stage_state(folder)
+        if state == "new":
+            continue
+        recorded = (json.loads((folder / "summary.json").read_text())["config"] if state == "done"
+                    else load_resume_state(folder)["config"])
+        if config_from_dict(recorded) != stage.config:  # fields added since take their defaults
+            foreign.append(str(folder))
+    return foreign
 
 
 def stage_state(stage_dir: Path) -> str:

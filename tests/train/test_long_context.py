@@ -118,3 +118,41 @@ def test_init_from_a_checkpoint_of_another_shape_is_refused(tmp_path, tiny_corpu
     model = build_model("nsa", replace(TrainConfig().model, window=0), tiny_corpus.tokenizer)
     with pytest.raises(ValueError, match="does not fit this model"):
         load_initial_weights(model, "nsa-tiny")
+
+
+def test_the_compress_norm_variant_trains_its_own_nsa_start(tmp_path):
+    plain = {s.name: s for s in long_stages(tmp_path)}
+    stages = {s.name: s for s in long_stages(tmp_path, compress_norm=True)}
+    assert list(stages) == ["nsa-2k", "nsa-nowindow-2k", "nsa", "full", "nsa-nowindow"]
+    # nsa-tiny's recipe and tokens, with the norm: the start nsa-tiny would have been
+    assert stages["nsa-2k"].config == replace(TrainConfig(), steps=6000,
+                                              model=replace(TrainConfig().model, compress_norm=True))
+    assert stages["nsa"].config.init_from == str(tmp_path / "nsa-2k" / "checkpoint")
+    assert stages["nsa"].after == "nsa-2k"
+    assert [stages[n].config.model.compress_norm for n in stages] == [True, True, True, False, True]
+    assert stages["full"] == plain["full"]
+    for name in ("nsa", "nsa-nowindow", "nsa-nowindow-2k"):  # the same runs but for the norm
+        ours, theirs = stages[name].config, plain[name].config
+        assert replace(ours, init_from=None, model=replace(ours.model, compress_norm=False)) == \
+            replace(theirs, init_from=None)
+
+
+def test_a_folder_of_another_variant_is_refused_before_any_work(tmp_path, capsys):
+    from dataclasses import asdict
+
+    from nsa_eval.train.long_context import foreign_stages
+
+    out = tmp_path / "long"
+    plain = {s.name: s for s in long_stages(out)}
+    (out / "nsa").mkdir(parents=True)
+    recorded = json.loads(json.dumps(asdict(plain["nsa"].config)))
+    recorded["model"].pop("compress_norm")  # as runs from before the option recorded it
+    (out / "nsa" / "summary.json").write_text(json.dumps({"config": recorded}))
+    assert foreign_stages(out, long_stages(out)) == []  # the same recipe: done, skipped
+    assert foreign_stages(out, long_stages(out, compress_norm=True)) == [str(out / "nsa")]
+    missing_data = tmp_path / "no-corpus"
+    assert main(["train", "--recipe", "long", "--compress-norm", "--out", str(out),
+                 "--data", str(missing_data)]) == 2
+    err = capsys.readouterr().err
+    assert str(out / "nsa") in err and "another --out" in err
+    assert not missing_data.exists()  # refused before the corpus is built
