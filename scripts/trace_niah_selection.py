@@ -23,8 +23,6 @@ def trace_doc(model, tokenizer, doc: dict, device: str) -> dict:
     """Per answer token: right or wrong, and how many (layer, KV head) pairs selected the needle."""
     import torch
 
-    from nsa_eval.models import modeling_nsa
-
     prompt = tokenizer(doc["prompt"], add_special_tokens=False)["input_ids"]
     answer = tokenizer(" " + doc["answer"], add_special_tokens=False)["input_ids"]
     digits = tokenizer(doc["answer"], add_special_tokens=False)["input_ids"]
@@ -32,21 +30,10 @@ def trace_doc(model, tokenizer, doc: dict, device: str) -> dict:
     select_size = model.config.select_size
     needle_blocks = sorted({p // select_size for p in range(start, start + len(digits))})
 
-    selections = []  # one int [T, Hkv, n] per layer
-    plain = modeling_nsa.nsa_attention
-
-    def recording(*args, return_block_indices=False, **kwargs):
-        out, idx = plain(*args, return_block_indices=True, **kwargs)
-        selections.append(idx[0].cpu())
-        return (out, idx) if return_block_indices else out  # the model asks for them itself at num_local=0
-
-    modeling_nsa.nsa_attention = recording
-    try:
-        with torch.no_grad():
-            ids = torch.tensor([prompt + answer], device=device)  # [1, L + A]
-            logits = model(input_ids=ids, use_cache=False).logits[0]  # [L + A, V]
-    finally:
-        modeling_nsa.nsa_attention = plain
+    with torch.no_grad(), model.recording_selections() as recorded:
+        ids = torch.tensor([prompt + answer], device=device)  # [1, L + A]
+        logits = model(input_ids=ids, use_cache=False).logits[0]  # [L + A, V]
+    selections = [layer[0][0].cpu() for layer in recorded]  # one int [T, Hkv, n] per layer
     predicted = logits[len(prompt) - 1 : -1].argmax(-1).tolist()  # [A]
     pairs = len(selections) * selections[0].shape[1]
     covered = []

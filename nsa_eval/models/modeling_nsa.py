@@ -165,6 +165,8 @@ class NSAAttention(nn.Module):
         self.k_cmp_norm = RMSNorm(Dk, config.rms_norm_eps) if config.compress_norm else None
         self.o_proj = nn.Linear(Hq * Dv, C, bias=False)
         self.selected_tokens: torch.Tensor | None = None  # [B, T, Hkv] of the last call (num_local = 0)
+        # while a list (`NSAModel.recording_selections`): each prefill appends its block indices
+        self.recorded_blocks: list[torch.Tensor] | None = None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.Dk, self.config.rope_theta, dtype)
@@ -243,15 +245,20 @@ class NSAAttention(nn.Module):
         k_cmp, v_cmp = k_cmp.to(p["v"].dtype), v_cmp.to(p["v"].dtype)  # the MLP compressor may autocast
         if cache is not None:
             cache.prefill(self.layer_idx, {name: p[name] for name in CACHED}, k_cmp, v_cmp, rows)
+        recording = self.recorded_blocks is not None
         out = nsa_attention(p["q"], p["k"], p["v"], k_cmp, v_cmp, p["g_cmp"], p["g_slc"], p["g_swa"],
                             k_swa=p["k_swa"], v_swa=p["v_swa"],
-                            return_block_indices=self.counts_selected_blocks, **self.kernel_kwargs())
-        if not self.counts_selected_blocks:
+                            return_block_indices=self.counts_selected_blocks or recording,
+                            **self.kernel_kwargs())
+        if not (self.counts_selected_blocks or recording):
             return out
         o, blocks = out  # blocks [B, T, Hkv, n]
-        T = p["q"].shape[1]
-        self.selected_tokens = selected_tokens(torch.arange(T, device=blocks.device), blocks,
-                                               self.config.select_size)  # [B, T, Hkv]
+        if recording:
+            self.recorded_blocks.append(blocks)
+        if self.counts_selected_blocks:
+            T = p["q"].shape[1]
+            self.selected_tokens = selected_tokens(torch.arange(T, device=blocks.device), blocks,
+                                                   self.config.select_size)  # [B, T, Hkv]
         return o
 
     def decode(self, p: dict, cache: NSACache, shared: LayerShared | None = None) -> torch.Tensor:
@@ -493,6 +500,20 @@ class NSAModel(NSAPreTrainedModel):
         finally:
             self._tallies = saved
 
+    @contextmanager
+    def recording_selections(self):
+        """Within the block every prefill's selection is kept: yields one list per layer that each
+        forward over a prompt appends its block indices to, `[B, T, Hkv, num_selected]` int32 (ascending,
+        -1 padded), the blocks of `select_size` tokens each query's selection branch attended to."""
+        layers = [layer.attn for layer in self.layers]
+        for attn in layers:
+            attn.recorded_blocks = []
+        try:
+            yield [attn.recorded_blocks for attn in layers]
+        finally:
+            for attn in layers:
+                attn.recorded_blocks = None
+
     def _record(self, real: torch.Tensor, positions: torch.Tensor, phase: str,
                 selected: torch.Tensor | None = None) -> None:
         """Tally the queries at `positions` `[T]` of the rows where `real` `[B, T]` is True.
@@ -669,6 +690,11 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
     def attention_stats_paused(self):
         """Context manager: forward passes inside it are not counted."""
         return self.model.attention_stats_paused()
+
+    def recording_selections(self):
+        """Context manager: each layer's selected blocks of every prefill inside it
+        (`NSAModel.recording_selections`)."""
+        return self.model.recording_selections()
 
     @torch.no_grad()
     def warm_up_decode(self, batch_sizes: tuple[int, ...] = (1,), max_length: int | None = None) -> None:

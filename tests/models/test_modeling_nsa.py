@@ -156,6 +156,26 @@ def test_compress_norm_bounds_the_compressed_keys_and_survives_a_reload(tmp_path
         assert torch.equal(normed(ids).logits, reloaded(ids).logits)
 
 
+def test_recording_selections_keeps_each_layers_blocks_and_changes_nothing():
+    model = build("paper")
+    cfg = model.config
+    ids = torch.randint(0, 97, (2, 40))
+    with torch.no_grad():
+        plain = model(ids).logits
+        with model.recording_selections() as recorded:
+            logits = model(ids).logits
+        after = model(ids).logits
+    assert torch.equal(plain, logits) and torch.equal(plain, after)
+    assert len(recorded) == cfg.num_hidden_layers and all(len(layer) == 1 for layer in recorded)
+    blocks = recorded[0][0]
+    assert blocks.shape == (2, 40, cfg.num_key_value_heads, cfg.num_selected)
+    t = torch.arange(40)
+    own = (t // cfg.select_size)[None, :, None]
+    assert ((blocks == own[..., None]).any(-1)).all()  # the query's own block is always selected
+    assert (blocks <= own[..., None]).all()  # never a block past the query
+    assert all(layer.attn.recorded_blocks is None for layer in model.model.layers)  # off again
+
+
 def test_greedy_generate_matches_argmax_loop():
     model = build("paper")
     ids = torch.randint(0, 97, (1, 11))
