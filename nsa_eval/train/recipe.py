@@ -436,7 +436,10 @@ def _train_row(step, tokens_per_step, lr, loss, grad_norm, ce, weights, targets,
 
 
 def _evaluate(model, heldout_text, probe, autocast, device, step, tokens) -> dict:
-    """Held-out text loss (mean CE per token) and teacher-forced NIAH probe exact match."""
+    """Held-out text loss (mean CE per token) and teacher-forced NIAH probe exact match; for NSA also
+    the share of (layer, KV head) pairs whose selection held the needle at the first answer token."""
+    from contextlib import nullcontext
+
     import torch
 
     model.eval()
@@ -449,19 +452,45 @@ def _evaluate(model, heldout_text, probe, autocast, device, step, tokens) -> dic
                                                    reduction="sum")
             total_ce += float(ce)
             total_n += ids[:, 1:].numel()
-        hits = []
+        hits, selected = [], []
+        nsa = hasattr(model, "recording_selections")
         for seg_ids, seg_w in probe:
             ids = torch.from_numpy(seg_ids).to(device)[None]  # [1, L]
-            logits = model(input_ids=ids[:, :-1], use_cache=False).logits[0]  # [L-1, V]
+            with model.recording_selections() if nsa else nullcontext() as recorded:
+                logits = model(input_ids=ids[:, :-1], use_cache=False).logits[0]  # [L-1, V]
             answer = torch.from_numpy(seg_w[1:] > 0).to(device)  # [L-1]
             hits.append(bool((logits.argmax(-1) == ids[0, 1:])[answer].all()))
+            if nsa:
+                selected += needle_selected([layer[0][0] for layer in recorded], seg_ids, seg_w,
+                                            model.config.select_size)
     model.train()
-    return {"step": step, "tokens": tokens, "heldout_loss": total_ce / max(1, total_n),
-            "probe_exact_match": float(np.mean(hits)) if hits else float("nan")}
+    ev = {"step": step, "tokens": tokens, "heldout_loss": total_ce / max(1, total_n),
+          "probe_exact_match": float(np.mean(hits)) if hits else float("nan")}
+    if selected:
+        ev["probe_needle_selected"] = float(np.mean(selected))
+    return ev
+
+
+def needle_selected(blocks, ids, weights, select_size: int) -> list[bool]:
+    """For one teacher-forced retrieval sample (`retrieval_segment`'s ids and weights `[L]`) and its
+    selections (per layer `[L - 1, Hkv, n]`, `NSAModel.recording_selections`): per (layer, KV head),
+    whether the query that predicts the first answer token selected every block holding the needle's
+    value. Empty when the value is not found before the answer."""
+    start = int(np.argmax(weights > 0))  # the first answer token: " <value>." EOS
+    value = ids[start + 1 : len(ids) - 2].tolist()  # the value's inner digits (the first may carry the space)
+    found = [i for i in range(start - len(value)) if ids[i : i + len(value)].tolist() == value]
+    if not value or not found:
+        return []
+    needle = {p // select_size for p in range(found[0], found[0] + len(value))}
+    query = start - 1
+    return [needle <= set(layer[query, h].tolist()) for layer in blocks for h in range(layer.shape[1])]
 
 
 def _fmt(ev: dict) -> str:
-    return f"held-out loss {ev['heldout_loss']:.3f}, NIAH probe {ev['probe_exact_match']:.2f}"
+    line = f"held-out loss {ev['heldout_loss']:.3f}, NIAH probe {ev['probe_exact_match']:.2f}"
+    if "probe_needle_selected" in ev:
+        line += f", needle selected {ev['probe_needle_selected']:.2f}"
+    return line
 
 
 class _Logger:

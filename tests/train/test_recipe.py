@@ -75,6 +75,26 @@ def test_nsa_trains_a_few_steps(tiny_corpus, tmp_path):
     assert type(model).__name__ == "NSAForCausalLM" and summary["steps"] == 2
     assert model.config.num_selected == 3 and model.config.window == 64
     assert torch.isfinite(torch.tensor(summary["final_eval"]["heldout_loss"]))
+    assert 0 <= summary["final_eval"]["probe_needle_selected"] <= 1  # NSA's evaluations say it
+
+
+def test_needle_selected_reads_the_blocks_of_the_value_at_the_first_answer_query():
+    import numpy as np
+
+    from nsa_eval.train.recipe import needle_selected
+
+    # 0-9 filler, the value 5 6 7 at 10-12, filler to 19, then the answer " 5 6 7 ." EOS from 20
+    ids = np.array([1] * 10 + [5, 6, 7] + [1] * 7 + [2, 5, 6, 7, 3, 0])
+    weights = np.zeros(len(ids), dtype=np.float32)
+    weights[20:] = 1.0
+    blocks = torch.full((len(ids) - 1, 2, 2), -1)  # [T, Hkv, n], blocks of 4 tokens
+    blocks[19, 0] = torch.tensor([2, 3])  # the value's tokens 10-12 lie in block 2 and 3
+    blocks[19, 1] = torch.tensor([2, 4])
+    assert needle_selected([blocks, blocks], ids, weights, select_size=4) == [True, False] * 2
+    assert needle_selected([blocks], ids, weights, select_size=8) == [False, False]  # block 1 now
+    weights[:] = 0
+    weights[10:] = 1.0  # an "answer" with no earlier copy of its value: nothing to say
+    assert needle_selected([blocks], ids, weights, select_size=4) == []
 
 
 def test_wide_selection_trains_its_first_steps_on_more_blocks(tiny_corpus, tmp_path, monkeypatch):
