@@ -246,6 +246,14 @@ def test_two_models_that_would_fill_the_same_cells_are_refused_naming_both(tmp_p
         load_suite(write(tmp_path, SHARED.replace("batch_size: 4}", "batch_size: 1, sink: 32}"), "sink.yaml"))
     with pytest.raises(UsageError, match="differ only in their labels"):
         load_suite(write(tmp_path, SHARED.replace("batch_size: 4}", "batch_size: 1}"), "same.yaml"))
+    # one folder spelled two ways is one checkpoint
+    two_ways = SHARED.replace("{label: tiny-b1, attention: full", "{label: tiny-b1, attention: full, "
+                              "pretrained: runs/ckpt").replace("{label: tiny-b4, attention: full",
+                                                               "{label: tiny-b4, attention: full, "
+                                                               "pretrained: ./runs/ckpt/")
+    with pytest.raises(UsageError, match=r"'tiny-b1' and 'tiny-b4' are the same model \(pretrained "
+                                         r"runs/ckpt, .*differ only in batch_size"):
+        load_suite(write(tmp_path, two_ways, "two_ways.yaml"))
     # a setting that changes the numbers keeps both, each in its own cells and row
     suite = load_suite(write(tmp_path, SHARED.replace("batch_size: 4}", "batch_size: 4, dtype: bfloat16}"),
                              "dtype.yaml"))
