@@ -45,12 +45,16 @@ def plot_runs(run_dirs, png: str | Path) -> None:
         axes[0].plot(tokens, answer_loss, "--", label=f"{name}: NIAH answers")
         ev_tokens = np.array([e["tokens"] for e in run["evals"]]) / 1e6
         axes[1].plot(ev_tokens, [e["heldout_loss"] for e in run["evals"]], "o-", label=name)
-        axes[2].plot(ev_tokens, [e["probe_exact_match"] for e in run["evals"]], "o-", label=name)
+        line, = axes[2].plot(ev_tokens, [e["probe_exact_match"] for e in run["evals"]], "o-", label=name)
+        selected = [e.get("probe_needle_selected", np.nan) for e in run["evals"]]
+        if np.isfinite(selected).any():  # NSA runs since the metric exists
+            axes[2].plot(ev_tokens, selected, "x--", color=line.get_color(),
+                         label=f"{name}: needle selected (share of layer x KV head)")
     axes[0].set(xlabel="training tokens (M)", ylabel="cross-entropy (nats/token)", title="training loss",
                 yscale="log")
     axes[1].set(xlabel="training tokens (M)", ylabel="cross-entropy (nats/token)",
                 title="held-out text loss (held-out files)")
-    axes[2].set(xlabel="training tokens (M)", ylabel="exact match", ylim=(-0.05, 1.05),
+    axes[2].set(xlabel="training tokens (M)", ylabel="exact match / share", ylim=(-0.05, 1.05),
                 title="held-out NIAH probe (teacher-forced)")
     for ax in axes:
         ax.grid(alpha=0.3)
