@@ -167,7 +167,8 @@ def _parse_models(entries: Any, defaults: dict, where: str) -> list[ModelSpec]:
         if not pretrained.strip():
             raise UsageError(f"{where}: {key}pretrained: expected a checkpoint path or short name, "
                              "got an empty string")
-        pretrained_names.add(_spelled_once(pretrained))
+        merged["pretrained"] = _spelled_once(pretrained)
+        pretrained_names.add(merged["pretrained"])
         expanded.append((key, merged, i))
     models = []
     for key, merged, i in expanded:
@@ -185,7 +186,7 @@ def _parse_models(entries: Any, defaults: dict, where: str) -> list[ModelSpec]:
 def _spelled_once(pretrained: str) -> str:
     """One spelling of a checkpoint path ('runs/x/', './runs/x' -> 'runs/x'), so that two entries naming
     one folder share its cells (and the duplicate check sees them); short names and hub ids keep theirs."""
-    return os.path.normpath(pretrained) if ("/" in pretrained or os.sep in pretrained) else pretrained
+    return os.path.normpath(pretrained) if "/" in pretrained else pretrained
 
 
 def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool,
@@ -211,7 +212,7 @@ def _expand_model(entry: dict, where: str, key: str, multi_checkpoint: bool,
     if backend == "vllm" and attentions != ["full"]:
         raise UsageError(f"{where}: {key}backend: vllm runs full attention only (stock vLLM kernels); "
                          f"got attention {attentions}; use backend: hf for sparse methods")
-    pretrained = _spelled_once(get("pretrained"))
+    pretrained = get("pretrained")
     params = get("params", {})
     origin = "" if "params" in own_keys else " (params is set in defaults)"
     if params and "full" in attentions:

@@ -478,12 +478,12 @@ def needle_selected(blocks, ids, weights, select_size: int) -> list[bool]:
     value. Empty when the value is not found before the answer."""
     start = int(np.argmax(weights > 0))  # the first answer token: " <value>." EOS
     value = ids[start + 1 : len(ids) - 2].tolist()  # the value's inner digits (the first may carry the space)
-    found = [i for i in range(start - len(value)) if ids[i : i + len(value)].tolist() == value]
-    if not value or not found:
+    first = next((i for i in range(start - len(value)) if ids[i : i + len(value)].tolist() == value), None)
+    if not value or first is None:
         return []
-    needle = {p // select_size for p in range(found[0], found[0] + len(value))}
-    query = start - 1
-    return [needle <= set(layer[query, h].tolist()) for layer in blocks for h in range(layer.shape[1])]
+    needle = {p // select_size for p in range(first, first + len(value))}
+    heads = [row for layer in blocks for row in layer[start - 1].tolist()]  # the answer query's [Hkv, n]
+    return [needle <= set(row) for row in heads]
 
 
 def _fmt(ev: dict) -> str:
