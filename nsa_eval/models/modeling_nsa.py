@@ -817,7 +817,8 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         model's context) at each batch size, so no generation stops to compile (a CUDA model only).
 
         The decode's launch constants follow the cache's capacity (`cache_nsa.CAPACITY_STEP` apart), so
-        one call of the kernels on zero buffers of each capacity compiles all that decode will need.
+        one call of the kernels on zero buffers of each capacity compiles all that decode will need; the
+        fused step's other kernels (`NSAModel._decode_layers`) take one decode step at each batch size.
         """
         param = next(self.parameters())
         if not param.is_cuda or self.config.kernel_impl == "reference":
@@ -850,6 +851,11 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
                     break
                 finally:
                     k = v = k_cmp = v_cmp = None
+            if self.model.fuse_decode:  # the fused step's own launches, after a throwaway one-block prompt
+                with self.attention_stats_paused():
+                    ids = torch.zeros(B, c.block_len + 1, dtype=torch.long, device=param.device)
+                    cache = getattr(self(ids[:, :-1], use_cache=True), CACHE_FIELD)
+                    self(ids[:, -1:], cache=cache)
 
     def forward(
         self,

@@ -13,10 +13,11 @@ import torch
 from nsa_eval.kernels.decode_inputs import decode_inputs, decode_inputs_reference
 from nsa_eval.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 from nsa_eval.models.modeling_nsa import rope_cos_sin
+from tests.kernels.sm90 import json_from_fresh_python
 from tests.kernels.test_triton_kernels import rel_err
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-                                reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                                      reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
 
 # (shared_kv, own window ring, compression "mean" (rotated compression inputs), window gate)
 VARIANTS = {
@@ -56,7 +57,9 @@ def _run(fn, y, g, cos, sin, caches, rows, flags):
     return out, caches
 
 
+@interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@interpreter_only
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_decode_inputs_equals_reference(variant, dtype):
     case = _case(variant, dtype)
@@ -73,14 +76,18 @@ def test_decode_inputs_equals_reference(variant, dtype):
         assert (caches[name] != case[4][name]).any(dim=(0, 2, 3)).sum() == 1, name
 
 
+@interpreter_only
 def test_decode_inputs_refuses_a_short_projection():
     y, g, cos, sin, caches, rows, flags = _case("paper", torch.float32)
     with pytest.raises(ValueError, match="y must be"):
         _run(decode_inputs, y[:, :40], g, cos, sin, caches, rows, flags)
 
 
+@interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@interpreter_only
 @pytest.mark.parametrize("C", [64, 96, 2048])
+@interpreter_only
 @pytest.mark.parametrize("with_residual", [True, False], ids=["add", "norm_only"])
 def test_add_rms_norm_equals_reference(C, dtype, with_residual):
     g = torch.Generator().manual_seed(C)
@@ -98,6 +105,7 @@ def test_add_rms_norm_equals_reference(C, dtype, with_residual):
         assert (y != y_ref).float().mean() < 0.01
 
 
+@interpreter_only
 def test_add_rms_norm_keeps_a_float32_weight():
     """A float32 scale over a bf16 stream gives float32, as torch's promotion does."""
     x = torch.randn(2, 1, 32).to(torch.bfloat16)
@@ -105,3 +113,30 @@ def test_add_rms_norm_keeps_a_float32_weight():
     h, y = add_rms_norm(x, x, w, 1e-5)
     assert y.dtype == torch.float32
     assert rel_err(y, add_rms_norm_reference(x, x, w, 1e-5)[1]) < 1e-6
+
+
+COMPILE = """
+import json
+from tests.kernels.sm90 import compile_sm90
+from nsa_eval.kernels.decode_inputs import _decode_inputs_kernel
+from nsa_eval.kernels.rms_norm import _add_rms_norm_kernel
+ptx = {}
+for dt in ("bf16", "fp32"):
+    for shared, swa, mean, gate in ((False, True, False, True), (True, False, True, False)):
+        consts = dict(HQ=32, HKV=8, DK=64, DV=64, BDK=64, BDV=64, SHARED_KV=shared, HAS_SWA=swa,
+                      ROPE_CMP=mean, GATE_SWA=gate)
+        types = [f"*{dt}"] * 12 + ["*i64"] * 3 + ["i32"] * 15
+        kernel = compile_sm90(_decode_inputs_kernel, types, consts, dict(num_warps=1, enable_fp_fusion=False))
+        ptx[f"decode_inputs {dt} shared_kv={shared}"] = kernel.asm["ptx"]
+    kernel = compile_sm90(_add_rms_norm_kernel, [f"*{dt}"] * 5 + ["fp32"], dict(C=2048, BC=2048, HAS_R=True),
+                          dict(num_warps=8, enable_fp_fusion=False))
+    ptx[f"add_rms_norm {dt}"] = kernel.asm["ptx"]
+print(json.dumps({name: "fma.rn.f32" in text for name, text in ptx.items()}))
+"""
+
+
+def test_fused_decode_kernels_compile_for_h200():
+    """Both kernels compile for sm_90 at the 1B model's shape (32 / 8 heads of 64, hidden 2048), in bf16
+    and float32, without fused multiply-adds (torch rounds each product before the sum)."""
+    fma = json_from_fresh_python(COMPILE)
+    assert len(fma) == 6 and not any(fma.values()), fma
