@@ -32,6 +32,7 @@ from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTr
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from nsa_eval.kernels import nsa_attention, nsa_decode
+from nsa_eval.kernels.decode_compress import block_inputs, write_block
 from nsa_eval.kernels.decode_inputs import decode_inputs
 from nsa_eval.kernels.rms_norm import add_rms_norm
 from nsa_eval.models.cache_nsa import (
@@ -189,17 +190,22 @@ class NSAAttention(nn.Module):
         if self.k_cmp_norm is not None:
             k_cmp = self.k_cmp_norm(k_cmp)
         if self.config.compression == "mlp":  # rotate compressed key i at its first token, i * stride
-            Tc = k_cmp.shape[1]
-
-            def tables():
-                block_ids = first_block + torch.arange(Tc, device=k_cmp.device)
-                return self.rope(block_ids * self.config.stride, k_cmp.dtype)
-
-            where = first_block if isinstance(first_block, int) else id(first_block)
-            shared = LayerShared() if shared is None else shared  # an empty one is falsy: no `or`
-            cos, sin = shared.get_or(("rope of blocks", where, Tc, k_cmp.dtype), tables)
+            cos, sin = self.block_rope(first_block, k_cmp.shape[1], k_cmp.dtype, k_cmp.device, shared)
             k_cmp = apply_rope(k_cmp, cos, sin)
         return k_cmp, v_cmp
+
+    def block_rope(self, first_block: int | torch.Tensor, Tc: int, dtype: torch.dtype, device: torch.device,
+                   shared: LayerShared | None = None):
+        """cos, sin `[Tc, Dk]` of compressed blocks `first_block ..` (each at its first token, i * stride),
+        worked out once per forward (`shared`)."""
+
+        def tables():
+            block_ids = first_block + torch.arange(Tc, device=device)
+            return self.rope(block_ids * self.config.stride, dtype)
+
+        where = first_block if isinstance(first_block, int) else id(first_block)
+        shared = LayerShared() if shared is None else shared  # an empty one is falsy: no `or`
+        return shared.get_or(("rope of blocks", where, Tc, dtype), tables)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, shared: LayerShared | None = None) -> dict:
         """Hidden states `[B, T, C]` at `positions` `[T]` -> every per-branch tensor the kernels need.
@@ -355,8 +361,9 @@ class NSAAttention(nn.Module):
         hidden states `x` `[B, 1, C]` -> the layer's output `[B, 1, C]`, the token written to the cache.
 
         What `forward` computes for T = 1 after a prompt, within rounding: one GEMM for every projection
-        (`decode_weight`), one `decode_inputs` launch for RoPE, the gates and the cache writes, then the
-        compression of the block the token completes and nsa_decode as the unfused step runs them.
+        (`decode_weight`), one `decode_inputs` launch for RoPE, the gates and the cache writes, the block
+        the token completes compressed around two launches (`_compress_token`), then nsa_decode as the
+        unfused step runs it.
         """
         B = x.shape[0]
         shared = LayerShared() if shared is None else shared
@@ -374,12 +381,27 @@ class NSAAttention(nn.Module):
             k_swa=layer.k_swa, v_swa=layer.v_swa, window_row=where.window_row,
             shared_kv=self.config.shared_kv, rope_cmp_in=self.config.compression == "mean",
             gate_swa=self.config.window > 0)
-        cache.compress_token(self.layer_idx, where,
-                             lambda k_in, v_in, first: self.compress(k_in, v_in, first, shared))
+        self._compress_token(layer, where, shared)
         o, count = self._attend(q, g_cmp, g_slc, g_swa, layer, cache, where, 0)  # [B, 1, Hq, Dv]
         if self.counts_selected_blocks:
             self.selected_tokens = count  # [B, 1, Hkv]
         return self.o_proj(o.view(B, 1, self.Hq * self.Dv))  # [B, 1, C]
+
+    def _compress_token(self, layer: NSALayerCache, where: DecodeStep, shared: LayerShared) -> None:
+        """`NSACache.compress_token` in fewer launches: the block ending at the token gathered from the ring
+        (`block_inputs`), through the compressor's MLP, normed, rotated and written (`write_block`)."""
+        ck, cv = self.compress_k, self.compress_v
+        mlp = self.config.compression == "mlp"
+        pos_emb = (ck.pos_emb, cv.pos_emb) if mlp else ()
+        k_blk, v_blk = block_inputs(layer.k_cmp_in, layer.v_cmp_in, where.block_rows, *pos_emb)  # [B, Hkv, .]
+        cos = sin = None
+        if mlp:
+            k_blk, v_blk = ck.fc2(F.silu(ck.fc1(k_blk))), cv.fc2(F.silu(cv.fc1(v_blk)))  # [B, Hkv, D]
+            cos, sin = self.block_rope(where.first_block, 1, k_blk.dtype, k_blk.device, shared)  # [1, Dk]
+        norm = self.k_cmp_norm
+        write_block(k_blk, v_blk, layer.k_cmp, layer.v_cmp, where.cmp_row,
+                    norm_weight=None if norm is None else norm.weight, eps=self.config.rms_norm_eps,
+                    cos=cos, sin=sin)
 
     def forward(self, x: torch.Tensor, cache: NSACache | None = None, rows: slice = slice(None),
                 shared: LayerShared | None = None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The fused decode step's Triton kernels against their PyTorch references, on the CPU through Triton's
-interpreter: `decode_inputs` (a decode token's RoPE, gates and cache writes from its one projection) and
-`add_rms_norm` (the residual add with the norm after it), over the model's config variants.
+interpreter: `decode_inputs` (a decode token's RoPE, gates and cache writes from its one projection),
+`add_rms_norm` (the residual add with the norm after it) and the compression's `block_inputs` and
+`write_block`, over the model's config variants.
 
 RoPE and the cache writes match bit for bit in float32 and bfloat16 (each product rounded as torch
 rounds it); a gate may differ by one float32 ulp of its sigmoid, and a norm by the order of its sum."""
@@ -10,6 +11,12 @@ import os
 import pytest
 import torch
 
+from nsa_eval.kernels.decode_compress import (
+    block_inputs,
+    block_inputs_reference,
+    write_block,
+    write_block_reference,
+)
 from nsa_eval.kernels.decode_inputs import decode_inputs, decode_inputs_reference
 from nsa_eval.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 from nsa_eval.models.modeling_nsa import rope_cos_sin
@@ -115,9 +122,66 @@ def test_add_rms_norm_keeps_a_float32_weight():
     assert rel_err(y, add_rms_norm_reference(x, x, w, 1e-5)[1]) < 1e-6
 
 
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["mlp", "mean"])
+def test_block_inputs_equals_reference(mode, dtype):
+    g = torch.Generator().manual_seed(1)
+    B, L, Hkv, Dk, Dv = 2, 8, 3, 12, 20
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    k_ring, v_ring = rnd(B, L, Hkv, Dk), rnd(B, L, Hkv, Dv)
+    rows = (torch.arange(L) + 5) % L  # a block that wraps around the ring
+    pos_emb = () if mode == "mean" else (rnd(L, Dk), rnd(L, Dv))
+    for tri, ref in zip(block_inputs(k_ring, v_ring, rows, *pos_emb),
+                        block_inputs_reference(k_ring, v_ring, rows, *pos_emb), strict=True):
+        assert tri.shape == ref.shape and tri.dtype == ref.dtype
+        if mode == "mlp":
+            assert torch.equal(tri, ref)
+        else:  # a float32 sum in another order
+            torch.testing.assert_close(tri, ref, atol=1e-6, rtol=0.008 if dtype == torch.bfloat16 else 1e-6)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("norm,rope", [(False, True), (True, True), (False, False), (True, False)],
+                         ids=["mlp", "mlp_norm", "mean", "mean_norm"])
+def test_write_block_equals_reference(norm, rope, dtype):
+    g = torch.Generator().manual_seed(2)
+    B, Sc, Hkv, Dk, Dv = 2, 7, 3, 16, 24
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    k_blk, v_blk = 4 * rnd(B, 1, Hkv, Dk), rnd(B, 1, Hkv, Dv)
+    caches = rnd(B, Sc, Hkv, Dk), rnd(B, Sc, Hkv, Dv)
+    cos, sin = rope_cos_sin(torch.tensor([48]), Dk, 10000.0, dtype) if rope else (None, None)
+    kwargs = dict(norm_weight=(1 + 0.1 * torch.randn(Dk, generator=g)).to(dtype) if norm else None, eps=1e-6,
+                  cos=cos, sin=sin)
+    tri, ref = [x.clone() for x in caches], [x.clone() for x in caches]
+    write_block(k_blk, v_blk, *tri, torch.tensor([4]), **kwargs)
+    write_block_reference(k_blk, v_blk, *ref, torch.tensor([4]), **kwargs)
+    for a, b, before in zip(tri, ref, caches, strict=True):
+        if norm and dtype == torch.float32:  # the norm's sum in another order: ulps
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        else:
+            assert torch.equal(a, b)
+        assert (a != before).any(dim=(0, 2, 3)).nonzero().flatten().tolist() == [4]  # that row only
+
+
 COMPILE = """
 import json
 from tests.kernels.sm90 import compile_sm90
+from nsa_eval.kernels.decode_compress import (
+    block_inputs,
+    block_inputs_reference,
+    write_block,
+    write_block_reference,
+)
+from nsa_eval.kernels.decode_compress import _block_inputs_kernel, _write_block_kernel
 from nsa_eval.kernels.decode_inputs import _decode_inputs_kernel
 from nsa_eval.kernels.rms_norm import _add_rms_norm_kernel
 ptx = {}
@@ -131,12 +195,20 @@ for dt in ("bf16", "fp32"):
     kernel = compile_sm90(_add_rms_norm_kernel, [f"*{dt}"] * 5 + ["fp32"], dict(C=2048, BC=2048, HAS_R=True),
                           dict(num_warps=8, enable_fp_fusion=False))
     ptx[f"add_rms_norm {dt}"] = kernel.asm["ptx"]
+    for mean in (False, True):
+        kernel = compile_sm90(_block_inputs_kernel, [f"*{dt}"] * 6 + ["*i64"] + ["i32"] * 6,
+                              dict(L=32, HKV=8, DK=64, DV=64, BDK=64, BDV=64, MEAN=mean), dict(num_warps=1))
+        ptx[f"block_inputs {dt} mean={mean}"] = ""
+    types = [f"*{dt}"] * 4 + ["*i64"] + [f"*{dt}"] * 3 + ["i32"] * 6 + ["fp32"]
+    consts = dict(HKV=8, DK=64, DV=64, BDK=64, BDV=64, NORM=True, ROPE=True)
+    kernel = compile_sm90(_write_block_kernel, types, consts, dict(num_warps=1, enable_fp_fusion=False))
+    ptx[f"write_block {dt}"] = kernel.asm["ptx"]
 print(json.dumps({name: "fma.rn.f32" in text for name, text in ptx.items()}))
 """
 
 
 def test_fused_decode_kernels_compile_for_h200():
-    """Both kernels compile for sm_90 at the 1B model's shape (32 / 8 heads of 64, hidden 2048), in bf16
-    and float32, without fused multiply-adds (torch rounds each product before the sum)."""
+    """The kernels compile for sm_90 at the 1B model's shape (32 / 8 heads of 64, hidden 2048), in bf16 and
+    float32, without fused multiply-adds (torch rounds each product before the sum)."""
     fma = json_from_fresh_python(COMPILE)
-    assert len(fma) == 6 and not any(fma.values()), fma
+    assert len(fma) == 12 and not any(fma.values()), fma
