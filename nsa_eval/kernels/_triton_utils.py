@@ -148,6 +148,18 @@ def tma_descriptor(t: torch.Tensor, rows: int, cols: int):
 
 
 @triton.jit
+def rounded(x, DT: tl.constexpr):
+    """float32 `x` rounded to the nearest `DT` value (ties to even), kept as float32: what torch's
+    elementwise ops in DT store. bf16 rounds on the bits, since the interpreter's cast truncates."""
+    if DT == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
 def kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA: tl.constexpr):
     # where a program's key and value tiles come from: the tensor descriptors themselves (TMA), or the
     # base pointers of its (batch, KV head)

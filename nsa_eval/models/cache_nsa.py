@@ -218,6 +218,12 @@ class NSACache:
                compress: CompressFn) -> NSALayerCache:
         """Write one token at `step.pos` (`new` as in `prefill`, T = 1) and, if it completes a
         compressed block, that block: the same device work at every position."""
+        self.write_token(layer_idx, step, new)
+        return self.compress_token(layer_idx, step, compress)
+
+    def write_token(self, layer_idx: int, step: DecodeStep, new: dict[str, torch.Tensor | None]) -> None:
+        """Write one token's tensors (`new` as in `prefill`, T = 1) at its rows: k, v at `step.pos`, the
+        window's ring at `step.window_row`, the compression inputs' at `step.cmp_in_row`."""
         layer = self.layers[layer_idx]
         rows = {"k": step.pos, "v": step.pos, "k_swa": step.window_row, "v_swa": step.window_row,
                 "k_cmp_in": step.cmp_in_row, "v_cmp_in": step.cmp_in_row}
@@ -225,9 +231,13 @@ class NSACache:
             if x is not None:
                 buffer = getattr(layer, name)
                 buffer.index_copy_(1, rows[name], x.to(buffer.dtype))
+
+    def compress_token(self, layer_idx: int, step: DecodeStep, compress: CompressFn) -> NSALayerCache:
+        """After the token's inputs are in the ring (`write_token`, or the fused decode's kernel): the block
+        ending at `step.pos` compressed into its row, or into the spare row when it completes none."""
+        layer = self.layers[layer_idx]
         k_blk, v_blk = compress(layer.k_cmp_in.index_select(1, step.block_rows),
                                 layer.v_cmp_in.index_select(1, step.block_rows), step.first_block)
-        # the block's row, or the spare row when the token completes no block
         layer.k_cmp.index_copy_(1, step.cmp_row, k_blk.to(layer.k_cmp.dtype))
         layer.v_cmp.index_copy_(1, step.cmp_row, v_blk.to(layer.v_cmp.dtype))
         return layer

@@ -32,7 +32,17 @@ from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTr
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from nsa_eval.kernels import nsa_attention, nsa_decode
-from nsa_eval.models.cache_nsa import CAPACITY_STEP, NSACache, num_compressed, round_capacity
+from nsa_eval.kernels.decode_compress import block_inputs, write_block
+from nsa_eval.kernels.decode_inputs import decode_inputs
+from nsa_eval.kernels.rms_norm import add_rms_norm
+from nsa_eval.models.cache_nsa import (
+    CAPACITY_STEP,
+    DecodeStep,
+    NSACache,
+    NSALayerCache,
+    num_compressed,
+    round_capacity,
+)
 from nsa_eval.models.configuration_nsa import NSAConfig
 from nsa_eval.models.decode_graph import DecodeGraph
 
@@ -167,6 +177,7 @@ class NSAAttention(nn.Module):
         self.selected_tokens: torch.Tensor | None = None  # [B, T, Hkv] of the last call (num_local = 0)
         # while a list (`NSAModel.recording_selections`): each prefill appends its block indices
         self.recorded_blocks: list[torch.Tensor] | None = None
+        self._decode_weight: tuple | None = None  # (key, weight, bias, gate column): `decode_weight`'s
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.Dk, self.config.rope_theta, dtype)
@@ -179,17 +190,22 @@ class NSAAttention(nn.Module):
         if self.k_cmp_norm is not None:
             k_cmp = self.k_cmp_norm(k_cmp)
         if self.config.compression == "mlp":  # rotate compressed key i at its first token, i * stride
-            Tc = k_cmp.shape[1]
-
-            def tables():
-                block_ids = first_block + torch.arange(Tc, device=k_cmp.device)
-                return self.rope(block_ids * self.config.stride, k_cmp.dtype)
-
-            where = first_block if isinstance(first_block, int) else id(first_block)
-            shared = LayerShared() if shared is None else shared  # an empty one is falsy: no `or`
-            cos, sin = shared.get_or(("rope of blocks", where, Tc, k_cmp.dtype), tables)
+            cos, sin = self.block_rope(first_block, k_cmp.shape[1], k_cmp.dtype, k_cmp.device, shared)
             k_cmp = apply_rope(k_cmp, cos, sin)
         return k_cmp, v_cmp
+
+    def block_rope(self, first_block: int | torch.Tensor, Tc: int, dtype: torch.dtype, device: torch.device,
+                   shared: LayerShared | None = None):
+        """cos, sin `[Tc, Dk]` of compressed blocks `first_block ..` (each at its first token, i * stride),
+        worked out once per forward (`shared`)."""
+
+        def tables():
+            block_ids = first_block + torch.arange(Tc, device=device)
+            return self.rope(block_ids * self.config.stride, dtype)
+
+        where = first_block if isinstance(first_block, int) else id(first_block)
+        shared = LayerShared() if shared is None else shared  # an empty one is falsy: no `or`
+        return shared.get_or(("rope of blocks", where, Tc, dtype), tables)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, shared: LayerShared | None = None) -> dict:
         """Hidden states `[B, T, C]` at `positions` `[T]` -> every per-branch tensor the kernels need.
@@ -276,28 +292,116 @@ class NSAAttention(nn.Module):
             new = {name: step[name] for name in CACHED}
             layer = cache.decode(self.layer_idx, where, new,
                                  lambda k_in, v_in, first: self.compress(k_in, v_in, first, shared))
-            if step["q"].is_cuda and self.config.kernel_impl != "reference":
-                rows, rows_cmp = cache.capacity, cache.capacity_cmp
-                lens = where.lens
-            else:
-                rows = cache.length + t + 1
-                rows_cmp, lens = num_compressed(rows, cache.block_len, cache.stride), None
-            # one dtype for the kernel, even if the cache was filled under another autocast setting; the
-            # window's ring whole (token p in row p % window)
-            k, v, k_cmp, v_cmp, k_swa, v_swa = (
-                None if x is None else x[:, :n].to(step["v"].dtype) for x, n in (
-                    (layer.k, rows), (layer.v, rows), (layer.k_cmp, rows_cmp), (layer.v_cmp, rows_cmp),
-                    (layer.k_swa, None), (layer.v_swa, None)))
-            out = nsa_decode(step["q"], k, v, k_cmp, v_cmp, step["g_cmp"], step["g_slc"], step["g_swa"],
-                             cache_seqlens=lens, k_swa=k_swa, v_swa=v_swa,
-                             return_block_indices=self.counts_selected_blocks, **self.kernel_kwargs())
-            if self.counts_selected_blocks:
-                out, blocks = out  # blocks [B, 1, Hkv, n]
-                counts.append(selected_tokens(where.pos, blocks, self.config.select_size))  # [B, 1, Hkv]
+            out, count = self._attend(step["q"], step["g_cmp"], step["g_slc"], step["g_swa"], layer, cache,
+                                      where, t)
             outputs.append(out)
-        if counts:
+            counts.append(count)
+        if self.counts_selected_blocks:
             self.selected_tokens = torch.cat(counts, dim=1)  # [B, T, Hkv]
         return torch.cat(outputs, dim=1)  # [B, T, Hq, Dv]
+
+    def _attend(self, q, g_cmp, g_slc, g_swa, layer: NSALayerCache, cache: NSACache, where: DecodeStep,
+                t: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward's token `t`, written to the cache (`layer`, at `where`), attends through nsa_decode:
+        q `[B, 1, Hq, Dk]`, gates `[B, 1, Hq]` -> `[B, 1, Hq, Dv]`, and its selected tokens `[B, 1, Hkv]`
+        where the layer counts them (else None)."""
+        if q.is_cuda and self.config.kernel_impl != "reference":
+            rows, rows_cmp = cache.capacity, cache.capacity_cmp
+            lens = where.lens
+        else:
+            rows = cache.length + t + 1
+            rows_cmp, lens = num_compressed(rows, cache.block_len, cache.stride), None
+        # one dtype for the kernel, even if the cache was filled under another autocast setting; the
+        # window's ring whole (token p in row p % window)
+        k, v, k_cmp, v_cmp, k_swa, v_swa = (
+            None if x is None else x[:, :n].to(q.dtype) for x, n in (
+                (layer.k, rows), (layer.v, rows), (layer.k_cmp, rows_cmp), (layer.v_cmp, rows_cmp),
+                (layer.k_swa, None), (layer.v_swa, None)))
+        out = nsa_decode(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_swa, cache_seqlens=lens, k_swa=k_swa,
+                         v_swa=v_swa, return_block_indices=self.counts_selected_blocks,
+                         **self.kernel_kwargs())
+        if not self.counts_selected_blocks:
+            return out, None
+        out, blocks = out  # blocks [B, 1, Hkv, n]
+        return out, selected_tokens(where.pos, blocks, self.config.select_size)  # [B, 1, Hkv]
+
+    def decode_weight(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The fused decode's one projection: the weights of q, k, v, the branches' own k, v (where the
+        layer has them) and a one-Linear g_proj, stacked `[N, C]` in that order (`decode_inputs`' layout),
+        the bias `[N]` (None without `attention_bias`), and the column where the gate logits start (N
+        when g_proj is an MLP, which runs on its own).
+
+        Built on first use and again when a source weight changes (its address, version or dtype). It is a
+        copy beside the parameters (not a buffer: nothing of it is saved or loaded), the price of one GEMM
+        where there were up to eight.
+        """
+        linears = [self.q_proj, self.k_proj, self.v_proj]
+        if not self.config.shared_kv:
+            linears += [self.k_cmp_proj, self.v_cmp_proj]
+            if self.config.window > 0:
+                linears += [self.k_swa_proj, self.v_swa_proj]
+        gate_fused = isinstance(self.g_proj, nn.Linear)
+        if gate_fused:
+            linears.append(self.g_proj)
+        key = tuple((p.data_ptr(), p._version, p.dtype) for m in linears for p in m.parameters())
+        if self._decode_weight is None or self._decode_weight[0] != key:
+            with torch.no_grad():
+                weight = torch.cat([m.weight for m in linears])  # [N, C]
+                bias = None
+                if any(m.bias is not None for m in linears):  # g_proj has none: zeros in its place
+                    bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias
+                                      for m in linears])  # [N]
+            gate_column = weight.shape[0] - (3 * self.Hq if gate_fused else 0)
+            self._decode_weight = (key, weight, bias, gate_column)
+        return self._decode_weight[1:]
+
+    def decode_token(self, x: torch.Tensor, cache: NSACache,
+                     shared: LayerShared | None = None) -> torch.Tensor:
+        """One decode token per row through the fused launches (`NSAModel`'s fused decode): normalised
+        hidden states `x` `[B, 1, C]` -> the layer's output `[B, 1, C]`, the token written to the cache.
+
+        What `forward` computes for T = 1 after a prompt, within rounding: one GEMM for every projection
+        (`decode_weight`), one `decode_inputs` launch for RoPE, the gates and the cache writes, the block
+        the token completes compressed around two launches (`_compress_token`), then nsa_decode as the
+        unfused step runs it.
+        """
+        B = x.shape[0]
+        shared = LayerShared() if shared is None else shared
+        positions = shared.get_or(
+            "positions", lambda: cache.position.to(x.device) + torch.arange(1, device=x.device))
+        cos, sin = shared.get_or(("rope", x.dtype), lambda: self.rope(positions, x.dtype))  # [1, Dk] each
+        weight, bias, gate_column = self.decode_weight()
+        y = F.linear(x.view(B, -1), weight, bias)  # [B, N]
+        # [B, 3 Hq] gate logits: y's last columns, or g_proj's own MLP
+        g = y[:, gate_column:] if gate_column < y.shape[1] else self.g_proj(x).view(B, 3 * self.Hq)
+        where = cache.step(0, x.device, B)
+        layer = cache.layers[self.layer_idx]
+        q, g_cmp, g_slc, g_swa = decode_inputs(
+            y, g, cos, sin, layer.k, layer.v, layer.k_cmp_in, layer.v_cmp_in, where.pos, where.cmp_in_row,
+            k_swa=layer.k_swa, v_swa=layer.v_swa, window_row=where.window_row,
+            shared_kv=self.config.shared_kv, rope_cmp_in=self.config.compression == "mean",
+            gate_swa=self.config.window > 0)
+        self._compress_token(layer, where, shared)
+        o, count = self._attend(q, g_cmp, g_slc, g_swa, layer, cache, where, 0)  # [B, 1, Hq, Dv]
+        if self.counts_selected_blocks:
+            self.selected_tokens = count  # [B, 1, Hkv]
+        return self.o_proj(o.view(B, 1, self.Hq * self.Dv))  # [B, 1, C]
+
+    def _compress_token(self, layer: NSALayerCache, where: DecodeStep, shared: LayerShared) -> None:
+        """`NSACache.compress_token` in fewer launches: the block ending at the token gathered from the ring
+        (`block_inputs`), through the compressor's MLP, normed, rotated and written (`write_block`)."""
+        ck, cv = self.compress_k, self.compress_v
+        mlp = self.config.compression == "mlp"
+        pos_emb = (ck.pos_emb, cv.pos_emb) if mlp else ()
+        k_blk, v_blk = block_inputs(layer.k_cmp_in, layer.v_cmp_in, where.block_rows, *pos_emb)  # [B, Hkv, .]
+        cos = sin = None
+        if mlp:
+            k_blk, v_blk = ck.fc2(F.silu(ck.fc1(k_blk))), cv.fc2(F.silu(cv.fc1(v_blk)))  # [B, Hkv, D]
+            cos, sin = self.block_rope(where.first_block, 1, k_blk.dtype, k_blk.device, shared)  # [1, Dk]
+        norm = self.k_cmp_norm
+        write_block(k_blk, v_blk, layer.k_cmp, layer.v_cmp, where.cmp_row,
+                    norm_weight=None if norm is None else norm.weight, eps=self.config.rms_norm_eps,
+                    cos=cos, sin=sin)
 
     def forward(self, x: torch.Tensor, cache: NSACache | None = None, rows: slice = slice(None),
                 shared: LayerShared | None = None) -> torch.Tensor:
@@ -464,6 +568,9 @@ class NSAModel(NSAPreTrainedModel):
         # Decode steps on the GPU replay a CUDA graph captured over the cache's buffers (set False to
         # run every step eagerly, e.g. to profile its launches).
         self.decode_cuda_graph = True
+        # Decode steps on the GPU run the fused launches (`_decode_layers`; set False for the unfused
+        # layers, e.g. to compare the two).
+        self.fuse_decode = True
         self.reset_attention_stats()
         self.post_init()
 
@@ -607,11 +714,14 @@ class NSAModel(NSAPreTrainedModel):
         self._record(real, torch.arange(past, past + T), "prefill" if T > 1 else "decode", selected)
         return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_FIELD: cache})
 
-    def _step(self, x: torch.Tensor, cache: NSACache | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward of `x` `[B, T, C]` through the stack and the cache (what a CUDA graph captures)."""
+    def _step(self, x: torch.Tensor, cache: NSACache | None,
+              fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of `x` `[B, T, C]` through the stack and the cache (what a CUDA graph captures).
+        `fused`: whether a decode step takes `_decode_layers` (default: where `_fuses_decode` says)."""
         if cache is not None:
             cache.open_forward()
-        out = self._layers(x, cache)
+        fused = self._fuses_decode(x, cache) if fused is None else fused
+        out = self._decode_layers(x, cache) if fused else self._layers(x, cache)
         if cache is not None:
             cache.advance(x.shape[1])
         return out
@@ -645,6 +755,33 @@ class NSAModel(NSAPreTrainedModel):
                 selected.append(layer.attn.selected_tokens)  # [B, T, Hkv]
                 layer.attn.selected_tokens = None
         return self.norm(x), torch.stack(selected) if selected else None
+
+    def _decode_layers(self, x: torch.Tensor, cache: NSACache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_layers` for one decode token per row `x` `[B, 1, C]`, in fewer launches: each residual add goes
+        with the norm after it (`add_rms_norm`: the MLP's output with the next layer's attn_norm, the last
+        with the final norm) and the attention runs `NSAAttention.decode_token`. Returns what `_layers`
+        returns."""
+        per_block = self.layers[0].attn.counts_selected_blocks
+        selected, shared = [], LayerShared()
+        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]  # the norm after each layer
+        h, y = add_rms_norm(x, None, self.layers[0].attn_norm.weight, self.layers[0].attn_norm.eps)
+        for layer, norm in zip(self.layers, norms, strict=True):
+            h, y = add_rms_norm(h, layer.attn.decode_token(y, cache, shared), layer.mlp_norm.weight,
+                                layer.mlp_norm.eps)
+            h, y = add_rms_norm(h, layer.mlp(y), norm.weight, norm.eps)
+            if per_block:
+                selected.append(layer.attn.selected_tokens)  # [B, 1, Hkv]
+                layer.attn.selected_tokens = None
+        return y, torch.stack(selected) if selected else None
+
+    def _fuses_decode(self, x: torch.Tensor, cache: NSACache | None) -> bool:
+        """Whether a forward of `x` `[B, T, C]` takes the fused decode (`_decode_layers`): one token a row
+        after a prompt, on the GPU through the Triton kernels, outside autograd and autocast, the whole
+        stack on one GPU (a model split by `device_map` moves tensors in its layers' hooks)."""
+        return (self.fuse_decode and cache is not None and cache.length > 0 and x.shape[1] == 1 and x.is_cuda
+                and self.config.kernel_impl != "reference" and not torch.is_grad_enabled()
+                and not torch.is_autocast_enabled("cuda") and len(self.layers) > 0
+                and self._on_one_device(x.device))
 
     def _graph_ready(self, device: torch.device) -> bool:
         """Whether a decode step on `device` may run from a CUDA graph: on the GPU through the Triton
@@ -702,7 +839,8 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         model's context) at each batch size, so no generation stops to compile (a CUDA model only).
 
         The decode's launch constants follow the cache's capacity (`cache_nsa.CAPACITY_STEP` apart), so
-        one call of the kernels on zero buffers of each capacity compiles all that decode will need.
+        one call of the kernels on zero buffers of each capacity compiles all that decode will need; the
+        fused step's other kernels (`NSAModel._decode_layers`) take one decode step at each batch size.
         """
         param = next(self.parameters())
         if not param.is_cuda or self.config.kernel_impl == "reference":
@@ -735,6 +873,11 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
                     break
                 finally:
                     k = v = k_cmp = v_cmp = None
+            if self.model.fuse_decode:  # the fused step's own launches, after a throwaway one-block prompt
+                with self.attention_stats_paused():
+                    ids = torch.zeros(B, c.block_len + 1, dtype=torch.long, device=param.device)
+                    cache = getattr(self(ids[:, :-1], use_cache=True), CACHE_FIELD)
+                    self(ids[:, -1:], cache=cache)
 
     def forward(
         self,
