@@ -1,10 +1,11 @@
 """One decode step of the NSA model, captured as a CUDA graph and replayed for every later token.
 
-A decode step is about a thousand small launches (16 layers of projections, rotary embedding, cache
-writes, compression and the four NSA decode kernels); launched one by one from Python, the host takes
-several times the GPU's time. The cache (`cache_nsa.py`) keeps every buffer at a fixed address and the
-position on the device, and the decode kernels read the length from the device, so one capture serves
-every position up to the cache's capacity. The cache owns its graph: a new cache (a new `generate()`)
+A decode step is hundreds of small launches (16 layers of projections, rotary embedding, cache writes,
+compression and the four NSA decode kernels: about 22 a layer on the fused path,
+`NSAModel._decode_layers`, 80 unfused); launched one by one from Python, the host takes several times the
+GPU's time. The cache (`cache_nsa.py`) keeps every buffer at a fixed address and the position on the
+device, and the decode kernels read the length from the device, so one capture serves every position
+up to the cache's capacity. The cache owns its graph: a new cache (a new `generate()`)
 or a larger one captures again.
 """
 
