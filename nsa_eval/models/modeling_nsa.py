@@ -776,20 +776,23 @@ class NSAModel(NSAPreTrainedModel):
 
     def _fuses_decode(self, x: torch.Tensor, cache: NSACache | None) -> bool:
         """Whether a forward of `x` `[B, T, C]` takes the fused decode (`_decode_layers`): one token a row
-        after a prompt, on the GPU through the Triton kernels, outside autograd and autocast, the whole
-        stack on one GPU (a model split by `device_map` moves tensors in its layers' hooks)."""
-        return (self.fuse_decode and cache is not None and cache.length > 0 and x.shape[1] == 1 and x.is_cuda
-                and self.config.kernel_impl != "reference" and not torch.is_grad_enabled()
-                and not torch.is_autocast_enabled("cuda") and len(self.layers) > 0
-                and self._on_one_device(x.device))
+        after a prompt, where the Triton decode runs from device state (`_device_decode`)."""
+        return (self.fuse_decode and cache is not None and cache.length > 0 and x.shape[1] == 1
+                and len(self.layers) > 0 and self._device_decode(x.device))
 
     def _graph_ready(self, device: torch.device) -> bool:
-        """Whether a decode step on `device` may run from a CUDA graph: on the GPU through the Triton
-        kernels (the reference reads lengths on the host), outside autograd and autocast, and without the
-        mixture of experts (its routing sizes its launches on the host), on one GPU."""
-        return (self.decode_cuda_graph and device.type == "cuda" and self.config.kernel_impl != "reference"
+        """Whether a decode step on `device` may run from a CUDA graph: where the Triton decode runs from
+        device state (`_device_decode`), and without the mixture of experts (its routing sizes its
+        launches on the host)."""
+        return self.decode_cuda_graph and not self.config.num_experts and self._device_decode(device)
+
+    def _device_decode(self, device: torch.device) -> bool:
+        """Whether a decode step on `device` runs from device state alone: on the GPU through the Triton
+        kernels (the reference reads lengths on the host), outside autograd and autocast, the whole stack
+        on one GPU (a model split by `device_map` moves tensors in its layers' hooks)."""
+        return (device.type == "cuda" and self.config.kernel_impl != "reference"
                 and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
-                and not self.config.num_experts and self._on_one_device(device))
+                and self._on_one_device(device))
 
     def _on_one_device(self, device: torch.device) -> bool:
         """Whether the whole stack sits on `device` (a model split over GPUs by `device_map` runs eagerly)."""
