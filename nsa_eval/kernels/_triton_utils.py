@@ -160,6 +160,15 @@ def rounded(x, DT: tl.constexpr):
 
 
 @triton.jit
+def rotated_half(x, x_swapped, first_half, cos, sin, DT: tl.constexpr):
+    """x [BD] float32 rotated half by cos/sin as torch's `x * cos + rotate_half(x) * sin` in DT: each
+    product and the sum rounded to DT. x_swapped is x with its halves swapped; first_half marks the
+    elements of the first half (where rotate_half negates)."""
+    x_rot = tl.where(first_half, -x_swapped, x_swapped)
+    return rounded(rounded(x * cos, DT) + rounded(x_rot * sin, DT), DT)
+
+
+@triton.jit
 def kv_sources(K, V, i_b, i_hk, sk_b, sk_h, sv_b, sv_h, TMA: tl.constexpr):
     # where a program's key and value tiles come from: the tensor descriptors themselves (TMA), or the
     # base pointers of its (batch, KV head)

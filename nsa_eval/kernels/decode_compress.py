@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import launcher, pow2, rounded
+from nsa_eval.kernels._triton_utils import launcher, pow2, rotated_half, rounded
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _write_block_kernel(K, V, K_CMP, V_CMP, ROW, NORM_W, COS, SIN, sk_b, sv_b, s
     k_row = K + i_b * sk_b + i_h * DK
     k = tl.load(k_row + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BDK]
     HALF: tl.constexpr = DK // 2
-    o_r = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)  # rotate half: [-k2, k1]
+    o_r = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)  # k's halves swapped
     k_rot = tl.load(k_row + o_r, mask=m_d, other=0.0).to(tl.float32)
     if NORM:  # modeling_nsa.RMSNorm over Dk, the same elementwise ops on k and on its rotated copy
         r = tl.rsqrt(tl.sum(k * k, 0) / DK + eps)
@@ -119,10 +119,9 @@ def _write_block_kernel(K, V, K_CMP, V_CMP, ROW, NORM_W, COS, SIN, sk_b, sv_b, s
         k = rounded(w * rounded(k * r, DT), DT)
         k_rot = rounded(w_rot * rounded(k_rot * r, DT), DT)
     if ROPE:  # each product and the sum rounded (`apply_rope`)
-        k_rot = tl.where(o_d < HALF, -k_rot, k_rot)
         cos = tl.load(COS + o_d, mask=m_d, other=0.0).to(tl.float32)
         sin = tl.load(SIN + o_d, mask=m_d, other=0.0).to(tl.float32)
-        k = rounded(rounded(k * cos, DT) + rounded(k_rot * sin, DT), DT)
+        k = rotated_half(k, k_rot, o_d < HALF, cos, sin, DT)
     tl.store(K_CMP + i_b * skc_b + row * skc_t + i_h * DK + o_d, k, mask=m_d)
     v = tl.load(V + i_b * sv_b + i_h * DV + o_v, mask=m_v, other=0.0)
     tl.store(V_CMP + i_b * svc_b + row * svc_t + i_h * DV + o_v, v, mask=m_v)

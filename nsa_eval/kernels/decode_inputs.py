@@ -17,17 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_eval.kernels._triton_utils import launcher, pow2, rounded
+from nsa_eval.kernels._triton_utils import launcher, pow2, rotated_half, rounded
 
 
 @triton.jit
-def _rope(X, o_d, o_r, m_d, sign, cos, sin):
-    # x [BD] at X rotated half by cos/sin [BD] float32: round(round(x * cos) + round(rot(x) * sin)), each
-    # rounding to X's dtype, as torch's bf16 `x * cos + rotated * sin` does
-    DT: tl.constexpr = X.dtype.element_ty
+def _rope(X, o_d, o_r, m_d, first_half, cos, sin):
+    # x [BD] at X rotated half by cos/sin [BD] float32, rounded to X's dtype as torch does (`rotated_half`)
     x = tl.load(X + o_d, mask=m_d, other=0.0).to(tl.float32)
-    x_rot = tl.load(X + o_r, mask=m_d, other=0.0).to(tl.float32) * sign
-    return rounded(rounded(x * cos, DT) + rounded(x_rot * sin, DT), DT)
+    x_swapped = tl.load(X + o_r, mask=m_d, other=0.0).to(tl.float32)
+    return rotated_half(x, x_swapped, first_half, cos, sin, X.dtype.element_ty)
 
 
 @triton.jit
@@ -45,8 +43,8 @@ def _decode_inputs_kernel(
     HALF: tl.constexpr = DK // 2
     o_d = tl.arange(0, BDK)
     m_d = o_d < DK
-    o_r = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)  # rotate half: [-x2, x1]
-    sign = tl.where(o_d < HALF, -1.0, 1.0)
+    o_r = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)  # the halves swapped
+    first_half = o_d < HALF
     cos = tl.load(COS + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BDK]
     sin = tl.load(SIN + o_d, mask=m_d, other=0.0).to(tl.float32)
     y = Y + i_b * sy_b
@@ -58,7 +56,7 @@ def _decode_inputs_kernel(
     O_KS: tl.constexpr = O_VC + HKV * DV
     O_VS: tl.constexpr = O_KS + HKV * DK
     if i_h < HQ:
-        q = _rope(y + i_h * DK, o_d, o_r, m_d, sign, cos, sin)
+        q = _rope(y + i_h * DK, o_d, o_r, m_d, first_half, cos, sin)
         tl.store(Q + (i_b * HQ + i_h) * DK + o_d, q, mask=m_d)
         g = G + i_b * sg_b + i_h * 3  # the head's logits, branches (cmp, slc, swa)
         gc = tl.sigmoid(tl.load(g).to(tl.float32))
@@ -76,7 +74,7 @@ def _decode_inputs_kernel(
         m_v = o_v < DV
         pos = tl.load(POS)
         crow = tl.load(CROW)
-        k = _rope(y + O_K + i_k * DK, o_d, o_r, m_d, sign, cos, sin)
+        k = _rope(y + O_K + i_k * DK, o_d, o_r, m_d, first_half, cos, sin)
         v = tl.load(y + O_V + i_k * DV + o_v, mask=m_v, other=0.0)
         tl.store(K + i_b * sk_b + pos * sk_t + i_k * DK + o_d, k, mask=m_d)
         tl.store(V + i_b * sv_b + pos * sv_t + i_k * DV + o_v, v, mask=m_v)
@@ -87,7 +85,7 @@ def _decode_inputs_kernel(
             o_kc = O_KC
             o_vc = O_VC
         if ROPE_CMP:
-            k_cmp = _rope(y + o_kc + i_k * DK, o_d, o_r, m_d, sign, cos, sin)
+            k_cmp = _rope(y + o_kc + i_k * DK, o_d, o_r, m_d, first_half, cos, sin)
         else:
             k_cmp = tl.load(y + o_kc + i_k * DK + o_d, mask=m_d, other=0.0)
         v_cmp = tl.load(y + o_vc + i_k * DV + o_v, mask=m_v, other=0.0)
@@ -95,7 +93,7 @@ def _decode_inputs_kernel(
         tl.store(VC + i_b * svc_b + crow * svc_t + i_k * DV + o_v, v_cmp, mask=m_v)
         if HAS_SWA:
             wrow = tl.load(WROW)
-            k_swa = _rope(y + O_KS + i_k * DK, o_d, o_r, m_d, sign, cos, sin)
+            k_swa = _rope(y + O_KS + i_k * DK, o_d, o_r, m_d, first_half, cos, sin)
             v_swa = tl.load(y + O_VS + i_k * DV + o_v, mask=m_v, other=0.0)
             tl.store(KS + i_b * sks_b + wrow * sks_t + i_k * DK + o_d, k_swa, mask=m_d)
             tl.store(VS + i_b * svs_b + wrow * svs_t + i_k * DV + o_v, v_swa, mask=m_v)
