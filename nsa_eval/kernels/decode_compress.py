@@ -23,35 +23,36 @@ from nsa_eval.kernels._triton_utils import launcher, pow2, rotated_half, rounded
 
 
 @triton.jit
-def _gather(RING, POS_EMB, OUT, ROWS, i_b, i_h, s_b, s_t, so_b, L: tl.constexpr, D: tl.constexpr,
-            BD: tl.constexpr, HKV: tl.constexpr, MEAN: tl.constexpr):
+def _gather(RING, POS_EMB, OUT, ROWS, i_b, i_h, s_b, s_t, so_b, L: tl.constexpr, BL: tl.constexpr,
+            D: tl.constexpr, BD: tl.constexpr, MEAN: tl.constexpr):
     # the block of (i_b, i_h) from the ring [B, l, Hkv, D] in token order (ROWS [l]): OUT [B, Hkv, l * D]
-    # with the position embedding [l, D] added, or with MEAN OUT [B, Hkv, D] the block's mean
+    # with the position embedding [l, D] added, or with MEAN OUT [B, Hkv, D] the block's mean. The l rows
+    # load as one tile: a loop over them waits for each row index before its load
     DT: tl.constexpr = RING.dtype.element_ty
+    o_j = tl.arange(0, BL)
+    m_j = o_j < L
     o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    acc = tl.zeros([BD], tl.float32)
-    for j in tl.static_range(L):
-        row = tl.load(ROWS + j)
-        x = tl.load(RING + i_b * s_b + row * s_t + i_h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-        if MEAN:
-            acc += x
-        else:
-            x = rounded(x + tl.load(POS_EMB + j * D + o_d, mask=m_d, other=0.0).to(tl.float32), DT)
-            tl.store(OUT + i_b * so_b + (i_h * L + j) * D + o_d, x, mask=m_d)
+    m = m_j[:, None] & (o_d < D)[None, :]
+    rows = tl.load(ROWS + o_j, mask=m_j, other=0)  # [BL]
+    x = tl.load(RING + i_b * s_b + rows[:, None] * s_t + i_h * D + o_d[None, :], mask=m, other=0.0)
+    x = x.to(tl.float32)  # [BL, BD]
     if MEAN:
-        tl.store(OUT + i_b * so_b + i_h * D + o_d, rounded(acc / L, DT), mask=m_d)
+        tl.store(OUT + i_b * so_b + i_h * D + o_d, rounded(tl.sum(x, 0) / L, DT), mask=o_d < D)
+    else:
+        emb = tl.load(POS_EMB + o_j[:, None] * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        x = rounded(x + emb, DT)
+        tl.store(OUT + i_b * so_b + (i_h * L + o_j[:, None]) * D + o_d[None, :], x, mask=m)
 
 
 @triton.jit
 def _block_inputs_kernel(K_RING, V_RING, K_POS, V_POS, K_OUT, V_OUT, ROWS, sk_b, sk_t, sv_b, sv_t, sko_b,
-                         svo_b, L: tl.constexpr, HKV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         svo_b, L: tl.constexpr, BL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          BDK: tl.constexpr, BDV: tl.constexpr, MEAN: tl.constexpr):
     # grid (Hkv, B): one KV head's key and value blocks
     i_h = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64)
-    _gather(K_RING, K_POS, K_OUT, ROWS, i_b, i_h, sk_b, sk_t, sko_b, L, DK, BDK, HKV, MEAN)
-    _gather(V_RING, V_POS, V_OUT, ROWS, i_b, i_h, sv_b, sv_t, svo_b, L, DV, BDV, HKV, MEAN)
+    _gather(K_RING, K_POS, K_OUT, ROWS, i_b, i_h, sk_b, sk_t, sko_b, L, BL, DK, BDK, MEAN)
+    _gather(V_RING, V_POS, V_OUT, ROWS, i_b, i_h, sv_b, sv_t, svo_b, L, BL, DV, BDV, MEAN)
 
 
 def block_inputs(k_ring, v_ring, block_rows, k_pos_emb=None, v_pos_emb=None):
@@ -80,8 +81,8 @@ def block_inputs(k_ring, v_ring, block_rows, k_pos_emb=None, v_pos_emb=None):
     launcher(_block_inputs_kernel)[(HKV, B)](
         k_ring, v_ring, *((k_ring, v_ring) if mean else (k_pos_emb.contiguous(), v_pos_emb.contiguous())),
         k_out, v_out, block_rows, k_ring.stride(0), k_ring.stride(1), v_ring.stride(0), v_ring.stride(1),
-        k_out.stride(0), v_out.stride(0), L=L, HKV=HKV, DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV), MEAN=mean,
-        num_warps=1)
+        k_out.stride(0), v_out.stride(0), L=L, BL=pow2(L, 1), DK=DK, DV=DV, BDK=pow2(DK), BDV=pow2(DV),
+        MEAN=mean, num_warps=2)
     return k_out, v_out
 
 
