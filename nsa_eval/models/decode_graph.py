@@ -15,6 +15,9 @@ from collections.abc import Callable
 
 import torch
 
+# below this share of the card free, a capture first returns the allocator's unused blocks to the driver
+LOW_MEMORY = 1 / 16
+
 
 class DecodeGraph:
     """`step(x)` captured once over a static copy of `x` `[B, 1, C]`; calling it replays the step.
@@ -27,8 +30,12 @@ class DecodeGraph:
     def __init__(self, step: Callable[[torch.Tensor], tuple], x: torch.Tensor):
         self.x = x.clone()  # [B, 1, C] the captured input
         self.graph = torch.cuda.CUDAGraph()
-        # Captured on a side stream as `torch.cuda.graph` does, without its garbage collection and cache
-        # emptying: a generation captures once, and those would cost more than the capture.
+        # Captured on a side stream as `torch.cuda.graph` does, without its garbage collection, and
+        # emptying the allocator's cache only when the card is nearly full: the graph's private pool
+        # cannot use blocks the cache holds free, and after a long batch prefill those can be most of it.
+        free, total = torch.cuda.mem_get_info(x.device)
+        if free < total * LOW_MEMORY:
+            torch.cuda.empty_cache()
         stream = torch.cuda.Stream(x.device)
         stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(stream):
