@@ -177,8 +177,7 @@ class AttentionController:
             self._filling = None
             cache.fill(dynamic, mask, self, self.states, heads)
             self.states = {}
-            self.fold_static()  # earlier caches' steps, before a new one's begin
-            self._static_counts.append(cache.counts)
+            self.track_static(cache)
             for field_name in ("cache", "past_key_values"):
                 if getattr(output, field_name, None) is dynamic:
                     output[field_name] = cache
@@ -188,6 +187,11 @@ class AttentionController:
             if not (cache.lens.is_cuda and torch.cuda.is_current_stream_capturing()):
                 cache.step_done()  # a replayed step's host half is its caller's (hf_decode_graph.py)
         return output
+
+    def track_static(self, cache: StaticDecodeCache) -> None:
+        """Count the decode steps of a newly filled static cache (earlier caches' steps folded first)."""
+        self.fold_static()
+        self._static_counts.append(cache.counts)
 
     def fold_static(self) -> None:
         """Put every static cache's decode steps so far into `stats` (device additions, no wait)."""

@@ -95,6 +95,7 @@ class StaticDecodeCache:
         self.flash: bool | None = None  # whether dense layers run FlashAttention (None: not tried yet)
         self.decode_graph = None  # the captured decode step (nsa_eval.models.hf_decode_graph), if any
         self.graph_key: tuple[int, int] | None = None  # (version, width) it was captured at
+        self.prompt_rows: list[int] = []  # `take_rows`: keys each row held after its prompt, so far
 
     # ---- what transformers reads
     @property
@@ -183,6 +184,42 @@ class StaticDecodeCache:
         self.counts = StaticCounts(rows, heads, self.keys[0].shape[1],
                                    torch.zeros(len(layers), 3, dtype=torch.long, device=device),
                                    cache=weakref.ref(self))
+
+    def take_rows(self, part: StaticDecodeCache, first: int, batch: int) -> None:
+        """Move the filled cache `part` of a prompt's rows `first ..` into this cache of `batch` rows: a
+        batch prefilled a group of rows at a time (hf_decode_graph.py), the groups in order. Every part
+        holds the same padded prompt length and capacity; `part` is emptied. The last group completes
+        the cache: its statistics then count the whole batch's steps."""
+        n = part.batch_size
+        if not part.filled or first + n > batch or (first == 0) == self.filled:
+            raise UsageError(f"take_rows: rows {first}..{first + n} of {batch} do not follow this cache's")
+        if first == 0:  # the buffers of the whole batch, at the first part's shapes
+            self.capacity = part.capacity
+            self.keys = [k.new_zeros(batch, *k.shape[1:]) for k in part.keys]
+            self.values = [v.new_zeros(batch, *v.shape[1:]) for v in part.values]
+            self.state = [{name: t.new_zeros(batch, *t.shape[1:]) for name, t in layer.items()}
+                          for layer in part.state]
+            self.lens = part.lens.new_zeros(batch)
+            self.length, self.controller, self.prompt_rows = part.length, part.controller, []
+        elif part.length != self.length or part.capacity != self.capacity:
+            raise UsageError("take_rows: the parts of one prompt must have its length and capacity")
+        rows = slice(first, first + n)
+        for mine, theirs in ((self.keys, part.keys), (self.values, part.values)):
+            for index, x in enumerate(theirs):
+                mine[index][rows] = x
+                theirs[index] = None  # freed as it is copied
+        for mine, theirs in zip(self.state, part.state, strict=True):
+            for name, t in theirs.items():
+                mine[name][rows] = t
+        self.lens[rows] = part.lens
+        self.prompt_rows += part.counts.rows
+        self.longest = max(self.longest, part.longest)
+        part.keys, part.values, part.state = [], [], []
+        if first + n == batch:
+            self.step_mask = torch.ones(batch, 1, 1, 1, dtype=torch.bool, device=self.lens.device)
+            self.counts = StaticCounts(self.prompt_rows, part.counts.heads, part.counts.kv_heads,
+                                       torch.zeros_like(part.counts.totals), cache=weakref.ref(self))
+            self.controller.track_static(self)
 
     # ---- decode steps (host side)
     def plan_step(self) -> None:

@@ -6,9 +6,10 @@ one step is the same launches at every position up to the cache's `width`. `enab
 wraps the model's forward: a decode step from a filled static cache on a GPU runs eagerly once per width
 (the first token, then every `width_step` tokens), is captured as a CUDA graph over the cache
 (`DecodeGraph`, as the NSA model's), and every later step replays it: embedding, layers and output
-head in one launch instead of several hundred from Python. Everything else (prompts, other caches, the
-CPU, autograd, a model over several devices) runs the model's own forward, and a failed capture warns
-and leaves later steps eager.
+head in one launch instead of several hundred from Python. A batch prompt into an empty static cache
+runs a group of rows at a time (`PREFILL_TOKENS` tokens), each group's cache moved into the batch's.
+Everything else (other prompts and caches, the CPU, autograd, a model over several devices) runs the
+model's own forward, and a failed capture warns and leaves later steps eager.
 
 The generation loop stays outside the graph: `generate(..., cache=StaticDecodeCache(n))` samples, applies
 its logits processors and checks stop strings on the host as usual (the lm-eval adapter does this).
@@ -27,6 +28,12 @@ from nsa_eval.models.decode_graph import DecodeGraph
 
 GRAPHS_ATTRIBUTE = "_nsa_eval_decode_graphs"  # on the model: its DecodeGraphs
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+# A batch prompt into a static cache runs this many tokens at a time (one row from here up), as the NSA
+# model prefills its own (`modeling_nsa.PREFILL_TOKENS`): 16 rows of 64k at once would hold their MLP
+# intermediates and their dynamic cache beside the static one.
+PREFILL_TOKENS = 65536
+# the forward's inputs with a row per sequence, split with the rows of a group
+BATCH_INPUTS = ("attention_mask", "position_ids", "token_type_ids")
 
 
 class DecodeGraphs:
@@ -39,15 +46,18 @@ class DecodeGraphs:
         captures: graphs captured so far (one per cache and width).
     """
 
-    def __init__(self, model, forward):
+    def __init__(self, model, forward, prefill_tokens: int = PREFILL_TOKENS):
         self.model = model
         self.forward = forward
+        self.prefill_tokens = prefill_tokens
         self.enabled = True
         self.captures = 0
 
     def __call__(self, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(cache, StaticDecodeCache) and not cache.filled and self._groups(ids, args, kwargs):
+            return self._prefill_in_groups(ids, cache, kwargs)
         if not (isinstance(cache, StaticDecodeCache) and cache.filled and isinstance(ids, torch.Tensor)
                 and ids.dim() == 2 and ids.shape == (cache.batch_size, 1) and self.ready(ids)):
             return self.forward(*args, **kwargs)
@@ -60,6 +70,35 @@ class DecodeGraphs:
         out = self._step(ids, cache)  # eagerly: its answer stands, and the kernels it needs are loaded
         self._capture(ids, cache)
         return out
+
+    def _groups(self, ids, args: tuple, kwargs: dict) -> bool:
+        """Whether a prompt into an empty static cache runs a group of rows at a time: more than
+        `prefill_tokens` tokens in all, outside autograd, no per-layer outputs asked for."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or len(args) > 1 or torch.is_grad_enabled():
+            return False
+        if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+            return False
+        return ids.shape[0] > max(1, self.prefill_tokens // ids.shape[1])
+
+    def _prefill_in_groups(self, ids: torch.Tensor, cache: StaticDecodeCache, kwargs: dict):
+        """A batch prompt `ids` `[B, T]` through the model `prefill_tokens // T` rows at a time (at least
+        one), each group into a static cache of its own moved into `cache` (`take_rows`): the layers'
+        intermediates and the prompt's dynamic cache are a group's, not the batch's. -> the model's
+        output with logits `[B, n, V]` and `cache`."""
+        B, T = ids.shape
+        rows_at_once = max(1, self.prefill_tokens // T)
+        capacity = max(cache.capacity, T + 1)
+        logits = []
+        for b0 in range(0, B, rows_at_once):
+            rows = slice(b0, b0 + rows_at_once)
+            part = StaticDecodeCache(capacity, cache.width_step)
+            sub = {name: (value[rows] if name in BATCH_INPUTS and isinstance(value, torch.Tensor) else value)
+                   for name, value in kwargs.items()}
+            sub.update(input_ids=ids[rows], **{CACHE_FIELD: part})
+            sub.pop("past_key_values" if CACHE_FIELD == "cache" else "cache", None)
+            logits.append(self.forward(**sub).logits)
+            cache.take_rows(part, b0, B)
+        return CausalLMOutputWithPast(logits=torch.cat(logits), **{CACHE_FIELD: cache})
 
     def ready(self, ids: torch.Tensor) -> bool:
         """Whether a decode step may run from a graph: on one GPU, outside autograd and autocast."""
@@ -86,13 +125,14 @@ class DecodeGraphs:
             cache.decode_graph, self.enabled = None, False
 
 
-def enable_decode_graphs(model) -> DecodeGraphs:
+def enable_decode_graphs(model, prefill_tokens: int = PREFILL_TOKENS) -> DecodeGraphs:
     """Wrap `model.forward` (a transformers causal LM under `apply_attention`) so that decode steps from a
-    `StaticDecodeCache` on a GPU replay CUDA graphs; a second call keeps the first wrapper. Returns it."""
+    `StaticDecodeCache` on a GPU replay CUDA graphs, and a batch prompt into one runs about
+    `prefill_tokens` tokens at a time; a second call keeps the first wrapper. Returns it."""
     runner = getattr(model, GRAPHS_ATTRIBUTE, None)
     if runner is not None:
         return runner
-    runner = DecodeGraphs(model, model.forward)
+    runner = DecodeGraphs(model, model.forward, prefill_tokens)
     # transformers reads the forward's signature (e.g. for `logits_to_keep`): keep the model's
     model.forward = functools.wraps(runner.forward)(lambda *args, **kwargs: runner(*args, **kwargs))
     setattr(model, GRAPHS_ATTRIBUTE, runner)

@@ -11,7 +11,7 @@ import torch
 from lm_eval.api.instance import Instance
 
 from nsa_eval.errors import UsageError
-from nsa_eval.methods import StaticDecodeCache, apply_attention
+from nsa_eval.methods import StaticDecodeCache, apply_attention, attention_stats
 from nsa_eval.models.hf_decode_graph import (
     GRAPHS_ATTRIBUTE,
     disable_decode_graphs,
@@ -86,3 +86,41 @@ def test_the_wrapped_forward_keeps_its_signature_and_answers():
     assert torch.equal(logits[True], logits[False])
     disable_decode_graphs(model)
     assert "forward" not in vars(model) and getattr(model, GRAPHS_ATTRIBUTE, None) is None
+
+
+@pytest.mark.parametrize("attention", ["full", "sink_window", "topk", "quest", "h2o"])
+def test_a_batch_prompt_prefilled_a_row_at_a_time(attention):
+    """A left-padded batch of 3 into a static cache a row at a time (`prefill_tokens` below one row's
+    length) holds what the whole batch's prefill leaves: keys, values, lengths and method state, the
+    same greedy tokens after it and the same statistics."""
+    params = {"page_size": 4} if attention == "quest" else {}
+    ids = torch.randint(3, 128, (3, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :11], mask[2, :4] = 0, 0  # left padding
+    runs = {}
+    for prefill_tokens in (10**6, 8):
+        model = tiny_llama()
+        apply_attention(model, attention, budget=16, sink=2, local=8, **params)
+        enable_decode_graphs(model, prefill_tokens=prefill_tokens)
+        cache = StaticDecodeCache(40)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False,
+                                 pad_token_id=0)
+        runs[prefill_tokens] = out, cache, attention_stats(model)
+    (whole, whole_cache, whole_stats), (rows, rows_cache, rows_stats) = runs[10**6], runs[8]
+    assert torch.equal(rows, whole)
+    assert rows_cache.lens.tolist() == whole_cache.lens.tolist() == [24, 35, 31]  # prompt + 5 steps
+    # the slots past a row's length are never read (the whole batch's prefill leaves its padding there)
+    lens = whole_cache.lens.tolist()
+    for a, b in zip(rows_cache.keys + rows_cache.values, whole_cache.keys + whole_cache.values, strict=True):
+        for row, n in enumerate(lens):
+            torch.testing.assert_close(a[row, :, :n], b[row, :, :n])
+    for a, b in zip(rows_cache.state, whole_cache.state, strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            if name == "mass":  # H2O's, per slot
+                for row, n in enumerate(lens):
+                    torch.testing.assert_close(a[name][row, :, :n], b[name][row, :, :n])
+            else:  # Quest's page bounds, from the written slots only
+                torch.testing.assert_close(a[name], b[name])
+    assert rows_stats == whole_stats and rows_stats["phases"]["decode"]["queries"] > 0
