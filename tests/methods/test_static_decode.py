@@ -171,8 +171,13 @@ def test_static_step_over_the_budget_raises_at_the_read(monkeypatch):
     model = tiny_llama()
     apply_attention(model, "quest", budget=24, sink=2, local=16)
     _, tokens, cache = greedy(model, _ids(1, 30), 1, StaticDecodeCache(40))
-    monkeypatch.setattr(static_decode, "top_candidates", lambda score, candidates, *args: candidates.expand(
-        score.shape))
+    def every_visible_slot(step, sink, n):  # every visible slot listed: more than the budget
+        B, R = step.top.shape[:2]
+        W = step.chunk.key.shape[2]
+        slots = torch.arange(W).expand(B, R, W)
+        return slots, slots < step.S[:, None, None]
+
+    monkeypatch.setattr(static_decode, "kept_slots", every_visible_slot)
     with torch.no_grad():
         model(tokens[:, -1:], cache=cache)  # no raise inside the step
     with pytest.raises(BudgetExceededError, match="over the budget of 24"):
