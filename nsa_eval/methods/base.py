@@ -71,8 +71,21 @@ class Chunk:
 
     @functools.cached_property
     def logits(self) -> Tensor:
-        """`[B, Hq, Tc, Sc]` float32, scaled `q . k` before any mask (computed on first use)."""
+        """`[B, Hq, Tc, Sc]` float32, scaled `q . k` before any mask (computed on first use). A decode query
+        (Tc = 1) of a half-precision model on a GPU takes baseline_kernels/decode_scores.py, which reads the
+        keys as they are instead of a float32 copy of them all (every decode path, eager or static, does)."""
+        if self.query.shape[2] == 1 and half_on_gpu(self.query, self.key):
+            from nsa_eval.baseline_kernels.decode_scores import decode_scores
+
+            return decode_scores(self.query, self.key, self.scaling)
         return grouped_scores(self.query.float(), self.key.float()) * self.scaling
+
+
+def half_on_gpu(query: Tensor, key: Tensor) -> bool:
+    """Query and keys are CUDA tensors of one 16-bit float dtype, outside autograd: what the decode score
+    kernel takes (a float32 model's scores need no upcast, and stay a float32 GEMM)."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and key.dtype == query.dtype
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)))
 
 
 @dataclass
