@@ -37,7 +37,8 @@ def decode_scores_reference(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return (qg @ k.float().transpose(-1, -2)).view(B, Hq, 1, W) * scale
 
 
-@triton.jit
+# W not specialised (Triton's W % 16): a width no earlier step had must not compile inside a graph capture
+@triton.jit(do_not_specialize=["W"])
 def _scores_kernel(
     Q, K, OUT,
     sq_b, sq_h, sk_b, sk_h, sk_w,
