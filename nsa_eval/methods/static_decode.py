@@ -10,14 +10,23 @@ replay it (nsa_eval/models/hf_decode_graph.py):
   FlashAttention's varlen kernel with the lengths on the device (`flash_decode`), which reads only the
   written keys; elsewhere SDPA with the slots masked;
 - `sink_window`: the `sink + local` slots gathered by index (`sink_and_local_decode`), as `_decode` cuts them;
-- selecting methods: sink `[0, sink)` and `[low, S)` forced (`low` from `forced_start`, on tensors), and the
-  best `budget - forced` candidates of `[sink, low)`: the method's scores over the `width` slots, the
-  candidates elsewhere masked, a top-k of the largest number any row may take, then each row's own count
-  by rank (a stable sort for `stable_ties`, Quest); H2O's mass is read and updated in its fixed buffer.
+- selecting methods (`select_step`): sink `[0, sink)` and `[low, S)` forced (`low` from `forced_start`, on
+  tensors), and the best `budget - forced` candidates of `[sink, low)`: the method's scores over the `width`
+  slots (topk's `Chunk.logits`: on a GPU in half precision baseline_kernels/decode_scores.py, which reads the
+  keys without a float32 copy of the cache), the candidates elsewhere masked, a top-k of the largest number
+  any row may take, then each row's own count by rank (a stable sort for `stable_ties`, Quest); then the
+  attention over the kept slots alone (`gathered_attend`): per row and selection head (query head, or KV
+  head under `group_shared`) a list of `n = min(width, budget)` slots, the sink, the picks and `[low, S)`
+  (a row under the budget: slots `0 .. n - 1`, those below S valid), its keys and values gathered
+  `[B, R, n, D]` and attended with the list's mask. H2O's logits, softmax and `probs @ v` are float32 over
+  the gathered keys only, and its mass, in its fixed buffer, is updated at the listed slots
+  (`H2O.static_update`). `masked_attend`, the same attention as a mask over all `width` slots, is the
+  reference (tests/methods/test_static_gather.py).
 
-Counts: a selecting layer adds its keys attended and KV tokens read to the cache's `StaticCounts.totals` on
-the device. Dense and `sink_window` layers count nothing per step: their keys are a function of the lengths,
-which the host knows (`fold_counts` adds them, as `_decode` adds `sink_window`'s).
+Counts: a selecting layer adds its keys attended and KV tokens read (from its lists: the valid entries, and
+per KV head the union of its query heads' lists) to the cache's `StaticCounts.totals` on the device. Dense
+and `sink_window` layers count nothing per step: their keys are a function of the lengths, which the host
+knows (`fold_counts` adds them, as `_decode` adds `sink_window`'s).
 """
 
 from __future__ import annotations
