@@ -247,10 +247,12 @@ def kept_mask(step: StepSelection, sink: int) -> Tensor:
 def gather_slots(x: Tensor, index: Tensor) -> Tensor:
     """x `[B, Hkv, W, D]`, index `[B, R, n]` (R a multiple of Hkv: list r reads KV head `r // (R / Hkv)`)
     -> `[B, R, n, D]`."""
-    B, Hkv, _, D = x.shape
-    R, n = index.shape[1:]
-    rows = index.reshape(B, Hkv, (R // Hkv) * n, 1).expand(B, Hkv, (R // Hkv) * n, D)  # [B, Hkv, R/Hkv*n, D]
-    return x.gather(2, rows).view(B, R, n, D)
+    B, Hkv = x.shape[:2]
+    R = index.shape[1]
+    rows = torch.arange(B, device=x.device)[:, None, None]  # [B, 1, 1]
+    heads = (torch.arange(R, device=x.device) // (R // Hkv))[None, :, None]  # [1, R, 1]
+    # whole rows of D by advanced indexing (a `gather` indexes every element: 5x slower on a CPU)
+    return x[rows, heads, index]  # [B, R, n, D]
 
 
 def per_query_head(x: Tensor, Hq: int) -> Tensor:

@@ -113,3 +113,47 @@ def test_h2o_static_update_equals_the_scattered_update():
     AttentionMethod.static_update(method, theirs, probs, index, kept)
     assert torch.equal(ours["mass"], theirs["mass"])
     assert torch.equal(ours["mass"][1, 2], mass[1, 2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["topk", "quest", "h2o"])
+def test_gpu_gathered_step_at_llama_1b_shape(name):
+    """Llama-3.2-1B's decode shape (32 query and 8 KV heads, D = 64) over a 32k width of a bf16 cache, two
+    rows (one held, one under the budget), the default budget: the masked step's slots and counts, its
+    output to bf16 rounding, and both steps' GPU times (printed)."""
+    import dataclasses
+
+    from tests.methods.budget_inputs import cuda_ms
+
+    method, cfg = _build(name, 2560, 128, 512, True, 0, {})
+    g = torch.Generator(device="cuda").manual_seed(0)
+    W, C = 32768, 33792
+    S = torch.tensor([30000, 2000], device="cuda")
+    query = torch.randn(2, 32, 1, 64, generator=g, device="cuda").to(torch.bfloat16)
+    keys = torch.randn(2, 8, C, 64, generator=g, device="cuda").to(torch.bfloat16)
+    values = torch.randn(2, 8, C, 64, generator=g, device="cuda").to(torch.bfloat16)
+    state = {}
+    if name == "quest":
+        state = method.static_state(keys, S, C, None)
+    if name == "h2o":
+        mass = torch.rand(2, 32, C, generator=g, device="cuda")
+        state = {"mass": mass.masked_fill(torch.arange(C, device="cuda") >= S[:, None, None] - 1, 0.0)}
+    key, value = keys[:, :, :W], values[:, :, :W]
+    step = select_step(method, cfg, query, key, 0.125, S, state)
+    twin = dataclasses.replace(step, tensors=None if step.tensors is None else {
+        n: t.clone() for n, t in step.tensors.items()})
+    index, valid = kept_slots(step, cfg.sink, cfg.budget)
+    listed = torch.zeros(2, index.shape[1], W + 1, dtype=torch.bool, device="cuda").scatter_(
+        -1, index.masked_fill(~valid, W), True)[..., :W]
+    assert torch.equal(listed, kept_mask(step, cfg.sink))
+    out, activated, kv_read = gathered_attend(method, cfg, step, query, key, value, 0.125)
+    out_ref, activated_ref, kv_read_ref = masked_attend(method, cfg, twin, query, key, value, 0.125)
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(activated, activated_ref) and torch.equal(kv_read, kv_read_ref)
+    if name == "h2o":
+        torch.testing.assert_close(step.tensors["mass"], twin.tensors["mass"], rtol=1e-4, atol=1e-6)
+    gathered_ms = cuda_ms(lambda: gathered_attend(method, cfg, step, query, key, value, 0.125), n=10)
+    fresh = lambda: dataclasses.replace(twin, chunk=dataclasses.replace(twin.chunk))  # noqa: E731 (no cached logits)
+    masked_ms = cuda_ms(lambda: masked_attend(method, cfg, fresh(), query, key, value, 0.125), n=10)
+    print(f"{name}: one layer's attention over the kept slots {gathered_ms:.3f} ms, masked over 32k "
+          f"{masked_ms:.3f} ms")
