@@ -12,7 +12,8 @@ write only `score()`:
 - `forced_start(position)`: where `forced()` starts for an unpadded query, as a host int, so that a
   decode step needs no read of the device (controller.py's `_decode_plan`);
 - a stateful method (`stateful = True`, H2O) is selected query by query from a state the earlier
-  queries left: `grow_state`, `state_score`, `update_state`;
+  queries left: `grow_state`, `state_score`, `update_state` (`static_update`: the same for a decode query
+  that attended only at a list of slots);
 - `static_state`, `static_append`, `static_prepared`: the method's decode state in the fixed buffers of a
   `StaticDecodeCache` (Quest's page bounds, H2O's mass), for the fixed-shape step of static_decode.py;
 - `triton_prefill(call)`: the method's own kernels (nsa_eval/baseline_kernels/) for a held prefill
@@ -70,8 +71,21 @@ class Chunk:
 
     @functools.cached_property
     def logits(self) -> Tensor:
-        """`[B, Hq, Tc, Sc]` float32, scaled `q . k` before any mask (computed on first use)."""
+        """`[B, Hq, Tc, Sc]` float32, scaled `q . k` before any mask (computed on first use). A decode query
+        (Tc = 1) of a half-precision model on a GPU takes baseline_kernels/decode_scores.py, which reads the
+        keys as they are instead of a float32 copy of them all (every decode path, eager or static, does)."""
+        if self.query.shape[2] == 1 and half_on_gpu(self.query, self.key):
+            from nsa_eval.baseline_kernels.decode_scores import decode_scores
+
+            return decode_scores(self.query, self.key, self.scaling)
         return grouped_scores(self.query.float(), self.key.float()) * self.scaling
+
+
+def half_on_gpu(query: Tensor, key: Tensor) -> bool:
+    """Query and keys are CUDA tensors of one 16-bit float dtype, outside autograd: what the decode score
+    kernel takes (a float32 model's scores need no upcast, and stay a float32 GEMM)."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and key.dtype == query.dtype
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)))
 
 
 @dataclass
@@ -214,6 +228,17 @@ class AttentionMethod:
     def update_state(self, tensors: dict[str, Tensor], probs: Tensor, keep: Tensor) -> None:
         """Fold queries' attention probs `[B, Hq, n, S]` and kept keys `[B, Hq, n, S]` into the state."""
         raise NotImplementedError
+
+    def static_update(self, tensors: dict[str, Tensor], probs: Tensor, index: Tensor, kept: Tensor) -> None:
+        """`update_state` for one decode query that attended only at the slots `index` `[B, Hq, n]` (int64,
+        distinct where `kept` `[B, Hq, n]` bool), with probs `[B, Hq, n]` there (static_decode.py's gathered
+        step). Default: both scattered over the state's S slots, then `update_state`."""
+        B, Hq, _ = index.shape
+        S = next(iter(tensors.values())).shape[-1]
+        full = probs.new_zeros(B, Hq, S).scatter_add_(-1, index, probs.masked_fill(~kept, 0.0))  # [B, Hq, S]
+        keep = torch.zeros(B, Hq, S + 1, dtype=torch.bool, device=index.device)  # a spare slot for the rest
+        keep.scatter_(-1, index.masked_fill(~kept, S), True)
+        self.update_state(tensors, full[:, :, None], keep[:, :, None, :S])
 
 
 def grouped_scores(q: Tensor, k: Tensor) -> Tensor:

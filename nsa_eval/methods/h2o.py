@@ -78,6 +78,15 @@ class H2O(AttentionMethod):
             row = keep[:, :, 0]  # [B, Hq, S]
             mass.mul_(row | ~row.any(-1, keepdim=True))
 
+    def static_update(self, tensors: dict[str, Tensor], probs: Tensor, index: Tensor, kept: Tensor) -> None:
+        """`update_state` at the kept slots alone: their mass plus their probs, every other slot evicted (a
+        query that keeps nothing evicts nothing)."""
+        mass = tensors["mass"]  # [B, Hq, S], a view onto the static buffer
+        grown = (mass.gather(-1, index) + probs).masked_fill(~kept, 0.0)  # [B, Hq, n]
+        mass.mul_(~kept.any(-1, keepdim=True))
+        # an add, not a copy: the lists' invalid entries may repeat a slot, and add zero there
+        mass.scatter_add_(-1, index, grown)
+
     def triton_prefill(self, call: Prefill) -> PrefillResult | None:
         """An unpadded prompt with no cached keys before it, per-head selection: the queries that see at
         most `budget` keys (every query where the prefill is not held, `sparse_prefill: false`) attend

@@ -86,6 +86,30 @@ def test_static_steps_equal_dynamic_steps(method, params, prompt, B):
     assert cache.lens.tolist() == [prompt + 16] * B and cache.longest == prompt + 16
 
 
+@pytest.mark.parametrize(("method", "params"), [CASES[2], CASES[3], CASES[7]])
+def test_decode_score_kernel_in_both_paths(method, params, monkeypatch):
+    """With the GPU's decode scores (baseline_kernels/decode_scores.py, here under Triton's interpreter)
+    taken for every decode query, as on a GPU in half precision: the static steps still equal the dynamic
+    ones, both scoring through the kernel (H2O's eager step only: its static step scores the kept keys)."""
+    from nsa_eval.baseline_kernels import decode_scores as kernel
+    from nsa_eval.methods import base
+
+    launches, real = [], kernel.decode_scores
+
+    def counted(query, key, scaling):
+        launches.append(key.shape[2])
+        return real(query, key, scaling)
+
+    monkeypatch.setattr(base, "half_on_gpu", lambda query, key: True)
+    monkeypatch.setattr(kernel, "decode_scores", counted)
+    dynamic = run(method, params, False, 2, 40, steps=6)
+    widths, launches[:] = list(launches), []
+    static = run(method, params, True, 2, 40, steps=6, capacity=44)
+    assert widths and bool(launches) == (method != "h2o")  # H2O's static step scores its gathered keys alone
+    torch.testing.assert_close(static[0], dynamic[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(static[1], dynamic[1]) and static[2] == dynamic[2]
+
+
 @pytest.mark.parametrize(("method", "params"), [("full", {}), ("quest", {**BUDGET, "local": 16}),
                                                 ("h2o", BUDGET)])
 def test_static_cache_holds_the_dynamic_cache(method, params):
@@ -171,8 +195,13 @@ def test_static_step_over_the_budget_raises_at_the_read(monkeypatch):
     model = tiny_llama()
     apply_attention(model, "quest", budget=24, sink=2, local=16)
     _, tokens, cache = greedy(model, _ids(1, 30), 1, StaticDecodeCache(40))
-    monkeypatch.setattr(static_decode, "top_candidates", lambda score, candidates, *args: candidates.expand(
-        score.shape))
+    def every_visible_slot(step, sink, n):  # every visible slot listed: more than the budget
+        B, R = step.top.shape[:2]
+        W = step.chunk.key.shape[2]
+        slots = torch.arange(W).expand(B, R, W)
+        return slots, slots < step.S[:, None, None]
+
+    monkeypatch.setattr(static_decode, "kept_slots", every_visible_slot)
     with torch.no_grad():
         model(tokens[:, -1:], cache=cache)  # no raise inside the step
     with pytest.raises(BudgetExceededError, match="over the budget of 24"):
