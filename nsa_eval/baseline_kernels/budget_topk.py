@@ -132,13 +132,16 @@ def _collect_kernel(
     first = S - T + t_base + t0
     last = S - T + t_base + tl.minimum(t0 + BT, TC) - 1  # the program's last position
     e1, e2, e3, _, _, _ = _tile_ranges(first, last, sink, local, BN, 0)
-    for k0 in range(e2, e3, BN):  # candidates of every row
+    # the tiles in key order, so that the buffer's slots are (ties go to the lower position): the sink's
+    # partial tile, the candidates of every row, then the tiles up to the last candidate
+    for k0 in range(e1, e2, BN):
+        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, upper,
+                                      CAP, sink, local, D, BD, BN, DT, True, UPCAST)
+    for k0 in range(e2, e3, BN):
         n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, upper,
                                       CAP, sink, local, D, BD, BN, DT, False, UPCAST)
-    ends = tl.maximum(tl.maximum(last - local, -1) // BN + 1, 0) * BN  # the tiles up to the last candidate
-    n1 = e2 - e1
-    for i in range(0, n1 + tl.maximum(ends - e3, 0), BN):  # the sink's partial tile; where candidates end
-        k0 = tl.where(i < n1, e1 + i, e3 + i - n1)
+    ends = tl.maximum(tl.maximum(last - local, -1) // BN + 1, 0) * BN
+    for k0 in range(e3, ends, BN):
         n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, upper,
                                       CAP, sink, local, D, BD, BN, DT, True, UPCAST)
     tl.store(N_ABOVE + row, n_above, mask=m_r)

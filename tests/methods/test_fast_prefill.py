@@ -155,6 +155,42 @@ def test_a_small_cap_fails_rows_it_cannot_hold():
     assert torch.equal(counts[~failed], keep.sum(-1, dtype=torch.int32)[~failed])
 
 
+def integer_qk(B, Hq, Hkv, T, S, D, values=3, seed=5):
+    """q `[B, Hq, T, D]` and k `[B, Hkv, S, D]` float32 of small integers (|x| < values): every product
+    is exact, so the kernels' scores equal the references' bit for bit, and many tie."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(1 - values, values, (B, Hq, T, D), generator=g).float()
+    k = torch.randint(1 - values, values, (B, Hkv, S, D), generator=g).float()
+    return q, k
+
+
+def kept_candidates(q, k, thr, cut, *, sink, local):
+    """The candidates `[B, Hq, T, S]` bool that the keep rule `s > thr or (s == thr and j <= cut)` takes,
+    on float32 scores by the grouped product (exact for `integer_qk`'s inputs)."""
+    S, T = k.shape[2], q.shape[2]
+    s = ba._grouped_scores(q.float(), k.float())
+    j = torch.arange(S)
+    p = torch.arange(S - T, S)[:, None]
+    cand = (j >= sink) & (j <= p - local)
+    return cand & ((s > thr[..., None]) | ((s == thr[..., None]) & (j <= cut[..., None]))), cand
+
+
+@interpreter_only
+def test_ties_across_the_sinks_partial_tile_go_to_the_lower_position():
+    """Small integer scores tie often. With a sink of 4 keys (the interpreter's key tiles are 16 wide) the
+    sink's partial tile holds candidates 4..15, which the collect pass must file before the later keys, so
+    that the ties at a row's cut go to the lower positions, as the reference's stable sort."""
+    B, Hq, Hkv, T, S, D, sink, local, budget = 1, 4, 2, 64, 64, 16, 4, 8, 28
+    q, k = integer_qk(B, Hq, Hkv, T, S, D, values=2, seed=7)
+    thr, cut, failed = bt.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
+    assert not failed.any()
+    rule, cand = kept_candidates(q, k, thr, cut, sink=sink, local=local)
+    keep = ba.reference_keep(q, k, sink=sink, local=local, budget=budget)
+    held = torch.arange(S - T, S) + 1 > budget
+    assert torch.equal(rule[..., held, :], (keep & cand)[..., held, :])
+    assert ((cut[..., held] >= 16) & (cut[..., held] < bt.INT_MAX)).any()  # cuts past the sink's tile
+
+
 def test_the_chunked_path_is_kept_where_the_kernels_do_not_apply():
     """The controller offers a method its fast prefill only for a held prefill of an unpadded batch; on
     CPU tensors and with group_shared the methods decline it, and full attention has no kernels."""
