@@ -1,22 +1,31 @@
 """The exact top-k threshold of the `topk` baseline's Triton prefill (see budget_attention.py for the
 shapes and the keep rule `s > thr or (s == thr and j <= cut)`).
 
-`topk_thresholds` finds each row's `thr` and `cut` in three steps:
+`topk_thresholds` finds each row's `thr` and `cut` in four steps:
 1. a bracket `[lo, hi]` per row from a strided sample of the candidates' scores (`sample_brackets`:
    `_sample_kernel` scores the sample columns, `_select_kernel` picks two of its order statistics);
-2. `_collect_kernel`, which computes every candidate's score with the same tile product as the
-   attention (`budget_attention._tile_scores`: same tiles, same `dot`, bit-identical scores), counts
-   those above `hi` and writes those within the bracket, with their positions, to a per-row buffer of
-   `cap` slots in key order (each tile's slots by one MMA of its 0/1 matrix against a triangle of ones);
-3. `_select_kernel`, an exact select over that buffer: a binary search over the scores' bits, by
+2. `_count_kernel`, which computes every candidate's score with the same tile product as the attention
+   (`budget_attention._tile_scores`: same tiles, same `dot`, bit-identical scores), counts those above
+   `hi` and histograms those within the bracket over `NB` bins: exact ranges of the scores' ordered
+   int32 keys (`bin_params`), so tied scores share a bin; `narrow` then takes the bin holding the pick
+   as the row's new bracket;
+3. `_collect_kernel`, the same scores again, which counts those above the new bracket and writes those
+   within it, with their positions, to a per-row buffer of `cap` slots in key order (each tile's slots
+   by one MMA of its 0/1 matrix against a triangle of ones);
+4. `_select_kernel`, an exact select over that buffer: a binary search over the scores' bits, by
    per-row counts (ties to the lower position, as a stable sort: `select_in_buffer_reference`).
-A row whose bracket misses (fewer than `picks` above `lo`, more above `hi`, or more than `cap` inside)
-is reported `failed`; the caller computes those queries with the reference path.
+A row whose bracket misses (fewer than `picks` above `lo`, more above `hi`) or whose bin holds more than
+`cap` keys is reported `failed`; the caller computes those queries with the reference path.
 
-Where the time goes, per query row: the collect pass scores every candidate (the attention scores them
-again: bit-identical scores need the same product), and writes the bracket's keys, about
-`2 z C sqrt(f (1 - f) / n)` of them for C candidates, `f = picks / C` and a sample of n; the sample
-costs n scores. Both grow with the prompt, so at 8k they are a large part of a layer's time.
+Where the time goes, per query row (H100, the 1B shape, before step 2 existed): the collect pass scored
+every candidate and wrote the whole bracket's keys, about `2 z C sqrt(f (1 - f) / n)` of them for C
+candidates, `f = picks / C` and a sample of n (about 2,100 at 32k), as scattered 8-byte entries, and the
+select read them back: both memory-bound on the bracket's size (3.7 / 69 ms and 8.7 / 65 ms at 8k / 32k,
+with the sample's two selects). The count pass adds one more scoring of every candidate (no writes but
+`NB + 1` counts a row) so that the collect pass writes, and the select reads, one bin's keys: about
+1/16 to 1/8 of the bracket where the scores' density is even over it. The count pass has not run on a
+GPU yet. Brackets spanning many float exponents (one straddling zero above all) bin by magnitude, not
+evenly: their pick's bin may overflow the cap, and those rows fall back to the reference path.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from .budget_attention import (
     INT_MAX,
     _config,
     _float_key,
+    _grouped_scores,
     _kth_key,
     _load_queries,
     _s,
@@ -40,9 +50,13 @@ from .budget_attention import (
     _tile_scores,
 )
 
-# The collect pass's buffer (8 bytes a slot) takes at most this many bytes a chunk of queries (about 220
-# queries at 64k and 32 heads: larger chunks save host time, smaller ones memory); the sample's scores less
+# The collect pass's buffer (8 bytes a slot), or the sample's scores (4 bytes a column), takes at most this
+# many bytes a chunk of queries (about 1,000 queries at 64k and 32 heads: larger chunks save host time,
+# smaller ones memory)
 TOPK_BUFFER_BYTES = 256 << 20
+
+# The count pass's bins a bracket: two int64 words of 8-bit counts a row (`_count_tile`)
+NB = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,6 +91,76 @@ def _sample_kernel(
         s = dot(q, tl.trans(k))  # [M, BNS]
         s = tl.where(cols[None, :] <= pos[:, None] - local, s, float("-inf"))
         tl.store(OUT + row[:, None] * NS + o_c[None, :], s, mask=m_r[:, None] & (o_c < n_cols)[None, :])
+
+
+@triton.jit
+def _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, klo, shift, n_above, hist, sink, local,
+                D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
+                UPCAST: tl.constexpr):
+    # one key tile of the count pass: the candidates above hi are counted, and those within [lo, hi] added
+    # to the row's histogram hist [M, NB] by their bin (key - klo) >> shift. MASKED as `_collect_tile`.
+    s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, MASKED, UPCAST)
+    above = s > hi[:, None]
+    inside = (s >= lo[:, None]) & (s <= hi[:, None])
+    if MASKED:
+        cand = (o_k >= sink)[None, :] & (o_k[None, :] <= pos[:, None] - local)
+        above = above & cand
+        inside = inside & cand
+    n_above += tl.sum(above.to(tl.int32), 1)
+    # within the bracket key - klo lies in [0, 2^32): its wrapped int32 difference, read unsigned, is exact
+    b = ((_float_key(s) - klo[:, None]).to(tl.uint32, bitcast=True) >> shift[:, None]).to(tl.int32)  # [M, BN]
+    # each bin an 8-bit field of one of two int64 words (a tile adds at most BN < 256 to a bin): two row
+    # sums a tile instead of NB compares a score
+    one = inside.to(tl.int64) << ((b & 7) * 8).to(tl.int64)
+    low = tl.sum(tl.where(b < 8, one, 0), 1)  # [M] bins 0..7
+    high = tl.sum(tl.where(b < 8, 0, one), 1)  # [M] bins 8..15
+    o_b = tl.arange(0, NB)
+    word = tl.where(o_b[None, :] < 8, low[:, None], high[:, None])  # [M, NB]
+    hist += ((word >> ((o_b & 7) * 8).to(tl.int64)[None, :]) & 255).to(tl.int32)
+    return n_above, hist
+
+
+@triton.jit
+def _count_kernel(
+    Q, K, LO, HI, KLO, SHIFT, N_ABOVE, HIST,
+    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
+    TC, t_base, T, S, HQ, G, sink, local,
+    D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+    NB: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Grid (cdiv(TC, BT), B * Hkv) over the queries t_base .. t_base + TC of T, the collect pass's tiles
+    # and walk. Per row: N_ABOVE, the candidates scoring above HI, and HIST [B, Hq, TC, NB], those within
+    # [LO, HI] by bin: (key - KLO) >> SHIFT with key the score's `_float_key` (KLO int32: LO's key; SHIFT
+    # puts HI's key in bin NB - 1 or below). Row arrays [B, Hq, TC], contiguous. A row whose LO is +inf
+    # counts nothing.
+    tl.static_assert(NB <= 16)  # two int64 words of 8-bit fields
+    tl.static_assert(BN < 256)
+    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(TC, HQ, G, GP, BT)
+    q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, t_base, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
+    pos = S - T + t_base + r_t  # [M]
+    row = ((i_b * HQ + i_h) * TC + r_t).to(tl.int64)  # [M]
+    lo = tl.load(LO + row, mask=m_r, other=float("inf"))
+    hi = tl.load(HI + row, mask=m_r, other=float("inf"))
+    klo = tl.load(KLO + row, mask=m_r, other=0)
+    shift = tl.load(SHIFT + row, mask=m_r, other=0).to(tl.uint32)
+    n_above = tl.zeros([BT * GP], tl.int32)
+    hist = tl.zeros([BT * GP, NB], tl.int32)
+    k_base = K + i_b * sk_b + i_hk * sk_h
+    first = S - T + t_base + t0
+    last = S - T + t_base + tl.minimum(t0 + BT, TC) - 1  # the program's last position
+    e1, e2, e3, _, _, _ = _tile_ranges(first, last, sink, local, BN, 0)
+    for k0 in range(e2, e3, BN):  # candidates of every row
+        n_above, hist = _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, klo, shift, n_above, hist, sink,
+                                    local, D, BD, BN, NB, False, UPCAST)
+    ends = tl.maximum(tl.maximum(last - local, -1) // BN + 1, 0) * BN  # the tiles up to the last candidate
+    n1 = e2 - e1
+    for i in range(0, n1 + tl.maximum(ends - e3, 0), BN):  # the sink's partial tile; where candidates end
+        k0 = tl.where(i < n1, e1 + i, e3 + i - n1)
+        n_above, hist = _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, klo, shift, n_above, hist, sink,
+                                    local, D, BD, BN, NB, True, UPCAST)
+    tl.store(N_ABOVE + row, n_above, mask=m_r)
+    o_b = tl.arange(0, NB)
+    tl.store(HIST + row[:, None] * NB + o_b[None, :], hist, mask=m_r[:, None])
 
 
 @triton.jit
@@ -205,6 +289,75 @@ def select_in_buffer(buf, n_in, need, *, positions: bool):
     return thr, cut
 
 
+def float_key(x):
+    """`_float_key` in PyTorch: x float32 `[...]` -> int32 keys ordered like the values (-0 as +0)."""
+    bits = (x.float() + 0.0).view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def key_float(key):
+    """The float32 whose `float_key` is key (int32 `[...]`; key 0 gives +0)."""
+    key = key.int()
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+def bin_params(lo, hi, nb: int = NB):
+    """The count pass's bins of each bracket: lo, hi `[...]` float32 -> klo `[...]` int32 (lo's key) and
+    shift `[...]` int32, the least with `(key(hi) - klo) >> shift < nb` (bin b: the keys klo + [b, b + 1)
+    << shift, exact integer ranges, so tied scores share a bin)."""
+    klo, khi = float_key(lo), float_key(hi)
+    span = (khi.long() - klo.long()).clamp(min=0)  # up to 2^32 - 1: int64
+    shift = ((span[..., None] >> torch.arange(33, device=lo.device)) >= nb).sum(-1)  # shifts still too small
+    return klo, shift.int()
+
+
+def count(q, k, lo, hi, *, t_base: int, sink: int, local: int):
+    """The count pass over the queries `t_base .. t_base + Tc` of q `[B, Hq, T, D]` (k `[B, Hkv, S, D]`).
+
+    lo, hi: `[B, Hq, Tc]` float32 brackets on the raw score (lo = +inf: the row counts nothing). Returns
+    n_above `[B, Hq, Tc]` int32 (candidates above hi) and hist `[B, Hq, Tc, NB]` int32 (those within [lo,
+    hi] by `bin_params`' bins). `count_reference` is the same in PyTorch.
+    """
+    B, HQ, T, D = q.shape
+    HKV, S = k.shape[1], k.shape[2]
+    Tc = lo.shape[2]
+    G = HQ // HKV
+    cfg = _config(G, q.dtype)
+    lo, hi = lo.float().contiguous(), hi.float().contiguous()
+    klo, shift = bin_params(lo, hi)
+    n_above = torch.empty(B, HQ, Tc, device=q.device, dtype=torch.int32)
+    hist = torch.empty(B, HQ, Tc, NB, device=q.device, dtype=torch.int32)
+    launcher(_count_kernel)[(cdiv(Tc, cfg["BT"]), B * HKV)](
+        q, k, lo, hi, klo.contiguous(), shift.contiguous(), n_above, hist,
+        *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local,
+        D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], NB=NB, UPCAST=interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return n_above, hist
+
+
+def narrow(lo, hi, n_above, hist, picks: int):
+    """The bin of each row's bracket that holds its pick, as a new bracket for the collect pass.
+
+    lo, hi `[...]` float32, n_above `[...]` and hist `[..., NB]` int (`count`'s). need = picks - n_above;
+    a row whose bracket holds its pick (1 <= need <= hist's sum) gets the bracket of the bin holding the
+    need-th largest: lo2, hi2 `[...]` float32 (+inf for the other rows) and its entries, in_bin `[...]`
+    int64 (0 for the other rows). The collect pass over [lo2, hi2] then counts the bins above it in
+    its own n_above.
+    """
+    need = (picks - n_above).long()[..., None]
+    at_or_above = hist.long().flip(-1).cumsum(-1).flip(-1)  # [..., NB] entries in bin b or above
+    holds = (need >= 1) & (need <= at_or_above[..., :1])
+    b = ((at_or_above >= need).sum(-1, keepdim=True) - 1).clamp(min=0)  # the last bin still reaching need
+    klo, shift = bin_params(lo, hi)
+    klo, shift = klo.long()[..., None], shift.long()[..., None]
+    key_lo = klo + (b << shift)
+    key_hi = torch.minimum(key_lo + (1 << shift) - 1, float_key(hi).long()[..., None])
+    lo2 = torch.where(holds, key_float(key_lo), math.inf)[..., 0]
+    hi2 = torch.where(holds, key_float(key_hi), math.inf)[..., 0]
+    return lo2, hi2, torch.where(holds, hist.long().gather(-1, b), 0)[..., 0]
+
+
 def collect(q, k, lo, hi, *, t_base: int, sink: int, local: int, cap: int):
     """The collect pass over the queries `t_base .. t_base + Tc` of q `[B, Hq, T, D]` (k `[B, Hkv, S, D]`).
 
@@ -298,10 +451,12 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 1
     q `[B, Hq, T, D]`, k `[B, Hkv, S, D]` -> thr `[B, Hq, T]` float32, cut `[B, Hq, T]` int32 and failed
     `[B, Hq, T]` bool. A row held to the budget (`p + 1 > budget`) keeps, beyond sink and local, exactly
     the `budget - sink - local` candidates first in (score descending, position ascending) order; a row
-    not held keeps every key (thr -inf). A failed row's bracket missed: its thr/cut are meaningless and
-    the caller computes it otherwise. The queries go in chunks (`chunk`, by default as many as keep the
-    collect buffers within `TOPK_BUFFER_BYTES`); `cap` slots a row (default from the expected bracket
-    width); `brackets(t_base, Tc) -> (lo, hi)` replaces `sample_brackets` (tests force failures with it).
+    not held keeps every key (thr -inf). A failed row's bracket missed, or the bin of its pick held more
+    than `cap` keys: its thr/cut are meaningless and the caller computes it otherwise. The queries go in
+    chunks (`chunk`, by default as many as keep the collect buffers and the sample's scores within
+    `TOPK_BUFFER_BYTES`); `cap` slots a row (default 4x the expected keys of one of the count pass's bins,
+    at least 64); `brackets(t_base, Tc) -> (lo, hi)` replaces `sample_brackets` (tests force failures
+    with it).
     """
     B, HQ, T, D = q.shape
     S = k.shape[2]
@@ -315,11 +470,13 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 1
     if cap is None:
         stride = max(1, cdiv(max(1, S - local - sink), sample))
         width = 2 * (z * math.sqrt(picks / stride) + 3) * stride  # expected keys within a bracket
-        cap = cdiv(int(1.5 * width), 64) * 64
+        # a bin holds width / NB of them where the bins span the bracket exactly, up to twice that where
+        # the span rounds up to a power of two, and twice again across a float exponent's edge
+        cap = max(64, cdiv(int(4 * width / NB), 64) * 64)
     if chunk is None:
-        chunk = max(1, TOPK_BUFFER_BYTES // (B * HQ * max(cap, sample) * 8))
-    # the collect pass's row tiles are the attention's (same queries in the same rows of the product):
-    # a product's rounding may depend on where a row sits in its tile
+        chunk = max(1, TOPK_BUFFER_BYTES // (B * HQ * max(8 * cap, 4 * (sample + NB))))
+    # the count and collect passes' row tiles are the attention's (same queries in the same rows of the
+    # product): a product's rounding may depend on where a row sits in its tile
     BT = _config(HQ // k.shape[1], q.dtype)["BT"]
     chunk = cdiv(chunk, BT) * BT
     for t0 in range(first_over // BT * BT, T, chunk):
@@ -331,11 +488,13 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 1
             lo, hi = brackets(t0, Tc)
         held = torch.arange(S - T + t0, S - T + t0 + Tc, device=q.device) + 1 > budget  # [Tc]
         lo, hi = torch.where(held, lo, math.inf), torch.where(held, hi, math.inf)
-        n_above, n_in, buf = collect(q, k, lo, hi, t_base=t0, sink=sink, local=local, cap=cap)
-        need = picks - n_above  # [B, Hq, Tc] picks still to take from within the bracket
-        ok = (need >= 0) & (need <= n_in) & (n_in <= cap)
+        n_above, hist = count(q, k, lo, hi, t_base=t0, sink=sink, local=local)
+        none = n_above == picks  # every pick lies above hi: thr is hi, nothing to collect
+        lo2, hi2, in_bin = narrow(lo, hi, n_above, hist, picks)  # +inf where the bracket missed, or none
+        n_above, n_in, buf = collect(q, k, lo2, hi2, t_base=t0, sink=sink, local=local, cap=cap)
+        need = picks - n_above  # [B, Hq, Tc] picks still to take from within the bin
+        ok = none | ((in_bin > 0) & (need >= 1) & (need <= n_in) & (n_in <= cap))
         t_thr, t_cut = select_in_buffer(buf, n_in, need, positions=True)
-        none = need == 0  # every pick lies above hi
         thr[:, :, t0:t0 + Tc] = torch.where(held, torch.where(none, hi, t_thr), -math.inf)
         cut[:, :, t0:t0 + Tc] = torch.where(held, torch.where(none, -1, t_cut), INT_MAX)
         failed[:, :, t0:t0 + Tc] = held & ~ok
@@ -360,3 +519,22 @@ def select_in_buffer_reference(buf, n_in, need, *, positions: bool):
     cut = buf_p[..., :width].gather(-1, perm.gather(-1, j))[..., 0]
     last_tie = (ordered.gather(-1, (j + 1).clamp(max=width - 1))[..., 0] != thr) | (j[..., 0] + 1 >= n_in)
     return thr, torch.where(last_tie, INT_MAX, cut)  # every tie kept: no cut
+
+
+def count_reference(q, k, lo, hi, *, t_base: int, sink: int, local: int):
+    """`count` in PyTorch: float32 scores by the grouped product over every candidate of the queries
+    `t_base .. t_base + Tc`, counted above hi and binned within [lo, hi] (`bin_params`)."""
+    B, HQ, T, _ = q.shape
+    S = k.shape[2]
+    Tc = lo.shape[2]
+    s = _grouped_scores(q[:, :, t_base:t_base + Tc].float(), k.float())  # [B, Hq, Tc, S]
+    p = torch.arange(S - T + t_base, S - T + t_base + Tc, device=q.device)[:, None]  # [Tc, 1]
+    j = torch.arange(S, device=q.device)
+    cand = (j >= sink) & (j <= p - local)  # [Tc, S]
+    lo, hi = lo.float()[..., None], hi.float()[..., None]
+    n_above = (cand & (s > hi)).sum(-1, dtype=torch.int32)
+    inside = cand & (s >= lo) & (s <= hi)
+    klo, shift = bin_params(lo, hi)
+    b = ((float_key(s).long() - klo.long()) >> shift.long()).clamp(0, NB - 1)  # [B, Hq, Tc, S]
+    hist = torch.zeros(B, HQ, Tc, NB, dtype=torch.int32, device=q.device)
+    return n_above, hist.scatter_add_(-1, b, inside.int())

@@ -191,6 +191,88 @@ def test_ties_across_the_sinks_partial_tile_go_to_the_lower_position():
     assert ((cut[..., held] >= 16) & (cut[..., held] < bt.INT_MAX)).any()  # cuts past the sink's tile
 
 
+@interpreter_only
+def test_the_count_pass_matches_its_reference():
+    """`count` against `count_reference` on exact integer scores, with brackets of every kind by row: not
+    held (lo = +inf), open below (-inf) or above (+inf), both ends negative, straddling zero, both
+    positive; the ends are candidates' own scores, so ties sit on the bracket's (and bin 0's) edges."""
+    B, Hq, Hkv, T, S, D, sink, local = 1, 8, 2, 60, 90, 16, 4, 8
+    q, k = integer_qk(B, Hq, Hkv, T, S, D)
+    t_base, Tc = 12, 40
+    s = ba._grouped_scores(q, k)[:, :, t_base:t_base + Tc]  # [B, Hq, Tc, S]
+    g = torch.Generator().manual_seed(6)
+    pick = lambda x: x[torch.randint(len(x), (1,), generator=g)].item()  # noqa: E731
+    lo = torch.full((B, Hq, Tc), math.inf)
+    hi = torch.full((B, Hq, Tc), math.inf)
+    kinds = set()
+    for h in range(Hq):
+        for t in range(Tc):
+            p = S - (T - t_base - t)
+            row = s[0, h, t, sink:max(sink, p - local + 1)]
+            kind = (h + t) % 6
+            if len(row) < 4 or kind == 0:  # not held
+                continue
+            neg, pos = row[row < 0], row[row > 0]
+            if kind == 1:
+                lo[0, h, t], hi[0, h, t] = -math.inf, pick(row)
+            elif kind == 2 and len(neg) >= 2:
+                lo[0, h, t], hi[0, h, t] = sorted((pick(neg), pick(neg)))
+            elif kind == 3 and len(neg) and len(pos):
+                lo[0, h, t], hi[0, h, t] = pick(neg), pick(pos)
+            elif kind == 4 and len(pos) >= 2:
+                lo[0, h, t], hi[0, h, t] = sorted((pick(pos), pick(pos)))
+            elif kind == 5:
+                lo[0, h, t], hi[0, h, t] = pick(row), math.inf
+            else:
+                continue
+            kinds.add(kind)
+    assert kinds == {1, 2, 3, 4, 5}
+    n_above, hist = bt.count(q, k, lo, hi, t_base=t_base, sink=sink, local=local)
+    n_ref, hist_ref = bt.count_reference(q, k, lo, hi, t_base=t_base, sink=sink, local=local)
+    assert torch.equal(n_above, n_ref) and torch.equal(hist, hist_ref)
+    assert (hist[lo == math.inf] == 0).all() and (hist[lo < math.inf].sum(-1) > 0).all()
+    assert ((hist > 0).sum(-1) >= 3).any()  # brackets spread over several bins
+    # the shift is the least that fits every bracket's keys in NB bins
+    klo, shift = bt.bin_params(lo, hi)
+    span = (bt.float_key(hi).long() - klo.long()).clamp(min=0)
+    least = (shift == 0) | ((span >> (shift.long() - 1).clamp(min=0)) >= bt.NB)
+    assert ((span >> shift.long()) < bt.NB).all() and least.all()
+
+
+@interpreter_only
+def test_a_bin_over_the_cap_fails_its_row_and_the_others_stay_exact():
+    """Tied integer scores and a cap of 3: the rows whose pick lies in a bin of more than 3 entries are
+    reported failed, exactly those (by `count_reference` and `narrow`), and every other row keeps the
+    reference's keys (ties to the lower position)."""
+    B, Hq, Hkv, T, S, D, sink, local, budget, cap = 1, 4, 2, 64, 64, 16, 4, 8, 28, 3
+    q, k = integer_qk(B, Hq, Hkv, T, S, D, values=2, seed=7)
+    seen = {}
+
+    def brackets(t0, Tc):
+        seen[t0] = bt.sample_brackets(q, k, t_base=t0, Tc=Tc, sink=sink, local=local, budget=budget)[:2]
+        return seen[t0]
+
+    thr, cut, failed = bt.topk_thresholds(q, k, sink=sink, local=local, budget=budget, cap=cap,
+                                          brackets=brackets)
+    picks = budget - sink - local
+    expected = torch.zeros_like(failed)
+    for t0, (lo, hi) in seen.items():
+        Tc = lo.shape[2]
+        held = torch.arange(S - T + t0, S - T + t0 + Tc) + 1 > budget
+        lo, hi = torch.where(held, lo, math.inf), torch.where(held, hi, math.inf)
+        n_above, hist = bt.count_reference(q, k, lo, hi, t_base=t0, sink=sink, local=local)
+        _, _, in_bin = bt.narrow(lo, hi, n_above, hist, picks)
+        fits = (n_above == picks) | ((in_bin >= 1) & (in_bin <= cap))
+        expected[:, :, t0:t0 + Tc] = held & ~fits
+    assert torch.equal(failed, expected)
+    held = torch.arange(S - T, S) + 1 > budget
+    assert failed.any() and (held & ~failed).any()
+    keep = ba.reference_keep(q, k, sink=sink, local=local, budget=budget)
+    rule, cand = kept_candidates(q, k, thr, cut, sink=sink, local=local)
+    ok = held & ~failed  # [B, Hq, T]
+    assert torch.equal(rule[ok], (keep & cand)[ok])
+
+
 def test_the_chunked_path_is_kept_where_the_kernels_do_not_apply():
     """The controller offers a method its fast prefill only for a held prefill of an unpadded batch; on
     CPU tensors and with group_shared the methods decline it, and full attention has no kernels."""
