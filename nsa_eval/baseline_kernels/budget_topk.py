@@ -129,10 +129,10 @@ def _count_kernel(
     NB: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Grid (cdiv(TC, BT), B * Hkv) over the queries t_base .. t_base + TC of T, the collect pass's tiles
-    # and walk. Per row: N_ABOVE, the candidates scoring above HI, and HIST [B, Hq, TC, NB], those within
-    # [LO, HI] by bin: (key - KLO) >> SHIFT with key the score's `_float_key` (KLO int32: LO's key; SHIFT
-    # puts HI's key in bin NB - 1 or below). Row arrays [B, Hq, TC], contiguous. A row whose LO is +inf
-    # counts nothing.
+    # (in another order: counts do not depend on it). Per row: N_ABOVE, the candidates scoring above HI,
+    # and HIST [B, Hq, TC, NB], those within [LO, HI] by bin: (key - KLO) >> SHIFT with key the score's
+    # `_float_key` (KLO int32: LO's key; SHIFT puts HI's key in bin NB - 1 or below). Row arrays [B, Hq,
+    # TC], contiguous. A row whose LO is +inf counts nothing.
     tl.static_assert(NB <= 16)  # two int64 words of 8-bit fields
     tl.static_assert(BN < 256)
     i_b, i_hk, t0, o_r, r_t, m_r = group_rows(TC, HQ, G, GP, BT)
