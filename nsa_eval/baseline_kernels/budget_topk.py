@@ -94,11 +94,25 @@ def _sample_kernel(
 
 
 @triton.jit
-def _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, klo, shift, n_above, hist, sink, local,
-                D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
-                UPCAST: tl.constexpr):
-    # one key tile of the count pass: the candidates above hi are counted, and those within [lo, hi] added
-    # to the row's histogram hist [M, NB] by their bin (key - klo) >> shift. MASKED as `_collect_tile`.
+def _bracket_rows(Q, LO, HI, sq_b, sq_h, sq_t, TC, t_base, T, S, HQ, G, D: tl.constexpr, BD: tl.constexpr,
+                  GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
+    # a count or collect program's rows (`group_rows`), their queries, positions, row indices into the
+    # [B, Hq, TC] row arrays and brackets (lo = +inf for a padding row: it counts nothing)
+    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(TC, HQ, G, GP, BT)
+    q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, t_base, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
+    pos = S - T + t_base + r_t  # [M]
+    row = ((i_b * HQ + i_h) * TC + r_t).to(tl.int64)  # [M]
+    lo = tl.load(LO + row, mask=m_r, other=float("inf"))
+    hi = tl.load(HI + row, mask=m_r, other=float("inf"))
+    return i_b, i_hk, t0, r_t, m_r, q, pos, row, lo, hi
+
+
+@triton.jit
+def _bracket_tile(q, k_base, sk_t, k0, S, pos, lo, hi, n_above, sink, local, D: tl.constexpr,
+                  BD: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    # one key tile's scores s [M, BN] and positions, the candidates above hi added to n_above [M], and
+    # which lie within [lo, hi] (the count and collect passes' shared start). MASKED: the tile may hold
+    # keys that are not some row's candidates.
     s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, MASKED, UPCAST)
     above = s > hi[:, None]
     inside = (s >= lo[:, None]) & (s <= hi[:, None])
@@ -106,7 +120,17 @@ def _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, klo, shift, n_above, hist, 
         cand = (o_k >= sink)[None, :] & (o_k[None, :] <= pos[:, None] - local)
         above = above & cand
         inside = inside & cand
-    n_above += tl.sum(above.to(tl.int32), 1)
+    return s, o_k, n_above + tl.sum(above.to(tl.int32), 1), inside
+
+
+@triton.jit
+def _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, klo, shift, n_above, hist, sink, local,
+                D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
+                UPCAST: tl.constexpr):
+    # one key tile of the count pass: the candidates above hi are counted, and those within [lo, hi] added
+    # to the row's histogram hist [M, NB] by their bin (key - klo) >> shift. MASKED as `_bracket_tile`.
+    s, _, n_above, inside = _bracket_tile(q, k_base, sk_t, k0, S, pos, lo, hi, n_above, sink, local, D, BD,
+                                          BN, MASKED, UPCAST)
     # within the bracket key - klo lies in [0, 2^32): its wrapped int32 difference, read unsigned, is exact
     b = ((_float_key(s) - klo[:, None]).to(tl.uint32, bitcast=True) >> shift[:, None]).to(tl.int32)  # [M, BN]
     # each bin an 8-bit field of one of two int64 words (a tile adds at most BN < 256 to a bin): two row
@@ -135,12 +159,8 @@ def _count_kernel(
     # TC], contiguous. A row whose LO is +inf counts nothing.
     tl.static_assert(NB <= 16)  # two int64 words of 8-bit fields
     tl.static_assert(BN < 256)
-    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(TC, HQ, G, GP, BT)
-    q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, t_base, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
-    pos = S - T + t_base + r_t  # [M]
-    row = ((i_b * HQ + i_h) * TC + r_t).to(tl.int64)  # [M]
-    lo = tl.load(LO + row, mask=m_r, other=float("inf"))
-    hi = tl.load(HI + row, mask=m_r, other=float("inf"))
+    i_b, i_hk, t0, r_t, m_r, q, pos, row, lo, hi = _bracket_rows(
+        Q, LO, HI, sq_b, sq_h, sq_t, TC, t_base, T, S, HQ, G, D, BD, GP, BT, UPCAST)
     klo = tl.load(KLO + row, mask=m_r, other=0)
     shift = tl.load(SHIFT + row, mask=m_r, other=0).to(tl.uint32)
     n_above = tl.zeros([BT * GP], tl.int32)
@@ -169,16 +189,9 @@ def _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, u
                   UPCAST: tl.constexpr):
     # one key tile of the collect pass: the candidates above hi are counted, those within [lo, hi]
     # written at the row's next slots (buf_row [M]: each row's first) in key order, as one int64 each:
-    # the score's bits above the key's position. MASKED: the tile may hold keys that are not some
-    # row's candidates.
-    s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, MASKED, UPCAST)
-    above = s > hi[:, None]
-    inside = (s >= lo[:, None]) & (s <= hi[:, None])
-    if MASKED:
-        cand = (o_k >= sink)[None, :] & (o_k[None, :] <= pos[:, None] - local)
-        above = above & cand
-        inside = inside & cand
-    n_above += tl.sum(above.to(tl.int32), 1)
+    # the score's bits above the key's position. MASKED as `_bracket_tile`.
+    s, o_k, n_above, inside = _bracket_tile(q, k_base, sk_t, k0, S, pos, lo, hi, n_above, sink, local, D, BD,
+                                            BN, MASKED, UPCAST)
     before = tl.dot(tl.where(inside, 1.0, 0.0).to(DT), upper).to(tl.int32)  # [M, BN] inside, before each
     slot = n_in[:, None] + before
     write = inside & (slot < CAP)
@@ -201,12 +214,8 @@ def _collect_kernel(
     # written to BUF (int64: score bits << 32 | position). Row arrays are [B, Hq, TC] and BUF [B, Hq,
     # TC, CAP], contiguous. A row whose LO is +inf (a row not held to the budget) counts nothing.
     DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
-    i_b, i_hk, t0, o_r, r_t, m_r = group_rows(TC, HQ, G, GP, BT)
-    q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, t_base, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
-    pos = S - T + t_base + r_t  # [M]
-    row = ((i_b * HQ + i_h) * TC + r_t).to(tl.int64)  # [M]
-    lo = tl.load(LO + row, mask=m_r, other=float("inf"))
-    hi = tl.load(HI + row, mask=m_r, other=float("inf"))
+    i_b, i_hk, t0, r_t, m_r, q, pos, row, lo, hi = _bracket_rows(
+        Q, LO, HI, sq_b, sq_h, sq_t, TC, t_base, T, S, HQ, G, D, BD, GP, BT, UPCAST)
     buf_row = BUF + row * CAP  # [M]
     o_n = tl.arange(0, BN)
     upper = (o_n[:, None] < o_n[None, :]).to(DT)  # [BN, BN]: key n' comes before key n
