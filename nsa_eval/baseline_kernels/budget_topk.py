@@ -6,12 +6,12 @@ shapes and the keep rule `s > thr or (s == thr and j <= cut)`).
    `_sample_kernel` scores the sample columns, `_select_kernel` picks two of its order statistics);
 2. `_count_kernel`, which computes every candidate's score with the same tile product as the attention
    (`budget_attention._tile_scores`: same tiles, same `dot`, bit-identical scores), counts those above
-   `hi` and histograms those within the bracket over `NB` bins: exact ranges of the scores' ordered
-   int32 keys (`bin_params`), so tied scores share a bin; `narrow` then takes the bin holding the pick
-   as the row's new bracket;
-3. `_collect_kernel`, the same scores again, which counts those above the new bracket and writes those
-   within it, with their positions, to a per-row buffer of `cap` slots in key order (each tile's slots
-   by one MMA of its 0/1 matrix against a triangle of ones);
+   `hi` and histograms those within the bracket over `NB` equal ranges of score (`bin_params`; a bin is
+   a float32 floor of the score's offset, non-decreasing in the score, so tied scores share a bin);
+   `narrow` then takes the bin holding the pick;
+3. `_collect_kernel`, the same scores again, which counts those above that bin and writes those within
+   it, with their positions, to a per-row buffer of `cap` slots in key order (each tile's slots by one
+   MMA of its 0/1 matrix against a triangle of ones);
 4. `_select_kernel`, an exact select over that buffer: a binary search over the scores' bits, by
    per-row counts (ties to the lower position, as a stable sort: `select_in_buffer_reference`).
 A row whose bracket misses (fewer than `picks` above `lo`, more above `hi`) or whose bin holds more than
@@ -23,9 +23,10 @@ candidates, `f = picks / C` and a sample of n (about 2,100 at 32k), as scattered
 select read them back: both memory-bound on the bracket's size (3.7 / 69 ms and 8.7 / 65 ms at 8k / 32k,
 with the sample's two selects). The count pass adds one more scoring of every candidate (no writes but
 `NB + 1` counts a row) so that the collect pass writes, and the select reads, one bin's keys: about
-1/16 to 1/8 of the bracket where the scores' density is even over it. The count pass has not run on a
-GPU yet. Brackets spanning many float exponents (one straddling zero above all) bin by magnitude, not
-evenly: their pick's bin may overflow the cap, and those rows fall back to the reference path.
+1/16 of the bracket where the scores' density is even over it. The bins are equal ranges of score, not
+of the scores' ordered int32 keys: those split a bracket by magnitude, so one straddling zero or open at
+one end (a pick near the middle or the bottom of its row's scores) put most of its keys in the pick's
+bin, which overflowed the cap and sent the row to the reference path.
 """
 
 from __future__ import annotations
@@ -124,15 +125,23 @@ def _bracket_tile(q, k_base, sk_t, k0, S, pos, lo, hi, n_above, sink, local, D: 
 
 
 @triton.jit
-def _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, klo, shift, n_above, hist, sink, local,
+def _bin(s, base, inv_w, NB: tl.constexpr):
+    # the count pass's bin of each score s [M, BN] (float32): floor((s - base) * inv_w) clamped to
+    # [0, NB), per row base, inv_w [M]; `bin_of` is the same in PyTorch, bit for bit (a subtraction, a
+    # product and a floor, each exact IEEE float32), and non-decreasing in s, so tied scores share a bin
+    b = tl.floor((s - base[:, None]) * inv_w[:, None])
+    return tl.minimum(tl.maximum(b, 0.0), NB - 1).to(tl.int32)
+
+
+@triton.jit
+def _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, n_above, hist, sink, local,
                 D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
                 UPCAST: tl.constexpr):
     # one key tile of the count pass: the candidates above hi are counted, and those within [lo, hi] added
-    # to the row's histogram hist [M, NB] by their bin (key - klo) >> shift. MASKED as `_bracket_tile`.
+    # to the row's histogram hist [M, NB] by their bin (`_bin`). MASKED as `_bracket_tile`.
     s, _, n_above, inside = _bracket_tile(q, k_base, sk_t, k0, S, pos, lo, hi, n_above, sink, local, D, BD,
                                           BN, MASKED, UPCAST)
-    # within the bracket key - klo lies in [0, 2^32): its wrapped int32 difference, read unsigned, is exact
-    b = ((_float_key(s) - klo[:, None]).to(tl.uint32, bitcast=True) >> shift[:, None]).to(tl.int32)  # [M, BN]
+    b = _bin(s, base, inv_w, NB)  # [M, BN]
     # each bin an 8-bit field of one of two int64 words (a tile adds at most BN < 256 to a bin): two row
     # sums a tile instead of NB compares a score
     one = inside.to(tl.int64) << ((b & 7) * 8).to(tl.int64)
@@ -146,7 +155,7 @@ def _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, klo, shift, n_above, hist, 
 
 @triton.jit
 def _count_kernel(
-    Q, K, LO, HI, KLO, SHIFT, N_ABOVE, HIST,
+    Q, K, LO, HI, BASE, INV_W, N_ABOVE, HIST,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
     TC, t_base, T, S, HQ, G, sink, local,
     D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
@@ -154,15 +163,14 @@ def _count_kernel(
 ):
     # Grid (cdiv(TC, BT), B * Hkv) over the queries t_base .. t_base + TC of T, the collect pass's tiles
     # (in another order: counts do not depend on it). Per row: N_ABOVE, the candidates scoring above HI,
-    # and HIST [B, Hq, TC, NB], those within [LO, HI] by bin: (key - KLO) >> SHIFT with key the score's
-    # `_float_key` (KLO int32: LO's key; SHIFT puts HI's key in bin NB - 1 or below). Row arrays [B, Hq,
-    # TC], contiguous. A row whose LO is +inf counts nothing.
+    # and HIST [B, Hq, TC, NB], those within [LO, HI] by bin (`_bin`, with the row's BASE and INV_W).
+    # Row arrays [B, Hq, TC], contiguous. A row whose LO is +inf counts nothing.
     tl.static_assert(NB <= 16)  # two int64 words of 8-bit fields
     tl.static_assert(BN < 256)
     i_b, i_hk, t0, r_t, m_r, q, pos, row, lo, hi = _bracket_rows(
         Q, LO, HI, sq_b, sq_h, sq_t, TC, t_base, T, S, HQ, G, D, BD, GP, BT, UPCAST)
-    klo = tl.load(KLO + row, mask=m_r, other=0)
-    shift = tl.load(SHIFT + row, mask=m_r, other=0).to(tl.uint32)
+    base = tl.load(BASE + row, mask=m_r, other=0.0)
+    inv_w = tl.load(INV_W + row, mask=m_r, other=0.0)
     n_above = tl.zeros([BT * GP], tl.int32)
     hist = tl.zeros([BT * GP, NB], tl.int32)
     k_base = K + i_b * sk_b + i_hk * sk_h
@@ -170,13 +178,13 @@ def _count_kernel(
     last = S - T + t_base + tl.minimum(t0 + BT, TC) - 1  # the program's last position
     e1, e2, e3, _, _, _ = _tile_ranges(first, last, sink, local, BN, 0)
     for k0 in range(e2, e3, BN):  # candidates of every row
-        n_above, hist = _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, klo, shift, n_above, hist, sink,
+        n_above, hist = _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, n_above, hist, sink,
                                     local, D, BD, BN, NB, False, UPCAST)
     ends = tl.maximum(tl.maximum(last - local, -1) // BN + 1, 0) * BN  # the tiles up to the last candidate
     n1 = e2 - e1
     for i in range(0, n1 + tl.maximum(ends - e3, 0), BN):  # the sink's partial tile; where candidates end
         k0 = tl.where(i < n1, e1 + i, e3 + i - n1)
-        n_above, hist = _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, klo, shift, n_above, hist, sink,
+        n_above, hist = _count_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, n_above, hist, sink,
                                     local, D, BD, BN, NB, True, UPCAST)
     tl.store(N_ABOVE + row, n_above, mask=m_r)
     o_b = tl.arange(0, NB)
@@ -184,14 +192,18 @@ def _count_kernel(
 
 
 @triton.jit
-def _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, upper, CAP, sink, local,
-                  D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, MASKED: tl.constexpr,
-                  UPCAST: tl.constexpr):
-    # one key tile of the collect pass: the candidates above hi are counted, those within [lo, hi]
-    # written at the row's next slots (buf_row [M]: each row's first) in key order, as one int64 each:
-    # the score's bits above the key's position. MASKED as `_bracket_tile`.
+def _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, pick, buf_row, n_above, n_in, upper, CAP,
+                  sink, local, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                  DT: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    # one key tile of the collect pass: the candidates above hi or in a bin above the row's pick bin are
+    # counted, those within [lo, hi] in the pick bin written at the row's next slots (buf_row [M]: each
+    # row's first) in key order, as one int64 each: the score's bits above the key's position. MASKED as
+    # `_bracket_tile`.
     s, o_k, n_above, inside = _bracket_tile(q, k_base, sk_t, k0, S, pos, lo, hi, n_above, sink, local, D, BD,
                                             BN, MASKED, UPCAST)
+    b = _bin(s, base, inv_w, NB)  # [M, BN]
+    n_above += tl.sum((inside & (b > pick[:, None])).to(tl.int32), 1)
+    inside = inside & (b == pick[:, None])
     before = tl.dot(tl.where(inside, 1.0, 0.0).to(DT), upper).to(tl.int32)  # [M, BN] inside, before each
     slot = n_in[:, None] + before
     write = inside & (slot < CAP)
@@ -203,20 +215,24 @@ def _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, u
 
 @triton.jit
 def _collect_kernel(
-    Q, K, LO, HI, N_ABOVE, N_IN, BUF,
+    Q, K, LO, HI, BASE, INV_W, PICK, N_ABOVE, N_IN, BUF,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
     TC, t_base, T, S, HQ, G, sink, local, CAP,
     D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-    UPCAST: tl.constexpr,
+    NB: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Grid (cdiv(TC, BT), B * Hkv) over the queries t_base .. t_base + TC of T. Per row: N_ABOVE, the
-    # candidates scoring above HI, and N_IN, those within [LO, HI], the first CAP of them (in key order)
-    # written to BUF (int64: score bits << 32 | position). Row arrays are [B, Hq, TC] and BUF [B, Hq,
-    # TC, CAP], contiguous. A row whose LO is +inf (a row not held to the budget) counts nothing.
+    # candidates scoring above HI or within [LO, HI] in a bin (`_bin`: BASE, INV_W) above PICK, and N_IN,
+    # those within [LO, HI] in bin PICK, the first CAP of them (in key order) written to BUF (int64: score
+    # bits << 32 | position). Row arrays are [B, Hq, TC] and BUF [B, Hq, TC, CAP], contiguous. A row
+    # whose LO is +inf (a row not held to the budget, or not collected) counts nothing.
     DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
     i_b, i_hk, t0, r_t, m_r, q, pos, row, lo, hi = _bracket_rows(
         Q, LO, HI, sq_b, sq_h, sq_t, TC, t_base, T, S, HQ, G, D, BD, GP, BT, UPCAST)
     buf_row = BUF + row * CAP  # [M]
+    base = tl.load(BASE + row, mask=m_r, other=0.0)
+    inv_w = tl.load(INV_W + row, mask=m_r, other=0.0)
+    pick = tl.load(PICK + row, mask=m_r, other=0)
     o_n = tl.arange(0, BN)
     upper = (o_n[:, None] < o_n[None, :]).to(DT)  # [BN, BN]: key n' comes before key n
     n_above = tl.zeros([BT * GP], tl.int32)
@@ -228,15 +244,18 @@ def _collect_kernel(
     # the tiles in key order, so that the buffer's slots are (ties go to the lower position): the sink's
     # partial tile, the candidates of every row, then the tiles up to the last candidate
     for k0 in range(e1, e2, BN):
-        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, upper,
-                                      CAP, sink, local, D, BD, BN, DT, True, UPCAST)
+        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, pick, buf_row,
+                                      n_above, n_in, upper, CAP, sink, local, D, BD, BN, NB, DT, True,
+                                      UPCAST)
     for k0 in range(e2, e3, BN):
-        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, upper,
-                                      CAP, sink, local, D, BD, BN, DT, False, UPCAST)
+        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, pick, buf_row,
+                                      n_above, n_in, upper, CAP, sink, local, D, BD, BN, NB, DT, False,
+                                      UPCAST)
     ends = tl.maximum(tl.maximum(last - local, -1) // BN + 1, 0) * BN
     for k0 in range(e3, ends, BN):
-        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, buf_row, n_above, n_in, upper,
-                                      CAP, sink, local, D, BD, BN, DT, True, UPCAST)
+        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, pick, buf_row,
+                                      n_above, n_in, upper, CAP, sink, local, D, BD, BN, NB, DT, True,
+                                      UPCAST)
     tl.store(N_ABOVE + row, n_above, mask=m_r)
     tl.store(N_IN + row, n_in, mask=m_r)
 
@@ -298,46 +317,46 @@ def select_in_buffer(buf, n_in, need, *, positions: bool):
     return thr, cut
 
 
-def float_key(x):
-    """`_float_key` in PyTorch: x float32 `[...]` -> int32 keys ordered like the values (-0 as +0)."""
-    bits = (x.float() + 0.0).view(torch.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+def bin_params(lo, hi, low=None, high=None, nb: int = NB):
+    """The count pass's bins of each bracket: `nb` equal ranges of score from lo to hi.
+
+    lo, hi `[...]` float32; low, high `[...]` float32 (optional): finite stand-ins for an infinite lo or
+    hi (the sample's lowest and highest scores), scores past them falling in the end bins. Returns
+    base, inv_w `[...]` float32: a score s is in bin `bin_of(s, base, inv_w)` = floor((s - base) * inv_w)
+    clamped to [0, nb). A row with no finite end, or none below the other, has inv_w 0 (one bin).
+    """
+    a = lo if low is None else torch.where(lo.isfinite(), lo, low)
+    b = hi if high is None else torch.where(hi.isfinite(), hi, high)
+    a, b = a.float(), b.float()
+    w = (b - a) / nb
+    usable = a.isfinite() & w.isfinite() & (w > 0)
+    base = torch.where(usable, a, torch.zeros_like(a))
+    inv_w = torch.where(usable, 1 / torch.where(usable, w, torch.ones_like(w)), torch.zeros_like(w))
+    return base, inv_w
 
 
-def key_float(key):
-    """The float32 whose `float_key` is key (int32 `[...]`; key 0 gives +0)."""
-    key = key.int()
-    return (key ^ ((key >> 31) & 0x7FFFFFFF)).view(torch.float32)
+def bin_of(s, base, inv_w, nb: int = NB):
+    """`_bin` in PyTorch: s float32 `[..., S]`, base and inv_w `[...]` -> int64 bins `[..., S]`."""
+    return torch.floor((s.float() - base[..., None]) * inv_w[..., None]).clamp(0, nb - 1).long()
 
 
-def bin_params(lo, hi, nb: int = NB):
-    """The count pass's bins of each bracket: lo, hi `[...]` float32 -> klo `[...]` int32 (lo's key) and
-    shift `[...]` int32, the least with `(key(hi) - klo) >> shift < nb` (bin b: the keys klo + [b, b + 1)
-    << shift, exact integer ranges, so tied scores share a bin)."""
-    klo, khi = float_key(lo), float_key(hi)
-    span = (khi.long() - klo.long()).clamp(min=0)  # up to 2^32 - 1: int64
-    shift = ((span[..., None] >> torch.arange(33, device=lo.device)) >= nb).sum(-1)  # shifts still too small
-    return klo, shift.int()
-
-
-def count(q, k, lo, hi, *, t_base: int, sink: int, local: int):
+def count(q, k, lo, hi, base, inv_w, *, t_base: int, sink: int, local: int):
     """The count pass over the queries `t_base .. t_base + Tc` of q `[B, Hq, T, D]` (k `[B, Hkv, S, D]`).
 
-    lo, hi: `[B, Hq, Tc]` float32 brackets on the raw score (lo = +inf: the row counts nothing). Returns
-    n_above `[B, Hq, Tc]` int32 (candidates above hi) and hist `[B, Hq, Tc, NB]` int32 (those within [lo,
-    hi] by `bin_params`' bins). `count_reference` is the same in PyTorch.
+    lo, hi: `[B, Hq, Tc]` float32 brackets on the raw score (lo = +inf: the row counts nothing); base,
+    inv_w `[B, Hq, Tc]` their bins (`bin_params`). Returns n_above `[B, Hq, Tc]` int32 (candidates above
+    hi) and hist `[B, Hq, Tc, NB]` int32 (those within [lo, hi] by bin). `count_reference` is the same in
+    PyTorch.
     """
     B, HQ, T, D = q.shape
     HKV, S = k.shape[1], k.shape[2]
     Tc = lo.shape[2]
     G = HQ // HKV
     cfg = _config(G, q.dtype)
-    lo, hi = lo.float().contiguous(), hi.float().contiguous()
-    klo, shift = bin_params(lo, hi)
     n_above = torch.empty(B, HQ, Tc, device=q.device, dtype=torch.int32)
     hist = torch.empty(B, HQ, Tc, NB, device=q.device, dtype=torch.int32)
     launcher(_count_kernel)[(cdiv(Tc, cfg["BT"]), B * HKV)](
-        q, k, lo, hi, klo.contiguous(), shift.contiguous(), n_above, hist,
+        q, k, *(x.float().contiguous() for x in (lo, hi, base, inv_w)), n_above, hist,
         *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local,
         D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], NB=NB, UPCAST=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -345,35 +364,31 @@ def count(q, k, lo, hi, *, t_base: int, sink: int, local: int):
     return n_above, hist
 
 
-def narrow(lo, hi, n_above, hist, picks: int):
-    """The bin of each row's bracket that holds its pick, as a new bracket for the collect pass.
+def narrow(n_above, hist, picks: int):
+    """The bin of each row's bracket that holds its pick, for the collect pass.
 
-    lo, hi `[...]` float32, n_above `[...]` and hist `[..., NB]` int (`count`'s). need = picks - n_above;
-    a row whose bracket holds its pick (1 <= need <= hist's sum) gets the bracket of the bin holding the
-    need-th largest: lo2, hi2 `[...]` float32 (+inf for the other rows) and its entries, in_bin `[...]`
-    int64 (0 for the other rows). The collect pass over [lo2, hi2] then counts the bins above it in
-    its own n_above.
+    n_above `[...]` and hist `[..., NB]` int (`count`'s). need = picks - n_above; a row whose bracket
+    holds its pick (1 <= need <= hist's sum) gets the bin holding the need-th largest: pick `[...]` int32
+    (-1 for the other rows) and its entries, in_bin `[...]` int64 (0 for the other rows). The collect pass
+    over that bin then counts the bins above it in its own n_above.
     """
     need = (picks - n_above).long()[..., None]
     at_or_above = hist.long().flip(-1).cumsum(-1).flip(-1)  # [..., NB] entries in bin b or above
     holds = (need >= 1) & (need <= at_or_above[..., :1])
     b = ((at_or_above >= need).sum(-1, keepdim=True) - 1).clamp(min=0)  # the last bin still reaching need
-    klo, shift = bin_params(lo, hi)
-    klo, shift = klo.long()[..., None], shift.long()[..., None]
-    key_lo = klo + (b << shift)
-    key_hi = torch.minimum(key_lo + (1 << shift) - 1, float_key(hi).long()[..., None])
-    lo2 = torch.where(holds, key_float(key_lo), math.inf)[..., 0]
-    hi2 = torch.where(holds, key_float(key_hi), math.inf)[..., 0]
-    return lo2, hi2, torch.where(holds, hist.long().gather(-1, b), 0)[..., 0]
+    pick = torch.where(holds, b, -1)[..., 0].int()
+    return pick, torch.where(holds, hist.long().gather(-1, b), 0)[..., 0]
 
 
-def collect(q, k, lo, hi, *, t_base: int, sink: int, local: int, cap: int):
+def collect(q, k, lo, hi, base, inv_w, pick, *, t_base: int, sink: int, local: int, cap: int):
     """The collect pass over the queries `t_base .. t_base + Tc` of q `[B, Hq, T, D]` (k `[B, Hkv, S, D]`).
 
-    lo, hi: `[B, Hq, Tc]` float32 brackets on the raw score `q . k` (lo = +inf: the row counts nothing).
-    Returns n_above, n_in `[B, Hq, Tc]` int32 (candidates above hi; within [lo, hi]) and buf `[B, Hq, Tc,
-    cap]` int64: the first `cap` of those within, in key order, each its score's float32 bits above its
-    position (`unpack` splits them; slots past n_in are undefined).
+    lo, hi: `[B, Hq, Tc]` float32 brackets on the raw score `q . k` (lo = +inf: the row counts nothing);
+    base, inv_w their bins (`bin_params`) and pick `[B, Hq, Tc]` int the bin to collect (`narrow`).
+    Returns n_above, n_in `[B, Hq, Tc]` int32 (candidates above hi or in a bin above pick; within [lo,
+    hi] in bin pick) and buf `[B, Hq, Tc, cap]` int64: the first `cap` of those in the bin, in key order,
+    each its score's float32 bits above its position (`unpack` splits them; slots past n_in are
+    undefined).
     """
     B, HQ, T, D = q.shape
     HKV, S = k.shape[1], k.shape[2]
@@ -385,9 +400,9 @@ def collect(q, k, lo, hi, *, t_base: int, sink: int, local: int, cap: int):
     buf = torch.empty(B, HQ, Tc, cap, device=q.device, dtype=torch.int64)
     grid = (cdiv(Tc, cfg["BT"]), B * HKV)
     launcher(_collect_kernel)[grid](
-        q, k, lo.float().contiguous(), hi.float().contiguous(), n_above, n_in, buf,
-        *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local, cap,
-        D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], UPCAST=interpreting(),
+        q, k, *(x.float().contiguous() for x in (lo, hi, base, inv_w)), pick.int().contiguous(), n_above,
+        n_in, buf, *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local, cap,
+        D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], NB=NB, UPCAST=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return n_above, n_in, buf
@@ -423,7 +438,9 @@ def sample_brackets(q, k, *, t_base: int, Tc: int, sink: int, local: int, budget
     candidate columns (every `stride`-th key from `sink`) are scored; a row whose sample holds `n` of its
     `C` candidates expects its pick at rank `r = picks * n / C` of them, and the bracket spans the
     sample's ranks `r -/+ (z * sqrt(r (1 - picks / C)) + 2)` (binomial spread, and rounding). Returns
-    lo, hi `[B, Hq, Tc]` float32 (-inf / +inf where a rank falls off the sample) and the stride.
+    lo, hi `[B, Hq, Tc]` float32 (-inf / +inf where a rank falls off the sample), low, high `[B, Hq, Tc]`
+    float32 (the sample ranks nearest those of lo and hi that it holds: finite stand-ins for the bins of
+    an open bracket, `bin_params`) and the stride.
     """
     B, HQ, T, _ = q.shape
     S = k.shape[2]
@@ -434,7 +451,7 @@ def sample_brackets(q, k, *, t_base: int, Tc: int, sink: int, local: int, budget
     lo = torch.full((B, HQ, Tc), -math.inf, device=q.device)
     hi = torch.full((B, HQ, Tc), math.inf, device=q.device)
     if last + 1 <= budget:  # no row is held
-        return lo, hi, stride
+        return lo, hi, lo, hi, stride
     n_cols = cdiv(widest, stride)
     scores = sample_scores(q, k, t_base=t_base, Tc=Tc, sink=sink, local=local, stride=stride, n=n_cols)
     pos = torch.arange(first, last + 1, device=q.device)  # [Tc]
@@ -446,11 +463,16 @@ def sample_brackets(q, k, *, t_base: int, Tc: int, sink: int, local: int, budget
     r_lo = (rank + margin).ceil().long()  # > n: lo = -inf
     rows = n.expand(B, HQ, Tc)
     over = pos + 1 > budget
-    top, _ = select_in_buffer(scores, rows, r_hi.expand(B, HQ, Tc), positions=False)
-    bottom, _ = select_in_buffer(scores, rows, r_lo.expand(B, HQ, Tc), positions=False)
+    # ranks off the sample clamped to its ends: the sample's highest and lowest scores stand in for the
+    # open ends in the bins
+    top, _ = select_in_buffer(scores, rows, r_hi.clamp(min=1).expand(B, HQ, Tc), positions=False)
+    bottom, _ = select_in_buffer(scores, rows, torch.minimum(r_lo, n).clamp(min=1).expand(B, HQ, Tc),
+                                 positions=False)
+    high = torch.where(over, top, hi)
+    low = torch.where(over, bottom, lo)
     hi = torch.where((r_hi >= 1) & over, top, hi)
     lo = torch.where((r_lo <= n) & over, bottom, lo)
-    return lo, hi, stride
+    return lo, hi, low, high, stride
 
 
 def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 1024, z: float = 4.0,
@@ -464,8 +486,8 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 1
     than `cap` keys: its thr/cut are meaningless and the caller computes it otherwise. The queries go in
     chunks (`chunk`, by default as many as keep the collect buffers and the sample's scores within
     `TOPK_BUFFER_BYTES`); `cap` slots a row (default 4x the expected keys of one of the count pass's bins,
-    at least 64); `brackets(t_base, Tc) -> (lo, hi)` replaces `sample_brackets` (tests force failures
-    with it).
+    at least 64); `brackets(t_base, Tc) -> (lo, hi, low, high)` replaces `sample_brackets` (tests force
+    failures with it; low, high as `bin_params` takes them).
     """
     B, HQ, T, D = q.shape
     S = k.shape[2]
@@ -479,8 +501,8 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 1
     if cap is None:
         stride = max(1, cdiv(max(1, S - local - sink), sample))
         width = 2 * (z * math.sqrt(picks / stride) + 3) * stride  # expected keys within a bracket
-        # a bin holds width / NB of them where the bins span the bracket exactly, up to twice that where
-        # the span rounds up to a power of two, and twice again across a float exponent's edge
+        # a bin holds width / NB of them where the scores spread evenly over the bracket; up to 4x that
+        # where they crowd towards one end of it
         cap = max(64, cdiv(int(4 * width / NB), 64) * 64)
     if chunk is None:
         chunk = max(1, TOPK_BUFFER_BYTES // (B * HQ * max(8 * cap, 4 * (sample + NB))))
@@ -491,16 +513,19 @@ def topk_thresholds(q, k, *, sink: int, local: int, budget: int, sample: int = 1
     for t0 in range(first_over // BT * BT, T, chunk):
         Tc = min(chunk, T - t0)
         if brackets is None:
-            lo, hi, _ = sample_brackets(q, k, t_base=t0, Tc=Tc, sink=sink, local=local, budget=budget,
-                                        sample=sample, z=z)
+            lo, hi, low, high, _ = sample_brackets(q, k, t_base=t0, Tc=Tc, sink=sink, local=local,
+                                                   budget=budget, sample=sample, z=z)
         else:
-            lo, hi = brackets(t0, Tc)
+            lo, hi, low, high = brackets(t0, Tc)
         held = torch.arange(S - T + t0, S - T + t0 + Tc, device=q.device) + 1 > budget  # [Tc]
         lo, hi = torch.where(held, lo, math.inf), torch.where(held, hi, math.inf)
-        n_above, hist = count(q, k, lo, hi, t_base=t0, sink=sink, local=local)
+        base, inv_w = bin_params(lo, hi, low, high)
+        n_above, hist = count(q, k, lo, hi, base, inv_w, t_base=t0, sink=sink, local=local)
         none = n_above == picks  # every pick lies above hi: thr is hi, nothing to collect
-        lo2, hi2, in_bin = narrow(lo, hi, n_above, hist, picks)  # +inf where the bracket missed, or none
-        n_above, n_in, buf = collect(q, k, lo2, hi2, t_base=t0, sink=sink, local=local, cap=cap)
+        pick, in_bin = narrow(n_above, hist, picks)  # -1 where the bracket missed, or none
+        lo2 = torch.where(pick >= 0, lo, math.inf)  # the rows to collect
+        n_above, n_in, buf = collect(q, k, lo2, hi, base, inv_w, pick, t_base=t0, sink=sink, local=local,
+                                     cap=cap)
         need = picks - n_above  # [B, Hq, Tc] picks still to take from within the bin
         ok = none | ((in_bin > 0) & (need >= 1) & (need <= n_in) & (n_in <= cap))
         t_thr, t_cut = select_in_buffer(buf, n_in, need, positions=True)
@@ -530,9 +555,9 @@ def select_in_buffer_reference(buf, n_in, need, *, positions: bool):
     return thr, torch.where(last_tie, INT_MAX, cut)  # every tie kept: no cut
 
 
-def count_reference(q, k, lo, hi, *, t_base: int, sink: int, local: int):
+def count_reference(q, k, lo, hi, base, inv_w, *, t_base: int, sink: int, local: int):
     """`count` in PyTorch: float32 scores by the grouped product over every candidate of the queries
-    `t_base .. t_base + Tc`, counted above hi and binned within [lo, hi] (`bin_params`)."""
+    `t_base .. t_base + Tc`, counted above hi and binned within [lo, hi] (`bin_of`)."""
     B, HQ, T, _ = q.shape
     S = k.shape[2]
     Tc = lo.shape[2]
@@ -540,10 +565,9 @@ def count_reference(q, k, lo, hi, *, t_base: int, sink: int, local: int):
     p = torch.arange(S - T + t_base, S - T + t_base + Tc, device=q.device)[:, None]  # [Tc, 1]
     j = torch.arange(S, device=q.device)
     cand = (j >= sink) & (j <= p - local)  # [Tc, S]
+    b = bin_of(s, base.float(), inv_w.float())  # [B, Hq, Tc, S]
     lo, hi = lo.float()[..., None], hi.float()[..., None]
     n_above = (cand & (s > hi)).sum(-1, dtype=torch.int32)
     inside = cand & (s >= lo) & (s <= hi)
-    klo, shift = bin_params(lo, hi)
-    b = ((float_key(s).long() - klo.long()) >> shift.long()).clamp(0, NB - 1)  # [B, Hq, Tc, S]
     hist = torch.zeros(B, HQ, Tc, NB, dtype=torch.int32, device=q.device)
     return n_above, hist.scatter_add_(-1, b, inside.int())

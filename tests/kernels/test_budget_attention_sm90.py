@@ -64,10 +64,10 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             pointers = [p] * 4 + ["*fp32", "*i32", "*i32", "*i32"]
             out[f"fwd selects={selects} G={G} D={D} {name}"] = usage(ba._budget_fwd_kernel, pointers, consts,
                                                                      options)
-        pointers = [p, p, "*fp32", "*fp32", "*i32", "*i32", "*i64"]
-        consts = dict(D=D, BD=pow2(D), **tiles)
+        pointers = [p, p, "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*i64"]
+        consts = dict(D=D, BD=pow2(D), NB=bt.NB, **tiles)
         out[f"collect G={G} D={D} {name}"] = usage(bt._collect_kernel, pointers, consts, options)
-        pointers = [p, p, "*fp32", "*fp32", "*i32", "*i32", "*i32", "*i32"]
+        pointers = [p, p, "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32"]
         consts = dict(D=D, BD=pow2(D), NB=bt.NB, **tiles)
         out[f"count G={G} D={D} {name}"] = usage(bt._count_kernel, pointers, consts, options)
         consts = dict(D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BNS=cfg["BN"], UPCAST=False)

@@ -132,7 +132,7 @@ def test_rows_whose_bracket_misses_take_the_reference_path(monkeypatch):
 
     def nowhere(q, k, *, t_base, Tc, **_):
         inf = torch.full((q.shape[0], q.shape[1], Tc), math.inf)
-        return inf, inf, 1
+        return inf, inf, inf, inf, 1
 
     monkeypatch.setattr(bt, "sample_brackets", nowhere)
     thr, cut, failed = bt.topk_thresholds(q, k, sink=sink, local=local, budget=budget)
@@ -227,16 +227,42 @@ def test_the_count_pass_matches_its_reference():
                 continue
             kinds.add(kind)
     assert kinds == {1, 2, 3, 4, 5}
-    n_above, hist = bt.count(q, k, lo, hi, t_base=t_base, sink=sink, local=local)
-    n_ref, hist_ref = bt.count_reference(q, k, lo, hi, t_base=t_base, sink=sink, local=local)
+    # finite stand-ins for the open ends: the row's lowest and highest candidates but one, so that
+    # scores past them fall in the end bins
+    cands = [[s[0, h, t, sink:max(sink + 1, S - (T - t_base - t) - local + 1)] for t in range(Tc)]
+             for h in range(Hq)]
+    low = torch.tensor([[c.kthvalue(min(2, len(c))).values.item() for c in row] for row in cands])[None]
+    high = -torch.tensor([[(-c).kthvalue(min(2, len(c))).values.item() for c in row] for row in cands])[None]
+    base, inv_w = bt.bin_params(lo, hi, low, high)
+    n_above, hist = bt.count(q, k, lo, hi, base, inv_w, t_base=t_base, sink=sink, local=local)
+    n_ref, hist_ref = bt.count_reference(q, k, lo, hi, base, inv_w, t_base=t_base, sink=sink, local=local)
     assert torch.equal(n_above, n_ref) and torch.equal(hist, hist_ref)
     assert (hist[lo == math.inf] == 0).all() and (hist[lo < math.inf].sum(-1) > 0).all()
     assert ((hist > 0).sum(-1) >= 3).any()  # brackets spread over several bins
-    # the shift is the least that fits every bracket's keys in NB bins
-    klo, shift = bt.bin_params(lo, hi)
-    span = (bt.float_key(hi).long() - klo.long()).clamp(min=0)
-    least = (shift == 0) | ((span >> (shift.long() - 1).clamp(min=0)) >= bt.NB)
-    assert ((span >> shift.long()) < bt.NB).all() and least.all()
+    # the bins split each bracket (open ends at their stand-ins) into NB equal ranges: bin NB - 1 starts
+    # at 15/16 of the way, within float32 rounding, and the bins rise with the score
+    held = lo < math.inf
+    a, b = torch.where(lo.isfinite(), lo, low), torch.where(hi.isfinite(), hi, high)
+    wide = held & (b > a)
+    edge = a + (b - a) * (bt.NB - 1) / bt.NB
+    at = (edge[wide] - base[wide]) * inv_w[wide]
+    torch.testing.assert_close(at, torch.full_like(at, bt.NB - 1.0))
+    scores = torch.linspace(-20, 20, 401).expand(*lo.shape, 401)
+    assert (bt.bin_of(scores, base, inv_w).diff(dim=-1) >= 0).all()
+
+
+def test_bins_of_a_bracket_straddling_zero_are_even():
+    """Gaussian scores whose pick lies near their median: the bracket straddles zero, and each bin holds
+    about a sixteenth of its keys (bins of the scores' int32 keys put nearly all of them in two)."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(1, 1, 1, 100_000, generator=g)
+    lo, hi = torch.tensor([[[-0.5]]]), torch.tensor([[[0.5]]])
+    base, inv_w = bt.bin_params(lo, hi)
+    inside = (s >= lo[..., None]) & (s <= hi[..., None])
+    hist = torch.zeros(1, 1, 1, bt.NB, dtype=torch.long).scatter_add_(-1, bt.bin_of(s, base, inv_w),
+                                                                     inside.long())
+    share = hist.float() / inside.sum()
+    assert share.max() < 2.0 / bt.NB and share.min() > 0.5 / bt.NB
 
 
 @interpreter_only
@@ -249,19 +275,20 @@ def test_a_bin_over_the_cap_fails_its_row_and_the_others_stay_exact():
     seen = {}
 
     def brackets(t0, Tc):
-        seen[t0] = bt.sample_brackets(q, k, t_base=t0, Tc=Tc, sink=sink, local=local, budget=budget)[:2]
+        seen[t0] = bt.sample_brackets(q, k, t_base=t0, Tc=Tc, sink=sink, local=local, budget=budget)[:4]
         return seen[t0]
 
     thr, cut, failed = bt.topk_thresholds(q, k, sink=sink, local=local, budget=budget, cap=cap,
                                           brackets=brackets)
     picks = budget - sink - local
     expected = torch.zeros_like(failed)
-    for t0, (lo, hi) in seen.items():
+    for t0, (lo, hi, low, high) in seen.items():
         Tc = lo.shape[2]
         held = torch.arange(S - T + t0, S - T + t0 + Tc) + 1 > budget
         lo, hi = torch.where(held, lo, math.inf), torch.where(held, hi, math.inf)
-        n_above, hist = bt.count_reference(q, k, lo, hi, t_base=t0, sink=sink, local=local)
-        _, _, in_bin = bt.narrow(lo, hi, n_above, hist, picks)
+        base, inv_w = bt.bin_params(lo, hi, low, high)
+        n_above, hist = bt.count_reference(q, k, lo, hi, base, inv_w, t_base=t0, sink=sink, local=local)
+        _, in_bin = bt.narrow(n_above, hist, picks)
         fits = (n_above == picks) | ((in_bin >= 1) & (in_bin <= cap))
         expected[:, :, t0:t0 + Tc] = held & ~fits
     assert torch.equal(failed, expected)
@@ -312,6 +339,17 @@ def gpu_layer(T, method, budget=2560, sink=128, local=512, seed=0):
 def test_gpu_fast_prefill_matches_the_chunked_path_at_8k(method):
     q, k, v, ctrl = gpu_layer(8192, method)
     fast_and_chunked(ctrl, controller(method, 2560, 128, 512), fake_module(groups=4), q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [8192, 32768])
+def test_gpu_topk_brackets_hold_where_picks_lie_near_the_median(T):
+    """Gaussian scores put the picks of the rows from 2,560 to about 2 x 1,920 + 640 near their median,
+    where a bracket straddles zero: its bins must still split it evenly enough to fit the cap."""
+    q, k, _, _ = gpu_layer(T, "topk")
+    thr, cut, failed = bt.topk_thresholds(q, k, sink=128, local=512, budget=2560)
+    print(f"topk T={T}: failed rows {int(failed.sum())} of {failed.numel()}")
+    assert failed.float().mean() < 1e-3
 
 
 @pytest.mark.gpu
