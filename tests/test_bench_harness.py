@@ -263,3 +263,21 @@ def test_decode_figures_from_a_static_cache(tmp_path):
     assert figures[("decode", "quest", 160, 2)].gpu_ms is None  # no graph on the CPU
     counts = models[0]._nsa_eval_controller._static_counts[-1]
     assert counts.rows == [160, 160] and counts.steps == harness.WARM_UP_STEPS + 2 * 4
+
+
+def test_the_dense_h2o_row_holds_only_decode_steps_to_the_budget(tmp_path):
+    """`h2o_dense` is h2o with `sparse_prefill: false` (a dense prompt, then eviction); `h2o` holds every
+    query: its prompt attends to at most the budget's keys, the dense one's to every earlier key."""
+    config = tiny()
+    checkpoint = harness.write_checkpoint("llama", config.shape, tmp_path, config.max_length, torch.float32,
+                                          "cpu")
+    attended = {}
+    for method in ("h2o", "h2o_dense"):
+        lm = harness.load_lm(method, checkpoint, config)
+        controller = lm.model._nsa_eval_controller
+        assert controller.method.name == "h2o"
+        assert controller.config.sparse_prefill is (method == "h2o")
+        with torch.no_grad():
+            lm.model(torch.randint(3, 1000, (1, 160)))
+        attended[method] = controller.stats.summary()["max"]
+    assert attended["h2o"] <= config.budget < attended["h2o_dense"]

@@ -13,7 +13,8 @@ Keys and values one step of one sequence reads, per layer and KV head, with T to
 least each method's algorithm needs, not what one implementation happens to touch):
 - full (and plain transformers): all T keys and T values;
 - sink_window: the min(T, sink + local) kept keys and values;
-- h2o: the min(T, budget) keys and values its evicting cache keeps (H2O's reference code drops the rest);
+- h2o (and h2o_dense, whose prompt attended densely): the min(T, budget) keys and values its evicting
+  cache keeps (H2O's reference code drops the rest);
 - quest: the min(T, budget) chosen keys and values, plus every page's key minima and maxima
   (2 ceil(T / page_size) key rows) to rank the pages;
 - topk: all T keys (it scores every one) and the min(T, budget) chosen values;
@@ -72,7 +73,7 @@ def read_rows(method: str, length: int, *, budget: int, sink: int, local: int, p
         return T, T
     if method == "sink_window":
         return min(T, sink + local), min(T, sink + local)
-    if method == "h2o":
+    if method in ("h2o", "h2o_dense"):
         return kept, kept
     if method == "quest":
         pages = -(-T // page_size)

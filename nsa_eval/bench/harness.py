@@ -27,8 +27,10 @@ harness_run.py runs the figures.
 
 Rows: `transformers` (lm-eval's stock `hf` model on the same Llama checkpoint, no nsa-eval: the
 adapter's own overhead shows against the `full` row), `full`, `sink_window`, `topk`, `quest`, `h2o`
-(nsa-eval's attention methods on the Llama checkpoint at the given budget) and `nsa` (an NSA model of
-the same shape, the paper's block sizes). Ratios are to `full` measured in the same run.
+(nsa-eval's attention methods on the Llama checkpoint at the given budget, every query held to it),
+`h2o_dense` (h2o with `sparse_prefill: false`: the prompt attends densely, then the cache evicts, as
+the reference H2O code does) and `nsa` (an NSA model of the same shape, the paper's block sizes).
+Ratios are to `full` measured in the same run.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 
 from nsa_eval.budget import BudgetConfig
 
-METHODS = ("transformers", "full", "sink_window", "topk", "quest", "h2o", "nsa")
+METHODS = ("transformers", "full", "sink_window", "topk", "quest", "h2o", "h2o_dense", "nsa")
 THROUGHPUT_METHODS = ("full", "nsa")
 # lm-eval's generate_until settings of configs/paper.yaml's AIME entries
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.95)
@@ -231,7 +233,9 @@ def load_lm(method: str, checkpoint: Path, config: HarnessConfig):
     if method == "nsa":
         return NSAEvalLM(str(checkpoint), attention="nsa", **common)
     lm = NSAEvalLM(str(checkpoint), attention="full", **common)
-    apply_attention(lm.model, method, budget=config.budget, sink=config.sink, local=config.local)
+    dense = method == "h2o_dense"
+    apply_attention(lm.model, "h2o" if dense else method, budget=config.budget, sink=config.sink,
+                    local=config.local, sparse_prefill=not dense)
     return lm
 
 

@@ -11,9 +11,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from nsa_eval.bench.harness import METHODS as METHOD_ORDER
 from nsa_eval.bench.harness_store import Figure, HarnessStore, write_atomic
-
-METHOD_ORDER = ("transformers", "full", "sink_window", "topk", "quest", "h2o", "nsa")
 
 
 def write_report(store: HarnessStore, figures: list[Figure]) -> Path:

@@ -44,7 +44,7 @@ def register(subparsers) -> None:
                         help="harness: the random models' shape (llama-3.2-1b, or tiny for a quick check)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="harness: which rows (default: all, transformers full sink_window topk "
-                        "quest h2o nsa)")
+                        "quest h2o h2o_dense nsa)")
     parser.add_argument("--budget", type=int, default=BudgetConfig.budget,
                         help="harness: the baselines' budget (%(default)s)")
     parser.add_argument("--sink", type=int, default=BudgetConfig.sink,
