@@ -8,6 +8,7 @@
     nsa-eval train --attention nsa --out runs/n --resume --stop-after-minutes 8       # the next
     nsa-eval train --recipe long --out runs/long --stop-after-minutes 9   # the long pair, in parts
     nsa-eval train --recipe long --compress-norm --out runs/long-cnorm    # its NSA with normed keys
+    nsa-eval train --recipe long --selection-distill 1 --out runs/long-sd # its NSA's selection distilled
 
 `--match RUN` copies the step count, batch, sequence length, learning rate and retrieval mix of an
 earlier run, so both models see identical tokens. `--attention both` trains NSA into <out>/nsa
@@ -20,6 +21,7 @@ The corpus and tokenizer are built into `--data` on first use (a few minutes) an
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from nsa_eval.errors import UsageError
@@ -59,6 +61,10 @@ def register(subparsers) -> None:
     p.add_argument("--compress-norm", action="store_true", default=None,
                    help="NSA: an RMSNorm over the compressed keys, bounding the compression logits "
                         "(not in the paper; docs/training.md)")
+    p.add_argument("--selection-distill", type=float, metavar="W",
+                   help="NSA: add W x the KL divergence from dense attention's mass per selection block to "
+                        "the compressed keys' block importance to the loss (not in the paper; "
+                        "docs/training.md; default 0)")
     p.add_argument("--retrieval-lengths", type=int, nargs="+", metavar="TOKENS",
                    help="NIAH context lengths of the retrieval rows (default: the recipe's)")
     p.add_argument("--retrieval-fraction", type=float, metavar="F",
@@ -110,7 +116,7 @@ def run_train(args) -> int:
     out = Path(args.out)
     first = train(replace(cfg, attention="nsa"), corpus, out / "nsa", device=args.device, workers=workers)
     _report(first, out / "nsa")
-    matched = replace(cfg, attention="full", steps=first["steps"], minutes=None)
+    matched = replace(cfg, attention="full", steps=first["steps"], minutes=None, selection_distill=0.0)
     _report(train(matched, corpus, out / "full", device=args.device, workers=workers), out / "full")
     plot_runs([out / "nsa", out / "full"], out / "loss_curves.png")
     return 0
@@ -118,7 +124,7 @@ def run_train(args) -> int:
 
 def _run_recipe(args) -> int:
     """`--recipe long`: the stages of nsa_eval/train/long_context.py, resumed where they stopped."""
-    recipe_flags = ("compress_norm",)  # the flags that choose a variant of the recipe
+    recipe_flags = ("compress_norm", "selection_distill")  # the flags that choose a variant of the recipe
     given = [f"--{f.replace('_', '-')}" for f in ("attention", *CONFIG_FLAGS, "corpus_sources")
              if f not in recipe_flags and getattr(args, f) not in (None, False)]
     given += [flag for flag, on in (("--tiny", args.tiny), ("--resume", args.resume),
@@ -135,11 +141,14 @@ def _run_recipe(args) -> int:
     from nsa_eval.train.data import build_corpus, corpus_exists, corpus_manifest
     from nsa_eval.train.long_context import foreign_stages, long_stages, run_long_recipe
 
-    stages = long_stages(args.out, compress_norm=bool(args.compress_norm))
+    distill = _selection_distill(args, "nsa")
+    stages = long_stages(args.out, compress_norm=bool(args.compress_norm), selection_distill=distill)
     foreign = foreign_stages(args.out, stages)
     if foreign:
+        variant = [flag for flag, on in (("--compress-norm", args.compress_norm),
+                                         (f"--selection-distill {distill:g}", distill)) if on]
         raise UsageError(f"--out {args.out} holds stages of another configuration ({', '.join(foreign)}): "
-                         f"expected this recipe's{' with --compress-norm' if args.compress_norm else ''}; "
+                         f"expected this recipe's{' with ' + ' '.join(variant) if variant else ''}; "
                          "give another --out (each variant of the recipe has its own)")
     data_dir = Path(args.data or DEFAULT_DATA)
     if not corpus_exists(data_dir):
@@ -224,6 +233,8 @@ def _validated_config(args):
             cfg = replace(cfg, model=replace(cfg.model, **{field: getattr(args, flag)}))
     if args.compress_norm:
         cfg = replace(cfg, model=replace(cfg.model, compress_norm=True))
+    if args.selection_distill is not None:
+        cfg = replace(cfg, selection_distill=_selection_distill(args, args.attention))
     if args.retrieval_lengths:
         cfg = replace(cfg, mix=replace(cfg.mix, retrieval_lengths=_retrieval_lengths(args, cfg)))
     if args.retrieval_fraction is not None:
@@ -248,7 +259,18 @@ def _validated_config(args):
 
 CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "retrieval_lengths",
                 "retrieval_fraction", "distractors", "head_dim", "kv_heads", "layers", "num_selected",
-                "window", "compress_norm")
+                "window", "compress_norm", "selection_distill")
+
+
+def _selection_distill(args, attention: str) -> float:
+    """`--selection-distill`'s weight (0 when not given): >= 0, and above 0 for NSA only (with `--attention
+    both`, its NSA run)."""
+    weight = 0.0 if args.selection_distill is None else args.selection_distill
+    if not (weight >= 0 and math.isfinite(weight)):
+        raise UsageError(f"--selection-distill must be a finite weight >= 0, got {args.selection_distill}")
+    if weight and attention == "full":
+        raise UsageError("--selection-distill trains NSA's block selection: full attention has none")
+    return weight
 
 
 def _resumed_config(args, out: Path):

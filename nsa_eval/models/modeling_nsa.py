@@ -177,6 +177,8 @@ class NSAAttention(nn.Module):
         self.selected_tokens: torch.Tensor | None = None  # [B, T, Hkv] of the last call (num_local = 0)
         # while a list (`NSAModel.recording_selections`): each prefill appends its block indices
         self.recorded_blocks: list[torch.Tensor] | None = None
+        # while a list (`NSAModel.capturing_selection_inputs`): each prefill appends (q, k, k_cmp)
+        self.selection_inputs: list[tuple[torch.Tensor, ...]] | None = None
         self._decode_weight: tuple | None = None  # (key, weight, bias, gate column): `decode_weight`'s
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -261,6 +263,8 @@ class NSAAttention(nn.Module):
         k_cmp, v_cmp = k_cmp.to(p["v"].dtype), v_cmp.to(p["v"].dtype)  # the MLP compressor may autocast
         if cache is not None:
             cache.prefill(self.layer_idx, {name: p[name] for name in CACHED}, k_cmp, v_cmp, rows)
+        if self.selection_inputs is not None:
+            self.selection_inputs.append((p["q"], p["k"], k_cmp))
         recording = self.recorded_blocks is not None
         out = nsa_attention(p["q"], p["k"], p["v"], k_cmp, v_cmp, p["g_cmp"], p["g_slc"], p["g_swa"],
                             k_swa=p["k_swa"], v_swa=p["v_swa"],
@@ -621,6 +625,21 @@ class NSAModel(NSAPreTrainedModel):
             for attn in layers:
                 attn.recorded_blocks = None
 
+    @contextmanager
+    def capturing_selection_inputs(self):
+        """Within the block every prefill's selection inputs are kept: yields one list per layer that each
+        forward over a prompt appends its queries `[B, T, Hq, Dk]`, selection keys `[B, T, Hkv, Dk]` and
+        compressed keys `[B, Tc, Hkv, Dk]` to, as the forward computed them (with their gradients), for
+        a loss on the selection (`nsa_eval.train.selection_distill`)."""
+        layers = [layer.attn for layer in self.layers]
+        for attn in layers:
+            attn.selection_inputs = []
+        try:
+            yield [attn.selection_inputs for attn in layers]
+        finally:
+            for attn in layers:
+                attn.selection_inputs = None
+
     def _record(self, real: torch.Tensor, positions: torch.Tensor, phase: str,
                 selected: torch.Tensor | None = None) -> None:
         """Tally the queries at `positions` `[T]` of the rows where `real` `[B, T]` is True.
@@ -835,6 +854,11 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         """Context manager: each layer's selected blocks of every prefill inside it
         (`NSAModel.recording_selections`)."""
         return self.model.recording_selections()
+
+    def capturing_selection_inputs(self):
+        """Context manager: each layer's selection inputs of every prefill inside it
+        (`NSAModel.capturing_selection_inputs`)."""
+        return self.model.capturing_selection_inputs()
 
     @torch.no_grad()
     def warm_up_decode(self, batch_sizes: tuple[int, ...] = (1,), max_length: int | None = None) -> None:

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -99,6 +100,12 @@ class TrainConfig:
     # (`model.num_selected`, which its evaluations and checkpoint use throughout). A continuation at a
     # longer context otherwise rarely selects a far needle, and so rarely learns to attend to one.
     wide_selection: tuple[int, int] | None = None
+    # an NSA model's loss adds this weight times the KL divergence from dense attention's mass per
+    # selection block to the compressed keys' block importance, at `distill_queries` random positions a
+    # row and layer (nsa_eval.train.selection_distill): the compressed keys then learn to rank blocks
+    # where the compression branch's nearly closed gate passes them no gradient (0: the paper's loss)
+    selection_distill: float = 0.0
+    distill_queries: int = 64
     mix: MixConfig = field(default_factory=MixConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -240,6 +247,11 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
                                            or cfg.wide_selection[0] < cfg.model.num_selected):
         raise ValueError(f"wide_selection {cfg.wide_selection}: NSA runs only, with n >= the model's "
                          f"num_selected ({cfg.model.num_selected})")
+    distilling = cfg.selection_distill > 0
+    if cfg.selection_distill < 0 or (distilling and (cfg.attention != "nsa" or cfg.distill_queries < 1)):
+        raise ValueError(f"selection_distill {cfg.selection_distill}: a weight >= 0, above 0 for NSA runs "
+                         f"only, with distill_queries >= 1 (got attention {cfg.attention!r}, "
+                         f"distill_queries {cfg.distill_queries})")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     saved = load_resume_state(out_dir) if resume else None
@@ -300,9 +312,12 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
         lr = lr_at(step, total, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with autocast:
+        with autocast, model.capturing_selection_inputs() if distilling else nullcontext() as captured:
             logits = model(input_ids=ids[:, :-1], use_cache=False).logits  # [B, T, V]
         loss, ce = weighted_loss(logits, ids[:, 1:], weights[:, 1:])
+        distill = _selection_distill(model, cfg, captured, step) if distilling else None
+        if distill is not None:
+            loss = loss + cfg.selection_distill * distill
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -325,7 +340,7 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
                      f"-> {total} steps")
         if step % cfg.log_every == 0 or step == total:
             row = _train_row(step, tokens_per_step, lr, loss, grad_norm, ce, weights[:, 1:], ids[:, 1:],
-                             logits, cfg.mix.answer_weight, time.perf_counter() - start)
+                             logits, cfg.mix.answer_weight, time.perf_counter() - start, distill)
             logger.train(row)
             if step % (cfg.log_every * 10) == 0:
                 echo(f"[{cfg.attention}] step {step}/{total} loss {row['loss']:.3f} "
@@ -374,6 +389,23 @@ def _train_selection(model, cfg: TrainConfig, step: int | None) -> None:
         model.config.num_selected = n if step is not None and step < steps else cfg.model.num_selected
 
 
+def _selection_distill(model, cfg: TrainConfig, captured, step: int):
+    """The selection loss (`cfg.selection_distill`'s), averaged over the layers' captured prefill inputs; its
+    query positions drawn from the seed and the step, so a resumed run draws the same."""
+    import torch
+
+    from nsa_eval.train.selection_distill import selection_distill_loss
+
+    c = model.config
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    losses = [selection_distill_loss(q, k, k_cmp, block_len=c.block_len, stride=c.stride,
+                                     select_size=c.select_size, num_init=c.num_init, num_local=c.num_local,
+                                     scale=q.shape[-1] ** -0.5, queries=cfg.distill_queries,
+                                     generator=generator)
+              for layer in captured for q, k, k_cmp in layer]
+    return torch.stack(losses).mean()
+
+
 def _attention_inputs_in_bf16(model) -> None:
     """Feed NSA attention layers bf16 hidden states under autocast.
 
@@ -414,7 +446,7 @@ def _sync(device: str):
 
 
 def _train_row(step, tokens_per_step, lr, loss, grad_norm, ce, weights, targets, logits, answer_weight,
-               elapsed) -> dict:
+               elapsed, distill=None) -> dict:
     import torch
 
     with torch.no_grad():
@@ -432,13 +464,14 @@ def _train_row(step, tokens_per_step, lr, loss, grad_norm, ce, weights, targets,
             "grad_norm": float(grad_norm),
             "elapsed_s": round(elapsed, 2),
         }
+        if distill is not None:
+            row["distill_loss"] = float(distill)
     return row
 
 
 def _evaluate(model, heldout_text, probe, autocast, device, step, tokens) -> dict:
     """Held-out text loss (mean CE per token) and teacher-forced NIAH probe exact match; for NSA also
     the share of (layer, KV head) pairs whose selection held the needle at the first answer token."""
-    from contextlib import nullcontext
 
     import torch
 

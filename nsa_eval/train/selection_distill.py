@@ -1,0 +1,97 @@
+"""A training signal for NSA's block selection: the compressed keys learn to rank blocks as dense
+attention over the selection keys would weigh them.
+
+NSA chooses each query's blocks by the compression branch's attention probabilities (importance,
+paper Eq. 8-10), but the choice passes no gradient, so those scores learn only through the compression
+branch's own output. Where its gate is nearly closed (the long pair's nsa-tiny start: 0.001-0.06 at the
+answer queries, docs/training.md) they learn almost nothing, and at 16k the needle's block ranks in the
+hundreds. This loss gives them a direct signal, as DeepSeek-V3.2's sparse attention trains its indexer:
+at a few random query positions per row, the KL divergence from the dense attention's mass per selection
+block (a target, no gradient) to the block importance the compressed keys give, both over the blocks the
+query chooses among (the initial and local blocks, always selected, left out). The queries are detached,
+so only the compressed keys (the compressor and its key projection) learn from it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_eval.kernels.reference import _overlap_weights
+
+
+def query_positions(T: int, queries: int, *, select_size: int, num_init: int, num_local: int,
+                    generator: torch.Generator) -> torch.Tensor:
+    """Up to `queries` distinct positions, int64 `[n]` ascending, from those with at least two blocks to
+    choose among (past the initial and local blocks), drawn by `generator` (CPU)."""
+    first = (num_init + num_local + 1) * select_size
+    if first >= T:
+        return torch.zeros(0, dtype=torch.long)
+    pick = torch.randperm(T - first, generator=generator)[:queries]
+    return (pick + first).sort().values
+
+
+def block_mass(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, *, select_size: int,
+               scale: float) -> torch.Tensor:
+    """Dense causal attention's probability mass per selection block, averaged over each KV head's group.
+
+    q `[B, n, Hq, D]` (the queries at `positions` `[n]`), k `[B, T, Hkv, D]` -> float32 `[B, n, Hkv, Ns]`,
+    Ns = ceil(T / select_size), each row summing to 1.
+    """
+    B, n, Hq, D = q.shape
+    T, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    ns = -(-T // select_size)
+    s = torch.einsum("bnkgd,btkd->bnkgt", q.float().view(B, n, Hkv, G, D), k.float()) * scale
+    causal = torch.arange(T, device=k.device) <= positions.to(k.device)[:, None]  # [n, T]
+    p = s.masked_fill(~causal[None, :, None, None], float("-inf")).softmax(-1)  # [B, n, Hkv, G, T]
+    p = torch.nn.functional.pad(p, (0, ns * select_size - T))
+    return p.view(B, n, Hkv, G, ns, select_size).sum(-1).mean(3)  # [B, n, Hkv, Ns]
+
+
+def block_importance(q: torch.Tensor, k_cmp: torch.Tensor, positions: torch.Tensor, *, T: int,
+                     block_len: int, stride: int, select_size: int, scale: float) -> torch.Tensor:
+    """The compression branch's block importance (paper Eq. 8-10), normalised: q `[B, n, Hq, D]` at
+    `positions` `[n]`, k_cmp `[B, Tc, Hkv, D]` -> float32 `[B, n, Hkv, Ns]`, each row summing to 1."""
+    B, n, Hq, D = q.shape
+    Tc, Hkv = k_cmp.shape[1], k_cmp.shape[2]
+    G = Hq // Hkv
+    ns = -(-T // select_size)
+    s = torch.einsum("bnkgd,bckd->bnkgc", q.float().view(B, n, Hkv, G, D), k_cmp.float()) * scale
+    last = torch.arange(Tc, device=k_cmp.device) * stride + block_len - 1  # [Tc] each block's last token
+    visible = last <= positions.to(k_cmp.device)[:, None]  # [n, Tc]
+    p = s.masked_fill(~visible[None, :, None, None], float("-inf")).softmax(-1)
+    p = torch.nan_to_num(p)  # a query before the first compressed block sees none
+    weights = _overlap_weights(Tc, ns, block_len, stride, select_size, k_cmp.device)  # [Tc, Ns]
+    importance = p.sum(3) @ weights  # [B, n, Hkv, Ns]
+    return importance / importance.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def selection_distill_loss(q: torch.Tensor, k: torch.Tensor, k_cmp: torch.Tensor, *, block_len: int,
+                           stride: int, select_size: int, num_init: int, num_local: int, scale: float,
+                           queries: int, generator: torch.Generator) -> torch.Tensor:
+    """KL(dense block mass || compressed block importance), averaged over `queries` random positions
+    (`generator`) and the rows and KV heads, over each query's blocks to choose among (renormalised).
+
+    q `[B, T, Hq, D]`, k `[B, T, Hkv, D]` (the selection branch's, the target: no gradient), k_cmp `[B, Tc,
+    Hkv, D]` (gradient) -> a float32 scalar, 0 where no position has a block to choose.
+    """
+    T = q.shape[1]
+    positions = query_positions(T, queries, select_size=select_size, num_init=num_init, num_local=num_local,
+                                generator=generator).to(q.device)
+    if positions.numel() == 0:
+        return k_cmp.sum() * 0.0
+    qs = q.detach()[:, positions]  # [B, n, Hq, D]
+    with torch.no_grad():
+        target = block_mass(qs, k.detach(), positions, select_size=select_size, scale=scale)
+    predicted = block_importance(qs, k_cmp, positions, T=T, block_len=block_len, stride=stride,
+                                 select_size=select_size, scale=scale)
+    block = torch.arange(target.shape[-1], device=q.device)  # [Ns]
+    current = positions[:, None] // select_size  # [n, 1]
+    choosable = (block >= num_init) & (block <= current - num_local)  # [n, Ns]
+    mask = choosable[None, :, None]
+    target = torch.where(mask, target, 0.0)
+    target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+    predicted = torch.where(mask, predicted, 0.0)
+    predicted = predicted / predicted.sum(-1, keepdim=True).clamp_min(1e-30)
+    kl = torch.xlogy(target, target) - torch.xlogy(target, predicted.clamp_min(1e-30))
+    return kl.sum(-1).mean()

@@ -1,0 +1,132 @@
+"""The selection loss (nsa_eval/train/selection_distill.py): its distributions, its gradient, that it
+teaches compressed keys to rank a needle's block first, and its place in training and the long recipe."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from nsa_eval.cli import main
+from nsa_eval.train.long_context import long_stages
+from nsa_eval.train.recipe import tiny_config, train
+from nsa_eval.train.selection_distill import (
+    block_importance,
+    block_mass,
+    query_positions,
+    selection_distill_loss,
+)
+
+GEOMETRY = dict(block_len=16, stride=8, select_size=32)
+
+
+def compressed_len(T: int) -> int:
+    return (T - GEOMETRY["block_len"]) // GEOMETRY["stride"] + 1
+
+
+def needle_inputs(T=512, Hq=2, Hkv=1, D=16, needle=200, seed=0):
+    """Queries sharing one direction, random keys and one key (the needle) along it: dense attention puts
+    most of every later query's mass on the needle's block."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(D, generator=g)
+    u = u / u.norm()
+    q = 6 * u + 0.3 * torch.randn(1, T, Hq, D, generator=g)
+    k = 0.3 * torch.randn(1, T, Hkv, D, generator=g)
+    k[0, needle] = 6 * u
+    return q, k
+
+
+def test_block_mass_and_importance_are_distributions_over_visible_blocks():
+    q, k = needle_inputs()
+    positions = torch.tensor([100, 300, 511])
+    g = torch.Generator().manual_seed(1)
+    k_cmp = torch.randn(1, compressed_len(512), 1, 16, generator=g)
+    mass = block_mass(q[:, positions], k, positions, select_size=32, scale=0.25)
+    importance = block_importance(q[:, positions], k_cmp, positions, T=512, scale=0.25, **GEOMETRY)
+    assert mass.shape == importance.shape == (1, 3, 1, 16)
+    torch.testing.assert_close(mass.sum(-1), torch.ones(1, 3, 1))
+    torch.testing.assert_close(importance.sum(-1), torch.ones(1, 3, 1))
+    assert (mass[0, 0, 0, 4:] == 0).all()  # position 100 is in block 3: nothing after it
+    assert (importance[0, 0, 0, 4:] == 0).all()
+    assert mass[0, 1, 0].argmax() == 200 // 32 and mass[0, 1, 0, 200 // 32] > 0.5  # the needle's block
+
+
+def test_positions_leave_out_the_forced_blocks_and_follow_the_generator():
+    draw = lambda seed: query_positions(512, 8, select_size=32, num_init=1, num_local=2,  # noqa: E731
+                                        generator=torch.Generator().manual_seed(seed))
+    positions = draw(0)
+    assert len(positions) == 8 and positions.min() >= 128 and (positions.diff() > 0).all()
+    assert torch.equal(positions, draw(0)) and not torch.equal(positions, draw(1))
+    assert len(query_positions(90, 8, select_size=32, num_init=1, num_local=2,
+                               generator=torch.Generator())) == 0
+
+
+def test_only_the_compressed_keys_learn_from_it():
+    q, k = needle_inputs()
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    k_cmp = torch.randn(1, compressed_len(512), 1, 16, requires_grad=True)
+    loss = selection_distill_loss(q, k, k_cmp, num_init=1, num_local=2, scale=0.25, queries=16,
+                                  generator=torch.Generator().manual_seed(0), **GEOMETRY)
+    assert loss.ndim == 0 and torch.isfinite(loss) and loss > 0
+    loss.backward()
+    assert q.grad is None and k.grad is None
+    assert k_cmp.grad is not None and k_cmp.grad.abs().sum() > 0
+
+
+def test_it_teaches_compressed_keys_to_rank_the_needles_block_first():
+    """Compressed keys that start random, trained on this loss alone, come to rank the needle's block
+    first among the blocks a later query chooses from."""
+    q, k = needle_inputs()
+    g = torch.Generator().manual_seed(2)
+    k_cmp = (0.3 * torch.randn(1, compressed_len(512), 1, 16, generator=g)).requires_grad_(True)
+    positions = torch.tensor([320, 400, 480])
+    choosable = slice(1, 8)  # past block 0 (initial), before the query's own two local blocks
+
+    def needle_rank():
+        with torch.no_grad():
+            imp = block_importance(q[:, positions], k_cmp, positions, T=512, scale=0.25, **GEOMETRY)
+        return [int((imp[0, i, 0, choosable] > imp[0, i, 0, 200 // 32]).sum()) for i in range(3)]
+
+    before = needle_rank()
+    optimizer = torch.optim.Adam([k_cmp], lr=0.05)
+    losses = []
+    for step in range(150):
+        loss = selection_distill_loss(q, k, k_cmp, num_init=1, num_local=2, scale=0.25, queries=16,
+                                      generator=torch.Generator().manual_seed(step), **GEOMETRY)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert max(before) > 0  # random keys do not rank it first
+    assert needle_rank() == [0, 0, 0]
+    assert sum(losses[-10:]) < 0.3 * sum(losses[:10])
+
+
+def test_nsa_trains_with_it_and_logs_it(tiny_corpus, tmp_path):
+    cfg = tiny_config("nsa", steps=2, log_every=1, seq_len=512, selection_distill=1.0)  # 3+ blocks to choose
+    summary = train(cfg, tiny_corpus, tmp_path)
+    assert summary["config"]["selection_distill"] == 1.0
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    distill = [r["distill_loss"] for r in rows if "distill_loss" in r]
+    assert len(distill) == 2 and all(0 < d < 100 for d in distill)
+    with pytest.raises(ValueError, match="selection_distill"):
+        train(tiny_config("full", steps=1, selection_distill=1.0), tiny_corpus, tmp_path / "full")
+
+
+def test_the_long_recipe_variant_distills_its_long_nsa_stages_only(tmp_path):
+    plain = {s.name: s for s in long_stages(tmp_path)}
+    stages = {s.name: s for s in long_stages(tmp_path, selection_distill=0.5)}
+    # nsa-nowindow-2k, nsa, full, nsa-nowindow
+    assert [stages[n].config.selection_distill for n in stages] == [0.0, 0.5, 0.0, 0.5]
+    for name in stages:
+        assert replace(stages[name].config, selection_distill=0.0) == plain[name].config
+
+
+def test_bad_weights_exit_2_before_work(tmp_path, capsys):
+    base = ["train", "--out", str(tmp_path / "x"), "--steps", "3"]
+    assert main([*base, "--attention", "nsa", "--selection-distill", "-1"]) == 2
+    assert "--selection-distill must be a finite weight >= 0, got -1.0" in capsys.readouterr().err
+    assert main([*base, "--attention", "full", "--selection-distill", "1"]) == 2
+    assert "full attention has none" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
