@@ -611,34 +611,30 @@ class NSAModel(NSAPreTrainedModel):
         finally:
             self._tallies = saved
 
-    @contextmanager
     def recording_selections(self):
         """Within the block every prefill's selection is kept: yields one list per layer that each
         forward over a prompt appends its block indices to, `[B, T, Hkv, num_selected]` int32 (ascending,
         -1 padded), the blocks of `select_size` tokens each query's selection branch attended to."""
-        layers = [layer.attn for layer in self.layers]
-        for attn in layers:
-            attn.recorded_blocks = []
-        try:
-            yield [attn.recorded_blocks for attn in layers]
-        finally:
-            for attn in layers:
-                attn.recorded_blocks = None
+        return self._collecting("recorded_blocks")
 
-    @contextmanager
     def capturing_selection_inputs(self):
         """Within the block every prefill's selection inputs are kept: yields one list per layer that each
         forward over a prompt appends its queries `[B, T, Hq, Dk]`, selection keys `[B, T, Hkv, Dk]` and
         compressed keys `[B, Tc, Hkv, Dk]` to, as the forward computed them (with their gradients), for
         a loss on the selection (`nsa_eval.train.selection_distill`)."""
+        return self._collecting("selection_inputs")
+
+    @contextmanager
+    def _collecting(self, attribute: str):
+        # every layer's attention gets an empty list at `attribute` (its prefill appends to it), None after
         layers = [layer.attn for layer in self.layers]
         for attn in layers:
-            attn.selection_inputs = []
+            setattr(attn, attribute, [])
         try:
-            yield [attn.selection_inputs for attn in layers]
+            yield [getattr(attn, attribute) for attn in layers]
         finally:
             for attn in layers:
-                attn.selection_inputs = None
+                setattr(attn, attribute, None)
 
     def _record(self, real: torch.Tensor, positions: torch.Tensor, phase: str,
                 selected: torch.Tensor | None = None) -> None:
