@@ -348,19 +348,10 @@ def count(q, k, lo, hi, base, inv_w, *, t_base: int, sink: int, local: int):
     hi) and hist `[B, Hq, Tc, NB]` int32 (those within [lo, hi] by bin). `count_reference` is the same in
     PyTorch.
     """
-    B, HQ, T, D = q.shape
-    HKV, S = k.shape[1], k.shape[2]
-    Tc = lo.shape[2]
-    G = HQ // HKV
-    cfg = _config(G, q.dtype)
-    n_above = torch.empty(B, HQ, Tc, device=q.device, dtype=torch.int32)
-    hist = torch.empty(B, HQ, Tc, NB, device=q.device, dtype=torch.int32)
-    launcher(_count_kernel)[(cdiv(Tc, cfg["BT"]), B * HKV)](
-        q, k, *(x.float().contiguous() for x in (lo, hi, base, inv_w)), n_above, hist,
-        *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local,
-        D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], NB=NB, UPCAST=interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    n_above = torch.empty(lo.shape, device=q.device, dtype=torch.int32)
+    hist = torch.empty(*lo.shape, NB, device=q.device, dtype=torch.int32)
+    _bracket_pass(_count_kernel, q, k, (lo, hi, base, inv_w), (n_above, hist), t_base=t_base, sink=sink,
+                  local=local)
     return n_above, hist
 
 
@@ -390,22 +381,29 @@ def collect(q, k, lo, hi, base, inv_w, pick, *, t_base: int, sink: int, local: i
     each its score's float32 bits above its position (`unpack` splits them; slots past n_in are
     undefined).
     """
+    n_above = torch.empty(lo.shape, device=q.device, dtype=torch.int32)
+    n_in = torch.empty_like(n_above)
+    buf = torch.empty(*lo.shape, cap, device=q.device, dtype=torch.int64)
+    _bracket_pass(_collect_kernel, q, k, (lo, hi, base, inv_w, pick.int().contiguous()), (n_above, n_in, buf),
+                  t_base=t_base, sink=sink, local=local, scalars=(cap,))
+    return n_above, n_in, buf
+
+
+def _bracket_pass(kernel, q, k, rows, outputs, *, t_base: int, sink: int, local: int, scalars=()):
+    """Launch the count or collect kernel over the queries `t_base .. t_base + Tc` of q `[B, Hq, T, D]` (k
+    `[B, Hkv, S, D]`): its row arrays `rows` `[B, Hq, Tc]` (floats as float32; others as they are) and
+    `outputs` first, then the shapes and `scalars`, on the attention's tiles."""
     B, HQ, T, D = q.shape
     HKV, S = k.shape[1], k.shape[2]
-    Tc = lo.shape[2]
+    Tc = rows[0].shape[2]
     G = HQ // HKV
     cfg = _config(G, q.dtype)
-    n_above = torch.empty(B, HQ, Tc, device=q.device, dtype=torch.int32)
-    n_in = torch.empty_like(n_above)
-    buf = torch.empty(B, HQ, Tc, cap, device=q.device, dtype=torch.int64)
-    grid = (cdiv(Tc, cfg["BT"]), B * HKV)
-    launcher(_collect_kernel)[grid](
-        q, k, *(x.float().contiguous() for x in (lo, hi, base, inv_w)), pick.int().contiguous(), n_above,
-        n_in, buf, *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local, cap,
+    rows = [(x.float() if x.is_floating_point() else x).contiguous() for x in rows]
+    launcher(kernel)[(cdiv(Tc, cfg["BT"]), B * HKV)](
+        q, k, *rows, *outputs, *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local, *scalars,
         D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], NB=NB, UPCAST=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return n_above, n_in, buf
 
 
 def unpack(buf):
