@@ -188,13 +188,18 @@ class NSAAttention(nn.Module):
                  shared: LayerShared | None = None):
         """Inputs `[B, L, Hkv, D]` from block `first_block` (an int, or int64 `[1]` on the device, the same
         object for every layer of a forward) on -> k_cmp, v_cmp `[B, Tc, Hkv, D]`."""
-        k_cmp, v_cmp = self.compress_k(k_in), self.compress_v(v_in)
+        return self.compress_keys(k_in, first_block, shared), self.compress_v(v_in)
+
+    def compress_keys(self, k_in: torch.Tensor, first_block: int | torch.Tensor,
+                      shared: LayerShared | None = None) -> torch.Tensor:
+        """`compress`'s keys alone: `[B, L, Hkv, Dk]` -> k_cmp `[B, Tc, Hkv, Dk]`."""
+        k_cmp = self.compress_k(k_in)
         if self.k_cmp_norm is not None:
             k_cmp = self.k_cmp_norm(k_cmp)
         if self.config.compression == "mlp":  # rotate compressed key i at its first token, i * stride
             cos, sin = self.block_rope(first_block, k_cmp.shape[1], k_cmp.dtype, k_cmp.device, shared)
             k_cmp = apply_rope(k_cmp, cos, sin)
-        return k_cmp, v_cmp
+        return k_cmp
 
     def block_rope(self, first_block: int | torch.Tensor, Tc: int, dtype: torch.dtype, device: torch.device,
                    shared: LayerShared | None = None):
@@ -244,6 +249,19 @@ class NSAAttention(nn.Module):
         return dict(q=q, k=k, v=v, k_cmp_in=k_cmp_in, v_cmp_in=v_cmp_in, k_swa=k_swa, v_swa=v_swa,
                     g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa)
 
+    def detached_compressed_keys(self, x: torch.Tensor, p: dict, shared: LayerShared) -> torch.Tensor:
+        """The compressed keys of the prompt `x` `[B, T, C]` (projected as `p`), computed again from `x`
+        detached: `[B, Tc, Hkv, Dk]`. A loss on them (`NSAModel.capturing_selection_inputs`) then trains
+        the compressor and the key projection into it, and nothing before the layer."""
+        B, T, _ = x.shape
+        proj = self.k_proj if self.config.shared_kv else self.k_cmp_proj
+        k_in = proj(x.detach()).view(B, T, self.Hkv, self.Dk)
+        if self.config.compression == "mean":  # rotated as `project` rotates them, with its tables
+            cos, sin = shared.get_or(("rope", x.dtype), lambda: self.rope(torch.arange(T, device=x.device),
+                                                                          x.dtype))
+            k_in = apply_rope(k_in, cos, sin)
+        return self.compress_keys(k_in.to(p["v"].dtype), 0, shared).to(p["v"].dtype)
+
     @property
     def counts_selected_blocks(self) -> bool:
         """With num_local = 0 the query's own block competes on score, so the selected-token count
@@ -263,8 +281,6 @@ class NSAAttention(nn.Module):
         k_cmp, v_cmp = k_cmp.to(p["v"].dtype), v_cmp.to(p["v"].dtype)  # the MLP compressor may autocast
         if cache is not None:
             cache.prefill(self.layer_idx, {name: p[name] for name in CACHED}, k_cmp, v_cmp, rows)
-        if self.selection_inputs is not None:
-            self.selection_inputs.append((p["q"], p["k"], k_cmp))
         recording = self.recorded_blocks is not None
         out = nsa_attention(p["q"], p["k"], p["v"], k_cmp, v_cmp, p["g_cmp"], p["g_slc"], p["g_swa"],
                             k_swa=p["k_swa"], v_swa=p["v_swa"],
@@ -416,6 +432,8 @@ class NSAAttention(nn.Module):
         if cache is None or cache.length == 0:
             positions = shared.get_or("positions", lambda: torch.arange(T, device=x.device))
             p = self.project(x, positions, shared)
+            if self.selection_inputs is not None:
+                self.selection_inputs.append((p["q"], p["k"], self.detached_compressed_keys(x, p, shared)))
             o = self.prefill(p, cache, rows, shared)  # [B, T, Hq, Dv]
         else:
             positions = shared.get_or(
@@ -619,9 +637,10 @@ class NSAModel(NSAPreTrainedModel):
 
     def capturing_selection_inputs(self):
         """Within the block every prefill's selection inputs are kept: yields one list per layer that each
-        forward over a prompt appends its queries `[B, T, Hq, Dk]`, selection keys `[B, T, Hkv, Dk]` and
-        compressed keys `[B, Tc, Hkv, Dk]` to, as the forward computed them (with their gradients), for
-        a loss on the selection (`nsa_eval.train.selection_distill`)."""
+        forward over a prompt appends its queries `[B, T, Hq, Dk]` and selection keys `[B, T, Hkv, Dk]`, as
+        the forward computed them, and compressed keys `[B, Tc, Hkv, Dk]` whose gradient reaches the
+        compressor and its key projection alone (`NSAAttention.detached_compressed_keys`), for a loss on
+        the selection (`nsa_eval.train.selection_distill`)."""
         return self._collecting("selection_inputs")
 
     @contextmanager

@@ -48,10 +48,19 @@ def block_mass(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, *, sel
     return p.view(B, n, Hkv, G, ns, select_size).sum(-1).mean(3)  # [B, n, Hkv, Ns]
 
 
-def block_importance(q: torch.Tensor, k_cmp: torch.Tensor, positions: torch.Tensor, *, T: int,
-                     block_len: int, stride: int, select_size: int, scale: float) -> torch.Tensor:
-    """The compression branch's block importance (paper Eq. 8-10), normalised: q `[B, n, Hq, D]` at
-    `positions` `[n]`, k_cmp `[B, Tc, Hkv, D]` -> float32 `[B, n, Hkv, Ns]`, each row summing to 1."""
+# a finite log 0: every log-sum-exp below stays finite, and so does its gradient, where a block has no mass
+LOG_ZERO = -1e30
+
+
+def block_log_importance(q: torch.Tensor, k_cmp: torch.Tensor, positions: torch.Tensor, *, T: int,
+                         block_len: int, stride: int, select_size: int, scale: float) -> torch.Tensor:
+    """The log of the compression branch's block importance (paper Eq. 8-10), normalised: q `[B, n, Hq, D]`
+    at `positions` `[n]`, k_cmp `[B, Tc, Hkv, D]` -> float32 `[B, n, Hkv, Ns]`, `LOG_ZERO` or less for a
+    block that no visible compressed block overlaps.
+
+    Worked out in log space throughout: compressed logits spread by hundreds of nats, so that many
+    importances underflow to 0 in probability space, where the loss's log and its gradient overflow.
+    """
     B, n, Hq, D = q.shape
     Tc, Hkv = k_cmp.shape[1], k_cmp.shape[2]
     G = Hq // Hkv
@@ -59,11 +68,30 @@ def block_importance(q: torch.Tensor, k_cmp: torch.Tensor, positions: torch.Tens
     s = torch.einsum("bnkgd,bckd->bnkgc", q.float().view(B, n, Hkv, G, D), k_cmp.float()) * scale
     last = torch.arange(Tc, device=k_cmp.device) * stride + block_len - 1  # [Tc] each block's last token
     visible = last <= positions.to(k_cmp.device)[:, None]  # [n, Tc]
-    p = s.masked_fill(~visible[None, :, None, None], float("-inf")).softmax(-1)
-    p = torch.nan_to_num(p)  # a query before the first compressed block sees none
-    weights = _overlap_weights(Tc, ns, block_len, stride, select_size, k_cmp.device)  # [Tc, Ns]
-    importance = p.sum(3) @ weights  # [B, n, Hkv, Ns]
-    return importance / importance.sum(-1, keepdim=True).clamp_min(1e-30)
+    s = s.masked_fill(~visible[None, :, None, None], LOG_ZERO)  # [B, n, Hkv, G, Tc]
+    log_p = torch.logsumexp(s - torch.logsumexp(s, -1, keepdim=True), 3)  # [B, n, Hkv, Tc] group's sum
+    index, log_w = _overlaps(Tc, ns, block_len, stride, select_size, k_cmp.device)  # [Ns, K] each
+    log_imp = torch.logsumexp(log_p[..., index] + log_w, -1)  # [B, n, Hkv, Ns]
+    return log_imp - torch.logsumexp(log_imp, -1, keepdim=True)
+
+
+def block_importance(q: torch.Tensor, k_cmp: torch.Tensor, positions: torch.Tensor, *, T: int,
+                     block_len: int, stride: int, select_size: int, scale: float) -> torch.Tensor:
+    """`block_log_importance` as probabilities: float32 `[B, n, Hkv, Ns]`, each row summing to 1."""
+    return block_log_importance(q, k_cmp, positions, T=T, block_len=block_len, stride=stride,
+                                select_size=select_size, scale=scale).exp()
+
+
+def _overlaps(Tc: int, ns: int, block_len: int, stride: int, select_size: int, device):
+    """The compressed blocks overlapping each selection block and the log of their overlap weights
+    (`_overlap_weights`): int64 `[Ns, K]` and float32 `[Ns, K]`, K the most any block has (`LOG_ZERO`
+    pads a block with fewer)."""
+    weights = _overlap_weights(Tc, ns, block_len, stride, select_size, device).t()  # [Ns, Tc]
+    overlaps = weights > 0
+    k = max(1, int(overlaps.sum(1).max()))
+    index = torch.argsort((~overlaps).to(torch.int8), dim=1, stable=True)[:, :k]  # overlapping ones first
+    w = weights.gather(1, index)
+    return index, torch.where(w > 0, w.clamp_min(1e-30).log(), LOG_ZERO)
 
 
 def selection_distill_loss(q: torch.Tensor, k: torch.Tensor, k_cmp: torch.Tensor, *, block_len: int,
@@ -83,15 +111,15 @@ def selection_distill_loss(q: torch.Tensor, k: torch.Tensor, k_cmp: torch.Tensor
     qs = q.detach()[:, positions]  # [B, n, Hq, D]
     with torch.no_grad():
         target = block_mass(qs, k.detach(), positions, select_size=select_size, scale=scale)
-    predicted = block_importance(qs, k_cmp, positions, T=T, block_len=block_len, stride=stride,
-                                 select_size=select_size, scale=scale)
+    log_predicted = block_log_importance(qs, k_cmp, positions, T=T, block_len=block_len, stride=stride,
+                                         select_size=select_size, scale=scale)  # [B, n, Hkv, Ns]
     block = torch.arange(target.shape[-1], device=q.device)  # [Ns]
     current = positions[:, None] // select_size  # [n, 1]
     choosable = (block >= num_init) & (block <= current - num_local)  # [n, Ns]
     mask = choosable[None, :, None]
     target = torch.where(mask, target, 0.0)
     target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
-    predicted = torch.where(mask, predicted, 0.0)
-    predicted = predicted / predicted.sum(-1, keepdim=True).clamp_min(1e-30)
-    kl = torch.xlogy(target, target) - torch.xlogy(target, predicted.clamp_min(1e-30))
+    log_predicted = log_predicted.masked_fill(~mask, LOG_ZERO)
+    log_predicted = log_predicted - torch.logsumexp(log_predicted, -1, keepdim=True)  # over the choosable
+    kl = torch.xlogy(target, target) - target * log_predicted  # 0 where the target is 0
     return kl.sum(-1).mean()

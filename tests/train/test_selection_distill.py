@@ -74,6 +74,53 @@ def test_only_the_compressed_keys_learn_from_it():
     assert k_cmp.grad is not None and k_cmp.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("lead", [40.0, 63.0, 100.0])
+def test_a_forced_block_far_ahead_leaves_the_loss_and_its_gradient_unchanged(lead):
+    """The initial block's compressed keys scoring `lead` x 1.5 nats above every other block (a trained
+    NSA's compressed logits spread by hundreds, docs/training.md): the choosable blocks' importances
+    underflow in probability space, but the loss is over those blocks alone, so it equals the loss
+    with a modest lead, and its gradient stays finite (in probability space it overflowed to inf at
+    a lead of 60-70, and NaN then took every weight). One query head a KV head, so that the importance
+    over the choosable blocks does not depend on the forced block's (a group's heads normalise apart)."""
+    q, k = needle_inputs(Hq=1)
+    u = q[0, :, 0].mean(0)
+    u = u / u.norm()  # the queries' shared direction
+
+    def loss_and_grad(lead):
+        k_cmp = 0.3 * torch.randn(1, compressed_len(512), 1, 16, generator=torch.Generator().manual_seed(1))
+        k_cmp[0, :3, 0] = lead * u  # the compressed blocks inside selection block 0, always selected
+        k_cmp.requires_grad_(True)
+        loss = selection_distill_loss(q, k, k_cmp, num_init=1, num_local=2, scale=0.25, queries=16,
+                                      generator=torch.Generator().manual_seed(0), **GEOMETRY)
+        loss.backward()
+        return loss, k_cmp.grad
+
+    loss, grad = loss_and_grad(lead)
+    modest, modest_grad = loss_and_grad(1.0)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    torch.testing.assert_close(loss, modest, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grad[0, 3:], modest_grad[0, 3:], rtol=1e-3, atol=1e-5)
+
+
+def test_in_the_model_only_the_compressor_and_its_key_projection_learn_from_it(tiny_corpus):
+    """Through a forward of the NSA model: the loss on the captured inputs reaches the compressor of the
+    keys and the projection into it in every layer, and no other weight (the layer input is detached)."""
+    from nsa_eval.train.recipe import _selection_distill, build_model
+
+    cfg = tiny_config("nsa", seq_len=512, selection_distill=1.0)
+    model = build_model("nsa", cfg.model, tiny_corpus.tokenizer)
+    ids = torch.randint(3, 200, (2, 512), generator=torch.Generator().manual_seed(0))
+    with model.capturing_selection_inputs() as captured:
+        model(input_ids=ids, use_cache=False)
+    loss = _selection_distill(model, cfg, captured, step=0)
+    loss.backward()
+    learning = {name for name, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    layers = range(cfg.model.num_layers)
+    assert learning == {f"model.layers.{i}.attn.{part}" for i in layers
+                        for part in ("k_cmp_proj.weight", "compress_k.pos_emb", "compress_k.fc1.weight",
+                                     "compress_k.fc2.weight")}
+
+
 def test_it_teaches_compressed_keys_to_rank_the_needles_block_first():
     """Compressed keys that start random, trained on this loss alone, come to rank the needle's block
     first among the blocks a later query chooses from."""
