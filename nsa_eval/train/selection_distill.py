@@ -89,7 +89,7 @@ def _overlaps(Tc: int, ns: int, block_len: int, stride: int, select_size: int, d
     weights = _overlap_weights(Tc, ns, block_len, stride, select_size, device).t()  # [Ns, Tc]
     overlaps = weights > 0
     k = max(1, int(overlaps.sum(1).max()))
-    index = torch.argsort((~overlaps).to(torch.int8), dim=1, stable=True)[:, :k]  # overlapping ones first
+    index = torch.argsort((~overlaps).int(), dim=1, stable=True)[:, :k]  # overlapping ones first
     w = weights.gather(1, index)
     return index, torch.where(w > 0, w.clamp_min(1e-30).log(), LOG_ZERO)
 
