@@ -6,9 +6,9 @@
     nsa-eval train --attention nsa --out /tmp/t --tiny          # a few CPU steps
     nsa-eval train --attention nsa --out runs/n --steps 9000 --stop-after-minutes 8   # a first part
     nsa-eval train --attention nsa --out runs/n --resume --stop-after-minutes 8       # the next
-    nsa-eval train --recipe long --out runs/long --stop-after-minutes 9   # the long pair, in parts
+    nsa-eval train --recipe long --selection-distill 1 --out runs/long --stop-after-minutes 9  # long.yaml
+    nsa-eval train --recipe long --out runs/long-paper    # the long pair with the paper's loss alone
     nsa-eval train --recipe long --compress-norm --out runs/long-cnorm    # its NSA with normed keys
-    nsa-eval train --recipe long --selection-distill 1 --out runs/long-sd # its NSA's selection distilled
 
 `--match RUN` copies the step count, batch, sequence length, learning rate and retrieval mix of an
 earlier run, so both models see identical tokens. `--attention both` trains NSA into <out>/nsa
