@@ -121,8 +121,11 @@ def test_by_block_equals_walk_and_presorted_lists(shape):
 @interpreted
 def test_by_block_in_chunks_of_positions_is_the_same():
     """The forward per block with room for the partials of 16 positions at a time (10 chunks a sequence,
-    the last short, over 2 sequences) writes the o, lse and gated sum of one pass, bit for bit: each
-    chunk's lists are those of its positions (the causal mask, the blocks past a position dropped)."""
+    the last short, over 2 sequences) writes the o, lse and gated sum of one pass: each chunk's lists are
+    those of its positions (the causal mask, the blocks past a position dropped). To float32 rounding: on
+    the GPU each row of an MMA sums alone and the two agree bit for bit, but the interpreter's numpy
+    products may round a row by how many rows share its product (a chunk groups positions differently),
+    which on some CPUs' BLAS moves the results by an ulp or two."""
     B, T, hq, hkv, dk, dv = 2, 150, 8, 2, 16, 16
     x = make(B, T, hq, hkv, dk, dv, seed=61)
     q, k, v = (x[n].detach() for n in ("q", "k", "v"))
@@ -139,7 +142,8 @@ def test_by_block_in_chunks_of_positions_is_the_same():
             gated_sum=(*branches, *gates, out), chunk_bytes=chunk_bytes)
         runs.append((o, lse, out))
     for whole, chunked in zip(*runs, strict=True):
-        assert torch.equal(chunked, whole)
+        assert torch.equal(torch.isinf(chunked), torch.isinf(whole))  # the same rows without blocks
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=2e-6)
     assert torch.isinf(runs[0][1]).any() and torch.isfinite(runs[0][1]).any()  # rows with and without blocks
 
 
