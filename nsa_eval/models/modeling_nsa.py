@@ -249,18 +249,18 @@ class NSAAttention(nn.Module):
         return dict(q=q, k=k, v=v, k_cmp_in=k_cmp_in, v_cmp_in=v_cmp_in, k_swa=k_swa, v_swa=v_swa,
                     g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa)
 
-    def detached_compressed_keys(self, x: torch.Tensor, p: dict, shared: LayerShared) -> torch.Tensor:
-        """The compressed keys of the prompt `x` `[B, T, C]` (projected as `p`), computed again from `x`
-        detached: `[B, Tc, Hkv, Dk]`. A loss on them (`NSAModel.capturing_selection_inputs`) then trains
-        the compressor and the key projection into it, and nothing before the layer."""
+    def detached_compressed_keys(self, x: torch.Tensor, dtype: torch.dtype,
+                                 shared: LayerShared) -> torch.Tensor:
+        """The compressed keys of the prompt `x` `[B, T, C]`, computed again from `x` detached, in `dtype`
+        (the branches' as `project` gave them): `[B, Tc, Hkv, Dk]`. A loss on them
+        (`NSAModel.capturing_selection_inputs`) then trains the compressor and the key projection into it,
+        and nothing before the layer. `shared` holds `project`'s rotary tables."""
         B, T, _ = x.shape
         proj = self.k_proj if self.config.shared_kv else self.k_cmp_proj
         k_in = proj(x.detach()).view(B, T, self.Hkv, self.Dk)
-        if self.config.compression == "mean":  # rotated as `project` rotates them, with its tables
-            cos, sin = shared.get_or(("rope", x.dtype), lambda: self.rope(torch.arange(T, device=x.device),
-                                                                          x.dtype))
-            k_in = apply_rope(k_in, cos, sin)
-        return self.compress_keys(k_in.to(p["v"].dtype), 0, shared).to(p["v"].dtype)
+        if self.config.compression == "mean":  # rotated as `project` rotates them
+            k_in = apply_rope(k_in, *shared[("rope", x.dtype)])
+        return self.compress_keys(k_in.to(dtype), 0, shared).to(dtype)
 
     @property
     def counts_selected_blocks(self) -> bool:
@@ -433,7 +433,8 @@ class NSAAttention(nn.Module):
             positions = shared.get_or("positions", lambda: torch.arange(T, device=x.device))
             p = self.project(x, positions, shared)
             if self.selection_inputs is not None:
-                self.selection_inputs.append((p["q"], p["k"], self.detached_compressed_keys(x, p, shared)))
+                self.selection_inputs.append((p["q"], p["k"],
+                                             self.detached_compressed_keys(x, p["v"].dtype, shared)))
             o = self.prefill(p, cache, rows, shared)  # [B, T, Hq, Dv]
         else:
             positions = shared.get_or(
