@@ -65,6 +65,9 @@ def register(subparsers) -> None:
                    help="NSA: add W x the KL divergence from dense attention's mass per selection block to "
                         "the compressed keys' block importance to the loss (not in the paper; "
                         "docs/training.md; default 0)")
+    p.add_argument("--distill-answers", type=float, metavar="A",
+                   help="NSA: add A x the same divergence at each retrieval row's answer queries, the "
+                        "positions that must find the needle (not in the paper; docs/training.md; default 0)")
     p.add_argument("--retrieval-lengths", type=int, nargs="+", metavar="TOKENS",
                    help="NIAH context lengths of the retrieval rows (default: the recipe's)")
     p.add_argument("--retrieval-fraction", type=float, metavar="F",
@@ -116,7 +119,8 @@ def run_train(args) -> int:
     out = Path(args.out)
     first = train(replace(cfg, attention="nsa"), corpus, out / "nsa", device=args.device, workers=workers)
     _report(first, out / "nsa")
-    matched = replace(cfg, attention="full", steps=first["steps"], minutes=None, selection_distill=0.0)
+    matched = replace(cfg, attention="full", steps=first["steps"], minutes=None, selection_distill=0.0,
+                      distill_answers=0.0)
     _report(train(matched, corpus, out / "full", device=args.device, workers=workers), out / "full")
     plot_runs([out / "nsa", out / "full"], out / "loss_curves.png")
     return 0
@@ -124,7 +128,8 @@ def run_train(args) -> int:
 
 def _run_recipe(args) -> int:
     """`--recipe long`: the stages of nsa_eval/train/long_context.py, resumed where they stopped."""
-    recipe_flags = ("compress_norm", "selection_distill")  # the flags that choose a variant of the recipe
+    # the flags that choose a variant of the recipe
+    recipe_flags = ("compress_norm", "selection_distill", "distill_answers")
     given = [f"--{f.replace('_', '-')}" for f in ("attention", *CONFIG_FLAGS, "corpus_sources")
              if f not in recipe_flags and getattr(args, f) not in (None, False)]
     given += [flag for flag, on in (("--tiny", args.tiny), ("--resume", args.resume),
@@ -142,11 +147,14 @@ def _run_recipe(args) -> int:
     from nsa_eval.train.long_context import foreign_stages, long_stages, run_long_recipe
 
     distill = _selection_distill(args, "nsa")
-    stages = long_stages(args.out, compress_norm=bool(args.compress_norm), selection_distill=distill)
+    answers = _selection_distill(args, "nsa", "distill_answers")
+    stages = long_stages(args.out, compress_norm=bool(args.compress_norm), selection_distill=distill,
+                         distill_answers=answers)
     foreign = foreign_stages(args.out, stages)
     if foreign:
         variant = [flag for flag, on in (("--compress-norm", args.compress_norm),
-                                         (f"--selection-distill {distill:g}", distill)) if on]
+                                         (f"--selection-distill {distill:g}", distill),
+                                         (f"--distill-answers {answers:g}", answers)) if on]
         raise UsageError(f"--out {args.out} holds stages of another configuration ({', '.join(foreign)}): "
                          f"expected this recipe's{' with ' + ' '.join(variant) if variant else ''}; "
                          "give another --out (each variant of the recipe has its own)")
@@ -233,8 +241,9 @@ def _validated_config(args):
             cfg = replace(cfg, model=replace(cfg.model, **{field: getattr(args, flag)}))
     if args.compress_norm:
         cfg = replace(cfg, model=replace(cfg.model, compress_norm=True))
-    if args.selection_distill is not None:
-        cfg = replace(cfg, selection_distill=_selection_distill(args, args.attention))
+    for name in ("selection_distill", "distill_answers"):
+        if getattr(args, name) is not None:
+            cfg = replace(cfg, **{name: _selection_distill(args, args.attention, name)})
     if args.retrieval_lengths:
         cfg = replace(cfg, mix=replace(cfg.mix, retrieval_lengths=_retrieval_lengths(args, cfg)))
     if args.retrieval_fraction is not None:
@@ -259,17 +268,19 @@ def _validated_config(args):
 
 CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "retrieval_lengths",
                 "retrieval_fraction", "distractors", "head_dim", "kv_heads", "layers", "num_selected",
-                "window", "compress_norm", "selection_distill")
+                "window", "compress_norm", "selection_distill", "distill_answers")
 
 
-def _selection_distill(args, attention: str) -> float:
-    """`--selection-distill`'s weight (0 when not given): >= 0, and above 0 for NSA only (with `--attention
-    both`, its NSA run)."""
-    weight = 0.0 if args.selection_distill is None else args.selection_distill
+def _selection_distill(args, attention: str, name: str = "selection_distill") -> float:
+    """The weight of `--selection-distill` or (`name`) `--distill-answers` (0 when not given): >= 0, and
+    above 0 for NSA only (with `--attention both`, its NSA run)."""
+    flag = "--" + name.replace("_", "-")
+    given = getattr(args, name)
+    weight = 0.0 if given is None else given
     if not (weight >= 0 and math.isfinite(weight)):
-        raise UsageError(f"--selection-distill must be a finite weight >= 0, got {args.selection_distill}")
+        raise UsageError(f"{flag} must be a finite weight >= 0, got {given}")
     if weight and attention == "full":
-        raise UsageError("--selection-distill trains NSA's block selection: full attention has none")
+        raise UsageError(f"{flag} trains NSA's block selection: full attention has none")
     return weight
 
 

@@ -12,7 +12,8 @@ With `compress_norm` (`nsa-eval train --recipe long --compress-norm`, into anoth
 NSA stage has an RMSNorm on its compressed keys (`NSAConfig.compress_norm`). nsa-tiny has none, so a
 fifth stage, `nsa-2k`, first trains NSA with it from scratch on nsa-tiny's exact tokens, and `nsa`
 continues from there. With `selection_distill` (`--selection-distill W`, into another `--out`) the two
-long NSA stages add W times the selection loss of nsa_eval/train/selection_distill.py to theirs.
+long NSA stages add W times the selection loss of nsa_eval/train/selection_distill.py to theirs, and
+with `distill_answers` (`--distill-answers A`) A times the same loss at the answer queries.
 
 The paper pretrains at 8k and then adapts to 32k in a second stage; this is that schedule in
 miniature (2,048, then 16,384). The three long models start from models that saw identical tokens
@@ -49,11 +50,12 @@ class Stage:
     after: str | None = None  # a stage whose checkpoint is `config.init_from`
 
 
-def long_stages(out: str | Path, *, compress_norm: bool = False,
-                selection_distill: float = 0.0) -> list[Stage]:
+def long_stages(out: str | Path, *, compress_norm: bool = False, selection_distill: float = 0.0,
+                distill_answers: float = 0.0) -> list[Stage]:
     """The recipe's stages in dependency order; `out` is where their folders go. `compress_norm`: the
     NSA stages' models norm their compressed keys, and NSA's 2k start is trained rather than nsa-tiny.
-    `selection_distill`: the long NSA stages' weight of the selection loss (`TrainConfig`'s)."""
+    `selection_distill`, `distill_answers`: the long NSA stages' weights of the selection loss at random
+    positions and at the answer queries (`TrainConfig`'s)."""
     bundled = replace(TrainConfig(), steps=6000)  # nsa-tiny's recipe (tests/train check it)
     extension = replace(
         TrainConfig(),
@@ -77,7 +79,8 @@ def long_stages(out: str | Path, *, compress_norm: bool = False,
     # NSA's first third on 64 blocks a query (a quarter of 16k, the share nsa-tiny's 8 blocks had of 2k):
     # with 16 it seldom selects a far needle, so its selection branch never learns to attend that far
     # (docs/training.md); then the paper's 16
-    wide = dict(wide_selection=(64, 800), selection_distill=selection_distill)
+    wide = dict(wide_selection=(64, 800), selection_distill=selection_distill,
+                distill_answers=distill_answers)
     nsa_start = [] if not compress_norm else [Stage("nsa-2k", replace(bundled, model=nsa_model))]
     nsa_from = "nsa-tiny" if not compress_norm else str(Path(out) / "nsa-2k" / "checkpoint")
     return [

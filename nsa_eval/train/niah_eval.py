@@ -158,6 +158,8 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     lengths = [int(x) for x in args.lengths.split(",")]
     docs, results = None, {}
+    if args.png_dir:
+        Path(args.png_dir).mkdir(parents=True, exist_ok=True)
     runs = [(c, m) for c in args.checkpoints for m in (args.methods.split(",") if args.methods else [None])]
     for checkpoint, method in runs:
         model, tokenizer = load_checkpoint(checkpoint, dtype=torch.bfloat16 if device == "cuda" else None)
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
         if args.png_dir:
             plot_heatmap(rows, Path(args.png_dir) / f"niah_{name}.png",
                          f"NIAH ({args.mode}, {device}): {name}, training length {args.within}")
-    Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).write_text(json.dumps(results, indent=1))  # after each grid: a stopped run keeps it
     return 0
 
 

@@ -106,6 +106,9 @@ class TrainConfig:
     # where the compression branch's nearly closed gate passes them no gradient (0: the paper's loss)
     selection_distill: float = 0.0
     distill_queries: int = 64
+    # and this weight times the same divergence at each retrieval row's answer queries (the positions
+    # that predict an answer token, where a needle must be found; random positions mostly attend nearby)
+    distill_answers: float = 0.0
     mix: MixConfig = field(default_factory=MixConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -247,11 +250,12 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
                                            or cfg.wide_selection[0] < cfg.model.num_selected):
         raise ValueError(f"wide_selection {cfg.wide_selection}: NSA runs only, with n >= the model's "
                          f"num_selected ({cfg.model.num_selected})")
-    distilling = cfg.selection_distill > 0
-    if cfg.selection_distill < 0 or (distilling and (cfg.attention != "nsa" or cfg.distill_queries < 1)):
-        raise ValueError(f"selection_distill {cfg.selection_distill}: a weight >= 0, above 0 for NSA runs "
-                         f"only, with distill_queries >= 1 (got attention {cfg.attention!r}, "
-                         f"distill_queries {cfg.distill_queries})")
+    distilling = cfg.selection_distill > 0 or cfg.distill_answers > 0
+    if (min(cfg.selection_distill, cfg.distill_answers) < 0
+            or (distilling and (cfg.attention != "nsa" or cfg.distill_queries < 1))):
+        raise ValueError(f"selection_distill {cfg.selection_distill}, distill_answers {cfg.distill_answers}: "
+                         f"weights >= 0, above 0 for NSA runs only, with distill_queries >= 1 (got attention "
+                         f"{cfg.attention!r}, distill_queries {cfg.distill_queries})")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     saved = load_resume_state(out_dir) if resume else None
@@ -315,9 +319,10 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
         with autocast, model.capturing_selection_inputs() if distilling else nullcontext() as captured:
             logits = model(input_ids=ids[:, :-1], use_cache=False).logits  # [B, T, V]
         loss, ce = weighted_loss(logits, ids[:, 1:], weights[:, 1:])
-        distill = _selection_distill(model, cfg, captured, step) if distilling else None
+        distill = (_selection_distill(model, cfg, captured, step, weights[:, 1:] == cfg.mix.answer_weight)
+                   if distilling else None)
         if distill is not None:
-            loss = loss + cfg.selection_distill * distill
+            loss = loss + distill
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -389,20 +394,31 @@ def _train_selection(model, cfg: TrainConfig, step: int | None) -> None:
         model.config.num_selected = n if step is not None and step < steps else cfg.model.num_selected
 
 
-def _selection_distill(model, cfg: TrainConfig, captured, step: int):
-    """The selection loss (`cfg.selection_distill`'s), averaged over the layers' captured prefill inputs; its
-    query positions drawn from the seed and the step, so a resumed run draws the same."""
+def _selection_distill(model, cfg: TrainConfig, captured, step: int, answer):
+    """The weighted selection losses (`cfg.selection_distill`'s at random positions, `cfg.distill_answers`'s
+    at the answer queries, `answer` `[B, T]` bool), averaged over the layers' captured prefill inputs; the
+    random positions drawn from the seed and the step, so a resumed run draws the same."""
     import torch
 
-    from nsa_eval.train.selection_distill import selection_distill_loss
+    from nsa_eval.train.selection_distill import answer_distill_loss, answer_positions, selection_distill_loss
 
     c = model.config
+    blocks = dict(block_len=c.block_len, stride=c.stride, select_size=c.select_size, num_init=c.num_init,
+                  num_local=c.num_local)
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    losses = [selection_distill_loss(q, k, k_cmp, block_len=c.block_len, stride=c.stride,
-                                     select_size=c.select_size, num_init=c.num_init, num_local=c.num_local,
-                                     scale=q.shape[-1] ** -0.5, queries=cfg.distill_queries,
-                                     generator=generator)
-              for layer in captured for q, k, k_cmp in layer]
+    answers = answer_positions(answer, select_size=c.select_size, num_init=c.num_init, num_local=c.num_local)
+    losses = []
+    for layer in captured:
+        for q, k, k_cmp in layer:
+            scale = q.shape[-1] ** -0.5
+            terms = []
+            if cfg.selection_distill > 0:
+                terms.append(cfg.selection_distill * selection_distill_loss(
+                    q, k, k_cmp, **blocks, scale=scale, queries=cfg.distill_queries, generator=generator))
+            if cfg.distill_answers > 0:
+                terms.append(cfg.distill_answers * answer_distill_loss(q, k, k_cmp, answers, **blocks,
+                                                                       scale=scale))
+            losses.append(sum(terms[1:], terms[0]))
     return torch.stack(losses).mean()
 
 

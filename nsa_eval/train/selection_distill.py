@@ -103,11 +103,39 @@ def selection_distill_loss(q: torch.Tensor, k: torch.Tensor, k_cmp: torch.Tensor
     q `[B, T, Hq, D]`, k `[B, T, Hkv, D]` (the selection branch's, the target: no gradient), k_cmp `[B, Tc,
     Hkv, D]` (gradient) -> a float32 scalar, 0 where no position has a block to choose.
     """
-    T = q.shape[1]
-    positions = query_positions(T, queries, select_size=select_size, num_init=num_init, num_local=num_local,
-                                generator=generator).to(q.device)
+    positions = query_positions(q.shape[1], queries, select_size=select_size, num_init=num_init,
+                                num_local=num_local, generator=generator).to(q.device)
     if positions.numel() == 0:
         return k_cmp.sum() * 0.0
+    return _divergence(q, k, k_cmp, positions, block_len=block_len, stride=stride, select_size=select_size,
+                       num_init=num_init, num_local=num_local, scale=scale).mean()
+
+
+def answer_positions(answer: torch.Tensor, *, select_size: int, num_init: int,
+                     num_local: int) -> list[torch.Tensor]:
+    """Per row, the query positions that predict an answer token and have blocks to choose among:
+    answer `[B, T]` bool (query t's target is an answer token) -> B int64 tensors `[n_b]`, ascending."""
+    first = (num_init + num_local + 1) * select_size
+    positions = [row.nonzero()[:, 0] for row in answer]
+    return [t[t >= first] for t in positions]
+
+
+def answer_distill_loss(q: torch.Tensor, k: torch.Tensor, k_cmp: torch.Tensor, answers: list[torch.Tensor], *,
+                        block_len: int, stride: int, select_size: int, num_init: int, num_local: int,
+                        scale: float) -> torch.Tensor:
+    """`selection_distill_loss` at each row's own positions `answers` (`answer_positions`: the queries
+    that must find a needle, where random positions are mostly queries that attend nearby): the mean over
+    every row's positions and KV heads; 0 where no row has one. Shapes as `selection_distill_loss`'s."""
+    terms = [_divergence(q[b : b + 1], k[b : b + 1], k_cmp[b : b + 1], positions, block_len=block_len,
+                         stride=stride, select_size=select_size, num_init=num_init, num_local=num_local,
+                         scale=scale).flatten()
+             for b, positions in enumerate(answers) if positions.numel()]
+    return torch.cat(terms).mean() if terms else k_cmp.sum() * 0.0
+
+
+def _divergence(q, k, k_cmp, positions, *, block_len, stride, select_size, num_init, num_local, scale):
+    """The KL divergence at `positions` `[n]` (shared by the rows): float32 `[B, n, Hkv]`."""
+    T = q.shape[1]
     qs = q.detach()[:, positions]  # [B, n, Hq, D]
     with torch.no_grad():
         target = block_mass(qs, k.detach(), positions, select_size=select_size, scale=scale)
@@ -122,4 +150,4 @@ def selection_distill_loss(q: torch.Tensor, k: torch.Tensor, k_cmp: torch.Tensor
     log_predicted = log_predicted.masked_fill(~mask, LOG_ZERO)
     log_predicted = log_predicted - torch.logsumexp(log_predicted, -1, keepdim=True)  # over the choosable
     kl = torch.xlogy(target, target) - target * log_predicted  # 0 where the target is 0
-    return kl.sum(-1).mean()
+    return kl.sum(-1)

@@ -22,6 +22,7 @@ def test_the_window_ablation_pretrains_on_nsa_tinys_tokens(tmp_path):
     assert pretrain.pop("wide_selection") is None  # a field added after nsa-tiny was trained
     assert pretrain.pop("selection_distill") == 0.0  # likewise, and off as it was
     pretrain.pop("distill_queries")
+    assert pretrain.pop("distill_answers") == 0.0  # likewise, and off
     assert pretrain["model"].pop("compress_norm") is False  # likewise, and off as it was
     assert pretrain["model"].pop("window") == 0
     bundled["model"].pop("window")

@@ -11,6 +11,8 @@ from nsa_eval.cli import main
 from nsa_eval.train.long_context import long_stages
 from nsa_eval.train.recipe import tiny_config, train
 from nsa_eval.train.selection_distill import (
+    answer_distill_loss,
+    answer_positions,
     block_importance,
     block_mass,
     query_positions,
@@ -102,17 +104,21 @@ def test_a_forced_block_far_ahead_leaves_the_loss_and_its_gradient_unchanged(lea
     torch.testing.assert_close(grad[0, 3:], modest_grad[0, 3:], rtol=1e-3, atol=1e-5)
 
 
-def test_in_the_model_only_the_compressor_and_its_key_projection_learn_from_it(tiny_corpus):
-    """Through a forward of the NSA model: the loss on the captured inputs reaches the compressor of the
-    keys and the projection into it in every layer, and no other weight (the layer input is detached)."""
+@pytest.mark.parametrize("weights", [dict(selection_distill=1.0), dict(distill_answers=1.0)])
+def test_in_the_model_only_the_compressor_and_its_key_projection_learn_from_it(tiny_corpus, weights):
+    """Through a forward of the NSA model: the loss on the captured inputs (at random positions, or at
+    the answer queries) reaches the compressor of the keys and the projection into it in every layer,
+    and no other weight (the layer input is detached)."""
     from nsa_eval.train.recipe import _selection_distill, build_model
 
-    cfg = tiny_config("nsa", seq_len=512, selection_distill=1.0)
+    cfg = tiny_config("nsa", seq_len=512, **weights)
     model = build_model("nsa", cfg.model, tiny_corpus.tokenizer)
     ids = torch.randint(3, 200, (2, 512), generator=torch.Generator().manual_seed(0))
+    answer = torch.zeros(2, 512, dtype=torch.bool)
+    answer[1, 490:497] = True
     with model.capturing_selection_inputs() as captured:
         model(input_ids=ids, use_cache=False)
-    loss = _selection_distill(model, cfg, captured, step=0)
+    loss = _selection_distill(model, cfg, captured, 0, answer)
     loss.backward()
     learning = {name for name, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     layers = range(cfg.model.num_layers)
@@ -150,6 +156,48 @@ def test_it_teaches_compressed_keys_to_rank_the_needles_block_first():
     assert sum(losses[-10:]) < 0.3 * sum(losses[:10])
 
 
+def test_answer_positions_are_the_queries_before_answer_tokens_past_the_forced_blocks():
+    answer = torch.zeros(3, 200, dtype=torch.bool)
+    answer[0, [10, 150, 151, 152]] = True  # query 10 has no block to choose among yet (first: 4 x 32)
+    answer[2, 128] = True
+    rows = answer_positions(answer, select_size=32, num_init=1, num_local=2)
+    assert [r.tolist() for r in rows] == [[150, 151, 152], [], [128]]
+
+
+def test_at_the_answer_queries_it_is_each_rows_own_divergence_and_teaches_the_needle():
+    """The answer term is the selection loss at each row's own positions: a row without any adds nothing,
+    two rows give the mean over both rows' positions; trained on it alone, compressed keys come to rank
+    the needle's block first at those queries."""
+    q, k = needle_inputs()
+    g = torch.Generator().manual_seed(2)
+    k_cmp = (0.3 * torch.randn(1, compressed_len(512), 1, 16, generator=g)).requires_grad_(True)
+    at = torch.tensor([400, 401, 402])
+
+    def loss(k_cmp, answers, q=q, k=k):
+        return answer_distill_loss(q, k, k_cmp, answers, num_init=1, num_local=2, scale=0.25, **GEOMETRY)
+
+    one = loss(k_cmp, [at])
+    q2, k2, c2 = (torch.cat([x, x.flip(1) if x is not k_cmp else x]) for x in (q, k, k_cmp))
+    torch.testing.assert_close(loss(c2, [at, at[:0]], q2, k2), one)  # the empty second row adds nothing
+    both = loss(c2, [at, at[:1]], q2, k2)
+    second = loss(k_cmp, [at[:1]], q.flip(1), k.flip(1))
+    torch.testing.assert_close(both, (3 * one + second) / 4)
+    assert float(loss(k_cmp, [at[:0]]).detach()) == 0.0 and loss(k_cmp, [at[:0]]).requires_grad
+
+    def outranking_the_needle():
+        with torch.no_grad():
+            imp = block_importance(q[:, at], k_cmp, at, T=512, scale=0.25, **GEOMETRY)
+        return [int((imp[0, i, 0, 1:11] > imp[0, i, 0, 200 // 32]).sum()) for i in range(3)]
+
+    assert max(outranking_the_needle()) > 0  # random keys do not rank it first
+    optimizer = torch.optim.Adam([k_cmp], lr=0.05)
+    for _ in range(150):
+        optimizer.zero_grad()
+        loss(k_cmp, [at]).backward()
+        optimizer.step()
+    assert outranking_the_needle() == [0, 0, 0]
+
+
 def test_nsa_trains_with_it_and_logs_it(tiny_corpus, tmp_path):
     cfg = tiny_config("nsa", steps=2, log_every=1, seq_len=512, selection_distill=1.0)  # 3+ blocks to choose
     summary = train(cfg, tiny_corpus, tmp_path)
@@ -159,15 +207,28 @@ def test_nsa_trains_with_it_and_logs_it(tiny_corpus, tmp_path):
     assert len(distill) == 2 and all(0 < d < 100 for d in distill)
     with pytest.raises(ValueError, match="selection_distill"):
         train(tiny_config("full", steps=1, selection_distill=1.0), tiny_corpus, tmp_path / "full")
+    with pytest.raises(ValueError, match="distill_answers"):
+        train(tiny_config("full", steps=1, distill_answers=1.0), tiny_corpus, tmp_path / "full")
+
+
+def test_nsa_trains_with_the_answer_term_alone(tiny_corpus, tmp_path):
+    """Retrieval rows at 512 tokens put answer queries past the forced blocks: the term is logged above 0."""
+    cfg = tiny_config("nsa", steps=2, log_every=1, seq_len=512, distill_answers=1.0)
+    cfg = replace(cfg, mix=replace(cfg.mix, retrieval_fraction=1.0, retrieval_lengths=(400, 480)))
+    train(cfg, tiny_corpus, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    distill = [r["distill_loss"] for r in rows if "distill_loss" in r]
+    assert len(distill) == 2 and all(0 < d < 100 for d in distill)
 
 
 def test_the_long_recipe_variant_distills_its_long_nsa_stages_only(tmp_path):
     plain = {s.name: s for s in long_stages(tmp_path)}
-    stages = {s.name: s for s in long_stages(tmp_path, selection_distill=0.5)}
+    stages = {s.name: s for s in long_stages(tmp_path, selection_distill=0.5, distill_answers=2.0)}
     # nsa-nowindow-2k, nsa, full, nsa-nowindow
     assert [stages[n].config.selection_distill for n in stages] == [0.0, 0.5, 0.0, 0.5]
+    assert [stages[n].config.distill_answers for n in stages] == [0.0, 2.0, 0.0, 2.0]
     for name in stages:
-        assert replace(stages[name].config, selection_distill=0.0) == plain[name].config
+        assert replace(stages[name].config, selection_distill=0.0, distill_answers=0.0) == plain[name].config
 
 
 def test_bad_weights_exit_2_before_work(tmp_path, capsys):
@@ -176,4 +237,8 @@ def test_bad_weights_exit_2_before_work(tmp_path, capsys):
     assert "--selection-distill must be a finite weight >= 0, got -1.0" in capsys.readouterr().err
     assert main([*base, "--attention", "full", "--selection-distill", "1"]) == 2
     assert "full attention has none" in capsys.readouterr().err
+    assert main([*base, "--attention", "nsa", "--distill-answers", "nan"]) == 2
+    assert "--distill-answers must be a finite weight >= 0, got nan" in capsys.readouterr().err
+    assert main([*base, "--attention", "full", "--distill-answers", "1"]) == 2
+    assert "--distill-answers trains NSA's block selection" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
