@@ -257,6 +257,7 @@ def test_head_dims_in_two_tiles_or_padded(dk, gate_in_branches):
                                            gate_in_branches=gate_in_branches)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("per_block, hq", [(False, 4), (True, 8)], ids=["walk-G2", "by-block-G4"])
 def test_gated_sum_in_selected_forward(per_block, hq):
     """NSA's output written by the selected forward's last launch (the walk's epilogue, or the merge

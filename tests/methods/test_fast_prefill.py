@@ -78,6 +78,7 @@ def fast_attend(method, q, k, v, budget, sink, local):
     return out, ctrl.stats.tally(0, "prefill", True).counts()
 
 
+@pytest.mark.exhaustive
 @interpreter_only
 @pytest.mark.parametrize("method", ["sink_window", "topk"])
 @pytest.mark.parametrize("case", CASES[1:3], ids=IDS[1:3])
@@ -123,6 +124,7 @@ def test_ties_at_the_cut_go_to_the_lower_position():
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.exhaustive
 @interpreter_only
 def test_rows_whose_bracket_misses_take_the_reference_path(monkeypatch):
     """A bracket above every score leaves all picks outside it: every held row fails, and the controller
@@ -145,6 +147,7 @@ def test_rows_whose_bracket_misses_take_the_reference_path(monkeypatch):
 
 
 @interpreter_only
+@pytest.mark.exhaustive
 def test_a_small_cap_fails_rows_it_cannot_hold():
     q, k, _ = qkv(1, 4, 4, 96, 96, 16, torch.float32)
     thr, cut, failed = bt.topk_thresholds(q, k, sink=4, local=8, budget=40, sample=8, cap=4)
@@ -251,6 +254,7 @@ def test_the_count_pass_matches_its_reference():
     assert (bt.bin_of(scores, base, inv_w).diff(dim=-1) >= 0).all()
 
 
+@pytest.mark.exhaustive
 @interpreter_only
 def test_no_row_fails_on_gaussian_scores():
     """Zero-centred scores put the picks of the rows from the budget to about twice it near their median,
@@ -285,6 +289,7 @@ def test_bins_of_a_bracket_straddling_zero_are_even():
 
 
 @interpreter_only
+@pytest.mark.exhaustive
 def test_a_bin_over_the_cap_fails_its_row_and_the_others_stay_exact():
     """Tied integer scores and a cap of 3: the rows whose pick lies in a bin of more than 3 entries are
     reported failed, exactly those (by `count_reference` and `narrow`), and every other row keeps the

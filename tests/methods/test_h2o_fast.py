@@ -98,7 +98,8 @@ def test_walk_matches_controller_reference(case, dtype):
     assert torch.equal(kv_read_from_evictions(evictions, G, sink, local, budget), kv_ref.int())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32", marks=pytest.mark.exhaustive),
+                                   pytest.param(torch.bfloat16, id="bf16")])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_kernel_matches_walk(case, dtype):
     """The Triton walk evicts the same keys at the same queries as the PyTorch walk (a frontier of 4
@@ -117,6 +118,7 @@ def test_kernel_matches_walk(case, dtype):
     torch.testing.assert_close(out.float(), out_ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.exhaustive
 def test_kernel_default_launch():
     """The default blocks (64 queries, 64 slots per tile), several blocks and a partial last one."""
     budget, sink, local = 100, 4, 32
@@ -129,6 +131,7 @@ def test_kernel_default_launch():
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("frontier", [2, 64])
 def test_frontier_blocks(frontier):
     """A frontier too short for its block ends blocks early (more blocks than ceil((T - budget) / 16)),
@@ -150,6 +153,7 @@ def test_frontier_blocks(frontier):
         assert (blocks == least).all(), blocks
 
 
+@pytest.mark.exhaustive
 def test_ties_evict_the_oldest():
     """Keys no query attends to (probability exactly 0) tie at mass 0: the walk, kernel and PyTorch
     alike, evicts them oldest first, which `torch.topk` in the reference does not promise."""
@@ -170,6 +174,7 @@ def test_ties_evict_the_oldest():
     assert order.numel() > 3 and torch.equal(order, order.sort().values)  # oldest first
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("G", [1, 4])
 def test_controller_fast_path(G):
     """One layer call through the controller: the kernel's path gives the chunked path's output, mass
@@ -192,6 +197,7 @@ def test_controller_fast_path(G):
     assert stats["phases"]["prefill"]["max"] == budget
 
 
+@pytest.mark.exhaustive
 def test_model_prefill_then_decode():
     """A tiny Llama: prefill through the kernel's path, then decode steps from the mass it left, give
     the chunked path's logits and statistics."""
@@ -207,6 +213,7 @@ def test_model_prefill_then_decode():
     assert stats == stats_ref
 
 
+@pytest.mark.exhaustive
 def test_fallbacks_keep_the_reference():
     """Cached keys before the prompt or group_shared: the kernels decline even where they are asked
     for, and padding (a mask) is never offered to them (test_fast_prefill.py); a prompt within the

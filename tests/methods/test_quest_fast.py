@@ -96,6 +96,7 @@ def test_summaries_are_quests_own():
     assert torch.equal(mn, key_min) and torch.equal(mx, key_max)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("step", [None, 7])
 def test_page_select_keeps_the_chunked_paths_keys(case, step):
@@ -215,6 +216,7 @@ def assert_near_ties_only(got, want, bounds, err, page_size):
 
 
 @interpreter_only
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_kept_keys_against_float64_bounds(case):
     """The kernels' selection (`page_bounds`, `_page_select_kernel`) and the chunked path against the float64
@@ -232,6 +234,7 @@ def test_kept_keys_against_float64_bounds(case):
     assert_near_ties_only(chunked, want, bounds, err, page)
 
 
+@pytest.mark.exhaustive
 @interpreter_only
 @pytest.mark.parametrize("case", CASES[:4], ids=IDS[:4])
 def test_integer_data_ties_everywhere(case):
@@ -254,6 +257,7 @@ def test_integer_data_ties_everywhere(case):
     torch.testing.assert_close(fast.float(), out.float(), **tol(dtype))
 
 
+@pytest.mark.exhaustive
 @interpreter_only
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_controller_fast_prefill_matches_its_chunked_path(case):
@@ -268,7 +272,7 @@ def test_controller_fast_prefill_matches_its_chunked_path(case):
 
 
 @interpreter_only
-@pytest.mark.parametrize("select", ["triton", "torch"])
+@pytest.mark.parametrize("select", ["triton", pytest.param("torch", marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("one_word", [True, False])
 def test_kernel_counts_and_outputs_against_the_masks(one_word, select, monkeypatch):
     """The kernel applies the masks' rule (both ways of reading the mask), over several launches and
@@ -287,6 +291,7 @@ def test_kernel_counts_and_outputs_against_the_masks(one_word, select, monkeypat
     torch.testing.assert_close(o.float(), o_ref, **tol(dtype))
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("page", [4, 8])
 def test_equal_bounds_go_to_the_lower_page(page):
     """Small integer queries and keys make every bound an exact integer, whatever the product's order or
