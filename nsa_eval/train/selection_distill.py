@@ -9,7 +9,9 @@ hundreds. This loss gives them a direct signal, as DeepSeek-V3.2's sparse attent
 at a few random query positions per row, the KL divergence from the dense attention's mass per selection
 block (a target, no gradient) to the block importance the compressed keys give, both over the blocks the
 query chooses among (the initial and local blocks, always selected, left out). The queries are detached,
-so only the compressed keys (the compressor and its key projection) learn from it.
+so only the compressed keys (the compressor and its key projection) learn from it. `answer_distill_loss`
+takes the same divergence at each retrieval row's answer queries instead, where a far needle's block
+must be chosen (random positions mostly attend nearby).
 """
 
 from __future__ import annotations
