@@ -146,8 +146,8 @@ def _run_recipe(args) -> int:
     from nsa_eval.train.data import build_corpus, corpus_exists, corpus_manifest
     from nsa_eval.train.long_context import foreign_stages, long_stages, run_long_recipe
 
-    distill = _selection_distill(args, "nsa")
-    answers = _selection_distill(args, "nsa", "distill_answers")
+    distill = _distill_weight(args, "nsa")
+    answers = _distill_weight(args, "nsa", "distill_answers")
     stages = long_stages(args.out, compress_norm=bool(args.compress_norm), selection_distill=distill,
                          distill_answers=answers)
     foreign = foreign_stages(args.out, stages)
@@ -243,7 +243,7 @@ def _validated_config(args):
         cfg = replace(cfg, model=replace(cfg.model, compress_norm=True))
     for name in ("selection_distill", "distill_answers"):
         if getattr(args, name) is not None:
-            cfg = replace(cfg, **{name: _selection_distill(args, args.attention, name)})
+            cfg = replace(cfg, **{name: _distill_weight(args, args.attention, name)})
     if args.retrieval_lengths:
         cfg = replace(cfg, mix=replace(cfg.mix, retrieval_lengths=_retrieval_lengths(args, cfg)))
     if args.retrieval_fraction is not None:
@@ -271,7 +271,7 @@ CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "ret
                 "window", "compress_norm", "selection_distill", "distill_answers")
 
 
-def _selection_distill(args, attention: str, name: str = "selection_distill") -> float:
+def _distill_weight(args, attention: str, name: str = "selection_distill") -> float:
     """The weight of `--selection-distill` or (`name`) `--distill-answers` (0 when not given): >= 0, and
     above 0 for NSA only (with `--attention both`, its NSA run)."""
     flag = "--" + name.replace("_", "-")

@@ -406,7 +406,8 @@ def _selection_distill(model, cfg: TrainConfig, captured, step: int, answer):
     blocks = dict(block_len=c.block_len, stride=c.stride, select_size=c.select_size, num_init=c.num_init,
                   num_local=c.num_local)
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    answers = answer_positions(answer, select_size=c.select_size, num_init=c.num_init, num_local=c.num_local)
+    answers = (answer_positions(answer, select_size=c.select_size, num_init=c.num_init, num_local=c.num_local)
+               if cfg.distill_answers > 0 else None)  # one host wait a row: only where the term is on
     losses = []
     for layer in captured:
         for q, k, k_cmp in layer:
@@ -418,7 +419,7 @@ def _selection_distill(model, cfg: TrainConfig, captured, step: int, answer):
             if cfg.distill_answers > 0:
                 terms.append(cfg.distill_answers * answer_distill_loss(q, k, k_cmp, answers, **blocks,
                                                                        scale=scale))
-            losses.append(sum(terms[1:], terms[0]))
+            losses.append(sum(terms))
     return torch.stack(losses).mean()
 
 

@@ -25,11 +25,16 @@ def query_positions(T: int, queries: int, *, select_size: int, num_init: int, nu
                     generator: torch.Generator) -> torch.Tensor:
     """Up to `queries` distinct positions, int64 `[n]` ascending, from those with at least two blocks to
     choose among (past the initial and local blocks), drawn by `generator` (CPU)."""
-    first = (num_init + num_local + 1) * select_size
+    first = _first_choosing(select_size, num_init, num_local)
     if first >= T:
         return torch.zeros(0, dtype=torch.long)
     pick = torch.randperm(T - first, generator=generator)[:queries]
     return (pick + first).sort().values
+
+
+def _first_choosing(select_size: int, num_init: int, num_local: int) -> int:
+    """The first position with at least two blocks to choose among (past the initial and local blocks)."""
+    return (num_init + num_local + 1) * select_size
 
 
 def block_mass(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, *, select_size: int,
@@ -117,7 +122,7 @@ def answer_positions(answer: torch.Tensor, *, select_size: int, num_init: int,
                      num_local: int) -> list[torch.Tensor]:
     """Per row, the query positions that predict an answer token and have blocks to choose among:
     answer `[B, T]` bool (query t's target is an answer token) -> B int64 tensors `[n_b]`, ascending."""
-    first = (num_init + num_local + 1) * select_size
+    first = _first_choosing(select_size, num_init, num_local)
     positions = [row.nonzero()[:, 0] for row in answer]
     return [t[t >= first] for t in positions]
 
