@@ -72,6 +72,10 @@ def register(subparsers) -> None:
                    help="NIAH context lengths of the retrieval rows (default: the recipe's)")
     p.add_argument("--retrieval-fraction", type=float, metavar="F",
                    help="share of each batch's rows that hold retrieval samples, 0 < F <= 1 (default 0.5)")
+    p.add_argument("--far-needles", type=float, metavar="F",
+                   help="share of retrieval rows that open with a far needle (the longest retrieval length, "
+                        "the needle in its first quarter), 0 <= F <= 1 (not in the paper; docs/training.md; "
+                        "default 0)")
     p.add_argument("--workers", type=int, default=None, help="batch-building processes (default: CPUs - 2)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--kernel-impl", choices=["auto", "reference", "triton"], default="auto",
@@ -129,7 +133,7 @@ def run_train(args) -> int:
 def _run_recipe(args) -> int:
     """`--recipe long`: the stages of nsa_eval/train/long_context.py, resumed where they stopped."""
     # the flags that choose a variant of the recipe
-    recipe_flags = ("compress_norm", "selection_distill", "distill_answers")
+    recipe_flags = ("compress_norm", "selection_distill", "distill_answers", "far_needles")
     given = [f"--{f.replace('_', '-')}" for f in ("attention", *CONFIG_FLAGS, "corpus_sources")
              if f not in recipe_flags and getattr(args, f) not in (None, False)]
     given += [flag for flag, on in (("--tiny", args.tiny), ("--resume", args.resume),
@@ -148,13 +152,15 @@ def _run_recipe(args) -> int:
 
     distill = _distill_weight(args, "nsa")
     answers = _distill_weight(args, "nsa", "distill_answers")
+    far = _far_needles(args)
     stages = long_stages(args.out, compress_norm=bool(args.compress_norm), selection_distill=distill,
-                         distill_answers=answers)
+                         distill_answers=answers, far_needles=far)
     foreign = foreign_stages(args.out, stages)
     if foreign:
         variant = [flag for flag, on in (("--compress-norm", args.compress_norm),
                                          (f"--selection-distill {distill:g}", distill),
-                                         (f"--distill-answers {answers:g}", answers)) if on]
+                                         (f"--distill-answers {answers:g}", answers),
+                                         (f"--far-needles {far:g}", far)) if on]
         raise UsageError(f"--out {args.out} holds stages of another configuration ({', '.join(foreign)}): "
                          f"expected this recipe's{' with ' + ' '.join(variant) if variant else ''}; "
                          "give another --out (each variant of the recipe has its own)")
@@ -250,6 +256,8 @@ def _validated_config(args):
         if not 0 < args.retrieval_fraction <= 1:
             raise UsageError(f"--retrieval-fraction must be in (0, 1], got {args.retrieval_fraction}")
         cfg = replace(cfg, mix=replace(cfg.mix, retrieval_fraction=args.retrieval_fraction))
+    if args.far_needles is not None:
+        cfg = replace(cfg, mix=replace(cfg.mix, far_needles=_far_needles(args)))
     if args.distractors is not None:
         from nsa_eval.tasks.niah import NEEDLE_KEYS
 
@@ -268,7 +276,7 @@ def _validated_config(args):
 
 CONFIG_FLAGS = ("steps", "minutes", "match", "batch_size", "seq_len", "lr", "retrieval_lengths",
                 "retrieval_fraction", "distractors", "head_dim", "kv_heads", "layers", "num_selected",
-                "window", "compress_norm", "selection_distill", "distill_answers")
+                "window", "compress_norm", "selection_distill", "distill_answers", "far_needles")
 
 
 def _distill_weight(args, attention: str, name: str = "selection_distill") -> float:
@@ -282,6 +290,14 @@ def _distill_weight(args, attention: str, name: str = "selection_distill") -> fl
     if weight and attention == "full":
         raise UsageError(f"{flag} trains NSA's block selection: full attention has none")
     return weight
+
+
+def _far_needles(args) -> float:
+    """`--far-needles` (0 when not given), a share in [0, 1]."""
+    share = 0.0 if args.far_needles is None else args.far_needles
+    if not 0 <= share <= 1:
+        raise UsageError(f"--far-needles must be a share in [0, 1], got {args.far_needles}")
+    return share
 
 
 def _resumed_config(args, out: Path):

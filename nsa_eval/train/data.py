@@ -307,6 +307,10 @@ class MixConfig:
     retrieval_lengths: tuple[int, ...] = (1024, 1280, 1536, 1792, 2000)  # where selection must work
     answer_weight: float = 20.0
     distractors: int = 0  # needles of other keys per retrieval sample (0: the evaluation's format)
+    # share of retrieval rows that open with a far needle: a sample of the longest retrieval length with
+    # its needle in the first quarter. Uniform depths over the lengths put few needles that far back
+    # from the question (about one sample in ten past 10k of 16k), where reading a selected needle fails.
+    far_needles: float = 0.0
 
 
 def make_batch(corpus: Corpus, seed: int, step: int, batch_size: int, seq_len: int, mix: MixConfig):
@@ -314,7 +318,7 @@ def make_batch(corpus: Corpus, seed: int, step: int, batch_size: int, seq_len: i
 
     Text rows are random windows of the training split (weight 1). Retrieval rows pack NIAH samples
     of random lengths and depths from the start of the row (answers weighted, prompts 0), and fill
-    the tail with text.
+    the tail with text; with `mix.far_needles`, that share of them opens with a far needle.
     """
     rng = np.random.default_rng([seed, step])
     ids = np.empty((batch_size, seq_len + 1), dtype=np.int64)  # [B, T+1]
@@ -341,8 +345,11 @@ def _retrieval_row(corpus, rng, length: int, mix: MixConfig, seed: int, step: in
         fitting = [c for c in mix.retrieval_lengths if c + RETRIEVAL_MARGIN <= length - filled]
         if not fitting:
             break
-        context = int(rng.choice(fitting))
-        depth = float(rng.uniform(0, 100))
+        # the draw only where the share is on, so a mix without far needles keeps its batches
+        if k == 0 and mix.far_needles > 0 and rng.random() < mix.far_needles:
+            context, depth = max(fitting), float(rng.uniform(0, 25))
+        else:
+            context, depth = int(rng.choice(fitting)), float(rng.uniform(0, 100))
         niah_seed = TRAIN_SEED_OFFSET + ((seed * 1_000_003 + step) * 64 + row) * 64 + k
         seg_ids, seg_w = retrieval_segment(corpus.tokenizer, context, depth, niah_seed, mix.answer_weight,
                                            mix.distractors, pool_length=max(mix.retrieval_lengths))

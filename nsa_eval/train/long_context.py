@@ -13,7 +13,9 @@ NSA stage has an RMSNorm on its compressed keys (`NSAConfig.compress_norm`). nsa
 fifth stage, `nsa-2k`, first trains NSA with it from scratch on nsa-tiny's exact tokens, and `nsa`
 continues from there. With `selection_distill` (`--selection-distill W`, into another `--out`) the two
 long NSA stages add W times the selection loss of nsa_eval/train/selection_distill.py to theirs, and
-with `distill_answers` (`--distill-answers A`) A times the same loss at the answer queries.
+with `distill_answers` (`--distill-answers A`) A times the same loss at the answer queries. With
+`far_needles` (`--far-needles F`) that share of the long stages' retrieval rows opens with a needle far
+back (data.py's `MixConfig.far_needles`), for all three long models alike.
 
 The paper pretrains at 8k and then adapts to 32k in a second stage; this is that schedule in
 miniature (2,048, then 16,384). The three long models start from models that saw identical tokens
@@ -51,11 +53,12 @@ class Stage:
 
 
 def long_stages(out: str | Path, *, compress_norm: bool = False, selection_distill: float = 0.0,
-                distill_answers: float = 0.0) -> list[Stage]:
+                distill_answers: float = 0.0, far_needles: float = 0.0) -> list[Stage]:
     """The recipe's stages in dependency order; `out` is where their folders go. `compress_norm`: the
     NSA stages' models norm their compressed keys, and NSA's 2k start is trained rather than nsa-tiny.
     `selection_distill`, `distill_answers`: the long NSA stages' weights of the selection loss at random
-    positions and at the answer queries (`TrainConfig`'s)."""
+    positions and at the answer queries (`TrainConfig`'s). `far_needles`: the long stages' share of
+    retrieval rows that open with a far needle (`MixConfig`'s)."""
     bundled = replace(TrainConfig(), steps=6000)  # nsa-tiny's recipe (tests/train check it)
     extension = replace(
         TrainConfig(),
@@ -68,7 +71,8 @@ def long_stages(out: str | Path, *, compress_norm: bool = False, selection_disti
         heldout_rows=8,
         probe_lengths=(2000, 8000, 16000),
         probe_per_length=4,
-        mix=MixConfig(retrieval_fraction=0.75, retrieval_lengths=LONG_RETRIEVAL_LENGTHS),
+        mix=MixConfig(retrieval_fraction=0.75, retrieval_lengths=LONG_RETRIEVAL_LENGTHS,
+                      far_needles=far_needles),
         # the paper's n = 16 selected blocks: at 16k, 8 blocks of 64 leave 5 free choices among 256
         model=replace(ModelConfig(), max_position_embeddings=LONG_MAX_POSITIONS, num_selected=16),
     )

@@ -102,3 +102,42 @@ def test_distractors_reach_the_batch(tiny_corpus):
     text = tiny_corpus.tokenizer.decode(ids[0])
     assert text.count("special magic numbers for") == 3 and text.count("What is the special magic") == 1
     assert (w[0] == 7.0).any() and (w[1] == 1.0).all()
+
+
+def _first_samples(corpus, mix, steps):
+    """Each retrieval row's first sample over `steps` batches: (its tokens, the needle's token index)."""
+    tok = corpus.tokenizer
+    needle = tok(" One of the special magic numbers")["input_ids"][1:4]
+    out = []
+    for step in range(steps):
+        ids, w = make_batch(corpus, 0, step, 4, 512, mix)
+        for row, weights in zip(ids, w, strict=True):
+            if not (weights == mix.answer_weight).any():
+                continue
+            end = int(np.flatnonzero(row == tok.eos_token_id)[0]) + 1
+            hits = [i for i in range(end) if list(row[i : i + 3]) == needle]
+            out.append((end, hits[0]))
+    return out
+
+
+def test_far_needles_open_retrieval_rows_with_the_longest_length_and_an_early_needle(tiny_corpus):
+    from dataclasses import replace
+
+    mix = replace(MIX, retrieval_lengths=(100, 200, 400))
+    far = _first_samples(tiny_corpus, replace(mix, far_needles=1.0), steps=6)
+    plain = _first_samples(tiny_corpus, mix, steps=6)
+    assert len(far) == len(plain) == 12
+    # 400 tokens, the needle in the first quarter
+    assert all(380 < end < 450 and pos < 0.35 * end for end, pos in far)
+    assert any(end < 300 for end, _ in plain) and any(pos > 0.35 * end for end, pos in plain)
+    half = _first_samples(tiny_corpus, replace(mix, far_needles=0.5), steps=6)
+    assert half != far and half != plain
+
+
+def test_a_mix_without_far_needles_keeps_its_batches(tiny_corpus):
+    """The far-needle draw is taken only where the share is on: older runs replay as they were."""
+    from dataclasses import replace
+
+    a = make_batch(tiny_corpus, 0, 2, 4, 256, MIX)
+    b = make_batch(tiny_corpus, 0, 2, 4, 256, replace(MIX, far_needles=0.0))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))

@@ -24,6 +24,7 @@ def test_the_window_ablation_pretrains_on_nsa_tinys_tokens(tmp_path):
     pretrain.pop("distill_queries")
     assert pretrain.pop("distill_answers") == 0.0  # likewise, and off
     assert pretrain["model"].pop("compress_norm") is False  # likewise, and off as it was
+    assert pretrain["mix"].pop("far_needles") == 0.0  # likewise, and off
     assert pretrain["model"].pop("window") == 0
     bundled["model"].pop("window")
     assert pretrain == bundled
@@ -40,6 +41,15 @@ def test_the_long_models_continue_on_identical_tokens(tmp_path):
     assert [c.model.window for c in long] == [256, 256, 0]
     assert [c.wide_selection for c in long] == [(64, 800), None, (64, 800)]  # NSA's first third on 64 blocks
     assert all(c.model.max_position_embeddings >= 65536 for c in long)  # NIAH to 64k
+
+
+def test_far_needles_change_the_three_long_stages_alike(tmp_path):
+    plain = {s.name: s.config for s in long_stages(tmp_path)}
+    far = {s.name: s.config for s in long_stages(tmp_path, far_needles=0.25)}
+    assert [far[n].mix.far_needles for n in far] == [0.0, 0.25, 0.25, 0.25]  # the 2k start stays nsa-tiny's
+    assert len({repr(far[n].mix) for n in ("nsa", "full", "nsa-nowindow")}) == 1  # identical tokens
+    for name in far:
+        assert replace(far[name], mix=replace(far[name].mix, far_needles=0.0)) == plain[name]
 
 
 @pytest.fixture

@@ -241,4 +241,8 @@ def test_bad_weights_exit_2_before_work(tmp_path, capsys):
     assert "--distill-answers must be a finite weight >= 0, got nan" in capsys.readouterr().err
     assert main([*base, "--attention", "full", "--distill-answers", "1"]) == 2
     assert "--distill-answers trains NSA's block selection" in capsys.readouterr().err
+    assert main([*base, "--attention", "full", "--far-needles", "1.5"]) == 2
+    assert "--far-needles must be a share in [0, 1], got 1.5" in capsys.readouterr().err
+    assert main(["train", "--recipe", "long", "--out", str(tmp_path / "x"), "--far-needles", "-0.1"]) == 2
+    assert "--far-needles must be a share in [0, 1], got -0.1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
