@@ -61,8 +61,6 @@ def _inputs(B, T, hq, hkv, d, *, grad, device="cuda", dtype=None):
                    for g in ("g_cmp", "g_slc", "g_swa")})
 
 
-
-
 MIN_TIMED_CALLS = 5
 
 
