@@ -6,7 +6,7 @@
     nsa-eval train --attention nsa --out /tmp/t --tiny          # a few CPU steps
     nsa-eval train --attention nsa --out runs/n --steps 9000 --stop-after-minutes 8   # a first part
     nsa-eval train --attention nsa --out runs/n --resume --stop-after-minutes 8       # the next
-    nsa-eval train --recipe long --selection-distill 1 --out runs/long --stop-after-minutes 9  # long.yaml
+    nsa-eval train --recipe long --selection-distill 1 --distill-answers 1 --far-needles 0.25 --out runs/long
     nsa-eval train --recipe long --out runs/long-paper    # the long pair with the paper's loss alone
     nsa-eval train --recipe long --compress-norm --out runs/long-cnorm    # its NSA with normed keys
 
