@@ -308,8 +308,8 @@ class MixConfig:
     answer_weight: float = 20.0
     distractors: int = 0  # needles of other keys per retrieval sample (0: the evaluation's format)
     # share of retrieval rows that open with a far needle: a sample of the longest retrieval length with
-    # its needle in the first quarter. Uniform depths over the lengths put few needles that far back
-    # from the question (about one sample in ten past 10k of 16k), where reading a selected needle fails.
+    # its needle in the first quarter. Uniform depths over the lengths put a needle more than 12k tokens
+    # before its question in about one retrieval row in twenty, and reading a selected needle fails there.
     far_needles: float = 0.0
 
 

@@ -319,8 +319,7 @@ def _train(cfg: TrainConfig, corpus: Corpus, out_dir, stream, device, echo, stop
         with autocast, model.capturing_selection_inputs() if distilling else nullcontext() as captured:
             logits = model(input_ids=ids[:, :-1], use_cache=False).logits  # [B, T, V]
         loss, ce = weighted_loss(logits, ids[:, 1:], weights[:, 1:])
-        distill = (_selection_distill(model, cfg, captured, step, weights[:, 1:] == cfg.mix.answer_weight)
-                   if distilling else None)
+        distill = _selection_distill(model, cfg, captured, step, weights[:, 1:]) if distilling else None
         if distill is not None:
             loss = loss + distill
         loss.backward()
@@ -394,10 +393,11 @@ def _train_selection(model, cfg: TrainConfig, step: int | None) -> None:
         model.config.num_selected = n if step is not None and step < steps else cfg.model.num_selected
 
 
-def _selection_distill(model, cfg: TrainConfig, captured, step: int, answer):
+def _selection_distill(model, cfg: TrainConfig, captured, step: int, weights):
     """The weighted selection losses (`cfg.selection_distill`'s at random positions, `cfg.distill_answers`'s
-    at the answer queries, `answer` `[B, T]` bool), averaged over the layers' captured prefill inputs; the
-    random positions drawn from the seed and the step, so a resumed run draws the same."""
+    at the answer queries, those whose target's loss weight `weights` `[B, T]` is the answer weight),
+    averaged over the layers' captured prefill inputs; the random positions drawn from the seed and the
+    step, so a resumed run draws the same."""
     import torch
 
     from nsa_eval.train.selection_distill import answer_distill_loss, answer_positions, selection_distill_loss
@@ -406,7 +406,8 @@ def _selection_distill(model, cfg: TrainConfig, captured, step: int, answer):
     blocks = dict(block_len=c.block_len, stride=c.stride, select_size=c.select_size, num_init=c.num_init,
                   num_local=c.num_local)
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    answers = (answer_positions(answer, select_size=c.select_size, num_init=c.num_init, num_local=c.num_local)
+    answers = (answer_positions(weights == cfg.mix.answer_weight, select_size=c.select_size,
+                                num_init=c.num_init, num_local=c.num_local)
                if cfg.distill_answers > 0 else None)  # one host wait a row: only where the term is on
     losses = []
     for layer in captured:

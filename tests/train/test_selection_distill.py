@@ -114,11 +114,11 @@ def test_in_the_model_only_the_compressor_and_its_key_projection_learn_from_it(t
     cfg = tiny_config("nsa", seq_len=512, **weights)
     model = build_model("nsa", cfg.model, tiny_corpus.tokenizer)
     ids = torch.randint(3, 200, (2, 512), generator=torch.Generator().manual_seed(0))
-    answer = torch.zeros(2, 512, dtype=torch.bool)
-    answer[1, 490:497] = True
+    weights = torch.ones(2, 512)
+    weights[1, 490:497] = cfg.mix.answer_weight  # the answer queries
     with model.capturing_selection_inputs() as captured:
         model(input_ids=ids, use_cache=False)
-    loss = _selection_distill(model, cfg, captured, 0, answer)
+    loss = _selection_distill(model, cfg, captured, 0, weights)
     loss.backward()
     learning = {name for name, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     layers = range(cfg.model.num_layers)
