@@ -72,8 +72,9 @@ def test_harness_times_every_method_beside_full_attention(tmp_path):
 
 
 def test_a_method_past_the_cap_is_reported_and_the_table_goes_on(tmp_path):
-    """topk sleeps 6 s before every forward against a 5 s cap: its prefill stops after the first
-    forward, is reported past the cap, and the figures it decides are skipped; quest's batch-2 decode
+    """topk sleeps 6 s before every forward against a 5 s cap: its warm-up call (under its own, longer
+    cap) finishes, its first timed call stops after the first forward, is reported past the cap, and the
+    figures it decides are skipped; quest's batch-2 decode
     runs out of memory (raised as a GPU would) and its longer batch-2 figure is skipped; h2o's first
     forward raises another error, which its cell shows, and a later run measures again; everything
     else is measured."""
@@ -99,7 +100,9 @@ def test_a_method_past_the_cap_is_reported_and_the_table_goes_on(tmp_path):
     assert len(figures) == 4 * 2 * 3
     prefill = figures[("prefill", "topk", 160, 1)]
     assert prefill.status == "timeout" and prefill.ms is None
-    assert 6.0 <= prefill.seconds < 9.0  # stopped at the first check past the cap, not after every call
+    assert 6.0 <= prefill.warmup_s < 9.0 and prefill.note == ""  # the warm-up call took its 6 s
+    # the cap then stopped the first timed call at its first check past it, not after every call
+    assert 12.0 <= prefill.seconds < 15.0
     for key in [("decode", "topk", 160, 1), ("decode", "topk", 160, 2), ("prefill", "topk", 192, 1),
                 ("decode", "topk", 192, 1), ("decode", "topk", 192, 2)]:
         assert figures[key].status == "skipped", key
@@ -120,6 +123,58 @@ def test_a_method_past_the_cap_is_reported_and_the_table_goes_on(tmp_path):
     assert figures[("prefill", "h2o", 192, 1)].note == "the batch-1 prefill failed at 160"
     assert "| h2o | error | skipped |" in report
     assert "- h2o prefill at 160, batch 1: error, BudgetExceededError: layer 0: a query" in report
+
+
+def test_a_slow_warm_up_is_not_the_figure_and_has_its_own_cap(tmp_path):
+    """A first forward that takes 6 s (a compile at a new length) against a 5 s cap: under a 30 s warm-up
+    cap the figure is measured from the calls after it; under a 5 s one it is reported as a warm-up past
+    its cap, and said so under the table."""
+    first = {}
+
+    def compiles_once(module, args):
+        if not first:
+            time.sleep(6.0)
+            first["done"] = True
+
+    config = tiny(methods=("full", "topk"), decode_batches=(1,), cap_s=5.0, warmup_cap_s=30.0)
+    figures = by_key(run_harness(config, HarnessStore(tmp_path / "a"), log=lambda line: None,
+                                 load=loader({"topk": compiles_once})))
+    prefill = figures[("prefill", "topk", 160, 1)]
+    assert prefill.status == "ok" and prefill.ms < 5000 and prefill.warmup_s >= 6.0, prefill
+    assert figures[("decode", "topk", 160, 1)].status == "ok"
+    report = (tmp_path / "a" / "harness.md").read_text()
+    assert "cap 5 s per figure after a warm-up of up to 30 s" in report
+
+    first.clear()
+    config = tiny(methods=("topk",), decode_batches=(1,), cap_s=5.0, warmup_cap_s=5.0)
+    figures = by_key(run_harness(config, HarnessStore(tmp_path / "b"), log=lambda line: None,
+                                 load=loader({"topk": compiles_once})))
+    prefill = figures[("prefill", "topk", 160, 1)]
+    assert prefill.status == "timeout" and prefill.warmup_s is None
+    assert prefill.note == "its warm-up ran past 5 s"
+    report = (tmp_path / "b" / "harness.md").read_text()
+    assert "| topk | warm-up past its cap |" in report
+    assert "- topk prefill at 160, batch 1: timeout, its warm-up ran past 5 s" in report
+
+
+def test_results_from_before_a_new_column_are_kept(tmp_path):
+    """A harness.csv written before `warmup_s` existed: its figures are read and kept, and the file is
+    rewritten with the new header so the next rows line up."""
+    config = tiny()
+    store = HarnessStore(tmp_path / "h")
+    run_harness(config, store, log=lambda line: None)
+    rows = list(csv.DictReader(store.csv_path.open()))
+    old = [name for name in rows[0] if name != "warmup_s"]
+    with store.csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, old, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = []
+    again = run_harness(config, HarnessStore(tmp_path / "h"), log=lines.append)
+    assert len(again) == len(rows) and all(f.status == "ok" for f in again)
+    assert any("figures kept from earlier runs" in line for line in lines)
+    assert not any(" prefill, batch 1 ..." in line for line in lines)  # nothing measured again
+    assert next(csv.reader(store.csv_path.open())) == list(rows[0])
 
 
 class KilledAfter(HarnessStore):

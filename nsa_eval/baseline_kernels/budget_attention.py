@@ -262,7 +262,7 @@ def _store_rows(O, CNT, KVR, m_i, l_i, acc, cnt, kvr, i_b, i_h, i_hk, r_t, m_r, 
 # ---------------------------------------------------------------------------------------------
 # The attention of sink_window and topk
 # ---------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["SIZE"])  # SIZE keys the autotuner, not a compile (16 at 32k)
 def _budget_fwd_kernel(
     Q, K, V, O, THR, CUT, CNT, KVR,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,

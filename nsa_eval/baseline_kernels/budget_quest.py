@@ -378,7 +378,7 @@ def _slot_keep(k0, bits_row, m_r, cut, slots, BN: tl.constexpr, PS: tl.constexpr
     return val >= need[:, None].to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SIZE"])  # SIZE keys the autotuner, not a compile (16 at 32k)
 def _quest_fwd_kernel(
     Q, K, V, O, BITS, CUT, LIST, NLIST,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,

@@ -33,7 +33,10 @@ def _cell(figure: Figure | None, value: float | None) -> str | None:
     if figure.status in ("skipped", "error"):
         return figure.status
     if value is None:
-        return f"> {figure.cap_s:g} s cap" if figure.status == "timeout" else ""
+        if figure.status != "timeout":
+            return ""
+        in_warm_up = figure.warmup_s is None and figure.note
+        return "warm-up past its cap" if in_warm_up else f"> {figure.cap_s:g} s cap"
     return None
 
 
@@ -107,14 +110,19 @@ def markdown_report(figures: list[Figure], info: dict) -> str:
         "(nsa_eval/bench/floor.py gives each method's rule), at the copy bandwidth measured in the run; "
         "each decode figure is shown as a multiple of it.",
         "- Memory: GiB above the weights; the cache is what the prefill leaves allocated.",
-        "- `> N s cap`: the figure ran past its time cap; `OOM`: out of GPU memory; `error`: it raised "
-        "another error; `skipped`: not run; the errors and the reasons are listed under the tables.",
+        "- `> N s cap`: the figure's timed part ran past its time cap, which starts after its warm-up (the "
+        "first prefill call, or a decode figure's prefill and warm-up steps: compiling and autotuning at a "
+        "new length), whose own cap is longer; `warm-up past its cap`: that one ran out; `OOM`: out of GPU "
+        "memory; `error`: it raised another error; `skipped`: not run; the errors and the reasons are listed "
+        "under the tables.",
         "",
     ]
     for run in runs:
         lines.append(f"Run {run.get('started')}: `{run.get('command') or 'run_harness'}`; ran on "
                      f"{run.get('versions')}; copy bandwidth {run.get('bandwidth_gbs', 0):,.0f} GB/s "
                      f"({run.get('copy_mib', 0):,.0f} MiB); cap {run.get('cap_s'):g} s per figure"
+                     + (f" after a warm-up of up to {run['warmup_cap_s']:g} s" if "warmup_cap_s" in run
+                        else "")
                      + (f", {run['throughput_cap_s']:g} s per throughput figure" if "throughput_cap_s" in run
                         else "") + ".")
         lines.append("")

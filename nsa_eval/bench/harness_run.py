@@ -84,7 +84,7 @@ def measure_prefill(loaded: Loaded, length: int, config: HarnessConfig):
     decode figure when it got one."""
     device, model = config.device, loaded.model
     figure = Figure("prefill", loaded.method, length, 1, cap_s=config.cap_s)
-    deadline, times, kept = Deadline(config.cap_s), [], None
+    began, deadline, times, kept = time.monotonic(), _warm_up_deadline(config), [], None
     base = _allocated(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -92,6 +92,9 @@ def measure_prefill(loaded: Loaded, length: int, config: HarnessConfig):
         ids = _prompt(1, length, config.shape.vocab, device)
         with torch.no_grad(), watched(model, deadline):
             for call in range(1 + config.repeats):  # call 0 warms up (compiles)
+                if call == 1:
+                    figure.warmup_s = time.monotonic() - began
+                    deadline.restart(config.cap_s)
                 if times and deadline.elapsed + times[-1] / 1000 > config.cap_s:
                     break  # the next call would end past the cap: keep what finished
                 kept = None
@@ -104,14 +107,14 @@ def measure_prefill(loaded: Loaded, length: int, config: HarnessConfig):
     except FigureTimeout:
         kept = None
         if not times:
-            figure.status = "timeout"
+            figure.status, figure.note = "timeout", _warm_up_note(figure, config)
     except torch.OutOfMemoryError:
         kept, figure.status = None, "OOM"
     if times and figure.status == "ok":
         figure.ms, figure.calls = statistics.median(times), len(times)
     figure.cache_gib = _gib_since(device, base) if kept is not None else None
     figure.peak_gib = _gib_since(device, base, peak=True)
-    figure.seconds = deadline.elapsed
+    figure.seconds = time.monotonic() - began
     return figure, (None if kept is None else (*kept, base, figure.cache_gib))
 
 
@@ -124,7 +127,7 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
                            page_size=_page_size(method, config), nsa=loaded.reads)
     figure = Figure("decode", method, length, batch, cap_s=config.cap_s, weight_bytes=loaded.weight_bytes,
                     kv_bytes=loaded.layout.bytes(rows), bandwidth_gbs=bandwidth_gbs)
-    deadline, rounds, cache = Deadline(config.cap_s), [], None
+    began, deadline, rounds, cache = time.monotonic(), _warm_up_deadline(config), [], None
     if prefilled is None and device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     base = _allocated(device) if prefilled is None else prefilled[2]
@@ -146,6 +149,8 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
                 _sync(device)
                 if warm_up == 0:
                     figure.first_step_ms = (time.perf_counter() - start) * 1000
+            figure.warmup_s = time.monotonic() - began
+            deadline.restart(config.cap_s)
             with counting_compilations() as compiled:
                 for _ in range(config.repeats):
                     if rounds and deadline.elapsed + rounds[-1] * config.decode_tokens / 1000 > config.cap_s:
@@ -161,15 +166,27 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
                 figure.gpu_ms = graph_replay_ms(model, cache, token, steps)
     except FigureTimeout:
         if not rounds:
-            figure.status = "timeout"
+            figure.status, figure.note = "timeout", _warm_up_note(figure, config)
     except torch.OutOfMemoryError:
         figure.status = "OOM"
     cache = token = None
     if rounds and figure.status == "ok":
         figure.ms, figure.calls = statistics.median(rounds), len(rounds)
     figure.peak_gib = _gib_since(device, base, peak=True)
-    figure.seconds = deadline.elapsed
+    figure.seconds = time.monotonic() - began
     return figure
+
+
+def _warm_up_deadline(config: HarnessConfig) -> Deadline:
+    """A figure's warm-up cap (`warmup_cap_s`, never shorter than the cap); `restart` then starts the cap."""
+    return Deadline(max(config.warmup_cap_s, config.cap_s))
+
+
+def _warm_up_note(figure: Figure, config: HarnessConfig) -> str:
+    """Why a figure with nothing timed ran past a cap: in its warm-up, or in its first timed call."""
+    if figure.warmup_s is None:
+        return f"its warm-up ran past {max(config.warmup_cap_s, config.cap_s):g} s"
+    return ""
 
 
 def decode_room(config: HarnessConfig) -> int:
@@ -285,7 +302,8 @@ def run_harness(config: HarnessConfig, store: HarnessStore, *, fresh: bool = Fal
     log(f"[{clock.elapsed:7.1f} s] copy bandwidth {bandwidth:,.0f} GB/s ({nbytes / 2**20:,.0f} MiB copied on "
         f"{device_name(device)})")
     run = {"command": command, "versions": software_versions(), "bandwidth_gbs": bandwidth,
-           "copy_mib": nbytes / 2**20, "cap_s": config.cap_s}
+           "copy_mib": nbytes / 2**20, "cap_s": config.cap_s,
+           "warmup_cap_s": max(config.warmup_cap_s, config.cap_s)}
     if config.throughput_tokens:
         run["throughput_cap_s"] = config.throughput_cap_s
     extra = {} if aime is None else {"aime": [asdict(entry) for entry in aime]}
@@ -361,6 +379,8 @@ def describe(figure: Figure) -> str:
     if figure.ms is None:
         return status
     took = f" in {figure.seconds:.1f} s" if figure.seconds is not None else ""
+    if figure.warmup_s is not None and figure.seconds is not None:
+        took += f", {figure.warmup_s:.1f} s of it warming up"
     if figure.kind == "prefill":
         text = f"{figure.ms:.1f} ms ({figure.calls} calls{took})"
     elif figure.kind == "decode":

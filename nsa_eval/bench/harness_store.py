@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import os
 import time
@@ -54,6 +55,7 @@ class Figure:
     new_tokens: int | None = None  # throughput: tokens generated per sequence
     tokens_per_s: float | None = None  # throughput: batch x new tokens / wall time
     seconds: float | None = None  # wall time the figure took, warm-up and prefill included
+    warmup_s: float | None = None  # of which its warm-up (compiles, autotunes, captures), before the cap
     cap_s: float | None = None  # the cap it ran under
     note: str = ""
 
@@ -138,7 +140,28 @@ class HarnessStore:
         elif not self.csv_path.read_bytes().endswith(b"\n"):  # killed mid-row: the next row starts a line
             with self.csv_path.open("a", newline="") as f:
                 f.write("\r\n")
+        self._add_new_columns()
         return self.figures()
+
+    def _add_new_columns(self) -> None:
+        """Rewrite a CSV written before a column was added (a newer nsa-eval's fields left empty), so its
+        figures are kept and the rows appended next line up with the header."""
+        with self.csv_path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+        if header == FIELDS:
+            return
+        unknown = sorted(set(header) - set(FIELDS))
+        if unknown:
+            raise UsageError(f"--out: {self.csv_path} has columns this nsa-eval does not write "
+                             f"({', '.join(unknown)}); pass --fresh to replace its harness files, or name "
+                             "another --out")
+        with self.csv_path.open(newline="") as f:
+            rows = [row for row in csv.DictReader(f) if None not in row.values()]
+        text = io.StringIO()
+        writer = csv.DictWriter(text, FIELDS, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomic(self.csv_path, text.getvalue())
 
     def read_json(self) -> dict:
         return json.loads(self.json_path.read_text())

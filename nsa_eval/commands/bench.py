@@ -57,6 +57,9 @@ def register(subparsers) -> None:
     parser.add_argument("--cap", type=float, default=45.0,
                         help="harness: seconds per figure; one that runs past it is reported as such and the "
                         "table goes on (45)")
+    parser.add_argument("--warmup-cap", type=float, default=90.0,
+                        help="harness: seconds for a figure's warm-up (its first prefill call, which "
+                        "compiles and autotunes at a new length), before its --cap starts (90)")
     parser.add_argument("--throughput-tokens", type=int, default=0,
                         help="harness: new tokens per sequence of the generation-throughput row (full and "
                         "nsa, sampled); 0 = no such row (default); the AIME projection wants 16384")
@@ -149,7 +152,8 @@ def run_harness(args) -> int:
                              ("--throughput-prompt", args.throughput_prompt, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
-    for name, value in (("--cap", args.cap), ("--throughput-cap", args.throughput_cap)):
+    for name, value in (("--cap", args.cap), ("--warmup-cap", args.warmup_cap),
+                        ("--throughput-cap", args.throughput_cap)):
         if not value > 0:
             raise UsageError(f"{name} must be > 0 seconds, got {value}")
     if args.budget < args.sink + args.local:
@@ -163,9 +167,10 @@ def run_harness(args) -> int:
         raise UsageError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     config = harness.HarnessConfig(
         shape=harness.SHAPES[args.shape], lengths=tuple(lengths), methods=methods, decode_batches=batches,
-        decode_tokens=args.decode_tokens, repeats=args.repeats, cap_s=args.cap, budget=args.budget,
-        sink=args.sink, local=args.local, device=args.device, throughput_tokens=args.throughput_tokens,
-        throughput_batch=args.throughput_batch, throughput_prompt=args.throughput_prompt,
+        decode_tokens=args.decode_tokens, repeats=args.repeats, cap_s=args.cap, warmup_cap_s=args.warmup_cap,
+        budget=args.budget, sink=args.sink, local=args.local, device=args.device,
+        throughput_tokens=args.throughput_tokens, throughput_batch=args.throughput_batch,
+        throughput_prompt=args.throughput_prompt,
         throughput_cap_s=args.throughput_cap)
     aime = aime_entries(args.suite) if args.throughput_tokens else None
     store = HarnessStore(args.out or "reports/harness")
