@@ -107,9 +107,9 @@ for cap in (256, 4096):
         out[f"select cap={cap} pos={pos}"] = usage(bt._select_kernel, pointers, consts, dict(num_warps=4))
 for BC in (512, 4096, 8192):  # Quest's page select at 8k, 64k and 128k tokens (pages of 16)
     pointers = ["*fp32", "*i32", "*i32"]
-    consts = dict(PS=16, BR=max(1, 4096 // BC), BC=BC)
-    out[f"page select BC={BC}"] = usage(bq._page_select_kernel, pointers, consts,
-                                        dict(num_warps=4 if BC <= 4096 else 8))
+    BR, warps = bq.page_select_launch(BC)
+    consts = dict(PS=16, BR=BR, BC=BC)
+    out[f"page select BC={BC}"] = usage(bq._page_select_kernel, pointers, consts, dict(num_warps=warps))
 print(json.dumps(out))
 """
 
