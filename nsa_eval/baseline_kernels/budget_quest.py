@@ -75,6 +75,7 @@ from .budget_attention import (
     _tile_ranges,
     _tile_scores,
     _tile_values,
+    kth_key_launch,
 )
 
 # The selection's working set: float32 bounds of at most this many (row, page) pairs a step (128 MiB,
@@ -198,19 +199,12 @@ def page_select_into(bounds, bits, cut, *, t_off: int, p0: int, sink: int, local
     B, HQ, n, Pc = bounds.shape
     L, W = bits.shape[2], bits.shape[3]
     BC = pow2(Pc, 32)
-    BR, warps = page_select_launch(BC)
+    BR, warps = kth_key_launch(BC)
     BR = 16 if interpreting() else BR
     R = B * HQ * n
     launcher(_page_select_kernel)[(cdiv(R, BR),)](bounds, bits, cut, R, n, Pc, W, L, t_off, p0, sink, local,
                                                   budget, PS=page_size, BR=BR, BC=BC, num_warps=warps)
 
-
-def page_select_launch(BC: int) -> tuple[int, int]:
-    """(rows a program, warps) of `_page_select_kernel` for rows of BC pages: 1,024 bounds a warp (32 a
-    thread), and a row in one warp up to 1,024 pages, so the bisection's 32 row sums need no barrier
-    (at 8k tokens, pages of 16: 3,156 instructions a row in the sm_90 code, against 5,092 for 8 rows
-    over 4 warps)."""
-    return max(1, 1024 // BC), max(1, BC // 1024)
 
 
 def quest_summaries(k, page_size: int):

@@ -49,6 +49,7 @@ from .budget_attention import (
     _s,
     _tile_ranges,
     _tile_scores,
+    kth_key_launch,
 )
 
 # The collect pass's buffer (8 bytes a slot), or the sample's scores (4 bytes a column), takes at most this
@@ -310,10 +311,11 @@ def select_in_buffer(buf, n_in, need, *, positions: bool):
     cut = torch.empty(buf.shape[:-1], device=buf.device, dtype=torch.int32) if positions else None
     if rows:
         BC = pow2(cap)
-        BR = max(1, (256 if interpreting() else 4096) // BC)  # ~4,096 slots a program, in registers
+        BR, warps = kth_key_launch(BC)
+        BR = max(1, 256 // BC) if interpreting() else BR
         launcher(_select_kernel)[(cdiv(rows, BR),)](
             buf, n_in.int().contiguous(), need.clamp(1, cap).int().contiguous(), thr,
-            cut if positions else thr, rows, cap, BR=BR, BC=BC, POS=positions, num_warps=4)
+            cut if positions else thr, rows, cap, BR=BR, BC=BC, POS=positions, num_warps=warps)
     return thr, cut
 
 

@@ -103,11 +103,12 @@ for BW, TPW in ((16, 8), (128, 8), (256, 8)):  # Quest's plans at 8k, 64k and 12
 for cap in (256, 4096):
     for pos in (False, True):
         pointers = ["*i64" if pos else "*fp32", "*i32", "*i32", "*fp32", "*i32"]
-        consts = dict(BR=max(1, 4096 // cap), BC=cap, POS=pos)
-        out[f"select cap={cap} pos={pos}"] = usage(bt._select_kernel, pointers, consts, dict(num_warps=4))
+        BR, warps = ba.kth_key_launch(cap)
+        consts = dict(BR=BR, BC=cap, POS=pos)
+        out[f"select cap={cap} pos={pos}"] = usage(bt._select_kernel, pointers, consts, dict(num_warps=warps))
 for BC in (512, 4096, 8192):  # Quest's page select at 8k, 64k and 128k tokens (pages of 16)
     pointers = ["*fp32", "*i32", "*i32"]
-    BR, warps = bq.page_select_launch(BC)
+    BR, warps = ba.kth_key_launch(BC)
     consts = dict(PS=16, BR=BR, BC=BC)
     out[f"page select BC={BC}"] = usage(bq._page_select_kernel, pointers, consts, dict(num_warps=warps))
 print(json.dumps(out))
