@@ -31,6 +31,7 @@ bin, which overflowed the cap and sent the row to the reference path.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -366,11 +367,19 @@ def narrow(n_above, hist, picks: int):
     over that bin then counts the bins above it in its own n_above.
     """
     need = (picks - n_above).long()[..., None]
-    at_or_above = hist.long().flip(-1).cumsum(-1).flip(-1)  # [..., NB] entries in bin b or above
+    # entries in bin b or above [..., NB]: a product with a triangle of ones, exact in float64 (counts are
+    # far below 2**53), where a reversed cumsum over 16 bins runs a slow scan kernel on the GPU
+    at_or_above = (hist.double() @ _at_or_above(hist.shape[-1], hist.device)).long()
     holds = (need >= 1) & (need <= at_or_above[..., :1])
     b = ((at_or_above >= need).sum(-1, keepdim=True) - 1).clamp(min=0)  # the last bin still reaching need
     pick = torch.where(holds, b, -1)[..., 0].int()
     return pick, torch.where(holds, hist.long().gather(-1, b), 0)[..., 0]
+
+
+@functools.cache
+def _at_or_above(nb: int, device: torch.device) -> torch.Tensor:
+    """`[nb, nb]` float64: entry (b', b) is 1 where b' >= b, so `hist @ it` sums the bins from b up."""
+    return torch.ones(nb, nb, dtype=torch.float64, device=device).tril()
 
 
 def collect(q, k, lo, hi, base, inv_w, pick, *, t_base: int, sink: int, local: int, cap: int):
