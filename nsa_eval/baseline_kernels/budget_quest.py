@@ -206,7 +206,6 @@ def page_select_into(bounds, bits, cut, *, t_off: int, p0: int, sink: int, local
                                                   budget, PS=page_size, BR=BR, BC=BC, num_warps=warps)
 
 
-
 def quest_summaries(k, page_size: int):
     """Per-page per-channel min and max of unpadded keys `[B, Hkv, S, D]` -> key_min, key_max `[B, Hkv,
     P, D]` float32 (P = cdiv(S, page_size)): `Quest.prepare`'s values, without its scatter."""

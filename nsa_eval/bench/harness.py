@@ -102,6 +102,11 @@ class HarnessConfig:
     throughput_prompt: int = 256
     throughput_cap_s: float = 540.0  # a 16k-token generation at batch 16 takes minutes, not seconds
 
+    @property
+    def warm_up_cap_s(self) -> float:
+        """The warm-up's cap as it applies: `warmup_cap_s`, never shorter than the figure's own cap."""
+        return max(self.warmup_cap_s, self.cap_s)
+
     def cap_of(self, kind: str) -> float:
         return self.throughput_cap_s if kind == "throughput" else self.cap_s
 

@@ -84,7 +84,7 @@ def measure_prefill(loaded: Loaded, length: int, config: HarnessConfig):
     decode figure when it got one."""
     device, model = config.device, loaded.model
     figure = Figure("prefill", loaded.method, length, 1, cap_s=config.cap_s)
-    began, deadline, times, kept = time.monotonic(), _warm_up_deadline(config), [], None
+    began, deadline, times, kept = time.monotonic(), Deadline(config.warm_up_cap_s), [], None
     base = _allocated(device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -127,7 +127,7 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
                            page_size=_page_size(method, config), nsa=loaded.reads)
     figure = Figure("decode", method, length, batch, cap_s=config.cap_s, weight_bytes=loaded.weight_bytes,
                     kv_bytes=loaded.layout.bytes(rows), bandwidth_gbs=bandwidth_gbs)
-    began, deadline, rounds, cache = time.monotonic(), _warm_up_deadline(config), [], None
+    began, deadline, rounds, cache = time.monotonic(), Deadline(config.warm_up_cap_s), [], None
     if prefilled is None and device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     base = _allocated(device) if prefilled is None else prefilled[2]
@@ -177,15 +177,10 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
     return figure
 
 
-def _warm_up_deadline(config: HarnessConfig) -> Deadline:
-    """A figure's warm-up cap (`warmup_cap_s`, never shorter than the cap); `restart` then starts the cap."""
-    return Deadline(max(config.warmup_cap_s, config.cap_s))
-
-
 def _warm_up_note(figure: Figure, config: HarnessConfig) -> str:
     """Why a figure with nothing timed ran past a cap: in its warm-up, or in its first timed call."""
     if figure.warmup_s is None:
-        return f"its warm-up ran past {max(config.warmup_cap_s, config.cap_s):g} s"
+        return f"its warm-up ran past {config.warm_up_cap_s:g} s"
     return ""
 
 
@@ -303,7 +298,7 @@ def run_harness(config: HarnessConfig, store: HarnessStore, *, fresh: bool = Fal
         f"{device_name(device)})")
     run = {"command": command, "versions": software_versions(), "bandwidth_gbs": bandwidth,
            "copy_mib": nbytes / 2**20, "cap_s": config.cap_s,
-           "warmup_cap_s": max(config.warmup_cap_s, config.cap_s)}
+           "warmup_cap_s": config.warm_up_cap_s}
     if config.throughput_tokens:
         run["throughput_cap_s"] = config.throughput_cap_s
     extra = {} if aime is None else {"aime": [asdict(entry) for entry in aime]}
