@@ -42,7 +42,9 @@ def near(p, local, PS):
     return min(p - local, p // PS * PS - 1) if PS else p - local
 
 
-@pytest.mark.parametrize("BN,PS", [(16, 0), (64, 0), (16, 4), (64, 16), (16, 10)])
+@pytest.mark.parametrize("BN,PS", [  # the lowest Triton: no pages, and pages that do not divide a tile
+    (16, 0), (16, 10), *(pytest.param(*c, marks=pytest.mark.exhaustive) for c in ((64, 0), (16, 4), (64, 16)))
+])
 def test_tile_ranges_hold_what_they_claim(BN, PS):
     """For every program (positions first .. last), every key of a tile in a no-mask range is visible to
     every row and forced for it (sink or past near); every key of a rule tile is a candidate of every

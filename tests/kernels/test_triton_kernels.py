@@ -196,9 +196,12 @@ def test_decode_separate_window_cache():
     assert rel_err(o, ref.nsa_decode(q, *args, *gates, **kw)) < TOL
 
 
-@pytest.mark.parametrize("window_kv, gate_in_branches", [
-    ("shared", False), ("own", False), ("shared", True), ("own", True),
-], ids=["shared", "own", "gates-in-branches", "gates-in-branches-own"])
+@pytest.mark.parametrize("window_kv, gate_in_branches", [  # the lowest Triton: the first and the last
+    pytest.param("shared", False, id="shared"),
+    pytest.param("own", False, id="own", marks=pytest.mark.exhaustive),
+    pytest.param("shared", True, id="gates-in-branches", marks=pytest.mark.exhaustive),
+    pytest.param("own", True, id="gates-in-branches-own"),
+])
 def test_nsa_attention_triton_composition(window_kv, gate_in_branches):
     """nsa_attention(impl="triton"): the three branches, the reused compression lse and the gated sum,
     against the reference, outputs and gradients (gates included), with the window sharing the
@@ -242,8 +245,11 @@ def test_dk_tiles():
     assert [dk_tiles(d) for d in (128, 256, 16, 24, 112, 200)] == padded
 
 
-@pytest.mark.parametrize("dk, gate_in_branches", [(48, False), (48, True), (24, False)],
-                         ids=["split", "split-gates-in-branches-own-window", "padded"])
+@pytest.mark.parametrize("dk, gate_in_branches", [  # the lowest Triton: one split, one padded
+    pytest.param(48, False, id="split", marks=pytest.mark.exhaustive),
+    pytest.param(48, True, id="split-gates-in-branches-own-window"),
+    pytest.param(24, False, id="padded"),
+])
 def test_head_dims_in_two_tiles_or_padded(dk, gate_in_branches):
     """Dk = 48 = 32 + 16 (as the paper's 192 = 128 + 64): every prefill kernel runs its score products
     and dq / dk in two column tiles (`_triton_utils.dk_tiles`); Dk = 24 pads to 32 (its columns past
