@@ -1,5 +1,6 @@
 """The tile bookkeeping of the budgeted prefill (kernels/budget_attention.py, budget_quest.py) under
-Triton's interpreter: `_tile_ranges` sorts a program's key tiles into what decides them, checked here
+Triton's interpreter: `_kth_key`, the search of top-k's and Quest's cuts, against its rule by a sort;
+`_tile_ranges` sorts a program's key tiles into what decides them, checked here
 key by key against the rule it encodes; Quest's `_plan_kernel` lists the candidate tiles holding a kept
 page, checked against the same list in PyTorch, and counts the kept keys from the page masks, checked
 against the masks read key by key (`quest_keep_from_masks`)."""
@@ -15,10 +16,61 @@ import triton
 import triton.language as tl
 
 from nsa_eval.baseline_kernels import budget_quest as bq
-from nsa_eval.baseline_kernels.budget_attention import _tile_ranges
+from nsa_eval.baseline_kernels.budget_attention import _kth_key, _tile_ranges
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
                                 reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
+
+
+@triton.jit
+def _kth_key_kernel(KEY, WEIGHT, WANT, OUT, BR: tl.constexpr, BC: tl.constexpr):
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    at = o_r[:, None] * BC + tl.arange(0, BC)[None, :]
+    tl.store(OUT + o_r, _kth_key(tl.load(KEY + at), tl.load(WEIGHT + at), tl.load(WANT + o_r)))
+
+
+def kth_key_rule(key, weight, want):
+    """The largest k with at least `want` weight on keys >= k: the key of the want-th entry by key,
+    descending, each counted weight times; INT_MAX for want <= 0, INT_MIN where the weights fall short."""
+    if want <= 0:
+        return 2**31 - 1
+    taken = 0
+    for k, w in sorted(zip(key, weight, strict=True), reverse=True):
+        taken += w
+        if w and taken >= want:
+            return k
+    return -(2**31)
+
+
+def test_kth_key_is_its_rule_where_the_search_starts_below_shared_bits():
+    """Rows that share a program (4 a program) with keys of one sign in a narrow range (the search
+    skips their shared high bits), of both signs, negative only, all equal, one weighted entry, no
+    weight, want <= 0, want past the weights, the extreme keys; weights 0 to 16 as Quest's pages'."""
+    g = torch.Generator().manual_seed(5)
+    BR, BC = 4, 64
+    narrow = lambda base, span: base + torch.randint(0, span, (BC,), generator=g)  # noqa: E731
+    rows = [
+        narrow(0x3F800000, 1 << 12), narrow(0x41000000, 1 << 20), narrow(-0x40000000, 1 << 8),
+        torch.randint(-(2**31), 2**31 - 1, (BC,), generator=g), narrow(-5, 10),
+        torch.full((BC,), 77), torch.full((BC,), -(2**31)), torch.full((BC,), 2**31 - 1),
+        narrow(1000, 3), narrow(-2**31, 4), narrow(2**31 - 5, 4), narrow(123456, 1 << 16),
+    ]
+    cases = []
+    for key in rows:
+        zeros = torch.zeros(BC, dtype=torch.int64)
+        for w in (torch.randint(0, 17, (BC,), generator=g), zeros, zeros.index_fill(0, torch.tensor([21]), 5),
+                  zeros + 1):
+            total = int(w.sum())
+            for want in sorted({-3, 0, 1, 2, max(1, total // 2), total, total + 1}):
+                cases.append((key, w, want))
+    cases += cases[: (-len(cases)) % BR]
+    key = torch.stack([c[0] for c in cases]).int()
+    weight = torch.stack([c[1] for c in cases]).int()
+    want = torch.tensor([c[2] for c in cases], dtype=torch.int32)
+    out = torch.empty(len(cases), dtype=torch.int32)
+    _kth_key_kernel[(len(cases) // BR,)](key, weight, want, out, BR=BR, BC=BC)
+    rule = [kth_key_rule(k.tolist(), w.tolist(), int(n)) for k, w, n in zip(key, weight, want, strict=True)]
+    assert out.tolist() == rule
 
 
 @triton.jit
