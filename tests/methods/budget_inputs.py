@@ -15,13 +15,6 @@ interpreter_only = pytest.mark.skipif(not INTERPRET,
                                       reason="interpreter tests (TRITON_INTERPRET=1, CPU tensors)")
 
 
-def cases(values, ids, exhaustive=lambda case: False):
-    """pytest params of `values`, those where `exhaustive(case)` holds marked `exhaustive`: CI runs them on
-    the newest supported Triton only, the rest on the lowest too."""
-    return [pytest.param(c, id=i, marks=[pytest.mark.exhaustive] if exhaustive(c) else [])
-            for c, i in zip(values, ids, strict=True)]
-
-
 def qkv(B, Hq, Hkv, T, S, D, dtype, seed=0):
     """Random q `[B, Hq, T, D]`, k and v `[B, Hkv, S, D]` (q and k scaled up for sharper scores)."""
     g = torch.Generator().manual_seed(seed)

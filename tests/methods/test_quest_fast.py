@@ -273,7 +273,7 @@ def test_controller_fast_prefill_matches_its_chunked_path(case):
 
 @interpreter_only
 @pytest.mark.parametrize("select", ["triton", pytest.param("torch", marks=pytest.mark.exhaustive)])
-@pytest.mark.parametrize("one_word", [True, pytest.param(False, marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("one_word", [True, False])
 def test_kernel_counts_and_outputs_against_the_masks(one_word, select, monkeypatch):
     """The kernel applies the masks' rule (both ways of reading the mask), over several launches and
     selection steps."""
