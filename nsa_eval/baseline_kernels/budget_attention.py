@@ -223,35 +223,68 @@ def _float_key(x):
 
 
 @triton.jit
-def _kth_key(key, weight, want):
+def _split_reach(reach, CB: tl.constexpr):
+    # a packed row sum -> (the weight, the entries): CB low bits count the entries (CB = 0: unit weights)
+    if CB > 0:
+        return reach >> CB, reach & ((1 << CB) - 1)
+    else:
+        return reach, reach
+
+
+@triton.jit
+def _kth_key(key, weight, want, CB: tl.constexpr, WIDE: tl.constexpr):
     # per row of key [BR, BC] int32: the largest k with sum(weight where key >= k) >= want [BR], the
     # want-th largest key with each entry counted weight times (0: not at all). A binary search over the
     # key's bits, the sign first, by compares and row sums alone: the same code under the interpreter and
     # on the GPU (no histogram lowering to trust). A row whose weights never reach want gets INT_MIN, one
-    # with want <= 0 INT_MAX. The answer lies between the row's least and greatest weighted keys, so the
-    # bits those two share are the answer's: the search starts below them, at the highest bit where some
-    # row's two differ (about 23 steps instead of 32 for Quest's bounds on random inputs; fewer for a
-    # buffer of one bin's scores).
+    # with want <= 0 INT_MAX.
+    # Two shortcuts: the answer lies between the row's least and greatest weighted keys, so the bits
+    # those share are the answer's and the search starts below them (about 23 steps instead of 32 for
+    # Quest's bounds on random inputs); and each step's row sum also counts the entries left between
+    # the search's ends, so the search stops once every row of the program has one left, which is the
+    # answer (about log2(BC) + 3 steps where the keys are distinct), and the ties go on to the last bit.
+    # The sums carry the count in their CB low bits (CB = 0: weights 0 or 1 count themselves; WIDE:
+    # int64 sums, where BC entries of the largest weight overflow 31 - CB bits).
     has = weight > 0
+    if CB > 0:
+        if WIDE:
+            packed = tl.where(has, (weight.to(tl.int64) << CB) | 1, 0)
+        else:
+            packed = tl.where(has, (weight << CB) | 1, 0)
+    else:
+        packed = weight
     lo = tl.min(tl.where(has, key, 2147483647), 1)  # [BR]
     hi = tl.max(tl.where(has, key, -2147483648), 1)
-    searched = (want > 0) & (tl.sum(weight, 1) >= want)
+    total, n_lo = _split_reach(tl.sum(packed, 1), CB)  # n_lo: entries at or above the search's low end
+    n_hi = n_lo * 0  # entries at or above its high end (the least step it turned down)
+    searched = (want > 0) & (total >= want)
     apart = tl.where(searched, lo ^ hi, 0)  # [BR] the bits where a searched row's ends differ
     mixed = tl.min(apart, 0) < 0  # some row's keys take both signs
     widest = tl.where(mixed, -1, tl.max(apart, 0))  # its highest set bit: the program's first step
     if mixed:
-        reach = tl.sum(tl.where(key >= 0, weight, 0), 1)
-        thr = tl.where(reach >= want, 0, -2147483648)
+        reach, n = _split_reach(tl.sum(tl.where(key >= 0, packed, 0), 1), CB)
+        up = reach >= want
+        thr = tl.where(up, 0, -2147483648)
+        n_lo = tl.where(up, n, n_lo)
+        n_hi = tl.where(up, n_hi, n)
     else:
         thr = lo & -2147483648
+    going = tl.max((searched & (n_lo - n_hi > 1)).to(tl.int32), 0) > 0
     for i in tl.static_range(31):
         bit = 1 << (30 - i)
-        if (widest >> (30 - i)) != 0:  # (once true, true for every lower bit)
-            step = thr | bit
-            reach = tl.sum(tl.where(key >= step[:, None], weight, 0), 1)
-            thr = tl.where(reach >= want, step, thr)
-        else:
-            thr = thr | (lo & bit)
+        if going:
+            if (widest >> (30 - i)) != 0:  # (once true, true for every lower bit)
+                step = thr | bit
+                reach, n = _split_reach(tl.sum(tl.where(key >= step[:, None], packed, 0), 1), CB)
+                up = reach >= want
+                thr = tl.where(up, step, thr)
+                n_lo = tl.where(up, n, n_lo)
+                n_hi = tl.where(up, n_hi, n)
+                going = tl.max((searched & (n_lo - n_hi > 1)).to(tl.int32), 0) > 0
+            else:
+                thr = thr | (lo & bit)
+    # the one entry between the ends, the least key at or above thr (thr itself after the last bit)
+    thr = tl.min(tl.where(has & (key >= thr[:, None]), key, 2147483647), 1)
     return tl.where(want > 0, tl.where(searched, thr, -2147483648), 2147483647)
 
 
@@ -261,6 +294,16 @@ def kth_key_launch(BC: int) -> tuple[int, int]:
     no barrier. In the sm_90 code Quest's page select at 8k (512 pages) takes 3,156 instructions a row
     so, against 5,092 with 8 rows over 4 warps; top-k's select on 256 entries 984, against 2,146."""
     return max(1, 1024 // BC), max(1, BC // 1024)
+
+
+def kth_key_counts(BC: int, max_weight: int) -> dict:
+    """`_kth_key`'s constexprs for rows of BC entries weighing up to max_weight: CB, the low bits of its
+    sums that count the entries (0 where the weights are 0 or 1 and count themselves), and WIDE, int64
+    sums where BC entries of the largest weight would overflow the bits above them."""
+    if max_weight <= 1:
+        return dict(CB=0, WIDE=False)
+    CB = BC.bit_length()
+    return dict(CB=CB, WIDE=BC * ((max_weight << CB) + 1) >= 2**31)
 
 
 @triton.jit

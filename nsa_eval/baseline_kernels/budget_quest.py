@@ -75,6 +75,7 @@ from .budget_attention import (
     _tile_ranges,
     _tile_scores,
     _tile_values,
+    kth_key_counts,
     kth_key_launch,
 )
 
@@ -148,7 +149,8 @@ def page_bounds(q, key_min, key_max, *, t_base: int, n: int, pages: int):
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, budget,
-                        PS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                        PS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, CB: tl.constexpr,
+                        WIDE: tl.constexpr):
     # `quest_page_select` in one pass over the bounds: BR rows a program of BND `[B * Hq, n, Pc]` float32
     # (`page_bounds` of n queries at positions p0 .., their pages up to the last one). Row r = (bh, t)
     # writes its page mask to BITS `[B * Hq, L, W]` row (bh, t_off + t) (words past BC // 32 untouched:
@@ -170,7 +172,7 @@ def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, 
     c = tl.where(valid, c, 0)
     x = tl.load(BND + o_r[:, None] * Pc + o_c[None, :], mask=valid, other=float("-inf"))
     key = _float_key(x)
-    thr = _kth_key(key, c, picks)
+    thr = _kth_key(key, c, picks, CB, WIDE)
     above = valid & (key > thr[:, None])
     need = picks - tl.sum(tl.where(above, c, 0), 1)  # candidates still to take at the threshold
     tied = valid & (key == thr[:, None])
@@ -203,7 +205,8 @@ def page_select_into(bounds, bits, cut, *, t_off: int, p0: int, sink: int, local
     BR = 16 if interpreting() else BR
     R = B * HQ * n
     launcher(_page_select_kernel)[(cdiv(R, BR),)](bounds, bits, cut, R, n, Pc, W, L, t_off, p0, sink, local,
-                                                  budget, PS=page_size, BR=BR, BC=BC, num_warps=warps)
+                                                  budget, PS=page_size, BR=BR, BC=BC, num_warps=warps,
+                                                  **kth_key_counts(BC, page_size))
 
 
 def quest_summaries(k, page_size: int):

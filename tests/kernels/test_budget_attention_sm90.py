@@ -106,10 +106,10 @@ for cap in (256, 4096):
         BR, warps = ba.kth_key_launch(cap)
         consts = dict(BR=BR, BC=cap, POS=pos)
         out[f"select cap={cap} pos={pos}"] = usage(bt._select_kernel, pointers, consts, dict(num_warps=warps))
-for BC in (512, 4096, 8192):  # Quest's page select at 8k, 64k and 128k tokens (pages of 16)
+for BC in (512, 4096, 8192):  # Quest's page select at 8k, 64k and 128k tokens (pages of 16; WIDE at 128k)
     pointers = ["*fp32", "*i32", "*i32"]
     BR, warps = ba.kth_key_launch(BC)
-    consts = dict(PS=16, BR=BR, BC=BC)
+    consts = dict(PS=16, BR=BR, BC=BC, **ba.kth_key_counts(BC, 16))
     out[f"page select BC={BC}"] = usage(bq._page_select_kernel, pointers, consts, dict(num_warps=warps))
 print(json.dumps(out))
 """

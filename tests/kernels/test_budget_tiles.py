@@ -23,10 +23,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", 
 
 
 @triton.jit
-def _kth_key_kernel(KEY, WEIGHT, WANT, OUT, BR: tl.constexpr, BC: tl.constexpr):
+def _kth_key_kernel(KEY, WEIGHT, WANT, OUT, BR: tl.constexpr, BC: tl.constexpr, CB: tl.constexpr,
+                    WIDE: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     at = o_r[:, None] * BC + tl.arange(0, BC)[None, :]
-    tl.store(OUT + o_r, _kth_key(tl.load(KEY + at), tl.load(WEIGHT + at), tl.load(WANT + o_r)))
+    tl.store(OUT + o_r, _kth_key(tl.load(KEY + at), tl.load(WEIGHT + at), tl.load(WANT + o_r), CB, WIDE))
 
 
 def kth_key_rule(key, weight, want):
@@ -42,33 +43,48 @@ def kth_key_rule(key, weight, want):
     return -(2**31)
 
 
-def test_kth_key_is_its_rule_where_the_search_starts_below_shared_bits():
+def kth_key(key, weight, want, *, BR, CB, WIDE):
+    """`_kth_key` of each row of key, weight `[R, BC]` int32 (R a multiple of BR) and want `[R]`."""
+    out = torch.empty(len(want), dtype=torch.int32)
+    _kth_key_kernel[(len(want) // BR,)](key, weight, want, out, BR=BR, BC=key.shape[1], CB=CB, WIDE=WIDE)
+    return out
+
+
+@pytest.mark.parametrize("CB,WIDE", [(0, False), (7, False), (7, True)], ids=["unit", "counted", "wide"])
+def test_kth_key_is_its_rule(CB, WIDE):
     """Rows that share a program (4 a program) with keys of one sign in a narrow range (the search
-    skips their shared high bits), of both signs, negative only, all equal, one weighted entry, no
-    weight, want <= 0, want past the weights, the extreme keys; weights 0 to 16 as Quest's pages'."""
+    skips their shared high bits), of both signs, negative only, all equal, distinct (the search stops
+    once one entry is left between its ends), ties at the answer among distinct keys, one weighted
+    entry, no weight, want <= 0, want past the weights, the extreme keys; weights 0 to 16 as Quest's
+    pages' where the sums count the entries in their low bits (CB), 0 or 1 where the weights count
+    themselves (CB = 0)."""
     g = torch.Generator().manual_seed(5)
     BR, BC = 4, 64
     narrow = lambda base, span: base + torch.randint(0, span, (BC,), generator=g)  # noqa: E731
+    distinct = lambda: torch.randperm(1 << 20, generator=g)[:BC] * 2039 - (1 << 30)  # noqa: E731
+    tied = distinct()
+    tied[::3] = tied[7]
     rows = [
         narrow(0x3F800000, 1 << 12), narrow(0x41000000, 1 << 20), narrow(-0x40000000, 1 << 8),
         torch.randint(-(2**31), 2**31 - 1, (BC,), generator=g), narrow(-5, 10),
         torch.full((BC,), 77), torch.full((BC,), -(2**31)), torch.full((BC,), 2**31 - 1),
         narrow(1000, 3), narrow(-2**31, 4), narrow(2**31 - 5, 4), narrow(123456, 1 << 16),
+        distinct(), distinct().abs(), tied,
     ]
+    top = 2 if CB == 0 else 17
     cases = []
     for key in rows:
         zeros = torch.zeros(BC, dtype=torch.int64)
-        for w in (torch.randint(0, 17, (BC,), generator=g), zeros, zeros.index_fill(0, torch.tensor([21]), 5),
-                  zeros + 1):
+        one = zeros.index_fill(0, torch.tensor([21]), 1)
+        for w in (torch.randint(0, top, (BC,), generator=g), zeros, one, zeros + 1):
             total = int(w.sum())
-            for want in sorted({-3, 0, 1, 2, max(1, total // 2), total, total + 1}):
+            for want in sorted({-3, 0, 1, 2, 5, max(1, total // 3), max(1, total // 2), total, total + 1}):
                 cases.append((key, w, want))
     cases += cases[: (-len(cases)) % BR]
     key = torch.stack([c[0] for c in cases]).int()
     weight = torch.stack([c[1] for c in cases]).int()
     want = torch.tensor([c[2] for c in cases], dtype=torch.int32)
-    out = torch.empty(len(cases), dtype=torch.int32)
-    _kth_key_kernel[(len(cases) // BR,)](key, weight, want, out, BR=BR, BC=BC)
+    out = kth_key(key, weight, want, BR=BR, CB=CB, WIDE=WIDE)
     rule = [kth_key_rule(k.tolist(), w.tolist(), int(n)) for k, w, n in zip(key, weight, want, strict=True)]
     assert out.tolist() == rule
 
