@@ -158,7 +158,9 @@ def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, 
     # descending, page ascending) order: the bounds map to int32 keys ordered like the floats, and
     # `_kth_key` finds the largest key with at least `picks` candidates at or above it, each page
     # weighted by its candidates (PS, fewer where the sink's candidates begin and the last one ends).
-    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
+    # int32 row arithmetic (R, and B * Hq * L rows, are far below 2**31): int64 would double the cost of
+    # every per-page integer op below
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR]
     m_r = o_r < R
     t = o_r % n
     p = p0 + t  # [BR] query positions
@@ -170,16 +172,21 @@ def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, 
     c = tl.maximum(c, 0).to(tl.int32)  # [BR, BC] candidates of each page
     valid = m_r[:, None] & (o_c < Pc)[None, :] & (c > 0)
     c = tl.where(valid, c, 0)
-    x = tl.load(BND + o_r[:, None] * Pc + o_c[None, :], mask=valid, other=float("-inf"))
+    x = tl.load(BND + o_r[:, None].to(tl.int64) * Pc + o_c[None, :], mask=valid, other=float("-inf"))
     key = _float_key(x)
     thr = _kth_key(key, c, picks, CB, WIDE)
-    above = valid & (key > thr[:, None])
+    # (a page without candidates has bound -inf here, below every held row's finite threshold)
+    above = key > thr[:, None]
     need = picks - tl.sum(tl.where(above, c, 0), 1)  # candidates still to take at the threshold
-    tied = valid & (key == thr[:, None])
-    ceq = tl.cumsum(tl.where(tied, c, 0), 1)  # [BR, BC] nondecreasing
-    short = ceq < need[:, None]
-    cut_pg = tl.sum(short.to(tl.int32), 1)  # the first page where the tied pages reach need
-    before = tl.max(tl.where(short, ceq, 0), 1)
+    tied = key == thr[:, None]
+    if tl.max(tl.sum(tied.to(tl.int32), 1), 0) > 1:  # some row's threshold bound is tied across pages
+        ceq = tl.cumsum(tl.where(tied, c, 0), 1)  # [BR, BC] nondecreasing
+        short = ceq < need[:, None]
+        cut_pg = tl.sum(short.to(tl.int32), 1)  # the first page where the tied pages reach need
+        before = tl.max(tl.where(short, ceq, 0), 1)
+    else:  # one tied page a row, whose candidates reach need (or none): no scan
+        cut_pg = tl.min(tl.where(tied, o_c[None, :], BC), 1)
+        before = cut_pg * 0
     cut = tl.maximum(cut_pg * PS, sink) + need - before - 1
     keep = above | (tied & (o_c[None, :] <= cut_pg[:, None]))
     held = p + 1 > budget
@@ -188,7 +195,7 @@ def _page_select_kernel(BND, BITS, CUT, R, n, Pc, W, L, t_off, p0, sink, local, 
     lane = (o_c % 32)[None, :]
     words = tl.sum(tl.reshape(keep.to(tl.int32) << lane, [BR, BC // 32, 32]), 2)  # [BR, BC // 32]
     o_w = tl.arange(0, BC // 32)
-    out = o_r // n * L + t_off + t  # [BR] the row in the launch's buffers
+    out = (o_r // n * L + t_off + t).to(tl.int64)  # [BR] the row in the launch's buffers
     tl.store(BITS + out[:, None] * W + o_w[None, :], words, mask=m_r[:, None] & (o_w < W)[None, :])
     tl.store(CUT + out, cut.to(tl.int32), mask=m_r)
 
