@@ -269,13 +269,13 @@ def _select_kernel(BUF, N_IN, NEED, THR, CUT, R, CAP, BR: tl.constexpr, BC: tl.c
     # POS, CUT its position, or INT_MAX where every entry tied at THR is taken. BUF holds float32 scores,
     # or with POS int64 entries `score bits << 32 | position` (`_collect_kernel`'s). Scores map to
     # int32 keys ordered like the floats, and `_kth_key` finds the NEED-th largest.
-    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # [BR]
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR] (int32: int64 doubles the integer ops)
     m_r = o_r < R
     n = tl.minimum(tl.load(N_IN + o_r, mask=m_r, other=0), CAP)
     want = tl.load(NEED + o_r, mask=m_r, other=1)
     o_c = tl.arange(0, BC)
     m = m_r[:, None] & (o_c[None, :] < n[:, None])  # [BR, BC]
-    at = o_r[:, None] * CAP + o_c[None, :]
+    at = o_r[:, None].to(tl.int64) * CAP + o_c[None, :]
     if POS:
         entry = tl.load(BUF + at, mask=m, other=0)
         x = tl.where(m, (entry >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
@@ -287,10 +287,14 @@ def _select_kernel(BUF, N_IN, NEED, THR, CUT, R, CAP, BR: tl.constexpr, BC: tl.c
     tied = m & (key == thr[:, None])
     tl.store(THR + o_r, tl.max(tl.where(tied, x, float("-inf")), 1), mask=m_r)
     if POS:
-        rank = tl.cumsum(tied.to(tl.int32), 1)
         p = (entry & 0xFFFFFFFF).to(tl.int32)
-        cut = tl.max(tl.where(tied & (rank == want[:, None]), p, -1), 1)
-        cut = tl.where(want == tl.sum(tied.to(tl.int32), 1), 2147483647, cut)  # every tie kept: no cut
+        n_tied = tl.sum(tied.to(tl.int32), 1)
+        if tl.max(n_tied, 0) > 1:  # some row's threshold score is tied: the want-th tie in slot order
+            rank = tl.cumsum(tied.to(tl.int32), 1)
+            cut = tl.max(tl.where(tied & (rank == want[:, None]), p, -1), 1)
+        else:  # no scan
+            cut = tl.max(tl.where(tied, p, -1), 1)
+        cut = tl.where(want == n_tied, 2147483647, cut)  # every tie kept: no cut
         tl.store(CUT + o_r, cut, mask=m_r)
 
 

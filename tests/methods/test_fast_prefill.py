@@ -414,15 +414,18 @@ def test_gpu_timing_against_full_attention(method, T):
               f"of {failed.numel()}")
 
 
-def check_buffer_select(positions: bool, rows: int, cap: int, device: str = "cpu"):
+def check_buffer_select(positions: bool, rows: int, cap: int, device: str = "cpu", distinct: bool = False):
     """Random buffers of `rows` x `cap` with repeated scores (ties), negative and positive, and `need` from 1
     to n_in: `select_in_buffer` against its stable sort; the entries as `collect` packs them (score bits
-    above the position), or scores alone (the sample's)."""
+    above the position), or scores alone (the sample's). `distinct`: every score distinct (no program
+    has a tie at its threshold, the kernel's path without a scan)."""
     g = torch.Generator().manual_seed(4)
     buf_s = torch.randint(-6, 6, (rows, cap), generator=g).float() * 0.75
     buf_s[::3] = torch.randn(len(range(0, rows, 3)), cap, generator=g)
     buf_s[1, :6] = torch.tensor([-0.0, 0.0, -math.inf, 1e-45, -1e-45, 0.0])  # signed zeros, -inf, denormals
     buf_s[2, :8] = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -0.0, 2.0, 0.0])
+    if distinct:
+        buf_s = torch.randperm(rows * cap, generator=g).view(rows, cap).float() - rows * cap / 2
     buf_p = torch.arange(cap, dtype=torch.int32).expand(rows, cap) * 3 + 5
     n_in = torch.randint(1, cap + 1, (rows,), generator=g)
     n_in[1] = n_in[2] = cap
@@ -435,18 +438,21 @@ def check_buffer_select(positions: bool, rows: int, cap: int, device: str = "cpu
     assert torch.equal(thr, thr_ref)
     if positions:
         assert torch.equal(cut, cut_ref)
-        assert (cut == bt.INT_MAX).any() and (cut < bt.INT_MAX).any()  # both kinds of rows occur
+        if not distinct:
+            assert (cut == bt.INT_MAX).any() and (cut < bt.INT_MAX).any()  # both kinds of rows occur
 
 
 @interpreter_only
 @pytest.mark.parametrize("positions", [True, False])
-def test_the_buffer_select_is_a_stable_sort(positions):
-    check_buffer_select(positions, rows=24, cap=32)
+@pytest.mark.parametrize("distinct", [False, True], ids=["ties", "distinct"])
+def test_the_buffer_select_is_a_stable_sort(positions, distinct):
+    check_buffer_select(positions, rows=24, cap=32, distinct=distinct)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("rows", "cap"), [(24, 32), (3000, 1024), (40, 4096)])
 @pytest.mark.parametrize("positions", [True, False])
-def test_gpu_buffer_select_is_a_stable_sort(positions, rows, cap):
+@pytest.mark.parametrize("distinct", [False, True], ids=["ties", "distinct"])
+def test_gpu_buffer_select_is_a_stable_sort(positions, rows, cap, distinct):
     """The same compiled: many rows a program at small caps, one at the largest."""
-    check_buffer_select(positions, rows, cap, device="cuda")
+    check_buffer_select(positions, rows, cap, device="cuda", distinct=distinct)
