@@ -89,6 +89,9 @@ QUEST_BITS_BYTES = 64 << 20
 # `_quest_fwd_kernel`'s key tile beside `BUDGET_CONFIG`'s rows (its warps and stages where the
 # autotuner does not choose: float32, the interpreter, `tiles`)
 QUEST_CONFIG = dict(BN=64, num_warps=4, num_stages=2)
+# `_plan_kernel`: mask words a step (sm_90, 64 rows a program: 16 spill to local memory, all 128 of a
+# 64k row 6,620 local loads and stores a program)
+PLAN_WORDS = 8
 # `_bounds_kernel`: BT positions x the group's heads, BP pages a program
 BOUNDS_CONFIG = dict(rows=64, BP=64, num_warps=4, num_stages=2)
 
@@ -275,7 +278,7 @@ def _marked_candidates(words, sink, near, o_w, PS: tl.constexpr):
 def _plan_kernel(
     BITS, CUT, LIST, NLIST, CNT, KVR, T, S, HQ, G, sink, local, budget, W, LW,
     GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr, BW: tl.constexpr,
-    TPW: tl.constexpr, READ_BITS: tl.constexpr,
+    TPW: tl.constexpr, CW: tl.constexpr, READ_BITS: tl.constexpr,
 ):
     # Grid (cdiv(T, BT), B * Hkv), the attention's programs; BITS [B, Hq, T, W] and CUT [B, Hq, T]
     # (`_page_select_kernel`'s), T queries the last of S keys. For each program: LIST [B * Hkv, cdiv(T,
@@ -284,51 +287,59 @@ def _plan_kernel(
     # tiles to a mask word; otherwise every candidate tile is listed). For each row, CNT [B, Hq, T]: the
     # keys it keeps (forced, then its marked pages' candidates less the cut page's past the cut); for each
     # position, KVR [B, Hkv, T]: the keys some head of the group keeps (the marked pages' union, where a
-    # page that is only ever a cut page counts its longest kept prefix).
+    # page that is only ever a cut page counts its longest kept prefix). The mask words go CW at a time
+    # (BW of them at once spill to local memory at 64k); every quantity is a sum over words, or a bit
+    # of one word, so the chunks add up.
     i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
     i_h = i_hk * G + o_r % GP
     row = ((i_b * HQ + i_h) * T + r_t).to(tl.int64)  # [M]
     first = S - T + t0
     last = S - T + tl.minimum(t0 + BT, T) - 1
     _, e2, e3, _, _, _ = _tile_ranges(first, last, sink, local, BN, PS)
-    o_w = tl.arange(0, BW)
-    words = tl.load(BITS + row[:, None] * W + o_w[None, :], mask=m_r[:, None] & (o_w < W)[None, :],
-                    other=0)  # [M, BW]
-    # the gather list
-    o_x = tl.arange(0, TPW)
-    tile = o_w[:, None] * TPW + o_x[None, :]  # [BW, TPW]
-    ok = (tile * BN >= e2) & (tile * BN < e3)
-    if READ_BITS:
-        union = tl.reduce(words, 0, _or)  # [BW]
-        NPT: tl.constexpr = max(BN // PS, 1)  # pages a tile holds
-        MASK: tl.constexpr = -1 if NPT >= 32 else (1 << NPT) - 1
-        ok = ok & (((union[:, None] >> ((o_x * BN) // PS)[None, :]) & MASK) != 0)
-    ok = tl.reshape(ok, [BW * TPW]).to(tl.int32)
-    slot = tl.cumsum(ok, 0) - 1
     prog = (i_b * (HQ // G) + i_hk) * tl.num_programs(0) + tl.program_id(0)
-    tl.store(LIST + prog * LW + slot, tl.reshape(tile, [BW * TPW]) * BN, mask=ok != 0)
-    tl.store(NLIST + prog, tl.sum(ok, 0))
-    # the counts
     pos = S - T + r_t  # [M]
     near = _near(pos, local, PS)
-    forced = pos + 1 - tl.maximum(near - sink + 1, 0)
-    held = pos + 1 > budget
+    near_t = tl.max(tl.reshape(near, [BT, GP]), 1)  # [BT] (the same for a position's heads)
     cut = tl.load(CUT + row, mask=m_r, other=2147483647)
     has_cut = cut < 2147483647
     c_pg = cut // PS  # [M] the cut page
+    o_x = tl.arange(0, TPW)
+    n_list = tl.full([], 0, tl.int32)  # tiles listed so far
+    marked = tl.zeros_like(near)  # [M] candidates of each row's marked pages
+    n_union = tl.zeros_like(near_t)  # [BT] candidates of the group's union of marked pages
+    cut_kept = tl.zeros_like(near)  # [M] whether some head keeps the row's cut page whole
+    for w0 in range(0, W, CW):
+        o_w = w0 + tl.arange(0, CW)
+        words = tl.load(BITS + row[:, None] * W + o_w[None, :], mask=m_r[:, None] & (o_w < W)[None, :],
+                        other=0)  # [M, CW]
+        # the gather list
+        tile = o_w[:, None] * TPW + o_x[None, :]  # [CW, TPW]
+        ok = (tile * BN >= e2) & (tile * BN < e3)
+        if READ_BITS:
+            any_row = tl.reduce(words, 0, _or)  # [CW]
+            NPT: tl.constexpr = max(BN // PS, 1)  # pages a tile holds
+            MASK: tl.constexpr = -1 if NPT >= 32 else (1 << NPT) - 1
+            ok = ok & (((any_row[:, None] >> ((o_x * BN) // PS)[None, :]) & MASK) != 0)
+        ok = tl.reshape(ok, [CW * TPW]).to(tl.int32)
+        slot = n_list + tl.cumsum(ok, 0) - 1
+        tl.store(LIST + prog * LW + slot, tl.reshape(tile, [CW * TPW]) * BN, mask=ok != 0)
+        n_list += tl.sum(ok, 0)
+        # the counts, and the union over the group: every marked page, less a page that only some heads'
+        # cut falls in (counted to the longest of their kept prefixes)
+        marked += _marked_candidates(words, sink, near, o_w, PS)
+        in_cut_word = has_cut[:, None] & (o_w[None, :] == (c_pg // 32)[:, None])
+        full = tl.where(in_cut_word, words & ~(1 << (c_pg % 32))[:, None], words)  # [M, CW] but the cut page
+        union = tl.reduce(tl.reshape(words, [BT, GP, CW]), 1, _or)  # [BT, CW]
+        union_full = tl.reduce(tl.reshape(full, [BT, GP, CW]), 1, _or)
+        n_union += _marked_candidates(union, sink, near_t, o_w, PS)
+        full_rows = tl.broadcast_to(tl.reshape(union_full, [BT, 1, CW]), [BT, GP, CW])
+        cut_kept |= _page_bit(tl.reshape(full_rows, [BT * GP, CW]), c_pg, o_w)
+    tl.store(NLIST + prog, n_list)
+    forced = pos + 1 - tl.maximum(near - sink + 1, 0)
+    held = pos + 1 > budget
     tail = tl.where(has_cut, tl.minimum(c_pg * PS + PS - 1, near) - cut, 0)  # its candidates past the cut
-    cnt = forced + _marked_candidates(words, sink, near, o_w, PS) - tail
-    tl.store(CNT + row, tl.where(held, cnt, pos + 1), mask=m_r)
-    # the union over the group: every marked page, less a page that only some heads' cut falls in
-    # (counted to the longest of their kept prefixes)
-    in_cut_word = has_cut[:, None] & (o_w[None, :] == (c_pg // 32)[:, None])
-    full = tl.where(in_cut_word, words & ~(1 << (c_pg % 32))[:, None], words)  # [M, BW] but the cut page
-    union = tl.reduce(tl.reshape(words, [BT, GP, BW]), 1, _or)  # [BT, BW]
-    union_full = tl.reduce(tl.reshape(full, [BT, GP, BW]), 1, _or)
-    near_t = tl.max(tl.reshape(near, [BT, GP]), 1)  # [BT] (the same for a position's heads)
-    n_union = _marked_candidates(union, sink, near_t, o_w, PS)  # [BT]
-    full_rows = tl.reshape(tl.broadcast_to(tl.reshape(union_full, [BT, 1, BW]), [BT, GP, BW]), [BT * GP, BW])
-    only_cut = has_cut & m_r & (_page_bit(full_rows, c_pg, o_w) == 0)  # [M] a cut page no head keeps whole
+    tl.store(CNT + row, tl.where(held, forced + marked - tail, pos + 1), mask=m_r)
+    only_cut = has_cut & m_r & (cut_kept == 0)  # [M] a cut page no head keeps whole
     prefix = cut - tl.maximum(c_pg * PS, sink) + 1  # [M] candidates the row keeps in its cut page
     lack = _candidates_in(c_pg, sink, near, PS) - prefix
     # one row per such page answers for it: the one keeping the longest prefix (the first head on ties)
@@ -467,11 +478,13 @@ def _quest_config(G: int, dtype: torch.dtype, tiles: dict | None = None) -> dict
     return cfg
 
 
-def plan(bits, cut, *, T: int, S: int, sink: int, local: int, budget: int, page_size: int, G: int, cfg: dict):
+def plan(bits, cut, *, T: int, S: int, sink: int, local: int, budget: int, page_size: int, G: int, cfg: dict,
+         words_a_step: int = PLAN_WORDS):
     """`_plan_kernel` for the bits `[B, Hq, T, W]` and cut `[B, Hq, T]` of T queries whose keys are S: the
     candidate tiles of each attention program that hold a kept page, list `[B * Hkv, cdiv(T, BT), LW]`
     int32 (tile starts, ascending; past n undefined) and n `[B * Hkv, cdiv(T, BT)]` int32, and the kept
-    keys' counts `[B, Hq, T]` and kv_read `[B, Hkv, T]` (int32)."""
+    keys' counts `[B, Hq, T]` and kv_read `[B, Hkv, T]` (int32). `words_a_step` (a power of two): the mask
+    words the kernel reads a step."""
     B, HQ, _, W = bits.shape
     HKV = HQ // G
     ps, BN = page_size, cfg["BN"]
@@ -485,7 +498,8 @@ def plan(bits, cut, *, T: int, S: int, sink: int, local: int, budget: int, page_
     kv_read = torch.empty(B, HKV, T, device=bits.device, dtype=torch.int32)
     launcher(_plan_kernel)[(n_prog, B * HKV)](
         bits, cut, lists, n_list, counts, kv_read, T, S, HQ, G, sink, local, budget, W, BW * TPW,
-        GP=cfg["GP"], BT=cfg["BT"], BN=BN, PS=ps, BW=BW, TPW=TPW, READ_BITS=read_bits, num_warps=4,
+        GP=cfg["GP"], BT=cfg["BT"], BN=BN, PS=ps, BW=BW, TPW=TPW, CW=min(BW, words_a_step),
+        READ_BITS=read_bits, num_warps=4,
     )
     return lists, n_list, counts, kv_read
 

@@ -134,10 +134,11 @@ def test_tile_ranges_hold_what_they_claim(BN, PS):
                 assert all(sink <= j <= near(p, local, PS) for p in rows), (f, la, j)
 
 
-def test_tile_lists_hold_the_union_of_kept_pages():
+@pytest.mark.parametrize("words", [1, bq.PLAN_WORDS])
+def test_tile_lists_hold_the_union_of_kept_pages(words):
     """`_plan_kernel`'s lists against PyTorch: random page masks (each row marks a few pages; rows of one
     program share none of them), for pages of a power of two (read from the masks) and not (every
-    candidate tile listed)."""
+    candidate tile listed); the mask words read one a step (several steps) and at the default."""
     g = torch.Generator().manual_seed(7)
     B, Hq, G, T, S, sink, local = 2, 8, 4, 40, 300, 8, 16
     for ps, BN in ((4, 16), (16, 16), (32, 16), (6, 16)):
@@ -148,7 +149,7 @@ def test_tile_lists_hold_the_union_of_kept_pages():
         cfg = dict(BT=4, GP=4, BN=BN)
         cut = torch.full((B, Hq, T), bq.INT_MAX, dtype=torch.int32)
         lists, n, _, _ = bq.plan(bits, cut, T=T, S=S, sink=sink, local=local, budget=0, page_size=ps, G=G,
-                                 cfg=cfg)
+                                 cfg=cfg, words_a_step=words)
         for b, hk, prog in itertools.product(range(B), range(Hq // G), range(T // 4)):
             t0 = prog * 4
             first = S - T + t0
@@ -163,12 +164,14 @@ def test_tile_lists_hold_the_union_of_kept_pages():
             assert lists[row, prog, :n[row, prog]].tolist() == want
 
 
+@pytest.mark.parametrize("words", [1, bq.PLAN_WORDS])
 @pytest.mark.parametrize("ps", [4, 16, 6])
-def test_plan_counts_the_keys_the_masks_keep(ps):
+def test_plan_counts_the_keys_the_masks_keep(ps, words):
     """Page masks as `_page_select_kernel` writes them (candidate pages only, one of them the cut page, cut
     inside its candidates), drawn at random so that a group's heads often share their cut page with
     other prefixes, or cut a page another head keeps whole; plus rows not held (every bit, INT_MAX) and
-    rows with nothing marked. `_plan_kernel`'s counts and kv_read against the masks read key by key."""
+    rows with nothing marked. `_plan_kernel`'s counts and kv_read against the masks read key by key, the
+    mask words one a step and at the default."""
     g = torch.Generator().manual_seed(ps)
     B, Hq, G, T, S, sink, local, budget = 1, 8, 4, 48, 200, 5, 9, 40
     P = -(-S // ps)
@@ -200,7 +203,7 @@ def test_plan_counts_the_keys_the_masks_keep(ps):
     bits = bq._pack_bits(pages, W)
     cfg = dict(BT=4, GP=4, BN=16)
     _, _, counts, kv_read = bq.plan(bits, cut, T=T, S=S, sink=sink, local=local, budget=budget, page_size=ps,
-                                    G=G, cfg=cfg)
+                                    G=G, cfg=cfg, words_a_step=words)
     keep = bq.quest_keep_from_masks(bits, cut, t_base=0, T=T, S=S, sink=sink, local=local, page_size=ps)
     assert torch.equal(counts, keep.sum(-1, dtype=torch.int32))
     assert torch.equal(kv_read, keep.view(B, Hq // G, G, T, S).any(2).sum(-1, dtype=torch.int32))
