@@ -287,13 +287,13 @@ def _select_kernel(BUF, N_IN, NEED, THR, CUT, R, CAP, BR: tl.constexpr, BC: tl.c
     tied = m & (key == thr[:, None])
     tl.store(THR + o_r, tl.max(tl.where(tied, x, float("-inf")), 1), mask=m_r)
     if POS:
-        p = (entry & 0xFFFFFFFF).to(tl.int32)
         n_tied = tl.sum(tied.to(tl.int32), 1)
         if tl.max(n_tied, 0) > 1:  # some row's threshold score is tied: the want-th tie in slot order
             rank = tl.cumsum(tied.to(tl.int32), 1)
+            p = (entry & 0xFFFFFFFF).to(tl.int32)
             cut = tl.max(tl.where(tied & (rank == want[:, None]), p, -1), 1)
-        else:  # no scan
-            cut = tl.max(tl.where(tied, p, -1), 1)
+        else:  # one tie a row, which is taken (the line below): no scan, no position
+            cut = n_tied * 0 - 1
         cut = tl.where(want == n_tied, 2147483647, cut)  # every tie kept: no cut
         tl.store(CUT + o_r, cut, mask=m_r)
 
