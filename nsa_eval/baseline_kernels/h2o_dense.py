@@ -116,21 +116,23 @@ def _rows(base, rows, m_rows, stride, DIM: tl.constexpr, BDIM: tl.constexpr, UPC
 
 @triton.jit
 def _key_mass_kernel(
-    Q, K, LSE, MASS,
+    Q, K, NEG_LSE2, MASS,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
-    T, HQ, G, scale_log2,
+    T, T_PAD, HQ, G, scale_log2,
     D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Grid (cdiv(T, BK), B * Hq): keys k0 .. k0 + BK of one query head against every query at or after
-    # them. p = exp2(s * scale_log2 - lse * log2(e)) is summed into acc [BK, BQ] tile by tile and across
-    # acc's columns once at the end. LSE and MASS are contiguous [B, Hq, T] float32.
+    # them. p = exp2(s * scale_log2 + NEG_LSE2) is summed into acc [BK, BQ] tile by tile and across
+    # acc's columns once at the end. NEG_LSE2 is contiguous [B, Hq, T_PAD] float32, minus the lse in
+    # log2 units, -inf past T (T_PAD a multiple of BQ: its loads need no mask, and a query past T adds
+    # exp2(-inf) = 0); MASS is contiguous [B, Hq, T] float32.
     i_k = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // HQ).to(tl.int64)
     i_h = i_bh % HQ
     q_base = Q + i_b * sq_b + i_h * sq_h
     k_base = K + i_b * sk_b + (i_h // G) * sk_h
-    lse_ptr = LSE + i_bh.to(tl.int64) * T
+    lse_ptr = NEG_LSE2 + i_bh.to(tl.int64) * T_PAD
     k0 = i_k * BK
     keys = k0 + tl.arange(0, BK)
     k = _rows(k_base, keys, keys < T, sk_t, D, BD, UPCAST)  # [BK, BD]
@@ -140,14 +142,14 @@ def _key_mass_kernel(
     for q0 in range(k0 // BQ * BQ, diagonal_end, BQ):  # tiles that hold some key's own query
         queries = q0 + o_q
         q = _rows(q_base, queries, queries < T, sq_t, D, BD, UPCAST)  # [BQ, BD]
-        lse = tl.load(lse_ptr + queries, mask=queries < T, other=float("inf")) * 1.4426950408889634
+        neg_lse = tl.load(lse_ptr + queries)
         s = dot(k, tl.trans(q)) * scale_log2  # [BK, BQ]
-        acc += tl.exp2(tl.where(keys[:, None] <= queries[None, :], s - lse[None, :], float("-inf")))
+        acc += tl.exp2(tl.where(keys[:, None] <= queries[None, :], s + neg_lse[None, :], float("-inf")))
     for q0 in range(diagonal_end, T, BQ):  # every query after every key of the block
         queries = q0 + o_q
         q = _rows(q_base, queries, queries < T, sq_t, D, BD, UPCAST)
-        lse = tl.load(lse_ptr + queries, mask=queries < T, other=float("inf")) * 1.4426950408889634
-        acc += tl.exp2(dot(k, tl.trans(q)) * scale_log2 - lse[None, :])
+        neg_lse = tl.load(lse_ptr + queries)
+        acc += tl.exp2(dot(k, tl.trans(q)) * scale_log2 + neg_lse[None, :])
     tl.store(MASS + i_bh.to(tl.int64) * T + keys, tl.sum(acc, 1), mask=keys < T)
 
 
@@ -217,12 +219,16 @@ def key_mass(q: Tensor, k: Tensor, lse: Tensor, scale: float, *, block_keys: int
     """
     B, Hq, T, D = q.shape
     q, k = _unit_last(q, k)
-    lse = lse.float().contiguous()
     mass = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     if interpreting():
         block_keys, block_queries = min(block_keys, 16), min(block_queries, 16)
+    # minus the lse in log2 units, padded with -inf to whole query tiles: the pass's loop loads it
+    # without a mask and adds it in the score's FFMA, with no multiply or negation of its own
+    t_pad = cdiv(T, block_queries) * block_queries
+    neg_lse2 = torch.full((B, Hq, t_pad), -math.inf, dtype=torch.float32, device=q.device)
+    neg_lse2[..., :T] = lse.float() * -LOG2E
     launcher(_key_mass_kernel)[(cdiv(T, block_keys), B * Hq)](
-        q, k, lse, mass, *_strides(q), *_strides(k), T, Hq, Hq // k.shape[1], scale * LOG2E,
+        q, k, neg_lse2, mass, *_strides(q), *_strides(k), T, t_pad, Hq, Hq // k.shape[1], scale * LOG2E,
         D=D, BD=pow2(D), BK=block_keys, BQ=block_queries, UPCAST=interpreting(), num_warps=num_warps,
     )
     return mass
