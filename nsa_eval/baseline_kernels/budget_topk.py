@@ -11,7 +11,8 @@ shapes and the keep rule `s > thr or (s == thr and j <= cut)`).
    `narrow` then takes the bin holding the pick;
 3. `_collect_kernel`, the same scores again, which counts those above that bin and writes those within
    it, with their positions, to a per-row buffer of `cap` slots in key order (each tile's slots by one
-   MMA of its 0/1 matrix against a triangle of ones);
+   MMA of its 0/1 matrix against a triangle of ones); the bin within the bracket is an interval of
+   scores, whose ends `pick_bin_ends` finds once a row, so a score takes two compares and no bin;
 4. `_select_kernel`, an exact select over that buffer: a binary search over the scores' bits, by
    per-row counts (ties to the lower position, as a stable sort: `select_in_buffer_reference`).
 A row whose bracket misses (fewer than `picks` above `lo`, more above `hi`) or whose bin holds more than
@@ -194,18 +195,69 @@ def _count_kernel(
 
 
 @triton.jit
-def _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, pick, buf_row, n_above, n_in, upper, CAP,
-                  sink, local, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                  DT: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
-    # one key tile of the collect pass: the candidates above hi or in a bin above the row's pick bin are
-    # counted, those within [lo, hi] in the pick bin written at the row's next slots (buf_row [M]: each
-    # row's first) in key order, as one int64 each: the score's bits above the key's position. MASKED as
+def _key_float(k):
+    # the float32 of an ordered int32 key (`_float_key` undone: the same flip of a negative's bits)
+    return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _least_in_bin(base, inv_w, want, NB: tl.constexpr):
+    # [M, W] float32: the least float32 s whose bin (`_bin`, row m's base and inv_w [M]) is at least
+    # want [M, W] (1..NB-1), +inf where none is (inv_w 0: one bin). A binary search over the ordered
+    # keys of -inf .. +inf (int64 ends: their span overflows int32), which holds because a bin never
+    # falls as the score rises: bin(-inf) is 0 and, for inv_w > 0, bin(+inf) is NB - 1.
+    reaches = inv_w > 0
+    inv_w = tl.where(reaches, inv_w, 1.0)  # no inf * 0 in the search of a row that takes no result
+    lo_key = tl.zeros(want.shape, tl.int64) - 2139095041  # -inf's key
+    hi_key = tl.zeros(want.shape, tl.int64) + 2139095040  # +inf's key
+    for _ in range(32):  # the span of the keys, under 2**32
+        mid = lo_key + (hi_key - lo_key) // 2
+        up = _bin(_key_float(mid.to(tl.int32)), base, inv_w, NB) >= want
+        lo_key = tl.where(up, lo_key, mid)
+        hi_key = tl.where(up, mid, hi_key)
+    return tl.where(reaches[:, None], _key_float(hi_key.to(tl.int32)), float("inf"))
+
+
+@triton.jit
+def _pick_bin_ends_kernel(LO, HI, BASE, INV_W, PICK, A, C, R, BR: tl.constexpr, NB: tl.constexpr):
+    # BR of the R rows a program: `pick_bin_ends`. The pick bin's first score and the next bin's, both
+    # searched at once ([BR, 2])
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_r = o_r < R
+    lo = tl.load(LO + o_r, mask=m_r, other=float("inf"))
+    hi = tl.load(HI + o_r, mask=m_r, other=float("inf"))
+    base = tl.load(BASE + o_r, mask=m_r, other=0.0)
+    inv_w = tl.load(INV_W + o_r, mask=m_r, other=0.0)
+    pick = tl.load(PICK + o_r, mask=m_r, other=-1)
+    first = _least_in_bin(base, inv_w, tl.join(tl.maximum(pick, 1), tl.minimum(pick + 1, NB - 1)), NB)
+    e_pick, e_next = tl.split(first)
+    e_pick = tl.where(pick >= 1, e_pick, float("-inf"))  # bin 0 starts below every score
+    e_next = tl.where(pick + 1 <= NB - 1, e_next, float("inf"))  # no bin above the last
+    hi_key = _float_key(hi)
+    after_hi = _key_float(tl.where(hi_key < 2139095040, hi_key + 1, hi_key))  # the float after hi (or +inf)
+    a = tl.maximum(lo, e_pick)
+    c = tl.minimum(tl.maximum(lo, e_next), after_hi)
+    collected = pick >= 0
+    tl.store(A + o_r, tl.where(collected, a, float("inf")), mask=m_r)
+    tl.store(C + o_r, tl.where(collected, c, float("inf")), mask=m_r)
+
+
+@triton.jit
+def _collect_tile(q, k_base, sk_t, k0, S, pos, a, c, buf_row, n_above, n_in, upper, CAP, sink, local,
+                  D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, MASKED: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    # one key tile of the collect pass: the candidates scoring at least c [M] are counted, those in [a, c)
+    # (the row's pick bin, `pick_bin_ends`) written at the row's next slots (buf_row [M]: each row's
+    # first) in key order, as one int64 each: the score's bits above the key's position. MASKED as
     # `_bracket_tile`.
-    s, o_k, n_above, inside = _bracket_tile(q, k_base, sk_t, k0, S, pos, lo, hi, n_above, sink, local, D, BD,
-                                            BN, MASKED, UPCAST)
-    b = _bin(s, base, inv_w, NB)  # [M, BN]
-    n_above += tl.sum((inside & (b > pick[:, None])).to(tl.int32), 1)
-    inside = inside & (b == pick[:, None])
+    s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, MASKED, UPCAST)
+    above = s >= c[:, None]
+    inside = (s >= a[:, None]) & ~above
+    if MASKED:
+        cand = (o_k >= sink)[None, :] & (o_k[None, :] <= pos[:, None] - local)
+        above = above & cand
+        inside = inside & cand
+    n_above += tl.sum(above.to(tl.int32), 1)
     before = tl.dot(tl.where(inside, 1.0, 0.0).to(DT), upper).to(tl.int32)  # [M, BN] inside, before each
     slot = n_in[:, None] + before
     write = inside & (slot < CAP)
@@ -217,24 +269,21 @@ def _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, pick, buf_ro
 
 @triton.jit
 def _collect_kernel(
-    Q, K, LO, HI, BASE, INV_W, PICK, N_ABOVE, N_IN, BUF,
+    Q, K, A, C, N_ABOVE, N_IN, BUF,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
     TC, t_base, T, S, HQ, G, sink, local, CAP,
     D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
     NB: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Grid (cdiv(TC, BT), B * Hkv) over the queries t_base .. t_base + TC of T. Per row: N_ABOVE, the
-    # candidates scoring above HI or within [LO, HI] in a bin (`_bin`: BASE, INV_W) above PICK, and N_IN,
-    # those within [LO, HI] in bin PICK, the first CAP of them (in key order) written to BUF (int64: score
-    # bits << 32 | position). Row arrays are [B, Hq, TC] and BUF [B, Hq, TC, CAP], contiguous. A row
-    # whose LO is +inf (a row not held to the budget, or not collected) counts nothing.
+    # candidates scoring at least C, and N_IN, those in [A, C) (the pick bin: `pick_bin_ends`), the
+    # first CAP of them (in key order) written to BUF (int64: score bits << 32 | position). Row arrays
+    # are [B, Hq, TC] and BUF [B, Hq, TC, CAP], contiguous. A row whose A and C are +inf (a row not held
+    # to the budget, or not collected) counts nothing.
     DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
-    i_b, i_hk, t0, r_t, m_r, q, pos, row, lo, hi = _bracket_rows(
-        Q, LO, HI, sq_b, sq_h, sq_t, TC, t_base, T, S, HQ, G, D, BD, GP, BT, UPCAST)
+    i_b, i_hk, t0, r_t, m_r, q, pos, row, a, c = _bracket_rows(
+        Q, A, C, sq_b, sq_h, sq_t, TC, t_base, T, S, HQ, G, D, BD, GP, BT, UPCAST)
     buf_row = BUF + row * CAP  # [M]
-    base = tl.load(BASE + row, mask=m_r, other=0.0)
-    inv_w = tl.load(INV_W + row, mask=m_r, other=0.0)
-    pick = tl.load(PICK + row, mask=m_r, other=0)
     o_n = tl.arange(0, BN)
     upper = (o_n[:, None] < o_n[None, :]).to(DT)  # [BN, BN]: key n' comes before key n
     n_above = tl.zeros([BT * GP], tl.int32)
@@ -246,17 +295,17 @@ def _collect_kernel(
     # the tiles in key order, so that the buffer's slots are (ties go to the lower position): the sink's
     # partial tile, the candidates of every row, then the tiles up to the last candidate
     for k0 in range(e1, e2, BN):
-        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, pick, buf_row,
-                                      n_above, n_in, upper, CAP, sink, local, D, BD, BN, NB, DT, True,
+        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, a, c, buf_row, n_above, n_in, upper,
+                                      CAP, sink, local, D, BD, BN, DT, True,
                                       UPCAST)
     for k0 in range(e2, e3, BN):
-        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, pick, buf_row,
-                                      n_above, n_in, upper, CAP, sink, local, D, BD, BN, NB, DT, False,
+        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, a, c, buf_row, n_above, n_in, upper,
+                                      CAP, sink, local, D, BD, BN, DT, False,
                                       UPCAST)
     ends = tl.maximum(tl.maximum(last - local, -1) // BN + 1, 0) * BN
     for k0 in range(e3, ends, BN):
-        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, lo, hi, base, inv_w, pick, buf_row,
-                                      n_above, n_in, upper, CAP, sink, local, D, BD, BN, NB, DT, True,
+        n_above, n_in = _collect_tile(q, k_base, sk_t, k0, S, pos, a, c, buf_row, n_above, n_in, upper,
+                                      CAP, sink, local, D, BD, BN, DT, True,
                                       UPCAST)
     tl.store(N_ABOVE + row, n_above, mask=m_r)
     tl.store(N_IN + row, n_in, mask=m_r)
@@ -399,9 +448,30 @@ def collect(q, k, lo, hi, base, inv_w, pick, *, t_base: int, sink: int, local: i
     n_above = torch.empty(lo.shape, device=q.device, dtype=torch.int32)
     n_in = torch.empty_like(n_above)
     buf = torch.empty(*lo.shape, cap, device=q.device, dtype=torch.int64)
-    _bracket_pass(_collect_kernel, q, k, (lo, hi, base, inv_w, pick.int().contiguous()), (n_above, n_in, buf),
-                  t_base=t_base, sink=sink, local=local, scalars=(cap,))
+    a, c = pick_bin_ends(lo, hi, base, inv_w, pick)
+    _bracket_pass(_collect_kernel, q, k, (a, c), (n_above, n_in, buf), t_base=t_base, sink=sink, local=local,
+                  scalars=(cap,))
     return n_above, n_in, buf
+
+
+def pick_bin_ends(lo, hi, base, inv_w, pick):
+    """Each row's pick bin within its bracket as an interval of scores, for the collect pass.
+
+    lo, hi, base, inv_w `[...]` float32 (a bracket and its bins, `bin_params`), pick `[...]` int (-1: the
+    row is not collected). Returns a, c `[...]` float32: `lo <= s <= hi` and `bin_of(s) == pick` exactly
+    where `a <= s < c`; `s > hi`, or `s >= lo` and `bin_of(s) > pick`, exactly where `s >= c` (each end
+    found by a binary search over the float32 values, which holds since a bin never falls as the score
+    rises); a = c = +inf for a row not collected.
+    """
+    a = torch.empty(lo.shape, device=lo.device, dtype=torch.float32)
+    c = torch.empty_like(a)
+    rows = a.numel()
+    if rows:
+        BR = 1024 if interpreting() else 128
+        launcher(_pick_bin_ends_kernel)[(cdiv(rows, BR),)](
+            lo.float().contiguous(), hi.float().contiguous(), base.float().contiguous(),
+            inv_w.float().contiguous(), pick.int().contiguous(), a, c, rows, BR=BR, NB=NB, num_warps=4)
+    return a, c
 
 
 def _bracket_pass(kernel, q, k, rows, outputs, *, t_base: int, sink: int, local: int, scalars=()):

@@ -34,7 +34,7 @@ def spills_in_loops(cubin):
         label = re.match(r"\s*\.L_x_(\d+):", line)
         if label:
             labels[label.group(1)] = len(code)
-        elif re.match(r"\s+/\*[0-9a-f]{4}\*/", line):
+        elif re.match(r"\s+/\*[0-9a-f]{4,}\*/", line):
             code.append(line)
     loops = [(labels[m.group(1)], i) for i, line in enumerate(code)
              if (m := re.search(r"BRA\s.*\.L_x_(\d+)", line)) and labels.get(m.group(1), i + 1) <= i]
@@ -64,7 +64,7 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             pointers = [p] * 4 + ["*fp32", "*i32", "*i32", "*i32"]
             out[f"fwd selects={selects} G={G} D={D} {name}"] = usage(ba._budget_fwd_kernel, pointers, consts,
                                                                      options)
-        pointers = [p, p, "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*i64"]
+        pointers = [p, p, "*fp32", "*fp32", "*i32", "*i32", "*i64"]
         consts = dict(D=D, BD=pow2(D), NB=bt.NB, **tiles)
         out[f"collect G={G} D={D} {name}"] = usage(bt._collect_kernel, pointers, consts, options)
         pointers = [p, p, "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32"]

@@ -254,6 +254,52 @@ def test_the_count_pass_matches_its_reference():
     assert (bt.bin_of(scores, base, inv_w).diff(dim=-1) >= 0).all()
 
 
+def check_pick_bin_ends(device: str = "cpu"):
+    """Brackets of every kind (finite, open at either end, one bin, ends at zero) and every pick from -1 to
+    NB - 1: `pick_bin_ends`' [a, c) holds exactly the bracket's scores in the pick bin (`bin_of`, the
+    kernel's bin bit for bit), and c starts exactly the scores it counts above. Checked at a and c and the
+    floats just below them (so each is the least such score), the bracket's ends and their neighbours, and
+    random scores over and around the bracket."""
+    g = torch.Generator().manual_seed(8)
+    R = 64
+    lo = torch.randn(R, generator=g) * 4
+    hi = lo + torch.rand(R, generator=g) * 8
+    low, high = lo - 1, hi + 1
+    lo[::7], hi[1::7] = -math.inf, math.inf  # open ends (bins at the stand-ins)
+    hi[2::9] = lo[2::9]  # a bracket of one score: a single bin
+    lo[3], hi[3] = 0.0, 1.0
+    lo[4], hi[4] = -1.0, -0.0
+    base, inv_w = bt.bin_params(lo, hi, low, high)
+    pick = torch.arange(R) % (bt.NB + 1) - 1  # -1 (not collected) to NB - 1
+    lo, hi, base, inv_w, pick = (x.to(device) for x in (lo, hi, base, inv_w, pick.int()))
+    a, c = bt.pick_bin_ends(lo, hi, base, inv_w, pick)
+    assert torch.equal(a[pick < 0], torch.full_like(a[pick < 0], math.inf))
+    assert torch.equal(c[pick < 0], torch.full_like(c[pick < 0], math.inf))
+    below = lambda x: torch.nextafter(x, torch.full_like(x, -math.inf))  # noqa: E731
+    above = lambda x: torch.nextafter(x, torch.full_like(x, math.inf))  # noqa: E731
+    random = lo.nan_to_num(-8, -8, -8)[:, None] + torch.rand(R, 200, generator=g).to(device) * 20 - 2
+    scores = torch.cat([torch.stack([a, below(a), c, below(c), lo, above(lo), hi, above(hi), below(hi)], 1),
+                        random], 1).nan_to_num(0.0, 1e30, -1e30)  # [R, S], finite
+    bins = bt.bin_of(scores, base, inv_w)
+    inside = (scores >= lo[:, None]) & (scores <= hi[:, None])
+    held = pick[:, None] >= 0
+    in_bin = held & inside & (bins == pick[:, None])
+    over = held & ((scores > hi[:, None]) | ((scores >= lo[:, None]) & (bins > pick[:, None])))
+    assert torch.equal((scores >= a[:, None]) & (scores < c[:, None]), in_bin)
+    assert torch.equal(scores >= c[:, None], over)
+    assert in_bin[:, 0].sum() > R // 2 and over[:, 2].sum() > R // 2  # a and c are mostly scores of their own
+
+
+@interpreter_only
+def test_the_pick_bins_ends_hold_exactly_its_scores():
+    check_pick_bin_ends()
+
+
+@pytest.mark.gpu
+def test_gpu_pick_bins_ends_hold_exactly_its_scores():
+    check_pick_bin_ends("cuda")
+
+
 @pytest.mark.exhaustive
 @interpreter_only
 def test_no_row_fails_on_gaussian_scores():
