@@ -223,6 +223,12 @@ def _float_key(x):
 
 
 @triton.jit
+def _key_float(key):
+    # the float32 of an ordered int32 key: `_float_key` undone (the same flip of a negative's bits)
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _split_reach(reach, CB: tl.constexpr):
     # a packed row sum -> (the weight, the entries): CB low bits count the entries (CB = 0: unit weights)
     if CB > 0:

@@ -46,6 +46,7 @@ from .budget_attention import (
     _config,
     _float_key,
     _grouped_scores,
+    _key_float,
     _kth_key,
     _load_queries,
     _s,
@@ -195,12 +196,6 @@ def _count_kernel(
 
 
 @triton.jit
-def _key_float(k):
-    # the float32 of an ordered int32 key (`_float_key` undone: the same flip of a negative's bits)
-    return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _least_in_bin(base, inv_w, want, NB: tl.constexpr):
     # [M, W] float32: the least float32 s whose bin (`_bin`, row m's base and inv_w [M]) is at least
     # want [M, W] (1..NB-1), +inf where none is (inv_w 0: one bin). A binary search over the ordered
@@ -208,8 +203,8 @@ def _least_in_bin(base, inv_w, want, NB: tl.constexpr):
     # falls as the score rises: bin(-inf) is 0 and, for inv_w > 0, bin(+inf) is NB - 1.
     reaches = inv_w > 0
     inv_w = tl.where(reaches, inv_w, 1.0)  # no inf * 0 in the search of a row that takes no result
-    lo_key = tl.zeros(want.shape, tl.int64) - 2139095041  # -inf's key
-    hi_key = tl.zeros(want.shape, tl.int64) + 2139095040  # +inf's key
+    lo_key = _float_key(tl.full(want.shape, float("-inf"), tl.float32)).to(tl.int64)
+    hi_key = _float_key(tl.full(want.shape, float("inf"), tl.float32)).to(tl.int64)
     for _ in range(32):  # the span of the keys, under 2**32
         mid = lo_key + (hi_key - lo_key) // 2
         up = _bin(_key_float(mid.to(tl.int32)), base, inv_w, NB) >= want
@@ -234,7 +229,7 @@ def _pick_bin_ends_kernel(LO, HI, BASE, INV_W, PICK, A, C, R, BR: tl.constexpr, 
     e_pick = tl.where(pick >= 1, e_pick, float("-inf"))  # bin 0 starts below every score
     e_next = tl.where(pick + 1 <= NB - 1, e_next, float("inf"))  # no bin above the last
     hi_key = _float_key(hi)
-    after_hi = _key_float(tl.where(hi_key < 2139095040, hi_key + 1, hi_key))  # the float after hi (or +inf)
+    after_hi = _key_float(tl.where(hi < float("inf"), hi_key + 1, hi_key))  # the float after hi (or +inf)
     a = tl.maximum(lo, e_pick)
     c = tl.minimum(tl.maximum(lo, e_next), after_hi)
     collected = pick >= 0
@@ -273,7 +268,7 @@ def _collect_kernel(
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
     TC, t_base, T, S, HQ, G, sink, local, CAP,
     D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-    NB: tl.constexpr, UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # Grid (cdiv(TC, BT), B * Hkv) over the queries t_base .. t_base + TC of T. Per row: N_ABOVE, the
     # candidates scoring at least C, and N_IN, those in [A, C) (the pick bin: `pick_bin_ends`), the
@@ -407,7 +402,7 @@ def count(q, k, lo, hi, base, inv_w, *, t_base: int, sink: int, local: int):
     n_above = torch.empty(lo.shape, device=q.device, dtype=torch.int32)
     hist = torch.empty(*lo.shape, NB, device=q.device, dtype=torch.int32)
     _bracket_pass(_count_kernel, q, k, (lo, hi, base, inv_w), (n_above, hist), t_base=t_base, sink=sink,
-                  local=local)
+                  local=local, NB=NB)
     return n_above, hist
 
 
@@ -474,10 +469,11 @@ def pick_bin_ends(lo, hi, base, inv_w, pick):
     return a, c
 
 
-def _bracket_pass(kernel, q, k, rows, outputs, *, t_base: int, sink: int, local: int, scalars=()):
+def _bracket_pass(kernel, q, k, rows, outputs, *, t_base: int, sink: int, local: int, scalars=(), **consts):
     """Launch the count or collect kernel over the queries `t_base .. t_base + Tc` of q `[B, Hq, T, D]` (k
     `[B, Hkv, S, D]`): its row arrays `rows` `[B, Hq, Tc]` (floats as float32; others as they are) and
-    `outputs` first, then the shapes and `scalars`, on the attention's tiles."""
+    `outputs` first, then the shapes and `scalars`, on the attention's tiles; `consts`: the kernel's own
+    constexprs."""
     B, HQ, T, D = q.shape
     HKV, S = k.shape[1], k.shape[2]
     Tc = rows[0].shape[2]
@@ -486,7 +482,7 @@ def _bracket_pass(kernel, q, k, rows, outputs, *, t_base: int, sink: int, local:
     rows = [(x.float() if x.is_floating_point() else x).contiguous() for x in rows]
     launcher(kernel)[(cdiv(Tc, cfg["BT"]), B * HKV)](
         q, k, *rows, *outputs, *_s(q), *_s(k), Tc, t_base, T, S, HQ, G, sink, local, *scalars,
-        D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], NB=NB, UPCAST=interpreting(),
+        D=D, BD=pow2(D), GP=cfg["GP"], BT=cfg["BT"], BN=cfg["BN"], UPCAST=interpreting(), **consts,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

@@ -65,7 +65,7 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             out[f"fwd selects={selects} G={G} D={D} {name}"] = usage(ba._budget_fwd_kernel, pointers, consts,
                                                                      options)
         pointers = [p, p, "*fp32", "*fp32", "*i32", "*i32", "*i64"]
-        consts = dict(D=D, BD=pow2(D), NB=bt.NB, **tiles)
+        consts = dict(D=D, BD=pow2(D), **tiles)
         out[f"collect G={G} D={D} {name}"] = usage(bt._collect_kernel, pointers, consts, options)
         pointers = [p, p, "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32"]
         consts = dict(D=D, BD=pow2(D), NB=bt.NB, **tiles)
