@@ -279,7 +279,8 @@ def decode_step(model, cache, token: torch.Tensor) -> torch.Tensor:
 
 def graph_replay_ms(model, cache, token: torch.Tensor, steps: int) -> float | None:
     """GPU ms of one decode step whose `cache` captured its decode graph: the graph (and, for an NSA model,
-    the output head) replayed `steps` times back to back, so the host never holds the GPU up. None where
+    the output head) replayed `steps` times back to back, so the host never holds the GPU up; for NSA the
+    graph of the steps that complete no compressed block (15 of 16 at the paper's stride). None where
     the cache holds no graph. The replays advance the cache's device position only: the cache is spent
     afterwards, and it must have room for `steps` more tokens."""
     from nsa_eval.methods import StaticDecodeCache

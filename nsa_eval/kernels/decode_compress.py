@@ -1,8 +1,8 @@
 """The compression part of a decode step in two Triton launches around the compressor's MLP.
 
-When a decode token completes a compressed block (and, on the GPU, at every step: the spare row takes
-the block otherwise, so the step is the same launches), the block's `l` inputs are read from the ring
-of compression inputs, compressed, normed, rotated and written into the compressed cache
+When a decode token completes a compressed block (the fused step knows which steps do from the host's
+length, `NSACache.completes_block`, and captures a graph for each kind), the block's `l` inputs are read
+from the ring of compression inputs, compressed, normed, rotated and written into the compressed cache
 (`NSACache.compress_token`, `NSAAttention.compress`): about twenty small launches in torch.
 `block_inputs` gathers the block from the ring with the intra-block position embedding added (the MLP's
 input) or its mean (`"mean"`), one launch for keys and values; `write_block` applies the optional

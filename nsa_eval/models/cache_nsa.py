@@ -7,7 +7,8 @@ Per layer it keeps, each with room for `capacity` tokens (`capacity_cmp` compres
   `window > 0`) for the last `window` tokens only, token `p` in row `p % window`: the branch reads no
   older one;
 - `k_cmp`, `v_cmp` `[B, capacity_cmp + 1, Hkv, D]`: compressed blocks, block `i` in row `i`; the last
-  row is a spare that a decode step writes when its token completes no block (so the step has no branch);
+  row is a spare that the unfused decode step writes when its token completes no block (so that step
+  has no branch);
 - `k_cmp_in`, `v_cmp_in` `[B, block_len, Hkv, D]`: the compression inputs of the last `block_len`
   tokens, token `p` in row `p % block_len`, from which a decode step compresses the block its token
   completes.
@@ -17,10 +18,12 @@ compressed blocks' `1 / stride` of that, and a fixed `window + block_len` tokens
 (`nbytes`, `docs/models.md`).
 
 The buffers are preallocated and written in place, so a decode step is the same launches at the same
-addresses every time: the model replays it from a CUDA graph (`decode_graph.py`). The position of the
-next token lives twice: `length` on the host (shapes, statistics) and `position` `[1]` int64 on the
-device (what a replayed step reads and advances). Capacity grows in steps of `CAPACITY_STEP` tokens;
-growing copies the buffers (and drops any captured graph); the rings never grow.
+addresses every time: the model replays it from a CUDA graph (`decode_graph.py`), one graph for the
+steps whose token completes a compressed block and one for the others (`completes_block`: the others
+skip the compressor). The position of the next token lives twice: `length` on the host (shapes,
+statistics, which graph) and `position` `[1]` int64 on the device (what a replayed step reads and
+advances). Capacity grows in steps of `CAPACITY_STEP` tokens; growing copies the buffers (and drops
+the captured graphs); the rings never grow.
 
 Every row of the batch has the same length: the NSA model does not take padded batches (the lm-eval
 adapter generates row by row instead).
@@ -115,8 +118,21 @@ class NSACache:
         self.length = 0  # tokens written (after the forward in flight, if any)
         self.capacity = 0
         self.position: torch.Tensor | None = None  # int64 [1]: the next token's position, on the device
-        self.decode_graph = None  # the model's captured decode step over these buffers, if any
+        # the model's captured decode steps over these buffers, by whether the step completes a block
+        self.decode_graphs: dict[bool, object] = {}
         self._steps: dict[tuple[int, torch.device], DecodeStep] = {}  # `step`'s, for the forward in flight
+
+    @property
+    def decode_graph(self):
+        """The captured step that completes no block (15 of every 16 at the paper's stride), else the
+        other one, else None."""
+        return self.decode_graphs.get(False, self.decode_graphs.get(True))
+
+    def completes_block(self, t: int = 0) -> bool:
+        """Whether the forward's token `t` (position `length + t`) completes a compressed block, from the
+        host's length: the block of `block_len` tokens ending there starts at a multiple of `stride`."""
+        start = self.length + t + 1 - self.block_len
+        return start >= 0 and start % self.stride == 0
 
     # ---- what transformers reads
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -148,7 +164,7 @@ class NSACache:
             return
         old_cmp = self.capacity_cmp
         self.capacity = round_capacity(length)
-        self.decode_graph = None  # it captured the old buffers' addresses
+        self.decode_graphs = {}  # they captured the old buffers' addresses
         n_cmp = self.capacity_cmp + 1  # + the spare row
         for layer in self.layers:
             for name in ("k", "v"):

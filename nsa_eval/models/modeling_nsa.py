@@ -382,8 +382,8 @@ class NSAAttention(nn.Module):
 
         What `forward` computes for T = 1 after a prompt, within rounding: one GEMM for every projection
         (`decode_weight`), one `decode_inputs` launch for RoPE, the gates and the cache writes, the block
-        the token completes compressed around two launches (`_compress_token`), then nsa_decode as the
-        unfused step runs it.
+        the token completes compressed around two launches (`_compress_token`; skipped when the host's
+        length says the token completes none), then nsa_decode as the unfused step runs it.
         """
         B = x.shape[0]
         shared = LayerShared() if shared is None else shared
@@ -401,7 +401,8 @@ class NSAAttention(nn.Module):
             k_swa=layer.k_swa, v_swa=layer.v_swa, window_row=where.window_row,
             shared_kv=self.config.shared_kv, rope_cmp_in=self.config.compression == "mean",
             gate_swa=self.config.window > 0)
-        self._compress_token(layer, where, shared)
+        if cache.completes_block():
+            self._compress_token(layer, where, shared)
         o, count = self._attend(q, g_cmp, g_slc, g_swa, layer, cache, where, 0)  # [B, 1, Hq, Dv]
         if self.counts_selected_blocks:
             self.selected_tokens = count  # [B, 1, Hkv]
@@ -729,16 +730,18 @@ class NSAModel(NSAPreTrainedModel):
         rows_at_once = max(1, PREFILL_TOKENS // T)
         if past and T == 1 and self._graph_ready(device):
             x = embed()  # [B, 1, C]
-            if cache.decode_graph is None:  # this step runs eagerly (it loads the kernels), then is captured
+            kind = cache.completes_block()  # the step with the compressor, or the one without
+            graph = cache.decode_graphs.get(kind)
+            if graph is None:  # this step runs eagerly (it loads the kernels), then is captured
                 hidden, selected = self._step(x, cache)
                 try:
-                    cache.decode_graph = DecodeGraph(lambda h: self._step(h, cache), x)
+                    cache.decode_graphs[kind] = DecodeGraph(lambda h: self._step(h, cache), x)
                 except RuntimeError as error:  # this step's answer stands; later steps run eagerly
                     warnings.warn("NSA decode steps run eagerly: capturing one as a CUDA graph failed "
                                   f"({error})", stacklevel=2)
                     self.decode_cuda_graph = False
             else:
-                hidden, selected = cache.decode_graph(x)
+                hidden, selected = graph(x)
             hidden = hidden.clone()  # the graph's output buffer is overwritten by the next step
         elif cache is not None and not past and B > rows_at_once and not torch.is_grad_enabled():
             hidden, selected = self._prefill_in_groups(embed, cache, rows_at_once)
@@ -916,11 +919,13 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
                     break
                 finally:
                     k = v = k_cmp = v_cmp = None
-            if self.model.fuse_decode:  # the fused step's own launches, after a throwaway one-block prompt
-                with self.attention_stats_paused():
-                    ids = torch.zeros(B, c.block_len + 1, dtype=torch.long, device=param.device)
-                    cache = getattr(self(ids[:, :-1], use_cache=True), CACHE_FIELD)
-                    self(ids[:, -1:], cache=cache)
+            if self.model.fuse_decode:  # the fused step's own launches after a throwaway prompt: the step
+                with self.attention_stats_paused():  # that completes the first block, then one that does not
+                    prompt = max(c.block_len - 1, 1)
+                    ids = torch.zeros(B, prompt + 2, dtype=torch.long, device=param.device)
+                    cache = getattr(self(ids[:, :prompt], use_cache=True), CACHE_FIELD)
+                    for t in (prompt, prompt + 1):
+                        self(ids[:, t : t + 1], cache=cache)
 
     def forward(
         self,

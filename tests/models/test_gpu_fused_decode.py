@@ -32,7 +32,10 @@ def test_fused_steps_equal_unfused_steps_at_the_1b_shape(layout):
     torch.testing.assert_close(tri, ref, atol=0.05, rtol=0.02)
     for a, b in zip(cache.layers, ref_cache.layers, strict=True):
         for name in a.tensors():
-            torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=0.02, rtol=0.02, msg=name)
+            x, y = getattr(a, name), getattr(b, name)
+            if name in ("k_cmp", "v_cmp"):  # the spare row, which only the unfused step writes
+                x, y = x[:, :-1], y[:, :-1]
+            torch.testing.assert_close(x, y, atol=0.02, rtol=0.02, msg=name)
 
 
 def test_graphed_fused_generate_picks_the_eager_unfused_tokens():
@@ -54,9 +57,10 @@ def test_graphed_fused_generate_picks_the_eager_unfused_tokens():
 
 
 def test_the_fused_step_is_what_the_graph_replays():
-    """A CUDA model's decode forward takes the fused layers, and its graph replays them."""
+    """A CUDA model's decode forward takes the fused layers, and its graphs replay them: one for the steps
+    that complete a compressed block (position 1007 here) and one for the others."""
     model = build(torch.bfloat16, **ONE_B)
     ids = torch.randint(0, 97, (1, 1010), device="cuda")
     logits, cache = decode(model, ids, 1000, graph=True)
-    assert cache.decode_graph is not None
+    assert set(cache.decode_graphs) == {False, True}
     assert all(layer.attn._decode_weight is not None for layer in model.model.layers)
