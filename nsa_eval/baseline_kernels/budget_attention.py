@@ -80,10 +80,11 @@ def _config(G: int, dtype: torch.dtype) -> dict:
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _tile_scores(q, k_base, sk_t, k0, S, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                 MASKED: tl.constexpr, UPCAST: tl.constexpr):
+                 MASKED: tl.constexpr, UPCAST: tl.constexpr, bias=None):
     # raw q . k of the key tile [k0, k0 + BN): s [M, BN] float32, positions [BN]. MASKED: keys past S
-    # read as 0 (a tile that may cross S). The one score product of every kernel here, so that the
-    # collect pass and the attention agree bit for bit
+    # read as 0 (a tile that may cross S). bias: [M, BN] float32, the product's starting sum (0 leaves
+    # a score as without it). The one score product of every kernel here, so that the collect pass and
+    # the attention agree bit for bit
     o_k = k0 + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     ptrs = k_base + o_k[:, None].to(tl.int64) * sk_t + o_d[None, :]
@@ -95,7 +96,7 @@ def _tile_scores(q, k_base, sk_t, k0, S, D: tl.constexpr, BD: tl.constexpr, BN: 
         k = tl.load(ptrs)
     if UPCAST:
         k = k.to(tl.float32)
-    return dot(q, tl.trans(k)), o_k
+    return dot(q, tl.trans(k), bias), o_k
 
 
 @triton.jit

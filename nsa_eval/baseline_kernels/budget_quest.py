@@ -25,8 +25,11 @@ its earliest candidates. Three steps:
    Rows not held get every bit and cut INT_MAX.
 3. `_quest_fwd_kernel`: the attention of `budget_attention.py`'s tile ranges, whose candidate tiles
    are a gather list (`_plan_kernel`, which also counts the kept keys from the masks): the key tiles
-   holding a page some row of the program keeps (the union over its BT positions x G heads), each
-   masked per row by one small MMA of the rows' page bits against the tile's page slots.
+   holding a page some row of the program keeps (the union over its BT positions x G heads). Each
+   tile's scores start from a bias of one small MMA of the rows' page bits against the tile's pages
+   (-2^100 at the keys of pages a row does not keep whole: their probabilities are exactly 0), and each
+   row's cut page joins a key at a time; programs of few candidate tiles mask each tile per row by one
+   small MMA against the tile's page slots instead.
 
 Why a union per program and not a list per row: a row's kept pages differ from its neighbours', and a
 tensor-core product needs rows that share a key tile. Per row, the 1,920 chosen keys of a query cost
@@ -56,6 +59,7 @@ from nsa_eval.kernels._triton_utils import (
     interpreting,
     launcher,
     online_softmax_step,
+    online_softmax_step_full,
     pow2,
     softmax_start,
 )
@@ -89,6 +93,11 @@ QUEST_BITS_BYTES = 64 << 20
 # `_quest_fwd_kernel`'s key tile beside `BUDGET_CONFIG`'s rows (its warps and stages where the
 # autotuner does not choose: float32, the interpreter, `tiles`)
 QUEST_CONFIG = dict(BN=64, num_warps=4, num_stages=2)
+# From this many candidate tiles a program keeps their whole pages without a mask and pays for its cut
+# pages once: sm_90, the 1B shape in bf16, a tile takes 437 instructions a thread (`_page_bias`) against
+# 589 (`_slot_keep`) on Triton 3.6, 418 against 491 on 3.8, and the cut pages 16 steps of about 410:
+# even at 43 tiles on 3.6, 92 on 3.8
+QUEST_BIAS_MIN_TILES = 64
 # `_plan_kernel`: mask words a step (sm_90, 64 rows a program: 16 spill to local memory, all 128 of a
 # 64k row 6,620 local loads and stores a program)
 PLAN_WORDS = 8
@@ -400,11 +409,55 @@ def _slot_keep(k0, bits_row, m_r, cut, slots, BN: tl.constexpr, PS: tl.constexpr
     return val >= need[:, None].to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["SIZE"])  # SIZE keys the autotuner, not a compile (16 at 32k)
+@triton.jit
+def _page_bias(k0, bits_row, m_r, cut, pages, PS: tl.constexpr, DT: tl.constexpr):
+    # [M, BN] float32 of a candidate tile aligned with its pages: 0 at the keys of the pages a row keeps
+    # whole (marked, and not its cut page), -2^100 elsewhere, by one MMA of the rows' page weights [M,
+    # 16] against `pages` (1 at slot i's keys): each key sums its page's weight and zeros, exactly. As the
+    # scores' starting sum it leaves a kept score as it was and takes a dropped one to -2^100, whose
+    # probability is exactly 0 once the row's max is a real score (every row has some: its own position)
+    pg0 = k0 // PS
+    word = tl.load(bits_row + pg0 // 32, mask=m_r, other=0) >> (pg0 % 32)  # [M] slot i: bit i
+    o_i = tl.arange(0, 16)
+    whole = (((word[:, None] >> o_i[None, :]) & 1) != 0) & ((pg0 + o_i)[None, :] != (cut // PS)[:, None])
+    return dot(tl.where(whole, 0.0, -1.2676506002282294e30).to(DT), pages)  # -2^100: exact in bf16
+
+
+@triton.jit
+def _cut_page_keys(q, k_base, v_base, sk_t, sv_t, cut, rows, e2, e3, m_i, l_i, acc, scale_log2,
+                   D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PS: tl.constexpr):
+    # The kept keys of the cut pages that `_page_bias` left out: for each of `rows` [M], the keys of its
+    # cut page up to the cut that lie in the candidate tiles [e2, e3) (the masked tiles keep their own),
+    # one key a step for every row at once (each row reads its own page), into the online softmax as
+    # `online_softmax_step` takes them (q . k summed on the CUDA cores, p not rounded to the values'
+    # dtype: the output moves within float32 rounding, the kept set not at all)
+    o_d = tl.arange(0, BD)
+    o_v = tl.arange(0, BDV)
+    qf = q.to(tl.float32)
+    c0 = cut // PS * PS  # [M] the cut page's first key
+    for j in range(PS):
+        key = c0 + j
+        kept = rows & (key <= cut) & (key >= e2) & (key < e3)  # [M]
+        k = tl.load(k_base + key[:, None].to(tl.int64) * sk_t + o_d[None, :],
+                    mask=kept[:, None] & (o_d < D)[None, :], other=0.0).to(tl.float32)  # [M, BD]
+        s = tl.where(kept, tl.sum(qf * k, 1), float("-inf"))  # [M]
+        m_new = tl.maximum(m_i, s * scale_log2)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s * scale_log2 - m_safe)
+        v = tl.load(v_base + key[:, None].to(tl.int64) * sv_t + o_v[None, :],
+                    mask=kept[:, None] & (o_v < DV)[None, :], other=0.0).to(tl.float32)  # [M, BDV]
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["bias_min", "SIZE"])  # SIZE keys the autotuner, not a compile (16 at 32k)
 def _quest_fwd_kernel(
     Q, K, V, O, BITS, CUT, LIST, NLIST,
     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-    T, S, HQ, G, sink, local, W, LW, scale_log2, SIZE,
+    T, S, HQ, G, sink, local, W, LW, scale_log2, bias_min, SIZE,
     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, GP: tl.constexpr,
     BT: tl.constexpr, BN: tl.constexpr, PS: tl.constexpr, ONE_WORD: tl.constexpr, SLOTS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -412,8 +465,11 @@ def _quest_fwd_kernel(
     # Grid (cdiv(T, BT), B * Hkv), as `_budget_fwd_kernel`. BITS `[B, Hq, T, W]` int32 and CUT `[B, Hq,
     # T]` int32 (contiguous): `_page_select_kernel`'s; LIST, NLIST: `_plan_kernel`'s, which counts the
     # kept keys too. ONE_WORD: a key tile's pages lie in one word of the mask (BN divides 32 * PS); SLOTS:
-    # and a candidate tile's pages are aligned with it, at most 16 (`_slot_keep`), else the candidate
-    # tiles take `_quest_keep`. SIZE (S's bit length) only keys the autotuner (`_quest_fwd`).
+    # and a candidate tile's pages are aligned with it, at most 16, else the candidate tiles take
+    # `_quest_keep`. With SLOTS a program of `bias_min` candidate tiles or more keeps their whole pages
+    # by the scores' starting sum (`_page_bias`) and its rows' cut pages a key at a time
+    # (`_cut_page_keys`); one of fewer masks each tile (`_slot_keep`). SIZE (S's bit length) only keys
+    # the autotuner (`_quest_fwd`).
     DT: tl.constexpr = tl.float32 if UPCAST else tl.bfloat16
     i_b, i_hk, t0, o_r, r_t, m_r = group_rows(T, HQ, G, GP, BT)
     q, i_h = _load_queries(Q, i_b, i_hk, o_r, r_t, m_r, 0, sq_b, sq_h, sq_t, G, GP, D, BD, UPCAST)
@@ -434,16 +490,36 @@ def _quest_fwd_kernel(
         m_i, l_i, acc = _dense_tile(q, k_base, v_base, sk_t, sv_t, k0, S, m_i, l_i, acc, scale_log2, D, DV,
                                     BD, BDV, BN, UPCAST)
     prog = (i_b * (HQ // G) + i_hk) * tl.num_programs(0) + tl.program_id(0)
+    n_cand = tl.load(NLIST + prog)  # the candidate tiles holding a page some row keeps
     slots = _page_slots(BN, PS, DT)
-    for i in range(0, tl.load(NLIST + prog)):  # the candidate tiles holding a page some row keeps
-        k0 = tl.load(LIST + prog * LW + i)
-        s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST)
-        if SLOTS:
-            keep = _slot_keep(k0, bits_row, m_r, cut, slots, BN, PS, DT)
-        else:
+    if SLOTS:
+        if n_cand >= bias_min:  # the pages kept whole through the scores' starting sum, then the cut pages
+            pages = (slots != 0).to(DT)  # [16, BN] 1 at slot i's keys
+            for i in range(0, n_cand):
+                k0 = tl.load(LIST + prog * LW + i)
+                bias = _page_bias(k0, bits_row, m_r, cut, pages, PS, DT)
+                s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST, bias)
+                v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
+                m_i, l_i, acc = online_softmax_step_full(s, v, m_i, l_i, acc, scale_log2)
+            c_pg = cut // PS
+            held = m_r & (cut < 2147483647)
+            marked = (tl.load(bits_row + c_pg // 32, mask=held, other=0) >> (c_pg % 32)) & 1
+            m_i, l_i, acc = _cut_page_keys(q, k_base, v_base, sk_t, sv_t, cut, held & (marked != 0), e2, e3,
+                                           m_i, l_i, acc, scale_log2, D, DV, BD, BDV, PS)
+        else:  # few: each tile masked by `_slot_keep`
+            for i in range(0, n_cand):
+                k0 = tl.load(LIST + prog * LW + i)
+                s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST)
+                keep = _slot_keep(k0, bits_row, m_r, cut, slots, BN, PS, DT)
+                v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
+                m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
+    else:
+        for i in range(0, n_cand):
+            k0 = tl.load(LIST + prog * LW + i)
+            s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST)
             keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
-        v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
-        m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
+            v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
+            m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
     for i in range(0, (e2 - e1) + (e4 - e3) + (end - e5), BN):  # the tiles that take the whole test
         k0 = _masked_start(i, e1, e2, e3, e4, e5)
         s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, True, UPCAST)
@@ -471,6 +547,7 @@ def _quest_config(G: int, dtype: torch.dtype, tiles: dict | None = None) -> dict
     """`_config`'s rows with `QUEST_CONFIG`'s (or `tiles`') key tile, warps and stages (not under the
     interpreter, whose small tiles stay)."""
     cfg = _config(G, dtype)
+    cfg["bias_min"] = 0 if interpreting() else QUEST_BIAS_MIN_TILES  # interpreted: the tests take it
     if not interpreting():
         cfg.update(QUEST_CONFIG if tiles is None else tiles)
         if dtype == torch.float32:
@@ -556,7 +633,8 @@ def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int
         qs, os_ = q[:, :, l0:l0 + L], o[:, :, l0:l0 + L]
         grid = (cdiv(L, cfg["BT"]), B * HKV)
         args = (qs, k, v, os_, bits, cut, lists, n_list, *_s(qs), *_s(k), *_s(v), *_s(os_), L, Sl, HQ, G,
-                sink, local, W, lists.shape[-1], scale * LOG2E, Sl.bit_length())
+                sink, local, W, lists.shape[-1], scale * LOG2E, cfg.get("bias_min", QUEST_BIAS_MIN_TILES),
+                Sl.bit_length())
         dims = dict(D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], BT=cfg["BT"], BN=BN, PS=ps,
                     ONE_WORD=one_word, SLOTS=slots, UPCAST=interpreting())
         if tiles is None and not interpreting() and q.dtype != torch.float32:

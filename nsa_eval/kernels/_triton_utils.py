@@ -281,17 +281,18 @@ def softmax_start(M: tl.constexpr, BDV: tl.constexpr):
 
 
 @triton.jit
-def dot(a, b):
-    # a @ b for the forwards' scores and P @ V. float32 operands (float32 inputs; any input under the
-    # interpreter, which ignores the precision) take three tf32 passes, ~float32 accuracy: Triton's
-    # default, one tf32 pass (10-bit mantissa), moves scores and outputs by ~1e-3, enough to reorder
-    # nearly tied block importances and to leave a float32 model's logits 1e-2 off the float32
-    # reference after a few layers. 16-bit operands multiply exactly either way. The backward kernels
-    # keep one pass (`tl.dot`): at their tiles three passes need more shared memory than Hopper has.
+def dot(a, b, acc=None):
+    # a @ b (+ acc, float32, the product's starting sum) for the forwards' scores and P @ V. float32
+    # operands (float32 inputs; any input under the interpreter, which ignores the precision) take three
+    # tf32 passes, ~float32 accuracy: Triton's default, one tf32 pass (10-bit mantissa), moves scores and
+    # outputs by ~1e-3, enough to reorder nearly tied block importances and to leave a float32 model's
+    # logits 1e-2 off the float32 reference after a few layers. 16-bit operands multiply exactly either
+    # way. The backward kernels keep one pass (`tl.dot`): at their tiles three passes need more shared
+    # memory than Hopper has.
     if a.dtype == tl.float32:
-        out = tl.dot(a, b, input_precision="tf32x3")
+        out = tl.dot(a, b, acc, input_precision="tf32x3")
     else:
-        out = tl.dot(a, b)
+        out = tl.dot(a, b, acc)
     return out
 
 

@@ -273,13 +273,18 @@ def test_controller_fast_prefill_matches_its_chunked_path(case):
 
 @interpreter_only
 @pytest.mark.parametrize("select", ["triton", pytest.param("torch", marks=pytest.mark.exhaustive)])
-@pytest.mark.parametrize("one_word", [True, False])
-def test_kernel_counts_and_outputs_against_the_masks(one_word, select, monkeypatch):
-    """The kernel applies the masks' rule (both ways of reading the mask), over several launches and
-    selection steps."""
+@pytest.mark.parametrize("reading", ["bias", "slots", "words"])
+def test_kernel_counts_and_outputs_against_the_masks(reading, select, monkeypatch):
+    """The kernel applies the masks' rule (each way of reading the mask: whole pages through the scores'
+    starting sum and the cut pages a key at a time, as programs of many candidate tiles do; per tile by
+    the page slots' MMA, as those of few do; per key, as GPU tiles do for pages under BN / 32 keys), over
+    several launches and selection steps."""
     B, Hq, Hkv, T, S, D, dtype, sink, local, budget, page = CASES[1]
     q, k, v = qkv(B, Hq, Hkv, T, S, D, dtype, seed=2)
-    if not one_word:  # the word-per-key reading, which GPU tiles take for pages under BN / 32 keys
+    if reading == "slots":  # every program under the threshold (the interpreter's is 0)
+        config = bq._quest_config
+        monkeypatch.setattr(bq, "_quest_config", lambda *a, **kw: {**config(*a, **kw), "bias_min": 1 << 30})
+    if reading == "words":
         tiles = dict(BT=4, GP=4, BN=256, num_warps=4, num_stages=1)  # 256 keys: 64 pages of 4, 2 words
         monkeypatch.setattr(bq, "_config", lambda G, dtype: tiles)
     o, counts, kv_read = bq.quest_attention(q, k, v, scale=D**-0.5, sink=sink, local=local, budget=budget,
