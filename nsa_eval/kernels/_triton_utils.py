@@ -121,8 +121,12 @@ def contiguous(*tensors):
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether Hopper's tensor memory accelerator (TMA) can copy tiles of these `[B, T, H, D]` tensors:
     on a GPU of compute capability 9.0 or later (or in Triton's interpreter), with unit stride in the
-    head dim and a 16-byte-aligned base and strides (TMA's rows start on 16 bytes)."""
+    head dim and a 16-byte-aligned base and strides (TMA's rows start on 16 bytes), none of them empty
+    (a descriptor needs every dimension positive: a prompt shorter than a compression block has no
+    compressed keys)."""
     for t in tensors:
+        if t.numel() == 0:
+            return False
         if t.is_cuda and _capability_major(t.get_device()) < 9:
             return False
         if not t.is_cuda and not interpreting():

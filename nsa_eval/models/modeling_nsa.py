@@ -920,8 +920,8 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
                 finally:
                     k = v = k_cmp = v_cmp = None
             if self.model.fuse_decode:  # the fused step's own launches after a throwaway prompt: the step
-                with self.attention_stats_paused():  # that completes the first block, then one that does not
-                    prompt = max(c.block_len - 1, 1)
+                with self.attention_stats_paused():  # that completes the second block, then one that does not
+                    prompt = c.block_len + c.stride - 1
                     ids = torch.zeros(B, prompt + 2, dtype=torch.long, device=param.device)
                     cache = getattr(self(ids[:, :prompt], use_cache=True), CACHE_FIELD)
                     for t in (prompt, prompt + 1):

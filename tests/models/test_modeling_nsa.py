@@ -54,6 +54,20 @@ def test_prefill_equals_step_by_step_decode(layout):
             torch.testing.assert_close(inc, full, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_kernels_take_prompts_shorter_than_a_compression_block(layout):
+    """A prompt of fewer than block_len tokens has no compressed key: through the Triton kernels (here in
+    Triton's interpreter, where TMA descriptors are built as on sm_90) its logits are the reference's."""
+    model = build(layout)
+    ids = torch.randint(0, 97, (2, model.config.block_len - 1))
+    with torch.no_grad():
+        reference = model(ids, use_cache=False).logits
+        model.config.kernel_impl = "triton"
+        for T in (1, ids.shape[1]):
+            torch.testing.assert_close(model(ids[:, :T], use_cache=False).logits, reference[:, :T],
+                                       atol=2e-5, rtol=1e-4)
+
+
 def test_a_forward_computes_its_rotary_tables_once_for_every_layer():
     """A prefill and a decode step compute cos/sin once for the tokens and once for the compressed blocks,
     whatever the number of layers (on the GPU each is a handful of kernels a step)."""
