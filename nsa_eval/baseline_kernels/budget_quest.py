@@ -414,8 +414,9 @@ def _page_bias(k0, bits_row, m_r, cut, pages, PS: tl.constexpr, DT: tl.constexpr
     # [M, BN] float32 of a candidate tile aligned with its pages: 0 at the keys of the pages a row keeps
     # whole (marked, and not its cut page), -2^100 elsewhere, by one MMA of the rows' page weights [M,
     # 16] against `pages` (1 at slot i's keys): each key sums its page's weight and zeros, exactly. As the
-    # scores' starting sum it leaves a kept score as it was and takes a dropped one to -2^100, whose
-    # probability is exactly 0 once the row's max is a real score (every row has some: its own position)
+    # scores' starting sum it leaves a kept score as it was and takes a dropped one to about -2^100, whose
+    # probability is exactly 0 once the row's max is a real score (the masked tiles, with the row's own
+    # key, go first)
     pg0 = k0 // PS
     word = tl.load(bits_row + pg0 // 32, mask=m_r, other=0) >> (pg0 % 32)  # [M] slot i: bit i
     o_i = tl.arange(0, 16)
@@ -489,9 +490,23 @@ def _quest_fwd_kernel(
         k0 = tl.where(i < e1, i, e4 + i - e1)
         m_i, l_i, acc = _dense_tile(q, k_base, v_base, sk_t, sv_t, k0, S, m_i, l_i, acc, scale_log2, D, DV,
                                     BD, BDV, BN, UPCAST)
+    # the tiles that take the whole test, before the candidates: each row's own key is then in its running
+    # max, so a key `_page_bias` drops gets probability exactly 0 (in a row with no score yet the dropped
+    # keys would share it, and an inexact -2^100 * scale could overflow exp2)
+    slots = _page_slots(BN, PS, DT)
+    for i in range(0, (e2 - e1) + (e4 - e3) + (end - e5), BN):
+        k0 = _masked_start(i, e1, e2, e3, e4, e5)
+        s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, True, UPCAST)
+        if SLOTS:  # a marked page's forced keys are kept anyway, so the slots' test serves here too
+            keep = (o_k < sink)[None, :] | (o_k[None, :] > near[:, None])
+            keep = keep | _slot_keep(k0, bits_row, m_r, cut, slots, BN, PS, DT)
+            keep = keep & m_r[:, None] & (o_k[None, :] <= pos[:, None])
+        else:
+            keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
+        v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, True, UPCAST)
+        m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
     prog = (i_b * (HQ // G) + i_hk) * tl.num_programs(0) + tl.program_id(0)
     n_cand = tl.load(NLIST + prog)  # the candidate tiles holding a page some row keeps
-    slots = _page_slots(BN, PS, DT)
     if SLOTS:
         if n_cand >= bias_min:  # the pages kept whole through the scores' starting sum, then the cut pages
             pages = (slots != 0).to(DT)  # [16, BN] 1 at slot i's keys
@@ -520,17 +535,6 @@ def _quest_fwd_kernel(
             keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
             v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
             m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
-    for i in range(0, (e2 - e1) + (e4 - e3) + (end - e5), BN):  # the tiles that take the whole test
-        k0 = _masked_start(i, e1, e2, e3, e4, e5)
-        s, o_k = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, True, UPCAST)
-        if SLOTS:  # a marked page's forced keys are kept anyway, so the slots' test serves here too
-            keep = (o_k < sink)[None, :] | (o_k[None, :] > near[:, None])
-            keep = keep | _slot_keep(k0, bits_row, m_r, cut, slots, BN, PS, DT)
-            keep = keep & m_r[:, None] & (o_k[None, :] <= pos[:, None])
-        else:
-            keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
-        v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, True, UPCAST)
-        m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
     _store_out(O, m_i, l_i, acc, i_b, i_h, r_t, m_r, so_b, so_h, so_t, DV, BDV)
 
 
