@@ -508,31 +508,30 @@ def _quest_fwd_kernel(
     prog = (i_b * (HQ // G) + i_hk) * tl.num_programs(0) + tl.program_id(0)
     n_cand = tl.load(NLIST + prog)  # the candidate tiles holding a page some row keeps
     if SLOTS:
-        if n_cand >= bias_min:  # the pages kept whole through the scores' starting sum, then the cut pages
-            pages = (slots != 0).to(DT)  # [16, BN] 1 at slot i's keys
-            for i in range(0, n_cand):
-                k0 = tl.load(LIST + prog * LW + i)
-                bias = _page_bias(k0, bits_row, m_r, cut, pages, PS, DT)
-                s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST, bias)
-                v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
-                m_i, l_i, acc = online_softmax_step_full(s, v, m_i, l_i, acc, scale_log2)
-            c_pg = cut // PS
-            held = m_r & (cut < 2147483647)
-            marked = (tl.load(bits_row + c_pg // 32, mask=held, other=0) >> (c_pg % 32)) & 1
-            m_i, l_i, acc = _cut_page_keys(q, k_base, v_base, sk_t, sv_t, cut, held & (marked != 0), e2, e3,
-                                           m_i, l_i, acc, scale_log2, D, DV, BD, BDV, PS)
-        else:  # few: each tile masked by `_slot_keep`
-            for i in range(0, n_cand):
-                k0 = tl.load(LIST + prog * LW + i)
-                s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST)
-                keep = _slot_keep(k0, bits_row, m_r, cut, slots, BN, PS, DT)
-                v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
-                m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
+        by_bias = n_cand >= bias_min
     else:
+        by_bias = n_cand < 0
+    if by_bias:  # the pages kept whole through the scores' starting sum, then the cut pages
+        pages = (slots != 0).to(DT)  # [16, BN] 1 at slot i's keys
+        for i in range(0, n_cand):
+            k0 = tl.load(LIST + prog * LW + i)
+            bias = _page_bias(k0, bits_row, m_r, cut, pages, PS, DT)
+            s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST, bias)
+            v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
+            m_i, l_i, acc = online_softmax_step_full(s, v, m_i, l_i, acc, scale_log2)
+        c_pg = cut // PS
+        held = m_r & (cut < 2147483647)
+        marked = (tl.load(bits_row + c_pg // 32, mask=held, other=0) >> (c_pg % 32)) & 1
+        m_i, l_i, acc = _cut_page_keys(q, k_base, v_base, sk_t, sv_t, cut, held & (marked != 0), e2, e3,
+                                       m_i, l_i, acc, scale_log2, D, DV, BD, BDV, PS)
+    else:  # each tile masked per row
         for i in range(0, n_cand):
             k0 = tl.load(LIST + prog * LW + i)
             s, _ = _tile_scores(q, k_base, sk_t, k0, S, D, BD, BN, False, UPCAST)
-            keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
+            if SLOTS:
+                keep = _slot_keep(k0, bits_row, m_r, cut, slots, BN, PS, DT)
+            else:
+                keep = _quest_keep(k0, bits_row, m_r, pos, cut, cut_end, near, sink, BN, PS, ONE_WORD)
             v = _tile_values(v_base, sv_t, k0, S, DV, BDV, BN, False, UPCAST)
             m_i, l_i, acc = online_softmax_step(s, keep, v, m_i, l_i, acc, scale_log2)
     _store_out(O, m_i, l_i, acc, i_b, i_h, r_t, m_r, so_b, so_h, so_t, DV, BDV)
@@ -637,8 +636,7 @@ def quest_attention(q, k, v, *, scale: float, sink: int, local: int, budget: int
         qs, os_ = q[:, :, l0:l0 + L], o[:, :, l0:l0 + L]
         grid = (cdiv(L, cfg["BT"]), B * HKV)
         args = (qs, k, v, os_, bits, cut, lists, n_list, *_s(qs), *_s(k), *_s(v), *_s(os_), L, Sl, HQ, G,
-                sink, local, W, lists.shape[-1], scale * LOG2E, cfg.get("bias_min", QUEST_BIAS_MIN_TILES),
-                Sl.bit_length())
+                sink, local, W, lists.shape[-1], scale * LOG2E, cfg["bias_min"], Sl.bit_length())
         dims = dict(D=D, DV=DV, BD=pow2(D), BDV=pow2(DV), GP=cfg["GP"], BT=cfg["BT"], BN=BN, PS=ps,
                     ONE_WORD=one_word, SLOTS=slots, UPCAST=interpreting())
         if tiles is None and not interpreting() and q.dtype != torch.float32:
