@@ -336,3 +336,16 @@ def test_the_dense_h2o_row_holds_only_decode_steps_to_the_budget(tmp_path):
             lm.model(torch.randint(3, 1000, (1, 160)))
         attended[method] = controller.stats.summary()["max"]
     assert attended["h2o"] <= config.budget < attended["h2o_dense"]
+
+
+def test_an_nsa_step_weighs_its_two_graphs_as_a_decode_meets_them():
+    """An NSA cache replays a graph for the steps that complete a compressed block and one for the rest;
+    the harness's GPU time of a step is their mean over `stride` steps, one of which completes a block,
+    and each decode figure leaves room for both graphs' replays."""
+    assert harness.mean_step_ms({True: 5.0, False: 1.0}, 16) == pytest.approx((5.0 + 15 * 1.0) / 16)
+    assert harness.mean_step_ms({False: 1.5}, 16) == 1.5
+    config = tiny()
+    steps = config.repeats * config.decode_tokens
+    room = harness.decode_room(config)
+    assert room == harness.WARM_UP_STEPS + steps + 2 * (steps + 1)
+    assert config.max_length >= max(config.lengths) + room

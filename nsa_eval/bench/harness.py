@@ -120,8 +120,15 @@ class HarnessConfig:
     def max_length(self) -> int:
         """Context the models are built for: the longest prompt and every step the harness takes after it
         (warm-up, timed rounds and nsa's graph replays), or the throughput's prompt and generation."""
-        decode = max(self.lengths, default=0) + WARM_UP_STEPS + 2 * self.repeats * self.decode_tokens
+        decode = max(self.lengths, default=0) + decode_room(self)
         return max(decode, self.throughput_prompt + self.throughput_tokens) + 8
+
+
+def decode_room(config: HarnessConfig) -> int:
+    """Tokens a decode figure writes past its prompt: the warm-up, the timed rounds and the graph replays
+    (`graph_replay_ms`: one more than the timed steps a graph, and an NSA cache has two)."""
+    steps = config.repeats * config.decode_tokens
+    return WARM_UP_STEPS + steps + 2 * (steps + 1)
 
 
 def device_name(device: str) -> str:
@@ -279,23 +286,35 @@ def decode_step(model, cache, token: torch.Tensor) -> torch.Tensor:
 
 def graph_replay_ms(model, cache, token: torch.Tensor, steps: int) -> float | None:
     """GPU ms of one decode step whose `cache` captured its decode graph: the graph (and, for an NSA model,
-    the output head) replayed `steps` times back to back, so the host never holds the GPU up; for NSA the
-    graph of the steps that complete no compressed block (15 of 16 at the paper's stride). None where
-    the cache holds no graph. The replays advance the cache's device position only: the cache is spent
-    afterwards, and it must have room for `steps` more tokens."""
+    the output head) replayed `steps` times back to back, so the host never holds the GPU up. An NSA cache
+    holds a graph for the steps that complete a compressed block and one for the others: each is replayed
+    `steps` times and the mean weighs them as a long decode meets them (`mean_step_ms`). None where the
+    cache holds no graph. The replays advance the cache's device position only: the cache is spent
+    afterwards, and it must have room for `steps + 1` more tokens a graph."""
     from nsa_eval.methods import StaticDecodeCache
 
-    graph = getattr(cache, "decode_graph", None)
-    if graph is None:
+    if isinstance(cache, StaticDecodeCache):
+        graph = cache.decode_graph
+        return None if graph is None else _replay_ms(lambda: graph(token)[0], steps)  # [B, 1, V]
+    graphs = getattr(cache, "decode_graphs", {})
+    if not graphs:
         return None
-    x = token if isinstance(cache, StaticDecodeCache) else model.get_input_embeddings()(token)  # [B, 1(, C)]
+    x = model.get_input_embeddings()(token)  # [B, 1, C]
+    ms = {completes: _replay_ms(lambda graph=graph: model.lm_head(graph(x)[0]), steps)
+          for completes, graph in graphs.items()}
+    return mean_step_ms(ms, cache.stride)
 
-    def step():
-        if isinstance(cache, StaticDecodeCache):
-            return graph(x)[0]  # [B, 1, V]: embedding to output head
-        hidden, _ = graph(x)
-        return model.lm_head(hidden)  # [B, 1, V]
 
+def mean_step_ms(ms: dict[bool, float], stride: int) -> float:
+    """The mean GPU ms of an NSA decode step from its two graphs' `ms` (by whether the step completes a
+    compressed block): one step in `stride` completes one. With one graph captured, its time."""
+    if len(ms) == 1:
+        return next(iter(ms.values()))
+    return (ms[True] + (stride - 1) * ms[False]) / stride
+
+
+def _replay_ms(step, steps: int) -> float:
+    """GPU ms of `step` (a graph replay), run once, then `steps` times back to back."""
     step()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -309,8 +328,9 @@ def graph_step_ms(model, ids: torch.Tensor, steps: int) -> float:
     """GPU ms of one decode step of an NSA model after the prompt `ids` `[B, T]` (graph_replay_ms)."""
     with torch.no_grad(), model.attention_stats_paused():
         cache, token = prefill(model, ids)
-        cache.reserve(cache.length + steps + 2)  # every replay writes one more position
-        token = decode_step(model, cache, token)  # runs eagerly, then captures the step
+        cache.reserve(cache.length + cache.stride + 2 * (steps + 1))  # every replay writes a position
+        for _ in range(cache.stride):  # one of them completes a block: each kind of step is captured
+            token = decode_step(model, cache, token)
         ms = graph_replay_ms(model, cache, token, steps)
     if ms is None:
         raise RuntimeError("the NSA model did not capture its decode step")

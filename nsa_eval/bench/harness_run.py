@@ -23,6 +23,7 @@ from nsa_eval.bench.harness import (
     FigureTimeout,
     HarnessConfig,
     counting_compilations,
+    decode_room,
     decode_step,
     device_name,
     graph_replay_ms,
@@ -182,11 +183,6 @@ def _warm_up_note(figure: Figure, config: HarnessConfig) -> str:
     if figure.warmup_s is None:
         return f"its warm-up ran past {config.warm_up_cap_s:g} s"
     return ""
-
-
-def decode_room(config: HarnessConfig) -> int:
-    """Tokens a decode figure writes past its prompt: the warm-up, the timed rounds and the graph replays."""
-    return WARM_UP_STEPS + 2 * config.repeats * config.decode_tokens + 2
 
 
 def _page_size(method: str, config: HarnessConfig) -> int:
