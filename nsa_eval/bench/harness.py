@@ -39,6 +39,7 @@ Ratios are to `full` measured in the same run.
 from __future__ import annotations
 
 import contextlib
+import gc
 import shutil
 import time
 from collections.abc import Iterator
@@ -262,6 +263,25 @@ def load_lm(method: str, checkpoint: Path, config: HarnessConfig):
 
 
 # ---------------------------------------------------------------------------------------------- steps
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def free_memory(device: str) -> None:
+    """Let the GPU finish what a stopped figure queued, and give its memory back before the next one."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def random_prompt(batch: int, length: int, vocab: int, device: str) -> torch.Tensor:
+    """Random token ids `[batch, length]`, the same for every method at one (batch, length)."""
+    generator = torch.Generator().manual_seed(length * 1000 + batch)
+    return torch.randint(3, min(vocab, 8192), (batch, length), generator=generator).to(device)
 
 
 def prefill(model, ids: torch.Tensor, room: int = 0):

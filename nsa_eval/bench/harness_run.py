@@ -4,7 +4,6 @@ decides skipped, every row written as it finishes (harness_store.py) and the rep
 
 from __future__ import annotations
 
-import gc
 import statistics
 import tempfile
 import time
@@ -26,26 +25,16 @@ from nsa_eval.bench.harness import (
     decode_room,
     decode_step,
     device_name,
+    free_memory,
     graph_replay_ms,
     load_lm,
     prefill,
+    random_prompt,
+    sync,
     watched,
     write_checkpoint,
 )
 from nsa_eval.bench.harness_store import Figure, HarnessStore
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _free(device: str) -> None:
-    """Let the GPU finish what a stopped figure queued, and give its memory back before the next one."""
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def _allocated(device: str) -> int:
@@ -57,12 +46,6 @@ def _gib_since(device: str, base: int, peak: bool = False) -> float | None:
         return None
     now = torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
     return (now - base) / 2**30
-
-
-def _prompt(batch: int, length: int, vocab: int, device: str) -> torch.Tensor:
-    """Random token ids `[batch, length]`, the same for every method at one (batch, length)."""
-    generator = torch.Generator().manual_seed(length * 1000 + batch)
-    return torch.randint(3, min(vocab, 8192), (batch, length), generator=generator).to(device)
 
 
 @dataclass
@@ -90,7 +73,7 @@ def measure_prefill(loaded: Loaded, length: int, config: HarnessConfig):
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     try:
-        ids = _prompt(1, length, config.shape.vocab, device)
+        ids = random_prompt(1, length, config.shape.vocab, device)
         with torch.no_grad(), watched(model, deadline):
             for call in range(1 + config.repeats):  # call 0 warms up (compiles)
                 if call == 1:
@@ -99,10 +82,10 @@ def measure_prefill(loaded: Loaded, length: int, config: HarnessConfig):
                 if times and deadline.elapsed + times[-1] / 1000 > config.cap_s:
                     break  # the next call would end past the cap: keep what finished
                 kept = None
-                _sync(device)
+                sync(device)
                 start = time.perf_counter()
                 kept = prefill(model, ids, decode_room(config))
-                _sync(device)
+                sync(device)
                 if call:
                     times.append((time.perf_counter() - start) * 1000)
     except FigureTimeout:
@@ -135,7 +118,7 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
     try:
         with torch.no_grad(), watched(model, deadline):
             if prefilled is None:
-                cache, token = prefill(model, _prompt(batch, length, config.shape.vocab, device),
+                cache, token = prefill(model, random_prompt(batch, length, config.shape.vocab, device),
                                        decode_room(config))
                 figure.cache_gib = _gib_since(device, base)
             else:
@@ -144,10 +127,10 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
             if hasattr(cache, "reserve"):  # room for every step here and the graph replays after
                 cache.reserve(cache.length + decode_room(config))
             for warm_up in range(WARM_UP_STEPS):
-                _sync(device)
+                sync(device)
                 start = time.perf_counter()
                 token = decode_step(model, cache, token)
-                _sync(device)
+                sync(device)
                 if warm_up == 0:
                     figure.first_step_ms = (time.perf_counter() - start) * 1000
             figure.warmup_s = time.monotonic() - began
@@ -156,11 +139,11 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
                 for _ in range(config.repeats):
                     if rounds and deadline.elapsed + rounds[-1] * config.decode_tokens / 1000 > config.cap_s:
                         break  # the next round would end past the cap: keep what finished
-                    _sync(device)
+                    sync(device)
                     start = time.perf_counter()
                     for _ in range(config.decode_tokens):
                         token = decode_step(model, cache, token)
-                    _sync(device)
+                    sync(device)
                     rounds.append((time.perf_counter() - start) * 1000 / config.decode_tokens)
             figure.compilations = compiled[0]
             if device.startswith("cuda"):  # every method whose cache captured its step
@@ -205,19 +188,19 @@ def measure_throughput(loaded: Loaded, config: HarnessConfig) -> Figure:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     base = _allocated(device)
-    ids = _prompt(batch, config.throughput_prompt, config.shape.vocab, device)
+    ids = random_prompt(batch, config.throughput_prompt, config.shape.vocab, device)
     try:
         with watched(loaded.model, deadline, forwards):
             _generate(loaded.lm, ids, min(4, new))
-            _sync(device)
+            sync(device)
             forwards[0], start = 0, time.perf_counter()
             _generate(loaded.lm, ids, new)
-            _sync(device)
+            sync(device)
     except FigureTimeout:
         figure.status = "timeout"
     except torch.OutOfMemoryError:
         figure.status = "OOM"
-    _sync(device)
+    sync(device)
     if start is not None and figure.status != "OOM":
         # each finished forward gave every sequence one token (the first, the prompt's, included)
         seconds, steps = time.perf_counter() - start, (new if figure.status == "ok" else forwards[0])
@@ -313,7 +296,7 @@ def run_harness(config: HarnessConfig, store: HarnessStore, *, fresh: bool = Fal
                 log(f"[{clock.elapsed:7.1f} s] writing the random {kind} checkpoint")
                 checkpoints[kind] = write_checkpoint(kind, config.shape, Path(tmp), config.max_length, dtype,
                                                      device)
-                _free(device)
+                free_memory(device)
             log(f"[{clock.elapsed:7.1f} s] loading {method}")
             lm = load(method, checkpoints[kind], config)
             loaded = Loaded(lm, method, floor.weight_bytes(lm.model), floor.layout_of(lm.model),
@@ -323,7 +306,7 @@ def run_harness(config: HarnessConfig, store: HarnessStore, *, fresh: bool = Fal
                 kind_, _, length, batch, _ = key
                 if kind_ != "decode" or batch != 1:
                     prefilled = None  # only the batch-1 decode at the prefill's length reuses its cache
-                    _free(device)
+                    free_memory(device)
                 reason = skip_reason(key, figures, config.cap_s)
                 label = _label(key)
                 if reason:
@@ -346,13 +329,13 @@ def run_harness(config: HarnessConfig, store: HarnessStore, *, fresh: bool = Fal
                         figure = Figure(kind_, method, length, batch, status="error",
                                         note=f"{type(error).__name__}: {message}", new_tokens=key[4])
                         prefilled = None
-                    _free(device)
+                    free_memory(device)
                 figures[key] = figure
                 store.append(figure)
                 write_report(store, list(figures.values()))
                 log(f"[{clock.elapsed:7.1f} s] {label}: {describe(figure)}")
             prefilled = loaded = lm = None
-            _free(device)
+            free_memory(device)
     log(f"[{clock.elapsed:7.1f} s] done: {store.csv_path}, {store.md_path}")
     return list(figures.values())
 

@@ -4,7 +4,10 @@ write kernels.csv + kernels.md (see nsa_eval/bench/kernels.py for what is measur
 `nsa-eval bench harness`: time whole models, every attention method beside full attention and plain
 transformers, against each decode step's memory floor, and write harness.csv + harness.md as each
 figure finishes (nsa_eval/bench/harness.py); a second run into the same folder measures only what is
-missing."""
+missing.
+
+`nsa-eval bench profile`: the harness's models under torch.profiler, each figure's kernels summed per
+decode step (or prompt), written to profile.md + profile.csv (nsa_eval/bench/profile.py)."""
 
 from __future__ import annotations
 
@@ -28,23 +31,26 @@ def _length(text: str, minimum: int = 1024) -> int:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: kernels (Triton NSA vs SDPA) or harness (whole models through lm-eval)")
-    parser.add_argument("what", choices=["kernels", "harness"], help="what to benchmark")
+        "bench", help="benchmarks: kernels (Triton NSA vs SDPA), harness (whole models through lm-eval) or "
+        "profile (where a model's prefill and decode step spend the GPU's time, kernel by kernel)")
+    parser.add_argument("what", choices=["kernels", "harness", "profile"], help="what to benchmark")
     parser.add_argument("--lengths", nargs="+", default=None,
-                        help="sequence lengths (default: kernels 8k 16k 32k 64k, harness 8k 32k 64k)")
+                        help="sequence lengths (default: kernels 8k 16k 32k 64k, harness 8k 32k 64k, "
+                        "profile 64k)")
     parser.add_argument("--out", default=None,
-                        help="output folder (default: reports/kernels or reports/harness)")
+                        help="output folder (default: reports/kernels, reports/harness or reports/profile)")
     parser.add_argument("--decode-batch", type=int, nargs="+", default=None,
-                        help="decode batch sizes (default: kernels 16, harness 1 16)")
+                        help="decode batch sizes (default: kernels 16, harness and profile 1 16)")
     parser.add_argument("--no-fla", action="store_true",
                         help="kernels: skip flash-linear-attention's parallel_nsa")
     parser.add_argument("--table-only", action="store_true",
                         help="kernels: only the report's tables (no per-kernel profiles, no ops timed alone)")
     parser.add_argument("--shape", default="llama-3.2-1b",
-                        help="harness: the random models' shape (llama-3.2-1b, or tiny for a quick check)")
+                        help="harness, profile: the random models' shape (llama-3.2-1b, or tiny for a quick "
+                        "check)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="harness: which rows (default: all, transformers full sink_window topk "
-                        "quest h2o h2o_dense nsa)")
+                        "quest h2o h2o_dense nsa); profile: which models (default: full nsa)")
     parser.add_argument("--budget", type=int, default=BudgetConfig.budget,
                         help="harness: the baselines' budget (%(default)s)")
     parser.add_argument("--sink", type=int, default=BudgetConfig.sink,
@@ -74,13 +80,21 @@ def register(subparsers) -> None:
                         "(configs/paper.yaml)")
     parser.add_argument("--fresh", action="store_true",
                         help="harness: replace the results in --out instead of adding the missing figures")
-    parser.add_argument("--device", default="cuda", help="harness: cuda (default) or cpu")
+    parser.add_argument("--device", default="cuda", help="harness, profile: cuda (default) or cpu")
+    parser.add_argument("--prefill", action="store_true",
+                        help="profile: each length's batch-1 prefill too, not only the decode steps")
+    parser.add_argument("--steps", type=int, default=32,
+                        help="profile: decode steps profiled per figure (32: NSA's two kinds of step in "
+                        "their proportion)")
+    parser.add_argument("--top", type=int, default=15, help="profile: kernels listed per figure (15)")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
     if args.what == "harness":
         return run_harness(args)
+    if args.what == "profile":
+        return run_profile(args)
     lengths = [_length(x) for x in args.lengths or ["8k", "16k", "32k", "64k"]]
     decode_batch = _one_decode_batch(args.decode_batch)
     import torch
@@ -128,28 +142,30 @@ def aime_entries(suite_path: str) -> list:
                                          DEFAULT_MAX_GEN_TOKS)]
 
 
-def run_harness(args) -> int:
-    """Check every argument and the output folder, then build the models and time them."""
-    from nsa_eval.bench import harness, harness_run
-    from nsa_eval.bench.harness_store import HarnessStore
+def harness_config(args, *, methods: tuple[str, ...], lengths: list[str], needs_full: bool = False):
+    """The `HarnessConfig` of `args` (harness and profile; `methods` and `lengths` where they give none),
+    every argument checked: a UsageError names the first that is wrong. `needs_full`: the methods must
+    include full attention."""
+    from nsa_eval.bench import harness
 
     if args.shape not in harness.SHAPES:
         raise UsageError(f"--shape: expected one of {', '.join(harness.SHAPES)}, got {args.shape!r}")
-    methods = tuple(args.methods or harness.METHODS)
+    methods = tuple(args.methods or methods)
     unknown = [m for m in methods if m not in harness.METHODS]
     if unknown:
         raise UsageError(f"--methods: unknown {', '.join(unknown)}; "
                          f"expected some of {', '.join(harness.METHODS)}")
-    if "full" not in methods:
+    if needs_full and "full" not in methods:
         raise UsageError("--methods: include full (every ratio is to full attention of the same run)")
-    lengths = [_length(x, minimum=64) for x in args.lengths or ["8k", "32k", "64k"]]
+    lengths = [_length(x, minimum=64) for x in args.lengths or lengths]
     batches = tuple(args.decode_batch or [1, 16])
     for name, value, low in (("--decode-batch", min(batches), 1), ("--decode-tokens", args.decode_tokens, 1),
                              ("--repeats", args.repeats, 1), ("--budget", args.budget, 1),
                              ("--local", args.local, 1), ("--sink", args.sink, 0),
                              ("--throughput-tokens", args.throughput_tokens, 0),
                              ("--throughput-batch", args.throughput_batch, 1),
-                             ("--throughput-prompt", args.throughput_prompt, 1)):
+                             ("--throughput-prompt", args.throughput_prompt, 1),
+                             ("--steps", args.steps, 1), ("--top", args.top, 1)):
         if value < low:
             raise UsageError(f"{name} must be >= {low}, got {value}")
     for name, value in (("--cap", args.cap), ("--warmup-cap", args.warmup_cap),
@@ -161,23 +177,48 @@ def run_harness(args) -> int:
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("bench harness --device cuda needs a CUDA GPU "
+        raise UsageError(f"bench {args.what} --device cuda needs a CUDA GPU "
                          "(--device cpu --shape tiny runs it on a CPU)")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UsageError(f"--device: expected cpu or cuda[:N], got {args.device!r}")
-    config = harness.HarnessConfig(
+    return harness.HarnessConfig(
         shape=harness.SHAPES[args.shape], lengths=tuple(lengths), methods=methods, decode_batches=batches,
         decode_tokens=args.decode_tokens, repeats=args.repeats, cap_s=args.cap, warmup_cap_s=args.warmup_cap,
         budget=args.budget, sink=args.sink, local=args.local, device=args.device,
         throughput_tokens=args.throughput_tokens, throughput_batch=args.throughput_batch,
         throughput_prompt=args.throughput_prompt,
         throughput_cap_s=args.throughput_cap)
+
+
+def run_harness(args) -> int:
+    """Check every argument and the output folder, then build the models and time them."""
+    from nsa_eval.bench import harness, harness_run
+    from nsa_eval.bench.harness_store import HarnessStore
+
+    config = harness_config(args, methods=harness.METHODS, lengths=["8k", "32k", "64k"], needs_full=True)
     aime = aime_entries(args.suite) if args.throughput_tokens else None
     store = HarnessStore(args.out or "reports/harness")
     store.check(config.settings(), fresh=args.fresh)
     harness_run.run_harness(config, store, fresh=args.fresh, command=_command_line("harness"), aime=aime)
     print(store.md_path.read_text())
     print(f"wrote {store.csv_path} and {store.md_path}")
+    return 0
+
+
+def run_profile(args) -> int:
+    """Check every argument and the output folder, then build the models and profile them."""
+    from nsa_eval.bench.kernels import software_versions
+    from nsa_eval.bench.profile import profile_figures, write_profiles
+
+    config = harness_config(args, methods=("full", "nsa"), lengths=["64k"])
+    out = Path(args.out or "reports/profile")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out: {str(out)!r} is a file; expected a folder")
+    profiles = profile_figures(config, steps=args.steps, with_prefill=args.prefill)
+    md_path, csv_path = write_profiles(profiles, out, top=args.top, command=_command_line("profile"),
+                                       versions=software_versions())
+    print(md_path.read_text())
+    print(f"wrote {md_path} and {csv_path}")
     return 0
 
 
