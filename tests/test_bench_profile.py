@@ -92,3 +92,22 @@ def test_the_command_writes_its_two_files(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["profile.csv", "profile.md"]
     assert "## nsa decode, 128 tokens, batch 1" in done.stdout
+
+
+@pytest.mark.gpu
+def test_an_nsa_step_on_the_gpu_shows_its_kernels_each_layer():
+    """On a GPU the profile lists kernels, not operators: an NSA decode step of the tiny shape (2 layers)
+    runs each of nsa_decode's four kernels once a layer, its compressor at one step in `stride`, and cuBLAS
+    products; full attention's step has products too."""
+    config = tiny_config(device="cuda", lengths=(1024,), decode_batches=(1,))
+    full, nsa = profile_figures(config, steps=32, log=lambda line: None)
+    assert full.status == nsa.status == "ok"
+    launches = {k.name: k.launches for k in nsa.kernels}
+    layers = config.shape.layers
+    for kernel in ("decode_cmp_kernel", "decode_importance_kernel", "_decode_selected_kernel",
+                   "_decode_merge_kernel"):
+        assert launches.get(kernel) == layers, (kernel, sorted(launches))
+    # the paper's stride: 2 of the 32 consecutive steps complete a block
+    assert launches.get("_write_block_kernel") == pytest.approx(layers / 16)
+    assert 0 < nsa.product_ms < nsa.ms and 0 < full.product_ms < full.ms
+    assert nsa.wall_ms > 0 and not any(k.name.startswith("aten::") for k in nsa.kernels)
