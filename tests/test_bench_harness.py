@@ -347,5 +347,9 @@ def test_an_nsa_step_weighs_its_two_graphs_as_a_decode_meets_them():
     config = tiny()
     steps = config.repeats * config.decode_tokens
     room = harness.decode_room(config)
-    assert room == harness.WARM_UP_STEPS + steps + 2 * (steps + 1)
+    assert room == harness.WARM_UP_STEPS + steps + harness.NSA_STRIDE + 2 * (steps + 1)
     assert config.max_length >= max(config.lengths) + room
+    from nsa_eval.models.configuration_nsa import NSAConfig
+
+    assert harness.NSA_STRIDE == NSAConfig().stride  # the stride of the NSA checkpoint the harness writes
+    assert config.settings()["nsa_gpu_step"] == harness.NSA_GPU_STEP  # older figures are not mixed in

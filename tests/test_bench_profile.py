@@ -57,6 +57,13 @@ def test_each_figure_lists_its_operators_with_the_products_apart(tmp_path):
     ("_decode_selected_kernel", False),
     ("triton_poi_fused_add_0", False),
     ("aten::add", False),
+    ("void flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<64, 64, 128, 4, false, false, "
+     "cutlass::bfloat16_t>>", False),
+    ("void flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<64, 64, 128, 4, false, false, "
+     "cutlass::bfloat16_t>, 4, 1, true>", False),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t>)",
+     False),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128", False),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", False),
 ])
 def test_matrix_products_are_told_by_their_kernels_names(name, product):

@@ -55,6 +55,11 @@ THROUGHPUT_METHODS = ("full", "nsa")
 # lm-eval's generate_until settings of configs/paper.yaml's AIME entries
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.95)
 WARM_UP_STEPS = 2  # decode steps before the timed rounds: the first may compile and capture a graph
+# The NSA checkpoint's stride (NSAConfig's default, the paper's): one decode step in NSA_STRIDE completes a
+# compressed block, so that many consecutive steps capture both of NSA's graphs
+NSA_STRIDE = 16
+# what nsa's "GPU time per step" is: a settings key, so that figures timed otherwise are not mixed in
+NSA_GPU_STEP = "both graphs, weighted by the stride"
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ class HarnessConfig:
         """What every figure depends on: a results folder holds figures of one such setting."""
         return {"shape": asdict(self.shape), "dtype": self.dtype, "budget": self.budget, "sink": self.sink,
                 "local": self.local, "decode_tokens": self.decode_tokens, "repeats": self.repeats,
-                "device": device_name(self.device)}
+                "device": device_name(self.device), "nsa_gpu_step": NSA_GPU_STEP}
 
     @property
     def max_length(self) -> int:
@@ -126,10 +131,11 @@ class HarnessConfig:
 
 
 def decode_room(config: HarnessConfig) -> int:
-    """Tokens a decode figure writes past its prompt: the warm-up, the timed rounds and the graph replays
-    (`graph_replay_ms`: one more than the timed steps a graph, and an NSA cache has two)."""
+    """Tokens a decode figure writes past its prompt: the warm-up, the timed rounds, the steps that may
+    still be needed to capture NSA's second graph and the graph replays (`graph_replay_ms`: one more than
+    the timed steps a graph, and an NSA cache has two)."""
     steps = config.repeats * config.decode_tokens
-    return WARM_UP_STEPS + steps + 2 * (steps + 1)
+    return WARM_UP_STEPS + steps + NSA_STRIDE + 2 * (steps + 1)
 
 
 def device_name(device: str) -> str:

@@ -41,9 +41,11 @@ from nsa_eval.bench.harness import (
 from nsa_eval.bench.harness_store import write_atomic
 
 # kernel (or operator) names of matrix products: cuBLAS / cuBLASLt (gemm, gemv, nvjet, xmma, and the
-# split-K reduction after some of them), CUTLASS, and on a CPU aten's product ops
-PRODUCT = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitk|aten::(?:mm|addmm|bmm|matmul)$",
+# split-K reduction after some of them), CUTLASS, and on a CPU aten's product ops; but not attention,
+# whose flash and memory-efficient kernels name CUTLASS's types in their templates
+PRODUCT = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitKreduce|aten::(?:mm|addmm|bmm|matmul)$",
                      re.IGNORECASE)
+ATTENTION = re.compile(r"flash|fmha|attn|attention", re.IGNORECASE)
 FILES = ("profile.md", "profile.csv")
 NAME_CHARS = 110  # of a kernel's name in the markdown table (the CSV keeps it whole)
 
@@ -58,7 +60,7 @@ class Kernel:
 
     @property
     def product(self) -> bool:
-        return bool(PRODUCT.search(self.name))
+        return bool(PRODUCT.search(self.name)) and not ATTENTION.search(self.name)
 
 
 @dataclass

@@ -11,6 +11,7 @@ decode step (or prompt), written to profile.md + profile.csv (nsa_eval/bench/pro
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -211,6 +212,8 @@ def run_profile(args) -> int:
     from nsa_eval.bench.profile import profile_figures, write_profiles
 
     config = harness_config(args, methods=("full", "nsa"), lengths=["64k"])
+    # the models' context covers every step profiled (HarnessConfig.max_length counts the timed rounds)
+    config = dataclasses.replace(config, decode_tokens=args.steps, repeats=1)
     out = Path(args.out or "reports/profile")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out: {str(out)!r} is a file; expected a folder")
