@@ -21,7 +21,8 @@ def tiny_config(**overrides) -> harness.HarnessConfig:
 
 
 def test_each_figure_lists_its_operators_with_the_products_apart(tmp_path):
-    profiles = profile_figures(tiny_config(), steps=3, with_prefill=True, log=lambda line: None)
+    profiles = profile_figures(tiny_config(decode_tokens=3, repeats=1), with_prefill=True,
+                               log=lambda line: None)
     assert [(p.method, p.phase, p.batch) for p in profiles] == [
         (m, phase, b) for m in ("full", "nsa") for phase, b in (("prefill", 1), ("decode", 1), ("decode", 2))]
     for p in profiles:
@@ -106,8 +107,8 @@ def test_an_nsa_step_on_the_gpu_shows_its_kernels_each_layer():
     """On a GPU the profile lists kernels, not operators: an NSA decode step of the tiny shape (2 layers)
     runs each of nsa_decode's four kernels once a layer, its compressor at one step in `stride`, and cuBLAS
     products; full attention's step has products too."""
-    config = tiny_config(device="cuda", lengths=(1024,), decode_batches=(1,))
-    full, nsa = profile_figures(config, steps=32, log=lambda line: None)
+    config = tiny_config(device="cuda", lengths=(1024,), decode_batches=(1,), decode_tokens=32, repeats=1)
+    full, nsa = profile_figures(config, log=lambda line: None)
     assert full.status == nsa.status == "ok"
     launches = {k.name: k.launches for k in nsa.kernels}
     layers = config.shape.layers

@@ -310,6 +310,17 @@ def decode_step(model, cache, token: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].argmax(-1, keepdim=True)
 
 
+def capture_both_graphs(model, cache, token: torch.Tensor) -> torch.Tensor:
+    """Decode steps from `token` `[B, 1]` until an NSA cache that captured one of its graphs has both (the
+    step that completes a compressed block and the one that does not: within `stride` steps); a cache
+    without graphs, or of another model, takes none. Returns the next tokens."""
+    for _ in range(getattr(cache, "stride", 0)):
+        if len(getattr(cache, "decode_graphs", {})) != 1:
+            break
+        token = decode_step(model, cache, token)
+    return token
+
+
 def graph_replay_ms(model, cache, token: torch.Tensor, steps: int) -> float | None:
     """GPU ms of one decode step whose `cache` captured its decode graph: the graph (and, for an NSA model,
     the output head) replayed `steps` times back to back, so the host never holds the GPU up. An NSA cache
@@ -354,10 +365,9 @@ def graph_step_ms(model, ids: torch.Tensor, steps: int) -> float:
     """GPU ms of one decode step of an NSA model after the prompt `ids` `[B, T]` (graph_replay_ms)."""
     with torch.no_grad(), model.attention_stats_paused():
         cache, token = prefill(model, ids)
-        cache.reserve(cache.length + cache.stride + 2 * (steps + 1))  # every replay writes a position
-        for _ in range(cache.stride):  # one of them completes a block: each kind of step is captured
-            token = decode_step(model, cache, token)
-        ms = graph_replay_ms(model, cache, token, steps)
+        cache.reserve(cache.length + 1 + cache.stride + 2 * (steps + 1))  # every replay writes a position
+        token = decode_step(model, cache, token)  # runs eagerly, then captures its kind of step
+        ms = graph_replay_ms(model, cache, capture_both_graphs(model, cache, token), steps)
     if ms is None:
         raise RuntimeError("the NSA model did not capture its decode step")
     return ms

@@ -15,13 +15,13 @@ import torch
 
 from nsa_eval.bench import floor
 from nsa_eval.bench.harness import (
-    NSA_STRIDE,
     SAMPLING,
     THROUGHPUT_METHODS,
     WARM_UP_STEPS,
     Deadline,
     FigureTimeout,
     HarnessConfig,
+    capture_both_graphs,
     counting_compilations,
     decode_room,
     decode_step,
@@ -148,10 +148,7 @@ def measure_decode(loaded: Loaded, length: int, batch: int, config: HarnessConfi
                     rounds.append((time.perf_counter() - start) * 1000 / config.decode_tokens)
             figure.compilations = compiled[0]
             if device.startswith("cuda"):  # every method whose cache captured its step
-                for _ in range(NSA_STRIDE):  # short rounds may have met one kind of NSA step only
-                    if len(getattr(cache, "decode_graphs", {})) != 1:
-                        break
-                    token = decode_step(model, cache, token)
+                token = capture_both_graphs(model, cache, token)  # short rounds may have met one kind
                 figure.gpu_ms = graph_replay_ms(model, cache, token, steps)
     except FigureTimeout:
         if not rounds:

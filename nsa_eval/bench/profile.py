@@ -4,7 +4,7 @@ The harness (harness.py) says how long a step takes; this says why. For each met
 decode batch it builds the harness's random checkpoints and loads them as the harness does, then:
 - **decode**: a prompt of the batch fills a cache once; warm-up steps (enough for NSA to capture both
   of its graphs, the step that completes a compressed block and the one that does not) come first,
-  then `steps` steps timed by the wall clock, then `steps` steps under `torch.profiler`;
+  then `--steps` steps timed by the wall clock, then as many under `torch.profiler`;
 - **prefill** (`--prefill`, batch 1): one forward over the prompt after a warm-up forward, under the
   profiler.
 The device's kernels are summed by name and divided by the steps: time a step, launches a step and
@@ -30,6 +30,8 @@ import torch
 from nsa_eval.bench.harness import (
     WARM_UP_STEPS,
     HarnessConfig,
+    capture_both_graphs,
+    decode_room,
     decode_step,
     free_memory,
     load_lm,
@@ -89,10 +91,11 @@ class Profile:
         return sum(k.ms for k in self.kernels if k.product)
 
 
-def profile_figures(config: HarnessConfig, *, steps: int = 32, with_prefill: bool = False,
-                    log: Callable[[str], None] = print, load: Callable = load_lm) -> list[Profile]:
+def profile_figures(config: HarnessConfig, *, with_prefill: bool = False, log: Callable[[str], None] = print,
+                    load: Callable = load_lm) -> list[Profile]:
     """Every figure of `config` (its methods, lengths and decode batches; with `with_prefill` also each
-    length's batch-1 prefill), each model loaded once."""
+    length's batch-1 prefill), each model loaded once; `config.decode_tokens` decode steps a figure are
+    timed, then as many profiled."""
     dtype = getattr(torch, config.dtype)
     profiles = []
     with tempfile.TemporaryDirectory(prefix="nsa-eval-profile-") as tmp:
@@ -109,7 +112,7 @@ def profile_figures(config: HarnessConfig, *, steps: int = 32, with_prefill: boo
                     log(f"profiling {method} {phase} at {length}, batch {batch}")
                     profile = Profile(phase, method, length, batch, cuda=config.device.startswith("cuda"))
                     try:
-                        _measure(profile, model, config, steps)
+                        _measure(profile, model, config)
                     except torch.OutOfMemoryError:
                         profile.status = "OOM"
                     except Exception as error:  # one figure's failure is a line of the report, not its end
@@ -123,10 +126,8 @@ def profile_figures(config: HarnessConfig, *, steps: int = 32, with_prefill: boo
     return profiles
 
 
-def _measure(profile: Profile, model, config: HarnessConfig, steps: int) -> None:
+def _measure(profile: Profile, model, config: HarnessConfig) -> None:
     """Fill `profile` (its phase, length and batch) from `model`."""
-    from nsa_eval.models.cache_nsa import NSACache
-
     device = config.device
     ids = random_prompt(profile.batch, profile.length, config.shape.vocab, device)
     with torch.no_grad():
@@ -135,14 +136,13 @@ def _measure(profile: Profile, model, config: HarnessConfig, steps: int) -> None
             sync(device)
             profile.kernels = _profiled(lambda: prefill(model, ids, 1), 1, device)
             return
-        stride = getattr(model.config, "stride", 0)  # NSA's: one step in `stride` completes a block
-        warm_up = WARM_UP_STEPS + stride
-        room = warm_up + 2 * steps + 2
-        cache, token = prefill(model, ids, room)
-        if isinstance(cache, NSACache):
-            cache.reserve(cache.length + room)
-        for _ in range(warm_up):
+        cache, token = prefill(model, ids, decode_room(config))
+        if hasattr(cache, "reserve"):
+            cache.reserve(cache.length + decode_room(config))
+        for _ in range(WARM_UP_STEPS):
             token = decode_step(model, cache, token)
+        token = capture_both_graphs(model, cache, token)  # NSA's steps then replay in their proportion
+        steps = config.decode_tokens
         sync(device)
         start = time.perf_counter()
         for _ in range(steps):

@@ -212,12 +212,12 @@ def run_profile(args) -> int:
     from nsa_eval.bench.profile import profile_figures, write_profiles
 
     config = harness_config(args, methods=("full", "nsa"), lengths=["64k"])
-    # the models' context covers every step profiled (HarnessConfig.max_length counts the timed rounds)
+    # a figure's timed round is the steps profiled, which the models' context (max_length) then covers
     config = dataclasses.replace(config, decode_tokens=args.steps, repeats=1)
     out = Path(args.out or "reports/profile")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out: {str(out)!r} is a file; expected a folder")
-    profiles = profile_figures(config, steps=args.steps, with_prefill=args.prefill)
+    profiles = profile_figures(config, with_prefill=args.prefill)
     md_path, csv_path = write_profiles(profiles, out, top=args.top, command=_command_line("profile"),
                                        versions=software_versions())
     print(md_path.read_text())
